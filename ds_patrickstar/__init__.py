@@ -1,0 +1,13 @@
+"""ds_patrickstar: PatrickStar-style chunk-based memory management as a DeepSpeed backend.
+
+``import ds_patrickstar`` and set ``"zero_optimization": {"stage": "patrickstar"}`` in a
+DeepSpeed config; see README.md.
+"""
+from .chunk import ChunkState, IllegalTransition, TensorState
+from .config import PatrickStarConfig
+from .registration import install
+
+__all__ = ["ChunkState", "IllegalTransition", "PatrickStarConfig", "TensorState", "install"]
+__version__ = "0.1.0"
+
+install()

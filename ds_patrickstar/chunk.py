@@ -1,0 +1,184 @@
+"""Chunks: fixed-size flat payloads that parameters live in, and the tensor state machine.
+
+[Note: tensor states]
+Every trainable parameter has a :class:`TensorState`:
+
+* ``FREE``: its payload is not materialized (the chunk's storage is released);
+* ``HOLD``: its value is present and nobody is using it;
+* ``COMPUTE``: a module is using it (forward, backward or a recomputation);
+* ``HOLD_AFTER_FWD``: used in this forward and done for now;
+* ``HOLD_AFTER_BWD``: its slot holds its *gradient* (see [Note: gradient in the param slot]).
+
+The legal moves are the table :data:`_LEGAL`; anything else raises
+:class:`IllegalTransition`. Using a tensor whose slot holds a gradient for compute is
+illegal: that is what catches a forward that would read a gradient as a weight.
+
+A chunk's state is derived from its tensors (:attr:`Chunk.state`): ``COMPUTE`` pins it
+(it may neither move nor be freed), all-``FREE`` means ``RELEASED``, anything else is
+``HOLD`` (movable).
+
+[Note: gradient in the param slot]
+After a parameter's last backward use, autograd has accumulated its gradient; a
+post-accumulate-grad hook copies it into the parameter's own slot of the low-precision
+chunk and drops ``param.grad``. The old value is not lost: the fp32 master holds it, and
+the optimizer step writes the new value back into the slot. That is how model data costs
+14 bytes per parameter in fp16/bf16 (2 param/grad + 4 master + 4 + 4 Adam moments).
+
+[Note: storage resize]
+A parameter is a view into its chunk's payload for its whole life. Releasing a chunk
+resizes the payload's untyped storage to zero bytes and materializing it resizes it back,
+so the views (and the views autograd saved for backward) stay valid, as in FSDP2.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class IllegalTransition(RuntimeError):
+    """A tensor was asked to move between states in a way the state machine forbids."""
+
+
+class TensorState(enum.Enum):
+    FREE = "free"
+    HOLD = "hold"
+    COMPUTE = "compute"
+    HOLD_AFTER_FWD = "hold_after_fwd"
+    HOLD_AFTER_BWD = "hold_after_bwd"
+
+
+_S = TensorState
+_LEGAL: dict[TensorState, frozenset[TensorState]] = {
+    _S.FREE: frozenset({_S.HOLD}),
+    _S.HOLD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD_AFTER_BWD}),
+    # COMPUTE -> COMPUTE: a module nested in a module that uses the same tensor.
+    # COMPUTE -> HOLD: the gradient of a non-boundary micro-step went to the accumulator.
+    _S.COMPUTE: frozenset({_S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD}),
+    _S.HOLD_AFTER_FWD: frozenset({_S.FREE, _S.HOLD, _S.COMPUTE, _S.HOLD_AFTER_BWD}),
+    # A slot holding a gradient goes back to HOLD once the step (or an overflow restore)
+    # has written a parameter value into it, or to FREE once its gradient is consumed
+    # elsewhere (data parallel reduce-scatter). Never straight to COMPUTE.
+    _S.HOLD_AFTER_BWD: frozenset({_S.HOLD, _S.FREE, _S.HOLD_AFTER_BWD}),
+}
+
+
+def check_transition(old: TensorState, new: TensorState, name: str = "tensor") -> None:
+    if new not in _LEGAL[old]:
+        raise IllegalTransition(f"{name}: illegal tensor state transition {old.name} -> {new.name}; "
+                                f"from {old.name} only {sorted(s.name for s in _LEGAL[old])} are allowed")
+
+
+@dataclass(eq=False)
+class TensorInfo:
+    """Our metadata for one trainable parameter (nothing is stored on the ``nn.Parameter``)."""
+
+    name: str
+    param: torch.nn.Parameter
+    chunk_id: int
+    offset: int
+    numel: int
+    shape: torch.Size
+    group_index: int
+    state: TensorState = TensorState.HOLD
+
+    def transition(self, new: TensorState) -> None:
+        check_transition(self.state, new, self.name)
+        self.state = new
+
+    # Named moves: what the hooks and the optimizer call.
+    def start_compute(self) -> None:
+        self.transition(TensorState.COMPUTE)
+
+    def end_forward(self) -> None:
+        self.transition(TensorState.HOLD_AFTER_FWD)
+
+    def grad_written(self) -> None:
+        self.transition(TensorState.HOLD_AFTER_BWD)
+
+    def settle(self) -> None:
+        """Value present and unused (after a step, a restore or an accumulation)."""
+        self.transition(TensorState.HOLD)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class ChunkState(enum.Enum):
+    RELEASED = "released"
+    HOLD = "hold"
+    COMPUTE = "compute"
+
+
+@dataclass(eq=False)
+class Chunk:
+    """A flat payload of ``capacity`` elements holding some tensors back to back."""
+
+    chunk_id: int
+    capacity: int
+    dtype: torch.dtype
+    device: torch.device
+    group_index: int
+    tensors: list[TensorInfo] = field(default_factory=list)
+    payload: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.payload = torch.zeros(self.capacity, dtype=self.dtype, device=self.device)
+
+    @property
+    def used(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.payload.element_size()
+
+    @property
+    def is_materialized(self) -> bool:
+        return self.payload.untyped_storage().nbytes() > 0
+
+    @property
+    def state(self) -> ChunkState:
+        states = {t.state for t in self.tensors}
+        if TensorState.COMPUTE in states:
+            return ChunkState.COMPUTE
+        if states == {TensorState.FREE}:
+            return ChunkState.RELEASED
+        return ChunkState.HOLD
+
+    @property
+    def movable(self) -> bool:
+        return self.state is not ChunkState.COMPUTE
+
+    def can_append(self, numel: int) -> bool:
+        return self.used + numel <= self.capacity
+
+    def append(self, info: TensorInfo) -> None:
+        if not self.can_append(info.numel):
+            raise ValueError(f"{info.name} ({info.numel} elements) does not fit chunk {self.chunk_id}")
+        self.tensors.append(info)
+
+    def view_of(self, info: TensorInfo) -> torch.Tensor:
+        return self.payload[info.offset:info.end].view(info.shape)
+
+    def flat_of(self, info: TensorInfo) -> torch.Tensor:
+        return self.payload[info.offset:info.end]
+
+    def release(self) -> None:
+        """Free the payload's memory; views stay valid (see [Note: storage resize])."""
+        if self.state is ChunkState.COMPUTE:
+            raise IllegalTransition(f"chunk {self.chunk_id} is in use (COMPUTE) and cannot be released")
+        for info in self.tensors:
+            if info.state is not TensorState.FREE:
+                info.transition(TensorState.FREE)
+        self.payload.untyped_storage().resize_(0)
+
+    def materialize(self) -> None:
+        """Give the payload its memory back (contents undefined until filled)."""
+        if not self.is_materialized:
+            self.payload.untyped_storage().resize_(self.capacity * self.payload.element_size())
+        for info in self.tensors:
+            if info.state is TensorState.FREE:
+                info.transition(TensorState.HOLD)

@@ -1,0 +1,101 @@
+"""The ``zero_optimization`` block of a DeepSpeed config with ``"stage": "patrickstar"``.
+
+[Note: config split]
+DeepSpeed's own config model rejects a string stage and unknown zero keys, and its
+engine compares the stage numerically. So :func:`split_config` validates our keys with
+:class:`PatrickStarConfig`, and hands DeepSpeed a sanitized copy of the user's dict in
+which ``zero_optimization`` is ``{"stage": 0}``. The engine then runs DeepSpeed's
+stage-0 code paths for everything that is not ZeRO (precision flags, batch sizes, LR
+schedulers, monitors, checkpoint layout) and our optimizer for the rest. The user's
+original dict stays visible as ``engine.config``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
+
+STAGE_NAME = "patrickstar"
+DEFAULT_CHUNK_SIZE = 32 * 1024 * 1024
+
+# Stock ZeRO keys that would change what is kept where. Our placement decides that
+# itself, so accepting them silently would mislead: they are errors.
+_CONFLICTING_ZERO_KEYS = {
+    "offload_param": "parameter placement between CPU and GPU is automatic (tide-aware chunk placement)",
+    "offload_optimizer": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit)",
+    "cpu_offload": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit)",
+    "cpu_offload_param": "parameter placement between CPU and GPU is automatic",
+    "zero_hpz_partition_size": "hierarchical partitioning is not implemented",
+    "zero_quantized_weights": "quantized communication is not implemented",
+    "zero_quantized_gradients": "quantized communication is not implemented",
+    "zero_quantized_nontrainable_weights": "quantized communication is not implemented",
+    "zenflow": "ZenFlow is a stage-1/2 feature",
+    "sub_group_size": "optimizer sub-groups are our chunks: set chunk_size instead",
+}
+
+
+class PatrickStarConfig(BaseModel):
+    """Options of the patrickstar backend, set inside ``zero_optimization``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    stage: Literal["patrickstar"] = STAGE_NAME
+    """Selects this backend. Any other stage runs stock DeepSpeed untouched."""
+
+    chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1024, le=2**31 - 1)
+    """Elements per chunk (not bytes). Parameters are packed into chunks of this many
+    elements; a tensor larger than a chunk gets a chunk of its own, sized to fit. Larger
+    chunks mean fewer, bigger transfers; smaller chunks let placement use memory more
+    finely. 1M-64M is the useful range."""
+
+
+def _describe(error: dict) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "zero_optimization"
+    value = error.get("input")
+    if error["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(PatrickStarConfig.model_fields))
+        return f"zero_optimization.{key}={value!r} is not an option of stage 'patrickstar'; the options are: {allowed}"
+    field = PatrickStarConfig.model_fields.get(str(error["loc"][0])) if error["loc"] else None
+    doc = f" ({field.description})" if field is not None and field.description else ""
+    return f"zero_optimization.{key}={value!r}: {error['msg']}{doc}"
+
+
+def parse_patrickstar_options(zero_block: dict[str, Any]) -> PatrickStarConfig:
+    """Validate our keys; conflicting stock keys raise, harmless stock keys warn."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    stock_keys = set(DeepSpeedZeroConfig.model_fields)
+    stock_keys |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+    ours, ignored = {}, []
+    for key, value in zero_block.items():
+        if key in _CONFLICTING_ZERO_KEYS:
+            raise ValueError(f"zero_optimization.{key} cannot be used with stage 'patrickstar': "
+                             f"{_CONFLICTING_ZERO_KEYS[key]}. Remove the key.")
+        if key in stock_keys and key not in PatrickStarConfig.model_fields:
+            ignored.append(key)
+        else:
+            ours[key] = value
+    if ignored:
+        logger.warning("zero_optimization keys %s tune stock ZeRO stages and are ignored by stage 'patrickstar'",
+                       sorted(ignored))
+    try:
+        return PatrickStarConfig(**ours)
+    except ValidationError as err:
+        raise ValueError("; ".join(_describe(e) for e in err.errors())) from None
+
+
+def is_patrickstar(config: dict[str, Any]) -> bool:
+    zero = config.get("zero_optimization")
+    return isinstance(zero, dict) and zero.get("stage") == STAGE_NAME
+
+
+def split_config(config: dict[str, Any]) -> tuple[PatrickStarConfig, dict[str, Any]]:
+    """Return our options and the sanitized dict DeepSpeed sees; see [Note: config split]."""
+    options = parse_patrickstar_options(config["zero_optimization"])
+    sanitized = copy.deepcopy(config)
+    sanitized["zero_optimization"] = {"stage": 0}
+    return options, sanitized

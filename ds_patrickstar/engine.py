@@ -1,0 +1,60 @@
+"""``PatrickStarEngine``: DeepSpeed's engine with our optimizer in the ZeRO slot.
+
+DeepSpeed sees a stage-0 config (see [Note: config split]); the engine reports
+``zero_optimization() == True`` so that it drives our optimizer the way it drives a
+ZeRO optimizer: backward prologue/epilogue through the optimizer, ``optimizer.step()``
+and ``optimizer.zero_grad()`` at the boundary, no module-gradient all-reduce, no
+fp32 gradient clipping of its own (the optimizer clips on the global norm).
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from .config import PatrickStarConfig
+from .optimizer import PatrickStarOptimizer
+
+
+class PatrickStarEngine(DeepSpeedEngine):
+    def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
+        self._patrickstar_config = patrickstar_config
+        super().__init__(*args, **kwargs)
+        self.enable_backward_allreduce = False
+
+    def zero_optimization(self) -> bool:
+        return True
+
+    def _configure_zero_optimizer(self, optimizer):
+        raise ValueError("stage 'patrickstar' needs an optimizer: add an \"optimizer\" block (Adam or AdamW) to the "
+                         "DeepSpeed config or pass optimizer= to deepspeed.initialize")
+
+    def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        if client_optimizer is None:
+            basic = self._configure_basic_optimizer(model_parameters)
+        elif isinstance(client_optimizer, torch.optim.Optimizer):
+            basic = client_optimizer
+        else:
+            basic = client_optimizer(model_parameters)
+        basic.param_groups[:] = [g for g in basic.param_groups if len(g["params"]) != 0]
+        self.basic_optimizer = basic
+        dtype, _ = self.get_data_types()
+        self.optimizer = PatrickStarOptimizer(
+            self.module, basic, self._patrickstar_config, dtype=dtype, clip_grad=self.gradient_clipping(),
+            gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
+            dynamic_loss_args=self.dynamic_loss_scale_args())
+
+    # ---- model data access ------------------------------------------------------
+    @torch.no_grad()
+    def get_fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 values of every parameter, keyed by name: the master copy where we keep one."""
+        manager = self.optimizer.manager
+        result = {}
+        for name, param in self.module.named_parameters():
+            info = manager.info(param)
+            if info is None:
+                result[name] = param.detach().float().cpu().clone()
+            else:
+                master = manager.optim_of(info).master
+                result[name] = master[info.offset:info.end].view(info.shape).cpu().clone()
+        return result

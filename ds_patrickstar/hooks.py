@@ -1,0 +1,105 @@
+"""All hooks ds_patrickstar puts on a model, registered in one place with their handles kept.
+
+[Note: which hook drives which state]
+* module forward pre-hook: the module's own trainable params -> ``COMPUTE``
+  (the chunk is materialized first);
+* module forward post-hook: those params -> ``HOLD_AFTER_FWD``; and a multi-grad hook on
+  the module's outputs (tensors found inside tuples, lists, dicts and dataclasses) that
+  fires when backward reaches the module: its params -> ``COMPUTE`` again;
+* per-parameter post-accumulate-grad hook: autograd has summed every use of the
+  parameter in this backward (tied weights, modules called several times, direct use by
+  a parent), so this is its last backward use: the gradient goes into the chunk
+  (see [Note: gradient in the param slot]).
+A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
+in the backward epilogue. Forward hooks also fire during activation-checkpoint
+recomputation, which is just another ``COMPUTE`` use.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .chunk import TensorInfo
+
+
+class HookTarget(Protocol):
+    def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
+
+    def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
+
+    def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
+
+    def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None: ...
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside (possibly nested) tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):  # includes Hugging Face ModelOutput
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+
+
+class HookRegistry:
+    """Registers and removes every hook; see [Note: which hook drives which state]."""
+
+    def __init__(self, module: torch.nn.Module, info_of: Callable[[torch.Tensor], TensorInfo | None],
+                 target: HookTarget) -> None:
+        self._target = target
+        self._handles: list[RemovableHandle] = []
+        for sub in module.modules():
+            infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
+            if infos:
+                self._register_module(sub, infos)
+        seen: set[int] = set()
+        for param in module.parameters():
+            info = info_of(param)
+            if info is not None and id(param) not in seen:
+                seen.add(id(param))
+                self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(info)))
+
+    def _register_module(self, sub: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        target = self._target
+
+        def pre_forward(mod: torch.nn.Module, args: Any) -> None:
+            target.pre_forward(mod, infos)
+
+        def post_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            target.post_forward(mod, infos)
+            if torch.is_grad_enabled():
+                outputs = [t for t in iter_tensors(output) if t.requires_grad]
+                if outputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        outputs, lambda grads: target.pre_backward(mod, infos), mode="any")
+
+        self._handles.append(sub.register_forward_pre_hook(pre_forward))
+        self._handles.append(sub.register_forward_hook(post_forward))
+
+    def _grad_hook(self, info: TensorInfo) -> Callable[[torch.Tensor], None]:
+        target = self._target
+
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None
+            if grad is not None:
+                target.grad_ready(info, grad)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __len__(self) -> int:
+        return len(self._handles)

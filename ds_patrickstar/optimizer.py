@@ -1,0 +1,204 @@
+"""The ZeRO optimizer object DeepSpeed's engine drives for stage 'patrickstar'.
+
+It implements the interface the engine calls on a ZeRO optimizer (backward
+prologue/epilogue, ``step``, ``zero_grad``, ``overflow``, ``loss_scale``/``cur_scale``,
+``param_groups``, grad norm) on top of the chunk manager. The parameter groups are the
+basic optimizer's own group dicts, so an LR scheduler (from the config or the client)
+that edits them is read at every step.
+
+[Note: step]
+1. one pass over every gradient slot computes the global gradient norm (still scaled by
+   the loss scale); a non-finite norm is an overflow: DeepSpeed's loss scaler lowers the
+   scale, the slots get their parameters back from the fp32 master, and the step is
+   skipped (in bf16 and fp32 too: a NaN step is never applied);
+2. otherwise the combined factor ``1 / (loss_scale * clip)`` (the same formula as
+   DeepSpeed ZeRO-3, true global-norm clipping) is handed to the Adam backend, which
+   updates each chunk in one pass and writes the new low-precision parameters back.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+
+from .adam_math import AdamHyper, adam_step_reference
+from .chunk import TensorInfo, TensorState
+from .chunk_manager import ChunkManager
+from .config import PatrickStarConfig
+from .hooks import HookRegistry
+
+logger = logging.getLogger(__name__)
+
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def adamw_mode(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` decouples weight decay (AdamW); raise if it is not an Adam."""
+    name = type(optimizer).__name__
+    if hasattr(optimizer, "adam_w_mode"):  # DeepSpeed FusedAdam / DeepSpeedCPUAdam
+        return bool(optimizer.adam_w_mode)
+    if isinstance(optimizer, torch.optim.Adam):  # torch AdamW subclasses Adam
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        for flag in _UNSUPPORTED_FLAGS:
+            if any(g.get(flag) for g in optimizer.param_groups):
+                raise ValueError(f"{name}({flag}=True) is not supported by stage 'patrickstar'; "
+                                 f"set {flag}=False")
+        return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    raise ValueError(f"stage 'patrickstar' updates parameters with its own fused Adam and supports "
+                     f"Adam and AdamW only, got optimizer {name}. Use \"type\": \"Adam\" or \"AdamW\" in the "
+                     f"optimizer block, or pass torch.optim.Adam / torch.optim.AdamW.")
+
+
+def _adam_backend(device: torch.device) -> Callable:
+    try:
+        from .kernels import get_adam_backend
+    except ImportError:
+        return adam_step_reference
+    return get_adam_backend(device)
+
+
+class PatrickStarOptimizer(ZeROOptimizer):
+    """Chunk-based mixed-precision Adam; see [Note: step]."""
+
+    def __init__(self, module: torch.nn.Module, basic_optimizer: torch.optim.Optimizer,
+                 options: PatrickStarConfig, *, dtype: torch.dtype, clip_grad: float,
+                 gradient_accumulation_steps: int, static_loss_scale: float, dynamic_loss_scale: bool,
+                 dynamic_loss_args: dict | None) -> None:
+        super().__init__()
+        self.optimizer = basic_optimizer
+        self.param_groups = basic_optimizer.param_groups
+        self.adamw = adamw_mode(basic_optimizer)
+        self.options = options
+        self.dtype = dtype
+        self.clip_grad = clip_grad
+        self.manager = ChunkManager(self._named_groups(module), options.chunk_size,
+                                    accumulate=gradient_accumulation_steps > 1)
+        self.hooks = HookRegistry(module, self.manager.info, self)
+        self.loss_scaler = CreateLossScaler(dtype=dtype, static_loss_scale=static_loss_scale,
+                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
+        self.dynamic_loss_scale = self.loss_scaler.dynamic
+        self.custom_loss_scaler = False
+        self.torch_autocast_gradscaler = None
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self.group_steps = [0] * len(self.param_groups)
+        self._frozen_or_extra = [p for p in module.parameters() if self.manager.info(p) is None]
+        self._adam = _adam_backend(next(iter(module.parameters())).device)
+
+    def _named_groups(self, module: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        names = {}
+        for name, param in module.named_parameters():
+            names.setdefault(param, name)
+        groups = []
+        for index, group in enumerate(self.param_groups):
+            named = []
+            for param in group["params"]:
+                if param not in names:
+                    raise ValueError(f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
+                                     f"that is not a parameter of the model")
+                if param.requires_grad:
+                    if not param.is_floating_point():
+                        raise ValueError(f"parameter {names[param]} has dtype {param.dtype}; only floating point "
+                                         f"parameters can be trained")
+                    named.append((names[param], param))
+            groups.append(named)
+        if not any(groups):
+            raise ValueError("the model has no trainable parameters (requires_grad=True) in the optimizer's "
+                             "param groups; stage 'patrickstar' has nothing to train")
+        return groups
+
+    # ---- scaler interface -------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    # ---- hook target (see hooks.py) ---------------------------------------------
+    def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        for info in infos:
+            info.start_compute()
+
+    def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        for info in infos:
+            if info.state is TensorState.COMPUTE:
+                info.end_forward()
+
+    def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        for info in infos:
+            info.start_compute()
+
+    def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
+        self.manager.take_grad(info, grad, self.is_gradient_accumulation_boundary())
+
+    # ---- engine interface -------------------------------------------------------
+    def backward_epilogue(self, **kwargs) -> None:
+        if self.is_gradient_accumulation_boundary():
+            self.manager.fill_missing_grads()
+        else:
+            self.manager.settle_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self._frozen_or_extra:
+            param.grad = None
+
+    def get_global_grad_norm(self) -> float:
+        return self._global_grad_norm
+
+    @torch.no_grad()
+    def _scaled_grad_norm(self) -> float:
+        norms = [torch.linalg.vector_norm(c.payload[:c.used], dtype=torch.float32) for c in self.manager.chunks]
+        return torch.linalg.vector_norm(torch.stack(norms)).item()
+
+    def _combined_scale(self, scaled_norm: float, loss_scale: float) -> float:
+        """``loss_scale`` times DeepSpeed ZeRO-3's clip factor, when clipping applies."""
+        combined = loss_scale
+        if self.clip_grad > 0.0:
+            clip = (scaled_norm / loss_scale + 1e-6) / self.clip_grad
+            if clip > 1.0:
+                combined = clip * loss_scale
+        return combined
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("stage 'patrickstar' does not support an optimizer closure")
+        if not self.manager.grads_ready():
+            raise RuntimeError("optimizer step() called before backward() reached the gradient accumulation "
+                               "boundary; call engine.backward(loss) (or loss.backward()) first")
+        loss_scale = self.loss_scale  # the scale the gradients were made with, before update_scale()
+        scaled_norm = self._scaled_grad_norm()
+        self.overflow = not math.isfinite(scaled_norm)
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._global_grad_norm = float("inf")
+            self.manager.restore_params()
+            self.manager.reset_accumulators()
+            logger.info("ds_patrickstar: non-finite gradients, step skipped; loss scale now %s", self.loss_scale)
+            return
+        self._global_grad_norm = scaled_norm / loss_scale
+        self._apply_adam(1.0 / self._combined_scale(scaled_norm, loss_scale))
+        self.manager.settle_all()
+        self.manager.reset_accumulators()
+
+    def _apply_adam(self, grad_scale: float) -> None:
+        stepped = {c.group_index for c in self.manager.chunks}
+        for index in stepped:
+            self.group_steps[index] += 1
+        for chunk, opt in zip(self.manager.chunks, self.manager.optim):
+            group = self.param_groups[chunk.group_index]
+            hyper = AdamHyper.from_group(group, self.adamw)
+            used = chunk.used
+            self._adam(chunk.payload[:used], opt.master[:used], opt.exp_avg[:used], opt.exp_avg_sq[:used],
+                       step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
+
+    # ---- accounting -------------------------------------------------------------
+    def model_data_bytes(self) -> int:
+        """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""
+        return self.manager.model_data_bytes()

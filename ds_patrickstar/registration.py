@@ -1,0 +1,96 @@
+"""The one registration point: ``import ds_patrickstar`` wraps ``deepspeed.initialize``.
+
+[Note: registration]
+:func:`install` replaces the attribute ``deepspeed.initialize`` with a wrapper, once. The
+wrapper resolves the config exactly as DeepSpeed does (``config``, ``config_params`` or
+``args.deepspeed_config``; a dict or a JSON path). Any config whose
+``zero_optimization.stage`` is not ``"patrickstar"`` goes to the original function with
+the original arguments, untouched. Code that did ``from deepspeed import initialize``
+before importing ds_patrickstar keeps the original function, so import ds_patrickstar
+first.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import deepspeed
+
+from .config import is_patrickstar, split_config
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_ds_patrickstar_wrapper"
+
+
+def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("a DeepSpeed config was given both as args.deepspeed_config and as config=; give one")
+        config = from_args
+    return config
+
+
+def _load(config: Any) -> Any:
+    if config is None or isinstance(config, dict):
+        return config
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    return load_ds_config(config)
+
+
+def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=None, model_parameters=None,
+                            training_data=None, lr_scheduler=None,
+                            distributed_port=deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
+                            dist_init_required=None, collate_fn=None, mesh_param=None):
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from .engine import PatrickStarEngine
+
+    if model is None:
+        raise ValueError("deepspeed.initialize requires a model")
+    if isinstance(model, deepspeed.PipelineModule) or mesh_param is not None:
+        raise ValueError("stage 'patrickstar' supports data parallelism only (no pipeline or mesh parallelism)")
+    options, sanitized = split_config(user_config)
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          distributed_port=distributed_port, dist_init_required=dist_init_required)
+    config_class = DeepSpeedConfig(sanitized, mpu)
+    engine = PatrickStarEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                               training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                               dist_init_required=dist_init_required, collate_fn=collate_fn, config=sanitized,
+                               config_class=config_class, patrickstar_config=options)
+    engine.config = user_config  # Hugging Face and users read the config they wrote
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def install() -> None:
+    """Wrap ``deepspeed.initialize`` once; see [Note: registration]."""
+    original = deepspeed.initialize
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                   lr_scheduler=None, distributed_port=deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
+                   dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
+        loaded = _load(_resolve_config(args, config, config_params))
+        if not (isinstance(loaded, dict) and is_patrickstar(loaded)):
+            return original(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                            training_data=training_data, lr_scheduler=lr_scheduler,
+                            distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                            collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                            config_params=config_params)
+        return _initialize_patrickstar(loaded, args=args, model=model, optimizer=optimizer,
+                                       model_parameters=model_parameters, training_data=training_data,
+                                       lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                                       dist_init_required=dist_init_required, collate_fn=collate_fn,
+                                       mesh_param=mesh_param)
+
+    setattr(initialize, _MARK, True)
+    deepspeed.initialize = initialize
