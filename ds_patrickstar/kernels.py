@@ -1,0 +1,231 @@
+"""Loader and backend selection for the fused chunk Adam kernels.
+
+The C++/CUDA sources live in ``ops/`` (installed as ``ds_patrickstar.csrc``) and
+are JIT-compiled with :func:`torch.utils.cpp_extension.load` (ninja) on first
+use, into torch's extension cache (``TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``); later processes reuse the build.
+
+* :func:`get_adam_backend` returns a function with the signature of
+  :func:`ds_patrickstar.adam_math.adam_step_reference`: the fused CPU kernel for
+  ``cpu``, the CUDA kernel for ``cuda``, else the reference.  If a kernel cannot
+  be built, it logs one warning (why, and how to fix it) and returns the
+  reference.  ``DS_PATRICKSTAR_FORCE_TORCH_ADAM=1`` forces the reference.
+* :func:`grad_has_inf_or_nan` ORs "grad holds an inf/nan" into a one-element
+  flag tensor on the grad's device, without a host synchronisation.
+
+The CPU build's SIMD flags are chosen by inspecting the build machine
+(``/proc/cpuinfo``, else ``torch.backends.cpu.get_cpu_capability()``); the
+chosen ISA is part of the extension name, so a shared cache never mixes them.
+``DS_PATRICKSTAR_CPU_ISA=avx512|avx2|scalar`` overrides the detection.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .adam_math import AdamHyper, adam_step_reference, bias_corrections
+
+logger = logging.getLogger(__name__)
+
+FORCE_TORCH_ENV = "DS_PATRICKSTAR_FORCE_TORCH_ADAM"
+CPU_ISA_ENV = "DS_PATRICKSTAR_CPU_ISA"
+
+AdamStep = Callable[..., None]
+
+_ISA_CFLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+
+_lock = threading.RLock()
+_extensions: dict[str, Any] = {}  # device type -> loaded module, or None after a failed build
+_backends: dict[str, tuple[str, AdamStep]] = {}  # device type -> (name, step function)
+
+
+def _force_torch() -> bool:
+    return os.environ.get(FORCE_TORCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def source_dir() -> Path:
+    """Directory of the installed C++/CUDA sources (the ``ds_patrickstar.csrc`` package)."""
+    try:
+        from importlib.resources import files
+
+        path = Path(str(files("ds_patrickstar.csrc")))
+        if (path / "adam_cpu.cpp").is_file():
+            return path.resolve()
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    # Running from a source checkout where ds_patrickstar.csrc is not mapped.
+    return (Path(__file__).resolve().parent.parent / "ops").resolve()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def detect_cpu_isa() -> str:
+    """The widest SIMD path the build machine supports: ``avx512``, ``avx2`` or ``scalar``."""
+    forced = os.environ.get(CPU_ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in _ISA_CFLAGS:
+            raise ValueError(f"{CPU_ISA_ENV}={forced!r}: expected one of {sorted(_ISA_CFLAGS)}")
+        return forced
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return "scalar"
+    flags = _cpu_flags()
+    if flags:
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags:
+            return "avx512"
+        if {"avx2", "fma", "f16c"} <= flags:
+            return "avx2"
+        return "scalar"
+    cap = torch.backends.cpu.get_cpu_capability().upper()  # "AVX512", "AVX2", "DEFAULT", ...
+    return "avx512" if cap.startswith("AVX512") else "avx2" if cap.startswith("AVX2") else "scalar"
+
+
+def _build_extension(device_type: str) -> Any:
+    """Compile (or load from the cache) the extension for ``device_type``; raises on failure."""
+    from torch.utils import cpp_extension
+
+    src = source_dir()
+    common = [f"-I{src}"]
+    if device_type == "cpu":
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            raise RuntimeError(f"no C++ compiler found ({cxx!r} is not on PATH)")
+        isa = detect_cpu_isa()
+        return cpp_extension.load(
+            name=f"ds_patrickstar_adam_cpu_{isa}",
+            sources=[str(src / "adam_cpu.cpp")],
+            extra_cflags=["-O3", "-fopenmp", *_ISA_CFLAGS[isa], *common],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(src)],
+            verbose=False,
+        )
+    if device_type == "cuda":
+        if torch.version.cuda is None:
+            raise RuntimeError(f"this torch build ({torch.__version__}) has no CUDA support")
+        if cpp_extension.CUDA_HOME is None:
+            raise RuntimeError("nvcc / the CUDA toolkit was not found (set CUDA_HOME)")
+        return cpp_extension.load(
+            name="ds_patrickstar_adam_cuda",
+            sources=[str(src / "adam_cuda_binding.cpp"), str(src / "adam_cuda.cu")],
+            extra_cflags=["-O3", *common],
+            extra_cuda_cflags=["-O3", "-lineinfo", *common],
+            extra_include_paths=[str(src)],
+            verbose=False,
+        )
+    raise RuntimeError(f"no fused Adam kernel for device type {device_type!r}")
+
+
+def _load_extension(device_type: str) -> Any | None:
+    """The compiled extension for ``device_type`` or None (one warning on the first failure)."""
+    with _lock:
+        if device_type in _extensions:
+            return _extensions[device_type]
+        try:
+            ext = _build_extension(device_type)
+        except Exception as exc:  # compiler missing, build error, import error, ...
+            reason = " ".join(str(exc).split())
+            if len(reason) > 1500:
+                reason = reason[:700] + " ... " + reason[-700:]
+            fix = ("install a C++17 compiler with OpenMP (g++ >= 9) and ninja (`pip install ninja`)"
+                   if device_type == "cpu" else
+                   "install a CUDA toolkit whose nvcc matches torch.version.cuda and set CUDA_HOME")
+            logger.warning(
+                "ds_patrickstar: could not build the fused %s Adam kernel, falling back to the pure-torch "
+                "reference Adam (correct but several times slower). Reason: %s. To fix: %s; the build is "
+                "cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Set %s=1 to use the "
+                "reference deliberately.", device_type.upper(), reason, fix, FORCE_TORCH_ENV)
+            ext = None
+        _extensions[device_type] = ext
+        return ext
+
+
+def _wrap(ext_step: Callable[..., None], name: str) -> AdamStep:
+    def fused_adam_step(param_lp: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+                        exp_avg_sq: torch.Tensor, *, step: int, hyper: AdamHyper, grad_scale: float) -> None:
+        if step < 1:
+            raise ValueError(f"Adam step count must be >= 1, got {step}")
+        bc1, bc2_sqrt = bias_corrections(hyper, step)
+        ext_step(param_lp, master, exp_avg, exp_avg_sq, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                 hyper.weight_decay, hyper.adamw, bc1, bc2_sqrt, float(grad_scale))
+
+    fused_adam_step.__name__ = fused_adam_step.__qualname__ = f"{name}_adam_step"
+    fused_adam_step.__doc__ = adam_step_reference.__doc__
+    return fused_adam_step
+
+
+def _select(device: torch.device | str) -> tuple[str, AdamStep]:
+    dtype = torch.device(device).type
+    if _force_torch():
+        return "torch_reference", adam_step_reference
+    with _lock:
+        if dtype not in _backends:
+            ext = _load_extension(dtype) if dtype in ("cpu", "cuda") else None
+            if ext is None:
+                _backends[dtype] = ("torch_reference", adam_step_reference)
+            else:
+                name = f"{dtype}_fused"
+                _backends[dtype] = (name, _wrap(ext.adam_step, name))
+        return _backends[dtype]
+
+
+def get_adam_backend(device: torch.device | str) -> AdamStep:
+    """Adam step function for tensors on ``device`` (signature of ``adam_step_reference``)."""
+    return _select(device)[1]
+
+
+def adam_backend_name(device: torch.device | str) -> str:
+    """``"cpu_fused"``, ``"cuda_fused"`` or ``"torch_reference"``."""
+    return _select(device)[0]
+
+
+def cpu_simd_name() -> str | None:
+    """SIMD path compiled into the CPU kernel (``avx512``/``avx2``/``scalar``), None if not built."""
+    ext = None if _force_torch() else _load_extension("cpu")
+    return None if ext is None else ext.simd()
+
+
+def grad_has_inf_or_nan(grad: torch.Tensor, flag: torch.Tensor) -> None:
+    """Set ``flag`` (one element, bool/int32/float32, on grad's device) to 1 if ``grad`` has an inf or nan.
+
+    Leaves ``flag`` unchanged otherwise, so one flag can accumulate over many
+    slices; never synchronises with the host.
+    """
+    if grad.numel() == 0:
+        return
+    dtype = grad.device.type
+    ext = None
+    if not _force_torch() and dtype in ("cpu", "cuda") and grad.is_contiguous() \
+            and grad.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and flag.dtype in (torch.bool, torch.int32, torch.float32):
+        ext = _load_extension(dtype)
+    if ext is not None:
+        ext.grad_has_inf_or_nan(grad, flag)
+        return
+    bad = torch.isfinite(grad).logical_not_().any()
+    flag.copy_(flag.logical_or(bad.reshape(flag.shape)))
+
+
+def clear_cache() -> None:
+    """Forget loaded extensions and chosen backends (for tests; a rebuild hits the disk cache)."""
+    with _lock:
+        _extensions.clear()
+        _backends.clear()
