@@ -1,35 +1,40 @@
-"""The chunk manager: packs parameters into chunks and owns the per-parameter metadata.
+"""The chunk manager: packs parameters into chunks, owns their metadata, moves their states.
 
 [Note: chunk layout]
 Each optimizer param group gets its own list of chunks (so one chunk has one set of
 Adam hyper-parameters), filled in the order the group lists its parameters, which for
 ``model.parameters()`` is registration order and so close to the order of use. Offsets
 are aligned to :data:`ALIGN` elements. A tensor larger than ``chunk_size`` gets a chunk of
-its own sized to fit it. For every low-precision param chunk there are three fp32
-chunks of the same capacity and layout (master, momentum, variance) in
-:class:`OptimizerChunk`, plus an fp32 gradient accumulator when
-``gradient_accumulation_steps > 1`` (see [Note: gradient accumulation]).
+its own sized to fit it (and, with data parallelism, so does the rest of its chunk
+group, since a collective needs equal sizes). The list is padded with empty chunks to
+a multiple of the data-parallel world size (see [Note: chunk groups]). For every owned
+chunk there are three fp32 tensors of the same capacity and layout (master, momentum,
+variance) in :class:`OptimizerChunk`.
 
 [Note: gradient accumulation]
 With GA = 1 a gradient goes straight into its parameter slot
 (see [Note: gradient in the param slot]). With GA > 1 the parameters must survive until
 the last micro-step, so every micro-step adds its gradient into an fp32 accumulator
-chunk instead; on the boundary micro-step the accumulated sum is written into the slot,
-rounded to the param dtype once (the same precision a GA = 1 gradient has). Cost: 4 more
-bytes per parameter (18 instead of 14 in fp16/bf16), paid only when GA > 1.
+(one per chunk, on every rank) instead; on the boundary micro-step the accumulated sum
+is written into the slot, rounded to the param dtype once (the precision a GA = 1
+gradient has). Cost: 4 more bytes per parameter (18 instead of 14 in fp16/bf16), paid
+only when GA > 1.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from .chunk import Chunk, TensorInfo, TensorState
+from .comm import ChunkComm
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 32
+_S = TensorState
 
 
 def _align(n: int) -> int:
@@ -38,76 +43,101 @@ def _align(n: int) -> int:
 
 @dataclass(eq=False)
 class OptimizerChunk:
-    """fp32 master, momentum, variance (and accumulator) aligned with one param chunk."""
+    """fp32 master, momentum and variance aligned with one owned param chunk."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    grad_acc: torch.Tensor | None
 
     @classmethod
-    def for_chunk(cls, chunk: Chunk, accumulate: bool) -> "OptimizerChunk":
-        zeros = lambda: torch.zeros(chunk.capacity, dtype=torch.float32, device=chunk.device)  # noqa: E731
+    def for_chunk(cls, chunk: Chunk) -> "OptimizerChunk":
         master = chunk.payload.to(torch.float32, copy=True)
-        return cls(master, zeros(), zeros(), zeros() if accumulate else None)
+        return cls(master, torch.zeros_like(master), torch.zeros_like(master))
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad_acc) if t is not None]
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.master, self.exp_avg, self.exp_avg_sq
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) -> list[list[tuple]]:
+    """Split one param group into chunks: a list of [(name, param, offset), ...] per chunk."""
+    plans: list[list[tuple]] = []
+    used = chunk_size  # forces a new chunk for the first tensor
+    for name, param in named:
+        numel = param.numel()
+        if numel > chunk_size:
+            logger.info("ds_patrickstar: %s has %d elements > chunk_size=%d; it gets a chunk of its own",
+                        name, numel, chunk_size)
+            plans.append([(name, param, 0)])
+            used = chunk_size
+            continue
+        if _align(used) + numel > chunk_size:
+            plans.append([])
+            used = 0
+        offset = _align(used)
+        plans[-1].append((name, param, offset))
+        used = offset + numel
+    return plans
+
+
 class ChunkManager:
-    """Owns the chunks, the optimizer chunks and the :class:`TensorInfo` of every parameter."""
+    """Owns chunks, optimizer chunks and every :class:`TensorInfo`; moves tensor states."""
 
     def __init__(self, named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int,
-                 accumulate: bool) -> None:
+                 accumulate: bool, comm: ChunkComm) -> None:
         self.chunk_size = chunk_size
+        self.comm = comm
         self.chunks: list[Chunk] = []
         self._infos: dict[torch.nn.Parameter, TensorInfo] = {}
         for group_index, named in enumerate(named_groups):
-            self._pack_group(group_index, named)
-        for chunk in self.chunks:
-            for info in chunk.tensors:
-                self._bind(chunk, info)
-        self.optim = [OptimizerChunk.for_chunk(c, accumulate) for c in self.chunks]
-        logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements)", len(self._infos),
-                    len(self.chunks), chunk_size)
+            self._build_group(group_index, named)
+        self.optim: dict[int, OptimizerChunk] = {c.chunk_id: OptimizerChunk.for_chunk(c) for c in self.owned_chunks()}
+        self.grad_acc = [torch.zeros(c.capacity, dtype=torch.float32, device=c.device) if accumulate else None
+                         for c in self.chunks]
+        self._present = set(range(self.num_groups))  # groups whose every chunk is materialized
+        for g in range(self.num_groups):
+            self._release_group(g)
+        self._reduced: set[int] = set()
+        logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
+                    len(self._infos), len(self.chunks), chunk_size, comm.world_size)
 
     # ---- construction -------------------------------------------------------------
-    def _new_chunk(self, group_index: int, capacity: int, like: torch.Tensor) -> Chunk:
-        chunk = Chunk(len(self.chunks), capacity, like.dtype, like.device, group_index)
-        self.chunks.append(chunk)
-        return chunk
-
-    def _pack_group(self, group_index: int, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        current: Chunk | None = None
-        for name, param in named:
-            numel = param.numel()
-            if param in self._infos:
-                raise ValueError(f"parameter {name} appears in more than one optimizer param group")
-            if numel > self.chunk_size:
-                logger.info("ds_patrickstar: %s has %d elements > chunk_size=%d; it gets a chunk of its own",
-                            name, numel, self.chunk_size)
-                chunk = self._new_chunk(group_index, _align(numel), param)
-            else:
-                if current is None or current.dtype != param.dtype or not current.can_append(_align(numel)):
-                    current = self._new_chunk(group_index, self.chunk_size, param)
-                chunk = current
-            offset = _align(chunk.used)
-            info = TensorInfo(name, param, chunk.chunk_id, offset, numel, param.shape, group_index)
-            chunk.append(info)
-            self._infos[param] = info
+    def _build_group(self, group_index: int, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        plans = _plan_group(named, self.chunk_size)
+        world = self.comm.world_size
+        plans += [[] for _ in range(-len(plans) % world)]
+        like = named[0][1] if named else None
+        for start in range(0, len(plans), world):
+            members = plans[start:start + world]
+            capacity = max([self.chunk_size] + [_align(o + p.numel()) for plan in members for _, p, o in plan])
+            for plan in members:
+                dtype = plan[0][1].dtype if plan else like.dtype
+                device = plan[0][1].device if plan else like.device
+                chunk = Chunk(len(self.chunks), capacity, dtype, device, group_index)
+                self.chunks.append(chunk)
+                for name, param, offset in plan:
+                    info = TensorInfo(name, param, chunk.chunk_id, offset, param.numel(), param.shape, group_index)
+                    chunk.append(info)
+                    self._infos[param] = info
+                    self._bind(chunk, info)
 
     @staticmethod
     def _bind(chunk: Chunk, info: TensorInfo) -> None:
+        if info.param.dtype != chunk.dtype:
+            raise ValueError(f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
+                             f"hold {chunk.dtype}; put parameters of different dtypes in different param groups")
         with torch.no_grad():
             chunk.view_of(info).copy_(info.param.data)
         info.param.data = chunk.view_of(info)
 
     # ---- lookup -------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.chunks) // self.comm.world_size
+
     def info(self, param: torch.Tensor) -> TensorInfo | None:
         return self._infos.get(param)
 
@@ -117,37 +147,120 @@ class ChunkManager:
     def chunk_of(self, info: TensorInfo) -> Chunk:
         return self.chunks[info.chunk_id]
 
-    def optim_of(self, info: TensorInfo) -> OptimizerChunk:
-        return self.optim[info.chunk_id]
+    def is_owned(self, chunk: Chunk) -> bool:
+        return self.comm.owner(chunk.chunk_id) == self.comm.rank
+
+    def owned_chunks(self) -> list[Chunk]:
+        return [c for c in self.chunks if self.is_owned(c)]
+
+    def group_members(self, group: int) -> list[Chunk]:
+        world = self.comm.world_size
+        return self.chunks[group * world:(group + 1) * world]
+
+    def _group_of(self, chunk: Chunk) -> int:
+        return chunk.chunk_id // self.comm.world_size
+
+    def _group_tensors(self, group: int) -> Iterable[TensorInfo]:
+        for chunk in self.group_members(group):
+            yield from chunk.tensors
+
+    # ---- materialize and release (see [Note: chunk groups]) ------------------------
+    # Whether a group is present is decided from tensor states, which every rank moves
+    # identically, so every rank enters the same collectives in the same order.
+    def _gather_group(self, group: int, fill: bool = True) -> None:
+        members = self.group_members(group)
+        for chunk in members:
+            chunk.materialize()
+        if fill:
+            self.comm.all_gather([c.payload for c in members])
+        else:
+            for chunk in members:
+                if not self.is_owned(chunk):
+                    chunk.payload.zero_()
+        self._present.add(group)
+
+    def _release_group(self, group: int) -> None:
+        if self.comm.world_size == 1 or group not in self._present:
+            return
+        for chunk in self.group_members(group):
+            if not self.is_owned(chunk):
+                chunk.release()
+        self._present.discard(group)
+
+    def access(self, infos: list[TensorInfo]) -> None:
+        """Make the chunks of ``infos`` present, then mark the tensors ``COMPUTE``."""
+        for info in infos:
+            group = self._group_of(self.chunk_of(info))
+            if group not in self._present:
+                self._gather_group(group)
+            info.start_compute()
+
+    def after_forward(self, infos: list[TensorInfo]) -> None:
+        groups = set()
+        for info in infos:
+            if info.state is _S.COMPUTE:
+                info.end_forward()
+            groups.add(info.chunk_id // self.comm.world_size)
+        if self.comm.world_size == 1:
+            return
+        for group in sorted(groups):
+            if all(t.state is _S.HOLD_AFTER_FWD for t in self._group_tensors(group)):
+                self._release_group(group)
 
     # ---- gradients ----------------------------------------------------------------
     @torch.no_grad()
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
         """Consume ``param.grad``; see [Note: gradient accumulation]."""
-        acc = self.optim_of(info).grad_acc
-        slot = self.chunk_of(info).flat_of(info)
+        chunk = self.chunk_of(info)
+        slot = chunk.flat_of(info)
+        acc = self.grad_acc[info.chunk_id]
         if acc is None:
             if not boundary:
-                raise RuntimeError("gradient accumulation without an accumulator")
+                raise RuntimeError("a non-boundary micro-step without gradient accumulators")
             slot.copy_(grad.reshape(-1))
-            info.grad_written()
-            return
-        acc_slot = acc[info.offset:info.end]
-        acc_slot.add_(grad.reshape(-1).to(acc_slot.dtype))
-        if boundary:
-            slot.copy_(acc_slot)
-            info.grad_written()
         else:
-            info.settle()
+            acc_slot = acc[info.offset:info.end]
+            acc_slot.add_(grad.reshape(-1).to(acc_slot.dtype))
+            if not boundary:
+                info.settle()
+                return
+            slot.copy_(acc_slot)
+        info.grad_written()
+        group = self._group_of(chunk)
+        if all(t.state is _S.HOLD_AFTER_BWD for t in self._group_tensors(group)):
+            self._reduce_group(group)
+
+    def _reduce_group(self, group: int) -> None:
+        members = self.group_members(group)
+        self.comm.reduce_scatter_mean([c.payload for c in members])
+        self._release_group(group)
+        self._reduced.add(group)
 
     @torch.no_grad()
-    def fill_missing_grads(self) -> None:
-        """At the boundary, give every param that got no gradient this micro-step one."""
-        for info in self._infos.values():
-            if info.state is TensorState.HOLD_AFTER_BWD:
+    def end_backward(self, boundary: bool) -> None:
+        """Backward epilogue: at the boundary every group gets its gradients and is reduced."""
+        if not boundary:
+            for info in self._infos.values():
+                if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
+                    info.settle()
+            for group in range(self.num_groups):
+                self._release_group(group)
+            return
+        for group in range(self.num_groups):
+            if group in self._reduced:
                 continue
-            slot = self.chunk_of(info).flat_of(info)
-            acc = self.optim_of(info).grad_acc
+            if group not in self._present:
+                self._gather_group(group, fill=False)  # every slot is about to be overwritten
+            for chunk in self.group_members(group):
+                self._fill_missing_grads(chunk)
+            self._reduce_group(group)
+
+    def _fill_missing_grads(self, chunk: Chunk) -> None:
+        acc = self.grad_acc[chunk.chunk_id]
+        for info in chunk.tensors:
+            if info.state is _S.HOLD_AFTER_BWD:
+                continue
+            slot = chunk.flat_of(info)
             if acc is None:
                 slot.zero_()
             else:
@@ -155,29 +268,41 @@ class ChunkManager:
             info.grad_written()
 
     def grads_ready(self) -> bool:
-        return all(i.state is TensorState.HOLD_AFTER_BWD for i in self._infos.values())
+        return len(self._reduced) == self.num_groups
 
+    # ---- after the step -----------------------------------------------------------
     @torch.no_grad()
-    def restore_params(self) -> None:
-        """Write the fp32 master back into the slots (after an overflow); grads are dropped."""
-        for chunk, opt in zip(self.chunks, self.optim):
-            chunk.payload[:chunk.used].copy_(opt.master[:chunk.used])
-        self.settle_all()
+    def finish_step(self, restore: bool) -> None:
+        """Slots hold parameters again: the new ones, or (``restore``) the master's after an overflow."""
+        for chunk in self.owned_chunks():
+            if restore:
+                chunk.payload[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
+            for info in chunk.tensors:
+                if info.state is not _S.HOLD:
+                    info.settle()
+        for acc in self.grad_acc:
+            if acc is not None:
+                acc.zero_()
+        self._reduced.clear()
 
-    @torch.no_grad()
-    def reset_accumulators(self) -> None:
-        for opt in self.optim:
-            if opt.grad_acc is not None:
-                opt.grad_acc.zero_()
-
-    def settle_all(self) -> None:
-        for info in self._infos.values():
-            if info.state is not TensorState.HOLD:
-                info.settle()
+    def owned_grad_norm_sq(self) -> torch.Tensor:
+        """Sum over ranks of the squared norms of the owned gradient slots (fp32)."""
+        chunks = self.owned_chunks()
+        device = chunks[0].device if chunks else self.chunks[0].device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for chunk in chunks:
+            sq += torch.linalg.vector_norm(chunk.payload[:chunk.used], dtype=torch.float32).square()
+        return self.comm.all_reduce_sum(sq)
 
     # ---- accounting ---------------------------------------------------------------
     def model_data_bytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks) + sum(o.nbytes for o in self.optim)
+        """Bytes this rank holds now: materialized chunks, optimizer chunks, accumulators."""
+        payload = sum(c.nbytes for c in self.chunks if c.is_materialized)
+        acc = sum(a.numel() * a.element_size() for a in self.grad_acc if a is not None)
+        return payload + self.optimizer_state_bytes() + acc
+
+    def optimizer_state_bytes(self) -> int:
+        return sum(o.nbytes for o in self.optim.values())
 
     def num_params(self) -> int:
         return sum(i.numel for i in self._infos.values())

@@ -42,19 +42,10 @@ class PatrickStarEngine(DeepSpeedEngine):
             self.module, basic, self._patrickstar_config, dtype=dtype, clip_grad=self.gradient_clipping(),
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
-            dynamic_loss_args=self.dynamic_loss_scale_args())
+            dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group)
 
     # ---- model data access ------------------------------------------------------
     @torch.no_grad()
     def get_fp32_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 values of every parameter, keyed by name: the master copy where we keep one."""
-        manager = self.optimizer.manager
-        result = {}
-        for name, param in self.module.named_parameters():
-            info = manager.info(param)
-            if info is None:
-                result[name] = param.detach().float().cpu().clone()
-            else:
-                master = manager.optim_of(info).master
-                result[name] = master[info.offset:info.end].view(info.shape).cpu().clone()
-        return result
+        """Full fp32 values of every parameter, keyed by name (a collective with data parallelism)."""
+        return self.optimizer.fp32_state_dict(self.module)

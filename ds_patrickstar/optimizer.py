@@ -26,8 +26,9 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from .adam_math import AdamHyper, adam_step_reference
-from .chunk import TensorInfo, TensorState
+from .chunk import TensorInfo
 from .chunk_manager import ChunkManager
+from .comm import ChunkComm
 from .config import PatrickStarConfig
 from .hooks import HookRegistry
 
@@ -61,13 +62,17 @@ def _adam_backend(device: torch.device) -> Callable:
     return get_adam_backend(device)
 
 
+def _inside_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 class PatrickStarOptimizer(ZeROOptimizer):
     """Chunk-based mixed-precision Adam; see [Note: step]."""
 
     def __init__(self, module: torch.nn.Module, basic_optimizer: torch.optim.Optimizer,
                  options: PatrickStarConfig, *, dtype: torch.dtype, clip_grad: float,
                  gradient_accumulation_steps: int, static_loss_scale: float, dynamic_loss_scale: bool,
-                 dynamic_loss_args: dict | None) -> None:
+                 dynamic_loss_args: dict | None, dp_group=None) -> None:
         super().__init__()
         self.optimizer = basic_optimizer
         self.param_groups = basic_optimizer.param_groups
@@ -76,7 +81,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.dtype = dtype
         self.clip_grad = clip_grad
         self.manager = ChunkManager(self._named_groups(module), options.chunk_size,
-                                    accumulate=gradient_accumulation_steps > 1)
+                                    accumulate=gradient_accumulation_steps > 1, comm=ChunkComm(dp_group))
         self.hooks = HookRegistry(module, self.manager.info, self)
         self.loss_scaler = CreateLossScaler(dtype=dtype, static_loss_scale=static_loss_scale,
                                             dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
@@ -122,27 +127,22 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     # ---- hook target (see hooks.py) ---------------------------------------------
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        for info in infos:
-            info.start_compute()
+        self.manager.access(infos)
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        for info in infos:
-            if info.state is TensorState.COMPUTE:
-                info.end_forward()
+        if _inside_backward():
+            return  # an activation-checkpoint recomputation: the tensors stay in COMPUTE for backward
+        self.manager.after_forward(infos)
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        for info in infos:
-            info.start_compute()
+        self.manager.access(infos)
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
         self.manager.take_grad(info, grad, self.is_gradient_accumulation_boundary())
 
     # ---- engine interface -------------------------------------------------------
     def backward_epilogue(self, **kwargs) -> None:
-        if self.is_gradient_accumulation_boundary():
-            self.manager.fill_missing_grads()
-        else:
-            self.manager.settle_all()
+        self.manager.end_backward(self.is_gradient_accumulation_boundary())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._frozen_or_extra:
@@ -153,8 +153,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     @torch.no_grad()
     def _scaled_grad_norm(self) -> float:
-        norms = [torch.linalg.vector_norm(c.payload[:c.used], dtype=torch.float32) for c in self.manager.chunks]
-        return torch.linalg.vector_norm(torch.stack(norms)).item()
+        return math.sqrt(self.manager.owned_grad_norm_sq().item())
 
     def _combined_scale(self, scaled_norm: float, loss_scale: float) -> float:
         """``loss_scale`` times DeepSpeed ZeRO-3's clip factor, when clipping applies."""
@@ -178,23 +177,23 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._global_grad_norm = float("inf")
-            self.manager.restore_params()
-            self.manager.reset_accumulators()
+            self.manager.finish_step(restore=True)
             logger.info("ds_patrickstar: non-finite gradients, step skipped; loss scale now %s", self.loss_scale)
             return
         self._global_grad_norm = scaled_norm / loss_scale
         self._apply_adam(1.0 / self._combined_scale(scaled_norm, loss_scale))
-        self.manager.settle_all()
-        self.manager.reset_accumulators()
+        self.manager.finish_step(restore=False)
 
     def _apply_adam(self, grad_scale: float) -> None:
-        stepped = {c.group_index for c in self.manager.chunks}
-        for index in stepped:
+        for index in {c.group_index for c in self.manager.chunks}:
             self.group_steps[index] += 1
-        for chunk, opt in zip(self.manager.chunks, self.manager.optim):
+        for chunk in self.manager.owned_chunks():
+            opt = self.manager.optim[chunk.chunk_id]
             group = self.param_groups[chunk.group_index]
             hyper = AdamHyper.from_group(group, self.adamw)
             used = chunk.used
+            if used == 0:
+                continue
             self._adam(chunk.payload[:used], opt.master[:used], opt.exp_avg[:used], opt.exp_avg_sq[:used],
                        step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
 
@@ -202,3 +201,23 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def model_data_bytes(self) -> int:
         """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""
         return self.manager.model_data_bytes()
+
+    @torch.no_grad()
+    def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 value on every rank; the owners broadcast their masters."""
+        manager = self.manager
+        flats = []
+        for chunk in manager.chunks:
+            opt = manager.optim.get(chunk.chunk_id)
+            flat = opt.master.clone() if opt is not None else torch.zeros(chunk.capacity, device=chunk.device)
+            flats.append(flat)
+        for group in range(manager.num_groups):
+            manager.comm.all_gather(flats[group * manager.comm.world_size:(group + 1) * manager.comm.world_size])
+        result = {}
+        for name, param in module.named_parameters():
+            info = manager.info(param)
+            if info is None:
+                result[name] = param.detach().float().cpu().clone()
+            else:
+                result[name] = flats[info.chunk_id][info.offset:info.end].view(info.shape).cpu().clone()
+        return result
