@@ -1,0 +1,192 @@
+"""Compare ds_patrickstar with stock DeepSpeed ZeRO-3 on the same model, data and seed.
+
+    python benchmarks/compare_zero3.py                                   # tiny GPT, quick check
+    python benchmarks/compare_zero3.py --model gpt2-medium --batch 2 --seq-len 256 --dtype bf16
+    python benchmarks/compare_zero3.py --offload ...   # ZeRO-3 with offload_param + offload_optimizer
+
+Each backend trains in its own child process (``benchmarks/train_gpt.py``), so the peak host
+memory (the child's ``ru_maxrss``) and the GPU max allocated are per backend.
+"""
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import bench_utils as bu
+
+logger = logging.getLogger("compare_zero3")
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "train_gpt.py"
+BASELINE = "zero3"
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up steps)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--batch", type=int, default=8, help="micro-batch size")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--backends", default="zero3,patrickstar", help="comma-separated: zero3, patrickstar")
+    p.add_argument("--offload", action="store_true", help="ZeRO-3 offloads params and optimizer to CPU")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--logs", default=str(bu.REPO_ROOT / "runs" / "compare_zero3"), help="child logs")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per backend")
+    return p.parse_args(argv)
+
+
+def backend_config(backend, offload):
+    cuda = torch.cuda.is_available()
+    if backend == "patrickstar":
+        return bu.CONFIG_DIR / ("patrickstar_gpu.json" if cuda else "patrickstar_cpu.json")
+    if backend == "zero3":
+        return bu.CONFIG_DIR / ("zero3_offload_gpu.json" if offload else "zero3_cpu.json")
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def child_command(args, backend, json_path, out_dir):
+    steps = args.warmup + args.steps
+    cmd = [sys.executable, str(TRAIN_SCRIPT), "--config", str(backend_config(backend, args.offload)),
+           "--model", args.model, "--steps", str(steps), "--batch", str(args.batch),
+           "--seq-len", str(args.seq_len), "--dtype", args.dtype, "--seed", str(args.seed),
+           "--log-every", str(max(steps, 1)), "--eval-batches", "0", "--no-progress",
+           "--json", str(json_path), "--out", str(out_dir)]
+    return cmd + (["--activation-checkpointing"] if args.activation_checkpointing else [])
+
+
+def child_env():
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    return env
+
+
+def run_backend(args, backend, workdir):
+    """Train in a child process; return its JSON payload, or a dict with an ``error``."""
+    json_path, log_path = Path(workdir) / f"{backend}.json", Path(args.logs) / f"{backend}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = child_command(args, backend, json_path, Path(workdir) / backend)
+    logger.info("%s: %s (log: %s)", backend, " ".join(cmd), log_path)
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {args.timeout} s"}
+    if rc != 0 or not json_path.exists():
+        return {"error": f"exit {rc}: {last_error_line(log_path)}"}
+    return json.loads(json_path.read_text())
+
+
+def last_error_line(log_path):
+    lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1][:200]
+
+
+def measure(payload, warmup):
+    """The figures of one backend from its child's payload."""
+    summary, records = payload["summary"], payload["records"]
+    timed = records[warmup:] or records[-1:]
+    step_s = statistics.median(r["seconds"] for r in timed)
+    return {
+        "step_time_s": step_s,
+        "tokens_per_s": records[0]["tokens"] / step_s,
+        "host_peak_bytes": summary["host_peak_rss_bytes"],
+        "gpu_max_bytes": summary["gpu_max_allocated_bytes"],
+        "model_data_bytes": summary["model_data_bytes"],
+        "model_data_bytes_per_param": summary["model_data_bytes_per_param"],
+        "final_loss": records[-1]["loss"],
+        "params": summary["params"],
+        "timed_steps": len(timed),
+    }
+
+
+def gib(b):
+    return b / bu.GIB
+
+
+# (header, key in the measured dict, format, whether a patrickstar/zero3 ratio makes sense).
+# A new column (e.g. data-parallel communication volume) is one more row here plus its key in measure().
+COLUMNS = [
+    ("step time (ms)", "step_time_s", lambda v: f"{v * 1e3:.1f}", True),
+    ("tokens/s", "tokens_per_s", lambda v: f"{v:.0f}", True),
+    ("peak host (GiB)", "host_peak_bytes", lambda v: f"{gib(v):.3f}", True),
+    ("GPU max alloc (GiB)", "gpu_max_bytes", lambda v: f"{gib(v):.3f}", True),
+    ("model data (GiB)", "model_data_bytes", lambda v: f"{gib(v):.3f}", True),
+    ("model B/param", "model_data_bytes_per_param", lambda v: f"{v:.2f}", True),
+    ("final loss", "final_loss", lambda v: f"{v:.4f}", False),
+]
+
+
+def active_columns(results):
+    """Drop the GPU column on CPU-only runs."""
+    on_gpu = any(r.get("gpu_max_bytes") is not None for r in results.values())
+    return [c for c in COLUMNS if on_gpu or c[1] != "gpu_max_bytes"]
+
+
+def ratios(results, columns):
+    base, other = results.get(BASELINE), results.get("patrickstar")
+    if not base or not other or "error" in base or "error" in other:
+        return {}
+    out = {}
+    for _, key, _, use in columns:
+        if use and base.get(key) and other.get(key) is not None:
+            out[key] = other[key] / base[key]
+    return out
+
+
+def format_table(results, columns):
+    header = ["backend"] + [c[0] for c in columns]
+    rows = []
+    for name, res in results.items():
+        if "error" in res:
+            rows.append([name, f"FAILED: {res['error']}"])
+            continue
+        rows.append([name] + [("n/a" if res.get(key) is None else fmt(res[key])) for _, key, fmt, _ in columns])
+    rat = ratios(results, columns)
+    if rat:
+        rows.append(["patrickstar/zero3"] + [(f"{rat[key]:.2f}x" if key in rat else "") for _, key, _, _ in columns])
+    widths = [max(len(str(r[i])) for r in [header] + rows if i < len(r)) for i in range(len(header))]
+    lines = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths))]
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines), rat
+
+
+def describe(args):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    zero3 = "ZeRO-3 offload_param+offload_optimizer" if args.offload else "ZeRO-3"
+    return (f"model {args.model}, batch {args.batch}, seq {args.seq_len}, {args.dtype}, {device}, "
+            f"{args.warmup} warm-up + {args.steps} timed steps (median), seed {args.seed}; zero3 = {zero3}")
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="compare_zero3_") as workdir:
+        for backend in backends:
+            payload = run_backend(args, backend, workdir)
+            results[backend] = payload if "error" in payload else measure(payload, args.warmup)
+    columns = active_columns(results)
+    table, rat = format_table(results, columns)
+    print(describe(args))
+    print(table, flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ratios": rat}, indent=1))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

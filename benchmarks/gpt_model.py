@@ -1,0 +1,168 @@
+"""A GPT in pure torch (nanoGPT-like), sized by named presets, for the benchmarks.
+
+Token + learned position embedding, pre-LN transformer blocks (causal self-attention through
+``F.scaled_dot_product_attention``, GELU MLP), a final LayerNorm and an LM head whose weight is
+TIED to the token embedding (one ``nn.Parameter`` owned by both ``wte`` and ``lm_head``, the same
+way Hugging Face GPT-2 ties them, so ZeRO-3 style per-module parameter gathering sees it in each
+module that uses it). Nothing here imports DeepSpeed.
+"""
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 192
+    block_size: int = 256
+    vocab_size: int = 256
+    dropout: float = 0.0
+    activation_checkpointing: bool = False
+
+
+PRESETS = {
+    # ~1.9M parameters: the default of benchmarks/train_gpt.py, trains in minutes on 2 CPU cores.
+    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=192, block_size=256, vocab_size=256),
+    # ~10.8M parameters.
+    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=512, vocab_size=256),
+    # GPT-2 medium shape, ~355M parameters (vocab padded to a multiple of 64).
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
+}
+
+
+def get_config(preset, **overrides):
+    """The named preset with keyword ``overrides`` (e.g. ``activation_checkpointing=True``)."""
+    if preset not in PRESETS:
+        raise KeyError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)}")
+    return replace(PRESETS[preset], **overrides)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError("n_embd must be divisible by n_head")
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None):
+        """Logits ``(B, T, vocab)``; with ``targets`` returns ``(logits, cross-entropy loss)``."""
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def count_params(model, exclude_position_embedding=False):
+    """Unique parameters (the tied embedding/LM-head weight counted once).
+
+    Call it before handing the model to DeepSpeed: ZeRO-3 style backends replace the data of
+    partitioned parameters by empty tensors, so ``numel()`` then reads 0.
+    """
+    seen = {}
+    for name, p in model.named_parameters():
+        seen.setdefault(id(p), (name, p))
+    return sum(p.numel() for name, p in seen.values()
+               if not (exclude_position_embedding and name.startswith("wpe.")))
+
+
+def count_params_for_config(cfg):
+    """Parameter count of a ``GPTConfig`` without building the model."""
+    d, layer = cfg.n_embd, 12 * cfg.n_embd ** 2 + 13 * cfg.n_embd
+    return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * layer + 2 * d
+
+
+def flops_per_token(cfg, n_params, seq_len):
+    """Training FLOPs per token: ``6 * N + 12 * L * H * T``.
+
+    ``N`` is the number of parameters that take part in matmuls (pass the count WITHOUT the
+    position embedding; the tied embedding is counted once, which accounts for the LM-head
+    matmul). ``6 * N`` covers the forward (2 FLOPs per multiply-add) and backward (twice the
+    forward) passes through the weights; ``12 * L * H * T`` adds the attention score and
+    attention-times-value matmuls (L layers, hidden size H, sequence length T), as in the PaLM
+    paper (Chowdhery et al. 2022, appendix B). It ignores the causal mask (full T x T counted),
+    activation recomputation, softmax/LayerNorm/GELU and the optimizer.
+    """
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+def build_model(preset="tiny", **overrides):
+    """Return ``(model, cfg)`` for a preset name."""
+    cfg = get_config(preset, **overrides)
+    return GPT(cfg), cfg
