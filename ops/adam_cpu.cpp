@@ -5,7 +5,9 @@
 // The SIMD width is fixed at compile time by what the build machine supports
 // (ds_patrickstar/kernels.py passes -mavx512f... or -mavx2 -mfma -mf16c after
 // detecting the CPU); without either, a portable scalar path is compiled.
-// Threads: OpenMP over contiguous blocks, at::get_num_threads() of them.
+// Threads: OpenMP over 64K-element blocks handed out dynamically (a thread
+// descheduled on a busy machine does not hold up the others),
+// at::get_num_threads() of them.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -204,7 +206,7 @@ void adam_cpu_impl(typename Lp::storage* lp, float* p, float* m, float* v, int64
     adam_range<Lp>(lp, p, m, v, 0, n, c);
     return;
   }
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t begin = b * kBlock;
     const int64_t end = std::min(n, begin + kBlock);
