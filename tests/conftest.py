@@ -1,0 +1,49 @@
+"""Session setup for running DeepSpeed in-process on CPU with world size 1.
+
+The environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, thread counts) is set at
+import time, before any test module imports deepspeed, so DeepSpeed's
+accelerator detection and ``init_distributed`` see a consistent single-rank
+world. The gloo process group itself is created lazily (by the ``dist``
+fixture, or by :func:`harness.ensure_distributed` which ``run_training`` calls),
+from a file store in a private temp dir, so no TCP rendezvous is needed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import harness  # noqa: E402  (sets env + threads on import)
+
+harness.setup_single_process_env()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_configure(config):
+    # Also declared in pyproject.toml; repeating is harmless and keeps the
+    # markers registered when pytest is run with a different rootdir/config.
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU-only machines)")
+    config.addinivalue_line("markers", "slow: takes more than ~30 s on a 2-core CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def dist():
+    """Initialize the single-rank gloo process group (once) and DeepSpeed comm on it."""
+    harness.ensure_distributed()
+    yield
+    # The group is left alive until interpreter exit: destroying and
+    # re-creating a default process group in one process is fragile.

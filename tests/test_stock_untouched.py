@@ -1,0 +1,104 @@
+"""``import ds_patrickstar`` must leave stock DeepSpeed untouched: a stage-3 training run
+is bit-identical with and without the import.
+
+Each run happens in a fresh subprocess (so nothing the import patches can leak into
+the "without" run), prints its per-micro-step losses, grad norms, LRs, the optimizer
+class DeepSpeed picked and a SHA-256 of the final fp32 master and module weights as
+JSON, and the two outputs must be equal. If ``import ds_patrickstar`` fails, the
+"with" subprocess fails and so does the test (intended: no skip).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+TIMEOUT_S = 600  # generous: a cold run JIT-builds DeepSpeed's CPU ops first
+MARKER = "@@RESULT@@"
+
+_SCRIPT = r"""
+import sys, json, hashlib, warnings
+IMPORT_PS = sys.argv[1] == "1"
+if IMPORT_PS:
+    import ds_patrickstar  # noqa: F401  -- imported first, as a user would
+sys.path.insert(0, sys.argv[2])
+warnings.filterwarnings("ignore")
+import torch
+import harness
+harness.setup_single_process_env()
+from harness import make_config, run_training
+from quirk_models import QUIRK_MODELS
+
+def digest(weights):
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().contiguous()
+        h.update(name.encode()); h.update(str(t.dtype).encode()); h.update(str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+out = {}
+for label, model, dtype, kw in json.loads(sys.argv[3]):
+    r = run_training(QUIRK_MODELS[model], make_config(3, dtype, **kw), 4, 7)
+    out[label] = {
+        "losses": [float.hex(x) for x in r.losses],
+        "grad_norms": [None if g is None else float.hex(g) for g in r.grad_norms],
+        "lrs": r.lrs,
+        "optimizer": r.optimizer_class,
+        "fp32_sha256": digest(r.fp32_weights),
+        "lp_sha256": digest(r.lp_weights),
+    }
+out["ds_patrickstar_loaded"] = "ds_patrickstar" in sys.modules
+print("@@RESULT@@" + json.dumps(out, sort_keys=True), flush=True)
+"""
+
+RUNS = {
+    "fp32": [
+        ["fp32-tied-ga2-clip", "tied", "fp32", {"gas": 2, "clip": 0.1, "weight_decay": 0.1}],
+        ["fp32-frozen", "frozen", "fp32", {"scheduler": "WarmupLR"}],
+    ],
+    "bf16": [
+        ["bf16-tied-ga2-clip", "tied", "bf16", {"gas": 2, "clip": 0.1, "weight_decay": 0.1}],
+        ["bf16-ckpt", "ckpt_reentrant", "bf16", {}],
+    ],
+}
+
+
+def _run(import_ps: bool, runs) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # a fresh port per child (conftest set one for this process); the group itself uses a file store
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, "1" if import_ps else "0", TESTS_DIR, json.dumps(runs)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(
+            f"subprocess ({'with' if import_ps else 'without'} import ds_patrickstar) failed, rc={proc.returncode}\n"
+            f"--- stderr (tail) ---\n{proc.stderr[-4000:]}\n--- stdout (tail) ---\n{proc.stdout[-2000:]}"
+        )
+    return json.loads(lines[-1][len(MARKER):])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_import_leaves_stock_stage3_bit_identical(dtype):
+    without = _run(False, RUNS[dtype])
+    with_ps = _run(True, RUNS[dtype])
+    assert without.pop("ds_patrickstar_loaded") is False
+    assert with_ps.pop("ds_patrickstar_loaded") is True
+    for label in without:
+        assert with_ps[label] == without[label], (
+            f"{label}: stock ZeRO-3 changed by `import ds_patrickstar`:\n"
+            f"  without: {without[label]}\n  with:    {with_ps[label]}"
+        )
