@@ -13,8 +13,12 @@ import os
 import sys
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+_REPO_ROOT = os.path.dirname(_TESTS_DIR)
+# tests/ for `import harness`; the repo root so the working tree's ds_patrickstar is the
+# one tested (also with a bare `pytest`, which, unlike `python -m pytest`, adds no cwd).
+for _p in (_REPO_ROOT, _TESTS_DIR):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import harness  # noqa: E402  (sets env + threads on import)
 
