@@ -5,9 +5,11 @@ DeepSpeed config; see README.md.
 """
 from .chunk import ChunkState, IllegalTransition, TensorState
 from .config import PatrickStarConfig
+from .engine import PatrickStarEngine, gathered_parameters
 from .registration import install
 
-__all__ = ["ChunkState", "IllegalTransition", "PatrickStarConfig", "TensorState", "install"]
+__all__ = ["ChunkState", "IllegalTransition", "PatrickStarConfig", "PatrickStarEngine", "TensorState",
+           "gathered_parameters", "install"]
 __version__ = "0.1.0"
 
 install()

@@ -59,8 +59,10 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
     _S.HOLD_AFTER_FWD: frozenset({_S.FREE, _S.HOLD, _S.COMPUTE, _S.HOLD_AFTER_BWD}),
     # A slot holding a gradient goes back to HOLD once the step (or an overflow restore)
     # has written a parameter value into it, or to FREE once its gradient is consumed
-    # elsewhere (data parallel reduce-scatter). Never straight to COMPUTE.
-    _S.HOLD_AFTER_BWD: frozenset({_S.HOLD, _S.FREE, _S.HOLD_AFTER_BWD}),
+    # elsewhere (data parallel reduce-scatter). Never straight to COMPUTE, and never a
+    # second gradient into the same slot: that would mean a weight was read after its
+    # slot had been overwritten.
+    _S.HOLD_AFTER_BWD: frozenset({_S.HOLD, _S.FREE}),
 }
 
 
@@ -99,7 +101,8 @@ class TensorInfo:
 
     def settle(self) -> None:
         """Value present and unused (after a step, a restore or an accumulation)."""
-        self.transition(TensorState.HOLD)
+        if self.state is not TensorState.HOLD:
+            self.transition(TensorState.HOLD)
 
     @property
     def end(self) -> int:

@@ -3,10 +3,12 @@
 [Note: chunk layout]
 Each optimizer param group gets its own list of chunks (so one chunk has one set of
 Adam hyper-parameters), filled in the order the group lists its parameters, which for
-``model.parameters()`` is registration order and so close to the order of use. Offsets
-are aligned to :data:`ALIGN` elements. A tensor larger than ``chunk_size`` gets a chunk of
-its own sized to fit it (and, with data parallelism, so does the rest of its chunk
-group, since a collective needs equal sizes). The list is padded with empty chunks to
+``model.parameters()`` is registration order and so close to the order of use. Placement is
+first fit (see :func:`_plan_group`); offsets are aligned to :data:`ALIGN` elements. A
+chunk holds at most ``chunk_size`` elements and is allocated as large as its contents
+need (so the last chunk of a group wastes nothing); a tensor larger than ``chunk_size``
+gets a chunk of its own sized to fit it. With data parallelism all chunks of a chunk
+group share the largest member's size, since a collective needs equal sizes. The list is padded with empty chunks to
 a multiple of the data-parallel world size (see [Note: chunk groups]). For every owned
 chunk there are three fp32 tensors of the same capacity and layout (master, momentum,
 variance) in :class:`OptimizerChunk`.
@@ -34,6 +36,7 @@ from .comm import ChunkComm
 logger = logging.getLogger(__name__)
 
 ALIGN = 32
+_NORM_SLICE = 1 << 22
 _S = TensorState
 
 
@@ -63,23 +66,30 @@ class OptimizerChunk:
 
 
 def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) -> list[list[tuple]]:
-    """Split one param group into chunks: a list of [(name, param, offset), ...] per chunk."""
+    """Split one param group into chunks: a list of [(name, param, offset), ...] per chunk.
+
+    First fit, in order: a tensor goes into the first chunk with room left, else opens a new
+    one, so a layer's biases and norms fill the gaps its matrices leave instead of each
+    starting a mostly empty chunk. A tensor larger than a chunk gets a chunk of its own.
+    """
     plans: list[list[tuple]] = []
-    used = chunk_size  # forces a new chunk for the first tensor
+    fill: list[int] = []  # elements used in each plan
     for name, param in named:
         numel = param.numel()
         if numel > chunk_size:
             logger.info("ds_patrickstar: %s has %d elements > chunk_size=%d; it gets a chunk of its own",
                         name, numel, chunk_size)
             plans.append([(name, param, 0)])
-            used = chunk_size
+            fill.append(chunk_size)
             continue
-        if _align(used) + numel > chunk_size:
+        index = next((i for i, used in enumerate(fill) if _align(used) + numel <= chunk_size), None)
+        if index is None:
             plans.append([])
-            used = 0
-        offset = _align(used)
-        plans[-1].append((name, param, offset))
-        used = offset + numel
+            fill.append(0)
+            index = len(plans) - 1
+        offset = _align(fill[index])
+        plans[index].append((name, param, offset))
+        fill[index] = offset + numel
     return plans
 
 
@@ -112,7 +122,9 @@ class ChunkManager:
         like = named[0][1] if named else None
         for start in range(0, len(plans), world):
             members = plans[start:start + world]
-            capacity = max([self.chunk_size] + [_align(o + p.numel()) for plan in members for _, p, o in plan])
+            # A chunk is as large as its contents need, at most chunk_size unless a single
+            # tensor is larger; the members of a group share one size for the collectives.
+            capacity = max([ALIGN] + [_align(o + p.numel()) for plan in members for _, p, o in plan])
             for plan in members:
                 dtype = plan[0][1].dtype if plan else like.dtype
                 device = plan[0][1].device if plan else like.device
@@ -186,6 +198,17 @@ class ChunkManager:
             if not self.is_owned(chunk):
                 chunk.release()
         self._present.discard(group)
+
+    def gather_all(self) -> list[int]:
+        """Gather every released group (a collective); returns the groups gathered."""
+        missing = [g for g in range(self.num_groups) if g not in self._present]
+        for group in missing:
+            self._gather_group(group)
+        return missing
+
+    def release_groups(self, groups: list[int]) -> None:
+        for group in groups:
+            self._release_group(group)
 
     def access(self, infos: list[TensorInfo]) -> None:
         """Make the chunks of ``infos`` present, then mark the tensors ``COMPUTE``."""
@@ -291,7 +314,9 @@ class ChunkManager:
         device = chunks[0].device if chunks else self.chunks[0].device
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for chunk in chunks:
-            sq += torch.linalg.vector_norm(chunk.payload[:chunk.used], dtype=torch.float32).square()
+            # in slices: the fp32 upcast of a whole large chunk would be a large temporary
+            for part in chunk.payload[:chunk.used].split(_NORM_SLICE):
+                sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
         return self.comm.all_reduce_sum(sq)
 
     # ---- accounting ---------------------------------------------------------------

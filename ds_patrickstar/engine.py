@@ -8,6 +8,9 @@ fp32 gradient clipping of its own (the optimizer clips on the global norm).
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -49,3 +52,15 @@ class PatrickStarEngine(DeepSpeedEngine):
     def get_fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 values of every parameter, keyed by name (a collective with data parallelism)."""
         return self.optimizer.fp32_state_dict(self.module)
+
+
+@contextlib.contextmanager
+def gathered_parameters(engine: PatrickStarEngine) -> Iterator[None]:
+    """Every parameter of ``engine.module`` readable inside the block (a collective with data
+    parallelism: enter it on every rank); see [Note: state_dict]."""
+    manager = engine.optimizer.manager
+    gathered = manager.gather_all()
+    try:
+        yield
+    finally:
+        manager.release_groups(gathered)

@@ -11,7 +11,8 @@
   a parent), so this is its last backward use: the gradient goes into the chunk
   (see [Note: gradient in the param slot]).
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
-in the backward epilogue. Forward hooks also fire during activation-checkpoint
+in the backward epilogue. ``state_dict()`` of the top module gathers every released
+chunk group first and returns copies (see [Note: state_dict]). Forward hooks also fire during activation-checkpoint
 recomputation, which is just another ``COMPUTE`` use.
 """
 from __future__ import annotations
@@ -33,6 +34,10 @@ class HookTarget(Protocol):
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None: ...
+
+    def before_state_dict(self) -> None: ...
+
+    def after_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -61,6 +66,10 @@ class HookRegistry:
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
             if infos:
                 self._register_module(sub, infos)
+        self._handles.append(module.register_state_dict_pre_hook(
+            lambda mod, prefix, keep_vars: target.before_state_dict()))
+        self._handles.append(module.register_state_dict_post_hook(
+            lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)))
         seen: set[int] = set()
         for param in module.parameters():
             info = info_of(param)

@@ -14,6 +14,14 @@ that edits them is read at every step.
 2. otherwise the combined factor ``1 / (loss_scale * clip)`` (the same formula as
    DeepSpeed ZeRO-3, true global-norm clipping) is handed to the Adam backend, which
    updates each chunk in one pass and writes the new low-precision parameters back.
+
+[Note: state_dict]
+With data parallelism a rank keeps only its own chunks between uses; a parameter of a
+released chunk is a view of an empty storage and must not be read directly.
+``engine.module.state_dict()`` is therefore a collective (call it on every rank, as
+Hugging Face's save path does): it gathers every released chunk group, returns *copies*
+of the parameters, and releases the groups again. Reading parameters another way
+between steps needs :func:`ds_patrickstar.gathered_parameters`.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from .adam_math import AdamHyper, adam_step_reference
-from .chunk import TensorInfo
+from .chunk import TensorInfo, TensorState
 from .chunk_manager import ChunkManager
 from .comm import ChunkComm
 from .config import PatrickStarConfig
@@ -139,6 +147,22 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
         self.manager.take_grad(info, grad, self.is_gradient_accumulation_boundary())
+
+    def before_state_dict(self) -> None:
+        self._gathered_for_state_dict = self.manager.gather_all()
+
+    def after_state_dict(self, state_dict: dict, prefix: str) -> None:
+        """See [Note: state_dict]."""
+        names = {info.name: info for info in self.manager.infos()}
+        for key, value in state_dict.items():
+            info = names.get(key[len(prefix):]) if key.startswith(prefix) else None
+            if info is None:
+                continue
+            if info.state is TensorState.HOLD_AFTER_BWD:
+                raise RuntimeError(f"state_dict() was called between backward and step: the slot of {info.name} "
+                                   f"holds its gradient. Call it before backward or after engine.step().")
+            state_dict[key] = value.detach().clone()
+        self.manager.release_groups(self._gathered_for_state_dict)
 
     # ---- engine interface -------------------------------------------------------
     def backward_epilogue(self, **kwargs) -> None:

@@ -1,0 +1,79 @@
+"""The tensor state machine: every legal move works, every illegal one raises."""
+import itertools
+
+import pytest
+import torch
+
+from ds_patrickstar.chunk import (Chunk, ChunkState, IllegalTransition, TensorInfo, TensorState,
+                                  check_transition)
+
+S = TensorState
+LEGAL = {
+    (S.FREE, S.HOLD),
+    (S.HOLD, S.FREE), (S.HOLD, S.COMPUTE), (S.HOLD, S.HOLD_AFTER_BWD),
+    (S.COMPUTE, S.COMPUTE), (S.COMPUTE, S.HOLD), (S.COMPUTE, S.HOLD_AFTER_FWD), (S.COMPUTE, S.HOLD_AFTER_BWD),
+    (S.HOLD_AFTER_FWD, S.FREE), (S.HOLD_AFTER_FWD, S.HOLD), (S.HOLD_AFTER_FWD, S.COMPUTE),
+    (S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD),
+    (S.HOLD_AFTER_BWD, S.HOLD), (S.HOLD_AFTER_BWD, S.FREE),
+}
+ALL_PAIRS = list(itertools.product(S, S))
+
+
+@pytest.mark.parametrize("old,new", [p for p in ALL_PAIRS if p in LEGAL], ids=lambda s: s.name)
+def test_legal_transition(old, new):
+    check_transition(old, new)
+
+
+@pytest.mark.parametrize("old,new", [p for p in ALL_PAIRS if p not in LEGAL], ids=lambda s: s.name)
+def test_illegal_transition_raises(old, new):
+    with pytest.raises(IllegalTransition, match=f"{old.name} -> {new.name}"):
+        check_transition(old, new, "w")
+
+
+def _chunk_with_two_tensors():
+    chunk = Chunk(0, 64, torch.float32, torch.device("cpu"), 0)
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(8))]
+    infos = []
+    offset = 0
+    for i, p in enumerate(params):
+        info = TensorInfo(f"p{i}", p, 0, offset, p.numel(), p.shape, 0)
+        chunk.append(info)
+        chunk.view_of(info).copy_(p.data)
+        p.data = chunk.view_of(info)
+        infos.append(info)
+        offset += 32
+    return chunk, params, infos
+
+
+def test_grad_slot_cannot_be_used_for_compute():
+    _, _, (a, _) = _chunk_with_two_tensors()
+    a.start_compute()
+    a.grad_written()
+    with pytest.raises(IllegalTransition, match="HOLD_AFTER_BWD -> COMPUTE"):
+        a.start_compute()
+
+
+def test_chunk_state_is_derived_from_tensors():
+    chunk, _, (a, b) = _chunk_with_two_tensors()
+    assert chunk.state is ChunkState.HOLD and chunk.movable
+    a.start_compute()
+    assert chunk.state is ChunkState.COMPUTE and not chunk.movable
+    with pytest.raises(IllegalTransition, match="in use"):
+        chunk.release()
+    a.end_forward()
+    chunk.release()
+    assert chunk.state is ChunkState.RELEASED and not chunk.is_materialized
+    assert {a.state, b.state} == {S.FREE}
+
+
+def test_release_keeps_views_valid():
+    chunk, params, infos = _chunk_with_two_tensors()
+    saved = params[0] * 1  # a view autograd would keep is the param itself
+    before = params[0].detach().clone()
+    chunk.release()
+    assert params[0].untyped_storage().nbytes() == 0
+    chunk.materialize()
+    chunk.view_of(infos[0]).copy_(before)
+    assert torch.equal(params[0].detach(), before)
+    assert params[0].data_ptr() == chunk.payload.data_ptr()
+    assert saved.shape == params[0].shape

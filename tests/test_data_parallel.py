@@ -1,0 +1,108 @@
+"""Data parallel on real processes (gloo): patrickstar against stock ZeRO-3 at the same world size."""
+import pytest
+import torch
+
+from multiproc import WorkerError, run_ranks
+
+STEPS = 6
+# fp32 on CPU: the only differences are summation order in the reduce and in the norm.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _model():
+    torch.manual_seed(0)
+    # 3 linear layers, 1732 params in 6 tensors: 3 chunks of at most 1024 elements, so the
+    # chunk count is not a multiple of 2 and the chunk map gets padded.
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 4))
+
+
+def _config(stage, gas, dtype="fp32"):
+    zero = {"stage": stage}
+    if stage == "patrickstar":
+        zero["chunk_size"] = 1024
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "gradient_clipping": 0.5}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_step=None):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from harness import allow_fp16_on_cpu
+
+    model = _model()
+    with allow_fp16_on_cpu():
+        engine, *_ = deepspeed.initialize(model=model, config=_config(stage, gas, dtype),
+                                          model_parameters=model.parameters())
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    in_dtype = torch.float16 if dtype == "fp16" else torch.float32
+    for step in range(STEPS * gas):
+        if step == fail_step and rank == 1:
+            raise RuntimeError("injected failure on rank 1")
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+        if step == poison_step and rank == 1:
+            x[0, 0] = float("inf")
+        loss = ((engine(x.to(in_dtype)) - y.to(in_dtype)).float() ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if stage == "patrickstar":
+        weights = engine.get_fp32_state_dict()
+        opt_bytes = engine.optimizer.manager.optimizer_state_bytes()
+        chunks = len(engine.optimizer.manager.chunks)
+    else:
+        weights = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+        opt_bytes = chunks = None
+    lp = {n: t.float() for n, t in engine.module.state_dict().items()} if stage != 3 else None
+    return {"losses": losses, "weights": weights, "skipped": engine.skipped_steps, "opt_bytes": opt_bytes,
+            "chunks": chunks, "lp": lp}
+
+
+def _assert_same(ours, ref, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol)
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("world_size,gas", [(2, 1), (3, 1), (2, 2)])
+def test_matches_zero3(world_size, gas):
+    ref = run_ranks(_train, world_size, 3, gas)
+    ours = run_ranks(_train, world_size, "patrickstar", gas)
+    for rank in range(world_size):
+        _assert_same(ours[rank], ref[rank])
+    assert ours[0]["chunks"] % world_size == 0
+
+
+def test_optimizer_state_is_split_across_ranks():
+    single = run_ranks(_train, 1, "patrickstar", 1)[0]
+    pair = run_ranks(_train, 2, "patrickstar", 1)
+    total = single["opt_bytes"]
+    n_params = sum(p.numel() for p in _model().parameters())
+    assert n_params * 12 <= total <= (n_params + 5 * 32) * 12  # fp32 master, momentum, variance (+ alignment)
+    # each rank holds about half: at most one chunk (<= 1024 elements, 12 B each) more or less
+    for rank in pair:
+        assert abs(rank["opt_bytes"] - total / 2) <= 1024 * 12, (rank["opt_bytes"], total)
+    assert sum(r["opt_bytes"] for r in pair) >= total
+
+
+def test_fp16_overflow_on_one_rank_skips_everywhere():
+    ref = run_ranks(_train, 2, 3, 1, "fp16", 2)
+    ours = run_ranks(_train, 2, "patrickstar", 1, "fp16", 2)
+    assert [r["skipped"] for r in ours] == [r["skipped"] for r in ref]
+    assert all(r["skipped"] >= 1 for r in ours)
+    for name in ours[0]["lp"]:
+        assert torch.equal(ours[0]["lp"][name], ours[1]["lp"][name]), name
+    # fp16 forward: losses agree to fp16 resolution, fp32 masters to a few fp16 ulps of the update
+    _assert_same(ours[0], ref[0], rtol=2e-3, atol=1e-3)
+
+
+def test_failure_on_one_rank_is_reported_not_hung():
+    with pytest.raises(WorkerError, match="rank 1 failed(.|\n)*injected failure on rank 1"):
+        run_ranks(_train, 2, "patrickstar", 1, "fp32", None, 2, timeout=120)
