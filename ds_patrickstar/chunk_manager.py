@@ -308,6 +308,24 @@ class ChunkManager:
                 acc.zero_()
         self._reduced.clear()
 
+    @torch.no_grad()
+    def params_to_master(self) -> None:
+        """After the parameters were overwritten (a module state_dict load): masters follow them."""
+        for chunk in self.owned_chunks():
+            self.optim[chunk.chunk_id].master[:chunk.used].copy_(chunk.payload[:chunk.used])
+
+    @torch.no_grad()
+    def master_to_params(self) -> None:
+        """After the masters were loaded: the owned slots get their values, other chunks are dropped."""
+        for group in range(self.num_groups):
+            self._release_group(group)
+        for chunk in self.owned_chunks():
+            chunk.payload[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
+        for info in self._infos.values():
+            if info.state not in (_S.HOLD, _S.FREE):
+                info.settle()
+        self._reduced.clear()
+
     def owned_grad_norm_sq(self) -> torch.Tensor:
         """Sum over ranks of the squared norms of the owned gradient slots (fp32)."""
         chunks = self.owned_chunks()

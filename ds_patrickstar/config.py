@@ -53,6 +53,11 @@ class PatrickStarConfig(BaseModel):
     finely. 1M-64M is the useful range."""
 
 
+    max_consecutive_skipped_steps: int = Field(default=50, ge=1)
+    """A run of this many consecutive skipped steps (non-finite gradients: an inf/NaN loss, or
+    fp16 overflow that lowering the loss scale does not cure) ends training with an error."""
+
+
 def _describe(error: dict) -> str:
     key = ".".join(str(p) for p in error["loc"]) or "zero_optimization"
     value = error.get("input")

@@ -9,10 +9,15 @@ fp32 gradient clipping of its own (the optimizer clips on the global norm).
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 from typing import Iterator
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+
+from . import checkpoint
 
 from .config import PatrickStarConfig
 from .optimizer import PatrickStarOptimizer
@@ -46,6 +51,39 @@ class PatrickStarEngine(DeepSpeedEngine):
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
             dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group)
+
+    # ---- checkpoints (see [Note: checkpoint format], [Note: crash-safe save]) --------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        saved = super().save_checkpoint(save_dir, tag, client_state=client_state or {}, save_latest=False,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        dist.barrier()
+        if self.global_rank == 0:
+            checkpoint.write_marker(save_dir, tag)
+            if save_latest:
+                checkpoint.atomic_write_text(os.path.join(save_dir, "latest"), tag)
+        dist.barrier()
+        return saved
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        tag = checkpoint.resolve_tag(load_dir, tag)
+        checkpoint.verify_complete(load_dir, tag)
+        checkpoint.check_model_file(self.optimizer.manager, load_dir, tag)
+        return super().load_checkpoint(load_dir, tag, **kwargs)
+
+    def _copy_recovery_script(self, save_path):
+        """DeepSpeed's zero_to_fp32.py cannot read our format; ours is python -m ds_patrickstar.zero_to_fp32."""
+
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        """Every saved rank's file, one at a time: any world size can load (resharding)."""
+        paths = sorted(glob.glob(os.path.join(load_dir, tag, checkpoint.OPTIM_GLOB)))
+        if not paths:
+            raise checkpoint.CheckpointError(f"checkpoint {os.path.join(load_dir, tag)!r} has no optimizer files")
+        saved = (self.checkpoint_engine.load(p, map_location="cpu")["optimizer_state_dict"] for p in paths)
+        self.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer_states,
+                                       load_from_fp32_weights=self.zero_load_from_fp32_weights())
+        return True
 
     # ---- model data access ------------------------------------------------------
     @torch.no_grad()

@@ -12,7 +12,8 @@
   (see [Note: gradient in the param slot]).
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
 in the backward epilogue. ``state_dict()`` of the top module gathers every released
-chunk group first and returns copies (see [Note: state_dict]). Forward hooks also fire during activation-checkpoint
+chunk group first and returns copies (see [Note: state_dict]); ``load_state_dict()``
+gathers, lets torch copy into the parameter views, and makes the fp32 masters follow. Forward hooks also fire during activation-checkpoint
 recomputation, which is just another ``COMPUTE`` use.
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ class HookTarget(Protocol):
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None: ...
 
     def before_state_dict(self) -> None: ...
+
+    def before_load_state_dict(self) -> None: ...
+
+    def after_load_state_dict(self) -> None: ...
 
     def after_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
 
@@ -70,6 +75,10 @@ class HookRegistry:
             lambda mod, prefix, keep_vars: target.before_state_dict()))
         self._handles.append(module.register_state_dict_post_hook(
             lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)))
+        self._handles.append(module.register_load_state_dict_pre_hook(
+            lambda mod, *args: target.before_load_state_dict()))
+        self._handles.append(module.register_load_state_dict_post_hook(
+            lambda mod, incompatible_keys: target.after_load_state_dict()))
         seen: set[int] = set()
         for param in module.parameters():
             info = info_of(param)

@@ -33,6 +33,7 @@ import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
+from . import checkpoint
 from .adam_math import AdamHyper, adam_step_reference
 from .chunk import TensorInfo, TensorState
 from .chunk_manager import ChunkManager
@@ -88,8 +89,14 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.options = options
         self.dtype = dtype
         self.clip_grad = clip_grad
+        self.dp_process_group = dp_group
         self.manager = ChunkManager(self._named_groups(module), options.chunk_size,
                                     accumulate=gradient_accumulation_steps > 1, comm=ChunkComm(dp_group))
+        self.consecutive_skipped_steps = 0
+        # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
+        self.fp16_groups = [[i.param for i in self.manager.infos() if i.group_index == g]
+                            for g in range(len(self.param_groups))]
+        self.bf16_groups = self.fp16_groups
         self.hooks = HookRegistry(module, self.manager.info, self)
         self.loss_scaler = CreateLossScaler(dtype=dtype, static_loss_scale=static_loss_scale,
                                             dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
@@ -148,6 +155,14 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
         self.manager.take_grad(info, grad, self.is_gradient_accumulation_boundary())
 
+    def before_load_state_dict(self) -> None:
+        self._gathered_for_load = self.manager.gather_all()
+
+    def after_load_state_dict(self) -> None:
+        """The module's new values become the fp32 masters (an optimizer load may refine them)."""
+        self.manager.params_to_master()
+        self.manager.release_groups(self._gathered_for_load)
+
     def before_state_dict(self) -> None:
         self._gathered_for_state_dict = self.manager.gather_all()
 
@@ -200,13 +215,25 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.overflow = not math.isfinite(scaled_norm)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
-            self._global_grad_norm = float("inf")
-            self.manager.finish_step(restore=True)
-            logger.info("ds_patrickstar: non-finite gradients, step skipped; loss scale now %s", self.loss_scale)
+            self._skip_step()
             return
+        self.consecutive_skipped_steps = 0
         self._global_grad_norm = scaled_norm / loss_scale
         self._apply_adam(1.0 / self._combined_scale(scaled_norm, loss_scale))
         self.manager.finish_step(restore=False)
+
+    def _skip_step(self) -> None:
+        self._global_grad_norm = float("inf")
+        self.manager.finish_step(restore=True)
+        self.consecutive_skipped_steps += 1
+        limit = self.options.max_consecutive_skipped_steps
+        logger.info("ds_patrickstar: non-finite gradients, step skipped (%d in a row); loss scale now %s",
+                    self.consecutive_skipped_steps, self.loss_scale)
+        if self.consecutive_skipped_steps >= limit:
+            raise RuntimeError(f"{self.consecutive_skipped_steps} consecutive steps were skipped because the gradients "
+                               f"were not finite (inf/NaN loss or gradients; loss scale now {self.loss_scale}). "
+                               f"Check the data and the learning rate, or raise "
+                               f"zero_optimization.max_consecutive_skipped_steps (now {limit}).")
 
     def _apply_adam(self, grad_scale: float) -> None:
         for index in {c.group_index for c in self.manager.chunks}:
@@ -220,6 +247,23 @@ class PatrickStarOptimizer(ZeROOptimizer):
                 continue
             self._adam(chunk.payload[:used], opt.master[:used], opt.exp_avg[:used], opt.exp_avg_sq[:used],
                        step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
+
+    # ---- checkpoints (see [Note: checkpoint format]) ---------------------------------
+    def state_dict(self) -> dict:
+        return checkpoint.optimizer_state(self.manager, self.group_steps, self.loss_scaler, self.param_groups)
+
+    def load_state_dict(self, state_dict_list, load_optimizer_states: bool = True,
+                        load_from_fp32_weights: bool = True, **kwargs) -> None:
+        if isinstance(state_dict_list, dict):
+            state_dict_list = [state_dict_list]
+        if load_from_fp32_weights or load_optimizer_states:
+            saved = checkpoint.load_optimizer_states(self.manager, state_dict_list, load_optimizer_states)
+            if load_optimizer_states:
+                self.group_steps = list(saved["group_steps"])
+                self.loss_scaler = saved["loss_scaler"]
+                for group, hyper in zip(self.param_groups, saved["param_groups"]):
+                    group.update(hyper)
+        self.manager.master_to_params()
 
     # ---- accounting -------------------------------------------------------------
     def model_data_bytes(self) -> int:

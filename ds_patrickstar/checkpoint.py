@@ -1,0 +1,180 @@
+"""Checkpoints: the optimizer's state in DeepSpeed's folder layout, crash-safe commits, resharding.
+
+[Note: checkpoint format]
+DeepSpeed writes, per tag, ``mp_rank_00_model_states.pt`` (the module's full
+``state_dict``, LR scheduler, step counters, ``client_state``) and one
+``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank holding
+``optimizer.state_dict()``. Ours is :func:`optimizer_state` below: the owned chunks' fp32
+master, momentum and variance as whole flat tensors, plus the layout that maps every
+parameter name to ``(chunk, offset, numel, shape)``. Because the layout is per parameter,
+a checkpoint can be loaded into any world size or chunk size: each rank reads every
+saved rank's file and copies the slices of the parameters it now owns.
+
+[Note: crash-safe save]
+DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a partial
+tag folder. So after DeepSpeed's save (with ``save_latest=False``) and a barrier, rank 0
+writes ``ds_patrickstar_complete.json`` (every file of the tag and its size) and then
+``latest``, each by write-to-temporary + ``os.replace``. A tag without a valid marker is
+refused on load with a message naming what is missing; ``latest`` only ever names a tag
+whose marker was written.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+
+FORMAT = "ds_patrickstar/1"
+MARKER = "ds_patrickstar_complete.json"
+OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this run; the message says why."""
+
+
+# ---- files ------------------------------------------------------------------------
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_marker(save_dir: str, tag: str) -> None:
+    folder = os.path.join(save_dir, tag)
+    files = {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+             if name != MARKER and os.path.isfile(os.path.join(folder, name)) and ".tmp" not in name}
+    atomic_write_text(os.path.join(folder, MARKER), json.dumps({"format": FORMAT, "tag": tag, "files": files}))
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str:
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"no checkpoint tag given and no 'latest' file in {load_dir!r}; pass tag= "
+                              f"or point load_dir at a folder written by engine.save_checkpoint")
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def verify_complete(load_dir: str, tag: str) -> None:
+    """Raise :class:`CheckpointError` unless the tag's marker lists files that are all there, whole."""
+    folder = os.path.join(load_dir, tag)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint tag {tag!r} does not exist in {load_dir!r}")
+    marker = os.path.join(folder, MARKER)
+    if not os.path.isfile(marker):
+        raise CheckpointError(f"checkpoint {folder!r} is incomplete or not a ds_patrickstar checkpoint: it has no "
+                              f"{MARKER} (a save was interrupted, or it was written by another backend). "
+                              f"Load an earlier tag.")
+    with open(marker) as f:
+        files = json.load(f)["files"]
+    for name, size in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {folder!r} is missing {name}")
+        if os.path.getsize(path) != size:
+            raise CheckpointError(f"checkpoint file {path!r} has {os.path.getsize(path)} bytes, {size} were "
+                                  f"written: it is truncated or was modified")
+
+
+def check_model_file(manager, load_dir: str, tag: str) -> None:
+    """Compare the parameter shapes DeepSpeed recorded in the model file with this model."""
+    path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {os.path.join(load_dir, tag)!r} has no mp_rank_00_model_states.pt")
+    shapes = {}
+    for group in torch.load(path, map_location="cpu", weights_only=False).get("param_shapes") or []:
+        shapes.update(group)
+    check_same_shapes(manager, shapes)
+
+
+# ---- optimizer state ----------------------------------------------------------------
+def optimizer_state(manager, group_steps: list[int], loss_scaler, param_groups: list[dict]) -> dict[str, Any]:
+    """This rank's part of the checkpoint; see [Note: checkpoint format]."""
+    layout = {info.name: (info.chunk_id, info.offset, info.numel, tuple(info.shape)) for info in manager.infos()}
+    chunks = {cid: {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
+              for cid, opt in manager.optim.items()}
+    return {"format": FORMAT, "rank": manager.comm.rank, "world_size": manager.comm.world_size,
+            "layout": layout, "chunks": chunks, "group_steps": list(group_steps), "loss_scaler": loss_scaler,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
+
+
+def check_same_model(manager, saved_layout: dict[str, tuple]) -> None:
+    check_same_shapes(manager, {name: entry[3] for name, entry in saved_layout.items()})
+
+
+def check_same_shapes(manager, saved_shapes: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` naming the first differences between the checkpoint and the model."""
+    ours = {info.name: tuple(info.shape) for info in manager.infos()}
+    theirs = {name: tuple(shape) for name, shape in saved_shapes.items()}
+    problems = [f"{n} missing from the checkpoint" for n in sorted(ours.keys() - theirs.keys())]
+    problems += [f"{n} in the checkpoint is not a trainable parameter of this model"
+                 for n in sorted(theirs.keys() - ours.keys())]
+    problems += [f"{n} has shape {theirs[n]} in the checkpoint but {ours[n]} in the model"
+                 for n in sorted(ours.keys() & theirs.keys()) if ours[n] != theirs[n]]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"the checkpoint is of another model: {shown}")
+
+
+@torch.no_grad()
+def load_optimizer_states(manager, saved: Iterable[dict], load_moments: bool) -> dict:
+    """Copy every owned parameter's slices from whichever saved rank owned it; returns one saved dict."""
+    targets = {info.name: info for info in manager.infos() if info.chunk_id in manager.optim}
+    found: set[str] = set()
+    first = None
+    for sd in saved:
+        if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+            raise CheckpointError("the optimizer state in this checkpoint was not written by ds_patrickstar "
+                                  f"(format {sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
+        check_same_model(manager, sd["layout"])
+        first = first or sd
+        for name, (cid, offset, numel, _) in sd["layout"].items():
+            if cid not in sd["chunks"] or name not in targets:
+                continue
+            info = targets[name]
+            opt = manager.optim[info.chunk_id]
+            keys = ("master", "exp_avg", "exp_avg_sq") if load_moments else ("master",)
+            for key in keys:
+                dst = getattr(opt, key)[info.offset:info.end]
+                dst.copy_(sd["chunks"][cid][key][offset:offset + numel])
+            found.add(name)
+    if first is None:
+        raise CheckpointError("the checkpoint has no optimizer state files")
+    if found != targets.keys():
+        missing = sorted(targets.keys() - found)[:5]
+        raise CheckpointError(f"the checkpoint's optimizer files do not cover {missing}: a rank's file is missing")
+    return first
+
+
+# ---- consolidation ------------------------------------------------------------------
+def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """One full fp32 state dict from a checkpoint folder (what ``zero_to_fp32.py`` gives stock users).
+
+    Trainable parameters come from the fp32 masters; frozen parameters and buffers from the
+    module state (upcast to fp32 when they are floating point).
+    """
+    tag = resolve_tag(checkpoint_dir, tag)
+    verify_complete(checkpoint_dir, tag)
+    folder = os.path.join(checkpoint_dir, tag)
+    result: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*model_states.pt"))):
+        module = torch.load(path, map_location="cpu", weights_only=False).get("module", {})
+        for name, value in module.items():
+            result[name] = value.float() if value.is_floating_point() else value
+    for path in sorted(glob.glob(os.path.join(folder, OPTIM_GLOB))):
+        sd = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        if sd.get("format") != FORMAT:
+            raise CheckpointError(f"{path} was not written by ds_patrickstar")
+        for name, (cid, offset, numel, shape) in sd["layout"].items():
+            if cid in sd["chunks"]:
+                result[name] = sd["chunks"][cid]["master"][offset:offset + numel].view(shape).clone()
+    return result
