@@ -12,32 +12,21 @@ collective is a no-op and the same code paths run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-
-@dataclass
-class CommCounters:
-    bytes_all_gathered: int = 0
-    bytes_reduce_scattered: int = 0
-    all_gathers: int = 0
-    reduce_scatters: int = 0
-
-    def reset(self) -> None:
-        self.bytes_all_gathered = self.bytes_reduce_scattered = self.all_gathers = self.reduce_scatters = 0
+from .counters import StepCounters
 
 
 class ChunkComm:
     """The collectives the chunk manager needs; see [Note: chunk groups]."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, counters: StepCounters) -> None:
         self.group = group
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
-        self.counters = CommCounters()
+        self.counters = counters
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.world_size

@@ -38,6 +38,7 @@ from .adam_math import AdamHyper, adam_step_reference
 from .chunk import TensorInfo, TensorState
 from .chunk_manager import ChunkManager
 from .comm import ChunkComm
+from .counters import StepCounters
 from .config import PatrickStarConfig
 from .hooks import HookRegistry
 
@@ -90,8 +91,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.dtype = dtype
         self.clip_grad = clip_grad
         self.dp_process_group = dp_group
+        self.counters = StepCounters()
         self.manager = ChunkManager(self._named_groups(module), options.chunk_size,
-                                    accumulate=gradient_accumulation_steps > 1, comm=ChunkComm(dp_group))
+                                    accumulate=gradient_accumulation_steps > 1,
+                                    comm=ChunkComm(dp_group, self.counters))
         self.consecutive_skipped_steps = 0
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
         self.fp16_groups = [[i.param for i in self.manager.infos() if i.group_index == g]
