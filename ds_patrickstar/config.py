@@ -15,7 +15,7 @@ import copy
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,14 @@ class PatrickStarConfig(BaseModel):
     """A run of this many consecutive skipped steps (non-finite gradients: an inf/NaN loss, or
     fp16 overflow that lowering the loss scale does not cure) ends training with an error."""
 
+    @field_validator("chunk_size", "max_consecutive_skipped_steps", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        # pydantic would read "4096" as 4096 and True as 1: a quoted number or a flag here is a mistake
+        if isinstance(value, (bool, str)):
+            raise ValueError(f"expected an integer (a JSON number, not {'a boolean' if isinstance(value, bool) else 'a string'})")
+        return value
+
 
 def _describe(error: dict) -> str:
     key = ".".join(str(p) for p in error["loc"]) or "zero_optimization"
@@ -65,8 +73,15 @@ def _describe(error: dict) -> str:
         allowed = ", ".join(sorted(PatrickStarConfig.model_fields))
         return f"zero_optimization.{key}={value!r} is not an option of stage 'patrickstar'; the options are: {allowed}"
     field = PatrickStarConfig.model_fields.get(str(error["loc"][0])) if error["loc"] else None
-    doc = f" ({field.description})" if field is not None and field.description else ""
-    return f"zero_optimization.{key}={value!r}: {error['msg']}{doc}"
+    if field is None:
+        return f"zero_optimization.{key}={value!r}: {error['msg']}"
+    low = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
+    high = next((m.le for m in field.metadata if hasattr(m, "le")), None)
+    kind = "an integer" if field.annotation is int else "a number"
+    use = f"; use {kind} {f'>= {low}' if high is None else f'from {low} to {high}'}" if low is not None else ""
+    doc = " ".join((field.description or "").split()).split(". ")[0].rstrip(".")
+    msg = error["msg"].removeprefix("Value error, ")
+    return f"zero_optimization.{key}={value!r} is invalid: {msg}{use} ({key}: {doc})"
 
 
 def parse_patrickstar_options(zero_block: dict[str, Any]) -> PatrickStarConfig:
@@ -95,12 +110,37 @@ def parse_patrickstar_options(zero_block: dict[str, Any]) -> PatrickStarConfig:
 
 def is_patrickstar(config: dict[str, Any]) -> bool:
     zero = config.get("zero_optimization")
-    return isinstance(zero, dict) and zero.get("stage") == STAGE_NAME
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if isinstance(stage, str) and stage != STAGE_NAME and stage.strip().lower() == STAGE_NAME:
+        raise ValueError(f"zero_optimization.stage={stage!r}: write {STAGE_NAME!r} exactly (lower case) to select "
+                         f"this backend")
+    return stage == STAGE_NAME
+
+
+_ADAM_TYPES = ("adam", "adamw")  # DeepSpeed compares optimizer types case-insensitively
+_UNSUPPORTED_ADAM_PARAMS = ("amsgrad", "maximize")
+
+
+def check_optimizer_block(config: dict[str, Any]) -> None:
+    """Refuse an ``optimizer`` block we cannot run before DeepSpeed builds it (its errors name no key)."""
+    block = config.get("optimizer")
+    if not isinstance(block, dict) or block.get("type") is None:
+        return
+    kind = block["type"]
+    if not isinstance(kind, str) or kind.lower() not in _ADAM_TYPES:
+        raise ValueError(f"optimizer.type={kind!r} is not supported by stage 'patrickstar', which updates parameters "
+                         f"with its own fused Adam: use \"type\": \"Adam\" or \"AdamW\"")
+    params = block.get("params") or {}
+    for flag in _UNSUPPORTED_ADAM_PARAMS:
+        if params.get(flag):
+            raise ValueError(f"optimizer.params.{flag}={params[flag]!r} is not supported by stage 'patrickstar'; "
+                             f"remove it or set it to false")
 
 
 def split_config(config: dict[str, Any]) -> tuple[PatrickStarConfig, dict[str, Any]]:
     """Return our options and the sanitized dict DeepSpeed sees; see [Note: config split]."""
     options = parse_patrickstar_options(config["zero_optimization"])
+    check_optimizer_block(config)
     sanitized = copy.deepcopy(config)
     sanitized["zero_optimization"] = {"stage": 0}
     return options, sanitized

@@ -122,11 +122,12 @@ class PatrickStarOptimizer(ZeROOptimizer):
             for param in group["params"]:
                 if param not in names:
                     raise ValueError(f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
-                                     f"that is not a parameter of the model")
+                                     f"that is not a parameter of the model; pass model_parameters="
+                                     f"model.parameters() (or groups of the model's own parameters)")
                 if param.requires_grad:
                     if not param.is_floating_point():
                         raise ValueError(f"parameter {names[param]} has dtype {param.dtype}; only floating point "
-                                         f"parameters can be trained")
+                                         f"parameters can be trained: make it float or set requires_grad=False")
                     named.append((names[param], param))
             groups.append(named)
         if not any(groups):

@@ -57,6 +57,9 @@ def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=
     if isinstance(model, deepspeed.PipelineModule) or mesh_param is not None:
         raise ValueError("stage 'patrickstar' supports data parallelism only (no pipeline or mesh parallelism)")
     options, sanitized = split_config(user_config)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (requires_grad=True); stage 'patrickstar' has "
+                         "nothing to train")
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
     config_class = DeepSpeedConfig(sanitized, mpu)

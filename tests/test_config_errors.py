@@ -1,0 +1,253 @@
+"""Bad configurations and inputs for stage 'patrickstar' fail early with a message that names the
+key, the value and what would work (issue 6). One in-process single-rank world, tiny models."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import types
+
+import pytest
+import torch
+
+import harness
+from harness import make_config
+
+
+@pytest.fixture(autouse=True)
+def _world():
+    harness.ensure_distributed()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))  # 178 params
+
+
+def _config(optimizer_type="AdamW", **zero) -> dict:
+    cfg = make_config("patrickstar", chunk_size=1024, optimizer_type=optimizer_type)
+    cfg["zero_optimization"].update(zero)
+    return cfg
+
+
+def _init(config, model=None, **kwargs):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    model = model if model is not None else _model()
+    kwargs.setdefault("model_parameters", model.parameters())
+    return deepspeed.initialize(model=model, config=config, **kwargs)[0]
+
+
+def _train_step(engine, nan=False):
+    loss = engine(torch.randn(8, 8)).pow(2).mean()
+    if nan:
+        loss = loss * float("nan")
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+# ---- zero_optimization: our keys ------------------------------------------------------
+def test_unknown_key_lists_the_options():
+    with pytest.raises(ValueError, match=r"zero_optimization\.chunk_sise=4096 is not an option of stage "
+                                         r"'patrickstar'; the options are: chunk_size, .*max_consecutive_skipped_steps"):
+        _init(_config(chunk_sise=4096))
+
+
+@pytest.mark.parametrize("value,why", [
+    (4096.5, r"got a number with a fractional part"),
+    (1000, r"greater than or equal to 1024"),
+    (2**31, r"less than or equal to 2147483647"),
+    ("big", r"not a string"),
+    ("4096", r"not a string"),  # a quoted number is a mistake too, not silently read as 4096
+    (True, r"not a boolean"),
+    (None, r"valid integer"),
+])
+def test_chunk_size_out_of_range_or_not_an_int(value, why):
+    with pytest.raises(ValueError, match=rf"zero_optimization\.chunk_size={re.escape(repr(value))} is invalid: "
+                                         rf".*{why}.*; use an integer from 1024 to 2147483647"):
+        _init(_config(chunk_size=value))
+
+
+def test_chunk_size_as_json_float_without_fraction_works():
+    engine = _init(_config(chunk_size=4096.0))  # JSON configs often write 4e3-style numbers
+    assert engine._patrickstar_config.chunk_size == 4096
+
+
+def test_max_consecutive_skipped_steps_zero():
+    with pytest.raises(ValueError, match=r"zero_optimization\.max_consecutive_skipped_steps=0 is invalid: "
+                                         r"Input should be greater than or equal to 1; use an integer >= 1"):
+        _init(_config(max_consecutive_skipped_steps=0))
+
+
+def test_stage_spelled_in_another_case():
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage='PatrickStar': write 'patrickstar' exactly"):
+        _init(_config(stage="PatrickStar"))
+
+
+# ---- zero_optimization: stock keys ----------------------------------------------------
+@pytest.mark.parametrize("key,value,why", [
+    ("offload_param", {"device": "cpu"}, "parameter placement between CPU and GPU is automatic"),
+    ("offload_optimizer", {"device": "cpu"}, "optimizer-state placement is automatic"),
+    ("sub_group_size", 10**9, "optimizer sub-groups are our chunks: set chunk_size instead"),
+    ("zero_quantized_weights", True, "quantized communication is not implemented"),
+])
+def test_conflicting_stock_key_is_an_error(key, value, why):
+    with pytest.raises(ValueError, match=rf"zero_optimization\.{key} cannot be used with stage 'patrickstar': "
+                                         rf"{re.escape(why)}.*\. Remove the key\.$"):
+        _init(_config(**{key: value}))
+
+
+def test_stock_tuning_keys_only_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.config"):
+        engine = _init(_config(reduce_bucket_size=5e8, overlap_comm=True))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.config"]
+    assert len(warnings) == 1, warnings
+    assert "['overlap_comm', 'reduce_bucket_size']" in warnings[0]
+    assert "ignored by stage 'patrickstar'" in warnings[0]
+    assert math.isfinite(_train_step(engine))  # and training runs
+
+
+# ---- optimizer ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["SGD", "Lamb", "OneBitAdam"])
+def test_config_optimizer_other_than_adam(kind):
+    with pytest.raises(ValueError, match=rf"optimizer\.type='{kind}' is not supported by stage 'patrickstar', "
+                                         r"which updates parameters with its own fused Adam: "
+                                         r"use \"type\": \"Adam\" or \"AdamW\""):
+        _init(_config(optimizer_type=kind))
+
+
+def test_config_optimizer_type_case_insensitive_as_in_deepspeed():
+    assert type(_init(_config(optimizer_type="adamw"))).__name__ == "PatrickStarEngine"
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_config_adam_flag(flag):
+    cfg = _config()
+    cfg["optimizer"]["params"][flag] = True
+    with pytest.raises(ValueError, match=rf"optimizer\.params\.{flag}=True is not supported by stage "
+                                         r"'patrickstar'; remove it or set it to false"):
+        _init(cfg)
+
+
+def test_client_sgd():
+    model = _model()
+    with pytest.raises(ValueError, match=r"supports Adam and AdamW only, got optimizer SGD\. Use \"type\": "
+                                         r"\"Adam\" or \"AdamW\" in the optimizer block, or pass torch\.optim\.Adam"):
+        _init(_config(optimizer_type=None), model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_client_adam_amsgrad():
+    model = _model()
+    with pytest.raises(ValueError, match=r"Adam\(amsgrad=True\) is not supported by stage 'patrickstar'; "
+                                         r"set amsgrad=False"):
+        _init(_config(optimizer_type=None), model,
+              optimizer=torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True))
+
+
+def test_no_optimizer_at_all():
+    with pytest.raises(ValueError, match=r"stage 'patrickstar' needs an optimizer: add an \"optimizer\" block "
+                                         r"\(Adam or AdamW\) to the DeepSpeed config or pass optimizer="):
+        _init(_config(optimizer_type=None))
+
+
+# ---- model and parameters -------------------------------------------------------------
+NO_TRAINABLE = r"the model has no trainable parameters \(requires_grad=True\); stage 'patrickstar' has nothing"
+
+
+def test_model_with_only_frozen_parameters():
+    model = _model()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match=NO_TRAINABLE):
+        _init(_config(), model)
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match=NO_TRAINABLE):  # not torch's "optimizer got an empty parameter list"
+        _init(_config(), torch.nn.ReLU(), model_parameters=None)
+
+
+def test_model_parameters_that_are_not_the_models():
+    model, other = _model(), torch.nn.Linear(3, 5)
+    with pytest.raises(ValueError, match=r"optimizer param group 0 holds a tensor of shape \(5, 3\) that is not a "
+                                         r"parameter of the model; pass model_parameters=model\.parameters\(\)"):
+        _init(_config(), model, model_parameters=list(model.parameters()) + [other.weight])
+
+
+def test_non_float_trainable_parameter():
+    # torch refuses requires_grad on integer tensors, but allows it on complex ones
+    model = _model()
+    model.phase = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"parameter phase has dtype torch\.complex64; only floating point "
+                                         r"parameters can be trained: make it float or set requires_grad=False"):
+        _init(_config(), model)
+
+
+# ---- where the config comes from ------------------------------------------------------
+def test_config_in_args_and_config_argument(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config()))
+    with pytest.raises(ValueError, match=r"a DeepSpeed config was given both as args\.deepspeed_config and as "
+                                         r"config=; give one"):
+        _init(_config(), args=types.SimpleNamespace(deepspeed_config=str(path)))
+
+
+def test_json_path_config_works(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config(chunk_size=2048)))
+    engine = _init(str(path))
+    assert type(engine).__name__ == "PatrickStarEngine" and engine._patrickstar_config.chunk_size == 2048
+    engine = _init(None, args=types.SimpleNamespace(deepspeed_config=str(path)))
+    assert type(engine).__name__ == "PatrickStarEngine"
+
+
+def test_missing_json_path_is_deepspeeds_error(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match=rf"Expected a string path to an existing deepspeed config.*"
+                                         rf"{re.escape(missing)}"):
+        _init(missing)
+
+
+# ---- training-time errors -------------------------------------------------------------
+def test_every_loss_nan_stops_after_max_consecutive_skipped_steps():
+    engine = _init(_config(max_consecutive_skipped_steps=3))
+    for _ in range(2):
+        _train_step(engine, nan=True)
+    assert engine.skipped_steps == 2
+    with pytest.raises(RuntimeError, match=r"^3 consecutive steps were skipped because the gradients were not "
+                                           r"finite .*raise zero_optimization\.max_consecutive_skipped_steps "
+                                           r"\(now 3\)"):
+        _train_step(engine, nan=True)
+
+
+def test_one_nan_step_is_skipped_and_training_continues():
+    engine = _init(_config(max_consecutive_skipped_steps=3))
+    losses = [_train_step(engine, nan=(i == 1)) for i in range(5)]
+    assert math.isnan(losses[1]) and all(math.isfinite(x) for i, x in enumerate(losses) if i != 1)
+    assert engine.skipped_steps == 1
+    assert engine.optimizer.consecutive_skipped_steps == 0
+    assert all(torch.isfinite(v).all() for v in engine.get_fp32_state_dict().values())
+
+
+def test_two_nan_runs_below_the_limit_do_not_add_up():
+    engine = _init(_config(max_consecutive_skipped_steps=3))
+    for nan in (True, True, False, True, True, False):
+        _train_step(engine, nan=nan)
+    assert engine.skipped_steps == 4
+
+
+def test_load_checkpoint_from_empty_dir(tmp_path):
+    engine = _init(_config())
+    with pytest.raises(ValueError, match=rf"no checkpoint tag given and no 'latest' file in "
+                                         rf"{re.escape(repr(str(tmp_path)))}; pass tag= or point load_dir at a "
+                                         rf"folder written by engine\.save_checkpoint"):
+        engine.load_checkpoint(str(tmp_path))
+
+
+def test_load_checkpoint_missing_tag(tmp_path):
+    engine = _init(_config())
+    with pytest.raises(ValueError, match=r"checkpoint tag 'global_step7' does not exist in "):
+        engine.load_checkpoint(str(tmp_path), tag="global_step7")
