@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write all results here")
     p.add_argument("--logs", default=str(bu.REPO_ROOT / "runs" / "compare_zero3"), help="child logs")
     p.add_argument("--timeout", type=float, default=None, help="seconds per backend")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="data-parallel ranks: > 1 runs each child under torchrun --nproc_per_node N")
     return p.parse_args(argv)
 
 
@@ -54,9 +56,30 @@ def backend_config(backend, offload):
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def child_command(args, backend, json_path, out_dir):
+def child_config(args, backend, workdir):
+    """The backend's config file; with data parallelism stock ZeRO-3 also gets DeepSpeed's comms
+    logger, which measures its all-gather / reduce-scatter bytes (ours come from our counters)."""
+    path = backend_config(backend, args.offload)
+    if args.world_size == 1 or backend != BASELINE:
+        return path
+    config = bu.load_config(path)
+    config["comms_logger"] = {"enabled": True, "verbose": False}
+    out = Path(workdir) / f"{backend}_config.json"
+    out.write_text(json.dumps(config, indent=1))
+    return out
+
+
+def launcher_prefix(args):
+    if args.world_size == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
+            "--master_port", str(bu.free_port())]
+
+
+def child_command(args, backend, json_path, out_dir, config=None):
     steps = args.warmup + args.steps
-    cmd = [sys.executable, str(TRAIN_SCRIPT), "--config", str(backend_config(backend, args.offload)),
+    config = config or backend_config(backend, args.offload)
+    cmd = launcher_prefix(args) + [str(TRAIN_SCRIPT), "--config", str(config),
            "--model", args.model, "--steps", str(steps), "--batch", str(args.batch),
            "--seq-len", str(args.seq_len), "--dtype", args.dtype, "--seed", str(args.seed),
            "--log-every", str(max(steps, 1)), "--eval-batches", "0", "--no-progress",
@@ -73,7 +96,7 @@ def run_backend(args, backend, workdir):
     """Train in a child process; return its JSON payload, or a dict with an ``error``."""
     json_path, log_path = Path(workdir) / f"{backend}.json", Path(args.logs) / f"{backend}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = child_command(args, backend, json_path, Path(workdir) / backend)
+    cmd = child_command(args, backend, json_path, Path(workdir) / backend, child_config(args, backend, workdir))
     logger.info("%s: %s (log: %s)", backend, " ".join(cmd), log_path)
     with open(log_path, "w") as log:
         try:
@@ -107,7 +130,17 @@ def measure(payload, warmup):
         "final_loss": records[-1]["loss"],
         "params": summary["params"],
         "timed_steps": len(timed),
+        **comm_columns(summary),
     }
+
+
+def comm_columns(summary):
+    """Bytes one rank all-gathers / reduce-scatters in one step (the last one), and where from."""
+    volume = summary.get("comm_volume")
+    if summary.get("world_size", 1) == 1 or not volume:
+        return {}
+    return {"bytes_all_gathered": volume["bytes_all_gathered"],
+            "bytes_reduce_scattered": volume["bytes_reduce_scattered"], "comm_source": volume["source"]}
 
 
 def gib(b):
@@ -124,13 +157,18 @@ COLUMNS = [
     ("model data (GiB)", "model_data_bytes", lambda v: f"{gib(v):.3f}", True),
     ("model B/param", "model_data_bytes_per_param", lambda v: f"{v:.2f}", True),
     ("final loss", "final_loss", lambda v: f"{v:.4f}", False),
+    ("all-gathered MiB/step", "bytes_all_gathered", lambda v: f"{v / 2**20:.3f}", True),
+    ("reduce-scattered MiB/step", "bytes_reduce_scattered", lambda v: f"{v / 2**20:.3f}", True),
+    ("comm measured by", "comm_source", str, False),
 ]
 
 
 def active_columns(results):
-    """Drop the GPU column on CPU-only runs."""
+    """Drop the GPU column on CPU-only runs and the communication columns with one rank."""
     on_gpu = any(r.get("gpu_max_bytes") is not None for r in results.values())
-    return [c for c in COLUMNS if on_gpu or c[1] != "gpu_max_bytes"]
+    comm = any(r.get("comm_source") is not None for r in results.values())
+    return [c for c in COLUMNS if (on_gpu or c[1] != "gpu_max_bytes")
+            and (comm or c[1] not in ("bytes_all_gathered", "bytes_reduce_scattered", "comm_source"))]
 
 
 def ratios(results, columns):
@@ -165,7 +203,7 @@ def format_table(results, columns):
 def describe(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     zero3 = "ZeRO-3 offload_param+offload_optimizer" if args.offload else "ZeRO-3"
-    return (f"model {args.model}, batch {args.batch}, seq {args.seq_len}, {args.dtype}, {device}, "
+    return (f"model {args.model}, batch {args.batch}, seq {args.seq_len}, {args.dtype}, {device} x {args.world_size}, "
             f"{args.warmup} warm-up + {args.steps} timed steps (median), seed {args.seed}; zero3 = {zero3}")
 
 

@@ -142,6 +142,42 @@ def current_lr(engine):
     return lrs[0] if lrs else float("nan")
 
 
+def comms_logger_enabled():
+    from deepspeed.comm import comm as ds_comm
+    return ds_comm.comms_logger.enabled
+
+
+def reset_comms_logger():
+    from deepspeed.comm import comm as ds_comm
+    ds_comm.comms_logger.reset_data()
+
+
+def comms_logger_volume():
+    """Bytes this rank moved in all-gathers and reduce-scatters since the last reset, from
+    DeepSpeed's comms logger (``"comms_logger": {"enabled": true}``). The logger's message size
+    is the collective's ``tensor`` argument: the rank's own input of an all-gather (it receives
+    (W-1) such pieces) and the whole input of a reduce-scatter (it sends (W-1)/W of it), the same
+    conventions as ds_patrickstar's counters (comm.py)."""
+    from deepspeed.comm import comm as ds_comm
+    world = ds_comm.get_world_size()
+    gathered = scattered = 0
+    for name, sizes in ds_comm.comms_logger.comms_dict.items():
+        for msg_size, record in sizes.items():
+            if name.startswith("all_gather"):
+                gathered += record[0] * msg_size * (world - 1)
+            elif name.startswith("reduce_scatter"):
+                scattered += record[0] * msg_size * (world - 1) // world
+    return {"bytes_all_gathered": gathered, "bytes_reduce_scattered": scattered, "source": "comms logger"}
+
+
+def patrickstar_volume(engine):
+    if not hasattr(engine, "get_patrickstar_counters"):
+        return None
+    counters = engine.get_patrickstar_counters()
+    return {"bytes_all_gathered": counters["bytes_all_gathered"],
+            "bytes_reduce_scattered": counters["bytes_reduce_scattered"], "source": "counters"}
+
+
 class TrainLoop:
     """Runs the optimizer steps, shows progress on rank 0 and keeps per-step records."""
 
@@ -153,8 +189,15 @@ class TrainLoop:
 
     def run(self):
         self.engine.train()
+        self.comm_volume = None
         with logging_redirect_tqdm():
-            records = [self.step(i) for i in range(1, self.args.steps + 1)]
+            records = []
+            for i in range(1, self.args.steps + 1):
+                if i == self.args.steps and comms_logger_enabled():
+                    reset_comms_logger()  # comm_volume: the last step only
+                records.append(self.step(i))
+            if comms_logger_enabled():
+                self.comm_volume = comms_logger_volume()
         if self.bar is not None:
             self.bar.close()
         return records
@@ -187,7 +230,7 @@ def window_mean(values, window):
     return sum(chunk) / len(chunk)
 
 
-def summarize(args, engine, records, val_loss, config, counts):
+def summarize(args, engine, records, val_loss, config, counts, comm_volume=None):
     losses = [r["loss"] for r in records]
     window = max(1, min(20, len(losses) // 5))
     timed = records[min(5, len(records) - 1):]
@@ -204,6 +247,10 @@ def summarize(args, engine, records, val_loss, config, counts):
         "host_peak_rss_bytes": bu.host_peak_rss_bytes(), "gpu_max_allocated_bytes": bu.gpu_max_allocated_bytes(),
         "model_data_bytes": md_bytes, "model_data_bytes_per_param": md_bytes / n_params if md_bytes else None,
         "device": device_name(), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+        # the last step's counters (ds_patrickstar only), and its data-parallel traffic per rank
+        "patrickstar_counters": engine.get_patrickstar_counters() if hasattr(engine, "get_patrickstar_counters")
+        else None,
+        "comm_volume": patrickstar_volume(engine) or comm_volume,
     }
 
 
@@ -228,6 +275,10 @@ def format_summary(s):
         ("model data bytes/param", "n/a" if s["model_data_bytes_per_param"] is None
          else f"{s['model_data_bytes_per_param']:.2f}"),
     ]
+    if s.get("comm_volume"):
+        v = s["comm_volume"]
+        rows.append((f"all-gathered / reduce-scattered per step ({v['source']})",
+                     f"{v['bytes_all_gathered'] / 2**20:.3f} / {v['bytes_reduce_scattered'] / 2**20:.3f} MiB per rank"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -263,11 +314,12 @@ def main(argv=None):
     train_tokens, val_tokens = data.split_corpus(data.load_corpus(args.corpus))
     batch = config["train_micro_batch_size_per_gpu"]
     sampler = data.BatchSampler(train_tokens, batch, args.seq_len, seed=args.seed, rank=rank)
-    records = TrainLoop(args, engine, sampler, rank).run()
+    loop = TrainLoop(args, engine, sampler, rank)
+    records = loop.run()
     val_sampler = data.BatchSampler(val_tokens, batch, args.seq_len, seed=args.seed + 1, rank=rank)
     val_loss = evaluate(engine, val_sampler, args.eval_batches)
     if rank == 0:
-        summary = summarize(args, engine, records, val_loss, config, counts)
+        summary = summarize(args, engine, records, val_loss, config, counts, loop.comm_volume)
         write_outputs(args, summary, records)
         if args.plot:
             maybe_plot(engine, args.out)

@@ -52,6 +52,25 @@ class PatrickStarEngine(DeepSpeedEngine):
             static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
             dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group)
 
+    # ---- per-step counters (see counters.py) ------------------------------------
+    def _take_model_step(self, lr_kwargs, *args, **kwargs):
+        try:
+            return super()._take_model_step(lr_kwargs, *args, **kwargs)
+        finally:  # applied, skipped, or raised (too many skipped steps): the step is over
+            self.optimizer.end_step_counters()
+
+    def step(self, lr_kwargs=None):
+        boundary = self.is_gradient_accumulation_boundary()  # super().step() advances micro_steps
+        super().step(lr_kwargs)
+        if boundary and self.monitor.enabled and self.global_rank == 0:
+            self.monitor.write_events([(f"Train/Samples/patrickstar/{name}", value, self.global_samples)
+                                       for name, value in self.get_patrickstar_counters().items()])
+
+    def get_patrickstar_counters(self) -> dict[str, int]:
+        """The last completed optimizer step's counters (all zero before the first step; bytes of
+        this rank) plus ``model_data_bytes``, what this rank holds for the model now."""
+        return {**self.optimizer.last_step_counters, "model_data_bytes": int(self.optimizer.model_data_bytes())}
+
     # ---- checkpoints (see [Note: checkpoint format], [Note: crash-safe save]) --------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):

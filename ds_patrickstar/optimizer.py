@@ -92,6 +92,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.clip_grad = clip_grad
         self.dp_process_group = dp_group
         self.counters = StepCounters()
+        self.last_step_counters: dict[str, int] = self.counters.as_dict()  # all zero before the first step
         self.manager = ChunkManager(self._named_groups(module), options.chunk_size,
                                     accumulate=gradient_accumulation_steps > 1,
                                     comm=ChunkComm(dp_group, self.counters))
@@ -270,6 +271,15 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.manager.master_to_params()
 
     # ---- accounting -------------------------------------------------------------
+    def end_step_counters(self) -> dict[str, int]:
+        """Close the step: ``counters`` (everything counted since the previous step, including the
+        collectives of a ``state_dict()``/``get_fp32_state_dict()`` in between) become
+        ``last_step_counters`` and start again from zero. The engine calls this after every
+        optimizer step, applied or skipped (see ``PatrickStarEngine._take_model_step``)."""
+        self.last_step_counters = self.counters.as_dict()
+        self.counters.reset()
+        return self.last_step_counters
+
     def model_data_bytes(self) -> int:
         """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""
         return self.manager.model_data_bytes()

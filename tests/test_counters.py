@@ -1,0 +1,103 @@
+"""Per-step counters: bytes all-gathered / reduce-scattered per step, the engine getter, the monitor.
+
+Model and layout (chunk_size 1024, fp32): Linear(16,32), Linear(32,32), Linear(32,4) are six
+tensors of 512, 32, 1024, 32, 128 and 4 elements. First fit puts 512+32+32+128+4 (708 used)
+in chunk 0 and the 1024-element weight in chunk 1. With 2 ranks that is one chunk group of two
+chunks of capacity 1024 (4096 bytes each), rank r owning chunk r. Per step:
+
+* forward: the group is gathered at the first layer and released after the last layer's
+  forward (every tensor is then HOLD_AFTER_FWD); backward needs it again at the last layer:
+  2 all-gathers, each receiving the other rank's chunk, (W-1)/W of the group = 4096 bytes;
+* after the last gradient the group is reduce-scattered once: each rank sends the other
+  rank's part, 4096 bytes.
+"""
+import csv
+import math
+import os
+
+import torch
+
+from multiproc import run_ranks
+
+STEPS = 4
+CHUNK_BYTES = 1024 * 4
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 4))
+
+
+def _config(monitor_dir=None):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": "patrickstar", "chunk_size": 1024},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if monitor_dir is not None:
+        cfg["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "x"}
+    return cfg
+
+
+def _train(rank, world_size, monitor_dir=None):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, config=_config(monitor_dir), model_parameters=model.parameters())
+    before = engine.get_patrickstar_counters()
+    gen = torch.Generator().manual_seed(7)
+    per_step = []
+    for _ in range(STEPS):
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        per_step.append(engine.get_patrickstar_counters())
+    manager = engine.optimizer.manager
+    layout = {"capacities": [c.capacity for c in manager.chunks], "element_size": manager.chunks[0].payload.element_size(),
+              "used": [c.used for c in manager.chunks]}
+    return {"before": before, "per_step": per_step, "layout": layout, "samples": engine.global_samples}
+
+
+def test_two_ranks_match_the_closed_form():
+    results = run_ranks(_train, 2)
+    for rank, res in enumerate(results):
+        assert res["layout"]["capacities"] == [1024, 1024], res["layout"]
+        assert res["layout"]["used"] == [708, 1024], res["layout"]
+        assert res["before"]["bytes_all_gathered"] == 0 and res["before"]["bytes_reduce_scattered"] == 0
+        for step, counters in enumerate(res["per_step"]):
+            # per step, not cumulative: the same numbers every step
+            assert counters["all_gathers"] == 2, (rank, step, counters)
+            assert counters["reduce_scatters"] == 1, (rank, step, counters)
+            assert counters["bytes_all_gathered"] == 2 * CHUNK_BYTES, (rank, step, counters)
+            assert counters["bytes_reduce_scattered"] == CHUNK_BYTES, (rank, step, counters)
+            assert counters["model_data_bytes"] > 0
+            # the formula the code uses: (W-1)/W of each gathered / reduced group
+            group_bytes = 2 * CHUNK_BYTES
+            assert counters["bytes_all_gathered"] == counters["all_gathers"] * group_bytes * (2 - 1) // 2
+            assert counters["bytes_reduce_scattered"] == counters["reduce_scatters"] * group_bytes * (2 - 1) // 2
+
+
+def test_one_rank_moves_nothing():
+    (res,) = run_ranks(_train, 1)
+    for counters in res["per_step"]:
+        assert {k: v for k, v in counters.items() if k.startswith(("bytes_all", "bytes_reduce", "all_", "reduce_"))} \
+            == {"bytes_all_gathered": 0, "bytes_reduce_scattered": 0, "all_gathers": 0, "reduce_scatters": 0}
+
+
+def test_csv_monitor_gets_the_counters(tmp_path):
+    results = run_ranks(_train, 2, str(tmp_path))
+    log_dir = tmp_path / "x"
+    for name, expected in (("bytes_all_gathered", 2 * CHUNK_BYTES), ("bytes_reduce_scattered", CHUNK_BYTES),
+                           ("model_data_bytes", None)):
+        path = log_dir / f"Train_Samples_patrickstar_{name}.csv"
+        assert path.exists(), sorted(os.listdir(log_dir))
+        rows = [r for r in csv.reader(path.open()) if r and r[0].replace(".", "").isdigit()]
+        assert len(rows) == STEPS, rows
+        # (global_samples, value): 2 ranks x micro-batch 4 = 8 samples per step
+        assert [int(float(r[0])) for r in rows] == [8 * (i + 1) for i in range(STEPS)]
+        values = [float(r[1]) for r in rows]
+        assert all(math.isfinite(v) for v in values)
+        if expected is not None:
+            assert values == [expected] * STEPS
+        else:
+            assert values == [results[0]["per_step"][i]["model_data_bytes"] for i in range(STEPS)]

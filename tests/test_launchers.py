@@ -1,0 +1,73 @@
+"""Real launchers: ``torchrun`` and ``deepspeed`` start tests/scripts/tiny_train.py on 2 ranks (gloo on CPU).
+
+Both ranks see the same data, so their losses are identical, and identical between launchers.
+A failure on one rank must end the run (non-zero exit, within the timeout) with that rank's
+error in the output, not hang the other rank in a collective. About 10-15 s per launch here.
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multiproc import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "tiny_train.py"
+TIMEOUT = 180
+# the pytest process carries single-rank settings (conftest); a launcher must set its own
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "CROSS_RANK", "CROSS_SIZE")
+
+
+def _launcher_cmd(launcher):
+    port = str(free_port())
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    exe = shutil.which("deepspeed")
+    if exe is None:
+        pytest.skip("the deepspeed launcher is not on PATH")
+    # CPU-only: --num_gpus (alias --num_accelerators) is the number of local processes
+    return [exe, "--num_gpus", "2", "--master_port", port]
+
+
+def _launch(launcher, out, *extra):
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = _launcher_cmd(launcher) + [str(SCRIPT), "--out", str(out), *extra]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=TIMEOUT, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{launcher} did not finish within {TIMEOUT} s:\n{(e.output or '')[-4000:]}")
+    return proc.returncode, proc.stdout
+
+
+def _losses(out):
+    runs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in runs] == [2, 2]
+    return [r["losses"] for r in runs]
+
+
+def test_torchrun_and_deepspeed_launchers_agree(tmp_path):
+    losses = {}
+    for launcher in ("torchrun", "deepspeed"):
+        rc, output = _launch(launcher, tmp_path / launcher)
+        assert rc == 0, f"{launcher} exited {rc}:\n{output[-4000:]}"
+        per_rank = _losses(tmp_path / launcher)
+        assert len(per_rank[0]) == 5 and all(math.isfinite(v) for v in per_rank[0])
+        assert per_rank[0] == per_rank[1], f"{launcher}: ranks disagree (same data on both): {per_rank}"
+        losses[launcher] = per_rank[0]
+    assert losses["torchrun"] == losses["deepspeed"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_failure_on_one_rank_ends_the_run_with_its_error(tmp_path, launcher):
+    rc, output = _launch(launcher, tmp_path / "out", "--fail-rank", "1", "--fail-step", "2")
+    assert rc != 0, output[-4000:]
+    assert "injected failure on rank 1 at step 2" in output, output[-4000:]
+    assert not (tmp_path / "out" / "rank0.json").exists()  # rank 0 did not finish training
