@@ -126,6 +126,9 @@ class Chunk:
     group_index: int
     tensors: list[TensorInfo] = field(default_factory=list)
     payload: torch.Tensor = field(init=False)
+    host: torch.Tensor | None = None  # host buffer when placement moves the chunk (see device.py)
+    on_host: bool = False
+    prefetched: bool = False
 
     def __post_init__(self) -> None:
         self.payload = torch.zeros(self.capacity, dtype=self.dtype, device=self.device)
@@ -137,6 +140,11 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         return self.capacity * self.payload.element_size()
+
+    @property
+    def data(self) -> torch.Tensor:
+        """Where the chunk's values are now: the host buffer or the accelerator payload."""
+        return self.host if self.on_host else self.payload
 
     @property
     def is_materialized(self) -> bool:

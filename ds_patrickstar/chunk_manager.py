@@ -53,8 +53,8 @@ class OptimizerChunk:
     exp_avg_sq: torch.Tensor
 
     @classmethod
-    def for_chunk(cls, chunk: Chunk) -> "OptimizerChunk":
-        master = chunk.payload.to(torch.float32, copy=True)
+    def for_chunk(cls, chunk: Chunk, device: torch.device | None = None) -> "OptimizerChunk":
+        master = chunk.payload.to(device or chunk.device, torch.float32, copy=True)
         return cls(master, torch.zeros_like(master), torch.zeros_like(master))
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,20 +97,23 @@ class ChunkManager:
     """Owns chunks, optimizer chunks and every :class:`TensorInfo`; moves tensor states."""
 
     def __init__(self, named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int,
-                 accumulate: bool, comm: ChunkComm) -> None:
+                 accumulate: bool, comm: ChunkComm, optim_device: torch.device | None = None) -> None:
         self.chunk_size = chunk_size
         self.comm = comm
         self.chunks: list[Chunk] = []
         self._infos: dict[torch.nn.Parameter, TensorInfo] = {}
         for group_index, named in enumerate(named_groups):
             self._build_group(group_index, named)
-        self.optim: dict[int, OptimizerChunk] = {c.chunk_id: OptimizerChunk.for_chunk(c) for c in self.owned_chunks()}
+        # with placement on CUDA the optimizer states start on the host (optim_device)
+        self.optim: dict[int, OptimizerChunk] = {c.chunk_id: OptimizerChunk.for_chunk(c, optim_device)
+                                                 for c in self.owned_chunks()}
         self.grad_acc = [torch.zeros(c.capacity, dtype=torch.float32, device=c.device) if accumulate else None
                          for c in self.chunks]
         self._present = set(range(self.num_groups))  # groups whose every chunk is materialized
         for g in range(self.num_groups):
             self._release_group(g)
         self._reduced: set[int] = set()
+        self.placement = None  # a PlacementRuntime once attach_placement() is called
         logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
                     len(self._infos), len(self.chunks), chunk_size, comm.world_size)
 
@@ -176,12 +179,28 @@ class ChunkManager:
         for chunk in self.group_members(group):
             yield from chunk.tensors
 
+    def attach_placement(self, runtime) -> None:
+        """From now on chunks move between accelerator and host (see [Note: placement]);
+        the owned chunks start on the host and come in when first used."""
+        self.placement = runtime
+        for chunk in self.owned_chunks():
+            runtime.mover.to_host(chunk)
+
+    def _bring(self, chunk: Chunk, keep: set[int]) -> None:
+        if self.placement is not None:
+            self.placement.bring(chunk, keep)
+
     # ---- materialize and release (see [Note: chunk groups]) ------------------------
     # Whether a group is present is decided from tensor states, which every rank moves
     # identically, so every rank enters the same collectives in the same order.
-    def _gather_group(self, group: int, fill: bool = True) -> None:
+    def _gather_group(self, group: int, fill: bool = True, keep: frozenset[int] = frozenset()) -> None:
         members = self.group_members(group)
+        keep = set(keep) | {c.chunk_id for c in members}
+        if self.placement is not None:
+            self.placement.make_room(sum(c.nbytes for c in members if not self.is_owned(c)), keep)
         for chunk in members:
+            if self.is_owned(chunk):
+                self._bring(chunk, keep)
             chunk.materialize()
         if fill:
             self.comm.all_gather([c.payload for c in members])
@@ -210,13 +229,27 @@ class ChunkManager:
         for group in groups:
             self._release_group(group)
 
-    def access(self, infos: list[TensorInfo]) -> None:
-        """Make the chunks of ``infos`` present, then mark the tensors ``COMPUTE``."""
-        for info in infos:
-            group = self._group_of(self.chunk_of(info))
+    def access(self, infos: list[TensorInfo], label: str = "") -> None:
+        """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
+        ``COMPUTE``, and (with placement) check the budget and prefetch the next moment."""
+        ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
+        if self.placement is not None:
+            self.placement.begin_moment(label, ids)
+        keep = frozenset(ids)
+        for chunk_id in ids:
+            chunk = self.chunks[chunk_id]
+            group = self._group_of(chunk)
             if group not in self._present:
-                self._gather_group(group)
+                self._gather_group(group, keep=keep)
+            else:
+                self._bring(chunk, set(keep))
+            if chunk.prefetched:
+                chunk.prefetched = False
+                self.comm.counters.prefetch_hits += 1
+        for info in infos:
             info.start_compute()
+        if self.placement is not None:
+            self.placement.end_moment(set(keep))
 
     def after_forward(self, infos: list[TensorInfo]) -> None:
         groups = set()
@@ -224,6 +257,9 @@ class ChunkManager:
             if info.state is _S.COMPUTE:
                 info.end_forward()
             groups.add(info.chunk_id // self.comm.world_size)
+        if self.placement is not None:
+            for chunk_id in dict.fromkeys(info.chunk_id for info in infos):
+                self.placement.after_use(self.chunks[chunk_id])
         if self.comm.world_size == 1:
             return
         for group in sorted(groups):
@@ -235,7 +271,7 @@ class ChunkManager:
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
         """Consume ``param.grad``; see [Note: gradient accumulation]."""
         chunk = self.chunk_of(info)
-        slot = chunk.flat_of(info)
+        slot = chunk.data[info.offset:info.end]
         acc = self.grad_acc[info.chunk_id]
         if acc is None:
             if not boundary:
@@ -255,6 +291,10 @@ class ChunkManager:
 
     def _reduce_group(self, group: int) -> None:
         members = self.group_members(group)
+        if self.comm.world_size > 1:
+            for chunk in members:
+                if self.is_owned(chunk):
+                    self._bring(chunk, {c.chunk_id for c in members})
         self.comm.reduce_scatter_mean([c.payload for c in members])
         self._release_group(group)
         self._reduced.add(group)
@@ -283,7 +323,7 @@ class ChunkManager:
         for info in chunk.tensors:
             if info.state is _S.HOLD_AFTER_BWD:
                 continue
-            slot = chunk.flat_of(info)
+            slot = chunk.data[info.offset:info.end]
             if acc is None:
                 slot.zero_()
             else:
@@ -299,7 +339,7 @@ class ChunkManager:
         """Slots hold parameters again: the new ones, or (``restore``) the master's after an overflow."""
         for chunk in self.owned_chunks():
             if restore:
-                chunk.payload[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
+                chunk.data[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
             for info in chunk.tensors:
                 if info.state is not _S.HOLD:
                     info.settle()
@@ -312,7 +352,7 @@ class ChunkManager:
     def params_to_master(self) -> None:
         """After the parameters were overwritten (a module state_dict load): masters follow them."""
         for chunk in self.owned_chunks():
-            self.optim[chunk.chunk_id].master[:chunk.used].copy_(chunk.payload[:chunk.used])
+            self.optim[chunk.chunk_id].master[:chunk.used].copy_(chunk.data[:chunk.used])
 
     @torch.no_grad()
     def master_to_params(self) -> None:
@@ -320,7 +360,7 @@ class ChunkManager:
         for group in range(self.num_groups):
             self._release_group(group)
         for chunk in self.owned_chunks():
-            chunk.payload[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
+            chunk.data[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
         for info in self._infos.values():
             if info.state not in (_S.HOLD, _S.FREE):
                 info.settle()
@@ -333,14 +373,15 @@ class ChunkManager:
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for chunk in chunks:
             # in slices: the fp32 upcast of a whole large chunk would be a large temporary
-            for part in chunk.payload[:chunk.used].split(_NORM_SLICE):
-                sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+            for part in chunk.data[:chunk.used].split(_NORM_SLICE):
+                sq += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(device)
         return self.comm.all_reduce_sum(sq)
 
     # ---- accounting ---------------------------------------------------------------
     def model_data_bytes(self) -> int:
         """Bytes this rank holds now: materialized chunks, optimizer chunks, accumulators."""
         payload = sum(c.nbytes for c in self.chunks if c.is_materialized)
+        payload += sum(c.host.numel() * c.host.element_size() for c in self.chunks if c.host is not None)
         acc = sum(a.numel() * a.element_size() for a in self.grad_acc if a is not None)
         return payload + self.optimizer_state_bytes() + acc
 

@@ -57,6 +57,36 @@ class PatrickStarConfig(BaseModel):
     """A run of this many consecutive skipped steps (non-finite gradients: an inf/NaN loss, or
     fp16 overflow that lowering the loss scale does not cure) ends training with an error."""
 
+    placement: Literal["auto", "static"] = "auto"
+    """How chunks are placed between the accelerator and the host. "auto": tide-aware (a warm-up
+    iteration traces the activation memory; chunks fill what it leaves, evicting by farthest
+    next use and prefetching the next moment's chunks; optimizer states of the chunks that fit
+    are updated on the accelerator, the rest on the host). "static": a fixed fraction of the
+    chunks stays on the accelerator (like ZeRO-3 offload), all optimizer states on the host."""
+
+    device_budget: int | float | None = None
+    """Accelerator memory ds_patrickstar may use for model data plus activations: bytes (an
+    integer) or a fraction of the device's memory (a number in (0, 1]). Default: 0.9 of the GPU.
+    Required with emulate_accelerator (a fraction then means of the host's memory)."""
+
+    static_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """With placement "static": the fraction of chunks that always stays on the accelerator."""
+
+    emulate_accelerator: bool = False
+    """On a CPU-only machine, run the placement machinery against an emulated accelerator of
+    device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""
+
+    @field_validator("device_budget")
+    @classmethod
+    def _budget(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("expected bytes (an integer) or a fraction in (0, 1], not a boolean")
+        if isinstance(value, float) and not 0.0 < value <= 1.0:
+            raise ValueError("a fraction of the device's memory must be in (0, 1]; for bytes write an integer")
+        if isinstance(value, int) and value < 2**16:
+            raise ValueError("a budget in bytes must be at least 64 KiB (65536); for a fraction write e.g. 0.5")
+        return value
+
     @field_validator("chunk_size", "max_consecutive_skipped_steps", mode="before")
     @classmethod
     def _a_number(cls, value: Any) -> Any:

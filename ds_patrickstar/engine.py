@@ -104,6 +104,18 @@ class PatrickStarEngine(DeepSpeedEngine):
                                        load_from_fp32_weights=self.zero_load_from_fp32_weights())
         return True
 
+    # ---- placement ----------------------------------------------------------------
+    def tide_plot(self, path: str) -> str:
+        """Write a PNG of the last iteration's model vs non-model accelerator memory per moment."""
+        runtime = self.optimizer.placement
+        if runtime is None or not runtime.tide:
+            raise RuntimeError("no placement trace to plot: placement runs on CUDA or with "
+                               "zero_optimization.emulate_accelerator=true, after at least one iteration")
+        from .tide_plot import plot_tide
+
+        return plot_tide(runtime.tide, runtime.placer.budget, path,
+                         f"ds_patrickstar tide ({runtime.placer.policy} placement)")
+
     # ---- model data access ------------------------------------------------------
     @torch.no_grad()
     def get_fp32_state_dict(self) -> dict[str, torch.Tensor]:

@@ -10,6 +10,8 @@
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
   (see [Note: gradient in the param slot]).
+The root module's forward pre/post hooks (registered first) mark where an iteration's
+moments begin, for the memory tracer (see [Note: moments and the trace]).
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
 in the backward epilogue. ``state_dict()`` of the top module gathers every released
 chunk group first and returns copies (see [Note: state_dict]); ``load_state_dict()``
@@ -28,6 +30,10 @@ from .chunk import TensorInfo
 
 
 class HookTarget(Protocol):
+    def root_forward_start(self, inputs: Any) -> None: ...
+
+    def root_forward_end(self) -> None: ...
+
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
@@ -66,7 +72,11 @@ class HookRegistry:
     def __init__(self, module: torch.nn.Module, info_of: Callable[[torch.Tensor], TensorInfo | None],
                  target: HookTarget) -> None:
         self._target = target
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle] = [
+            module.register_forward_pre_hook(lambda mod, args, kwargs: target.root_forward_start((args, kwargs)),
+                                             with_kwargs=True),
+            module.register_forward_hook(lambda mod, args, output: target.root_forward_end()),
+        ]
         for sub in module.modules():
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
             if infos:

@@ -39,8 +39,10 @@ from .chunk import TensorInfo, TensorState
 from .chunk_manager import ChunkManager
 from .comm import ChunkComm
 from .counters import StepCounters
+from .device import build_placement
+from .placement import optimizer_chunks_on_device
 from .config import PatrickStarConfig
-from .hooks import HookRegistry
+from .hooks import HookRegistry, iter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +95,22 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.dp_process_group = dp_group
         self.counters = StepCounters()
         self.last_step_counters: dict[str, int] = self.counters.as_dict()  # all zero before the first step
+        device = next(iter(module.parameters())).device
         self.manager = ChunkManager(self._named_groups(module), options.chunk_size,
                                     accumulate=gradient_accumulation_steps > 1,
-                                    comm=ChunkComm(dp_group, self.counters))
+                                    comm=ChunkComm(dp_group, self.counters),
+                                    optim_device=torch.device("cpu") if device.type == "cuda" else None)
         self.consecutive_skipped_steps = 0
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
         self.fp16_groups = [[i.param for i in self.manager.infos() if i.group_index == g]
                             for g in range(len(self.param_groups))]
         self.bf16_groups = self.fp16_groups
+        self._module_names = {m: n for n, m in module.named_modules()}
+        self._step_since_forward = True
+        self._meter_ctx = None
+        self.device_optim: set[int] | None = None  # chunks whose Adam runs on the accelerator
+        self.placement = build_placement(options, self.manager, self.counters, device, dtype,
+                                         accumulate=gradient_accumulation_steps > 1)
         self.hooks = HookRegistry(module, self.manager.info, self)
         self.loss_scaler = CreateLossScaler(dtype=dtype, static_loss_scale=static_loss_scale,
                                             dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
@@ -146,8 +156,25 @@ class PatrickStarOptimizer(ZeROOptimizer):
         return self.loss_scaler.cur_scale
 
     # ---- hook target (see hooks.py) ---------------------------------------------
+    def root_forward_start(self, inputs) -> None:
+        if self.placement is None or _inside_backward():
+            return
+        if self._step_since_forward:
+            signature = tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs))
+            self.placement.tracer.start_iteration(signature)
+            self._step_since_forward = False
+        meter = self.placement.tracer.meter
+        if meter is not None and torch.is_grad_enabled():
+            self._meter_ctx = meter.hooks()
+            self._meter_ctx.__enter__()
+
+    def root_forward_end(self) -> None:
+        if self._meter_ctx is not None and not _inside_backward():
+            self._meter_ctx.__exit__(None, None, None)
+            self._meter_ctx = None
+
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.manager.access(infos)
+        self.manager.access(infos, "fwd:" + self._module_names.get(module, "?"))
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         if _inside_backward():
@@ -155,7 +182,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.manager.after_forward(infos)
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.manager.access(infos)
+        self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
         self.manager.take_grad(info, grad, self.is_gradient_accumulation_boundary())
@@ -215,6 +242,11 @@ class PatrickStarOptimizer(ZeROOptimizer):
         if not self.manager.grads_ready():
             raise RuntimeError("optimizer step() called before backward() reached the gradient accumulation "
                                "boundary; call engine.backward(loss) (or loss.backward()) first")
+        if self.placement is not None:
+            self._step_since_forward = True
+            self.placement.begin_moment("step", tuple(c.chunk_id for c in self.manager.owned_chunks()))
+            if self.device_optim is None and self.placement.tracer.trace is not None:
+                self._place_optimizer_states()
         loss_scale = self.loss_scale  # the scale the gradients were made with, before update_scale()
         scaled_norm = self._scaled_grad_norm()
         self.overflow = not math.isfinite(scaled_norm)
@@ -250,8 +282,40 @@ class PatrickStarOptimizer(ZeROOptimizer):
             used = chunk.used
             if used == 0:
                 continue
-            self._adam(chunk.payload[:used], opt.master[:used], opt.exp_avg[:used], opt.exp_avg_sq[:used],
-                       step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
+            data = self._chunk_for_adam(chunk)
+            _adam_backend(data.device)(data[:used], opt.master[:used], opt.exp_avg[:used], opt.exp_avg_sq[:used],
+                                       step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
+
+    def _chunk_for_adam(self, chunk) -> torch.Tensor:
+        """Hybrid Adam: a chunk is updated where its optimizer state lives (see [Note: placement])."""
+        runtime = self.placement
+        if runtime is None:
+            return chunk.payload
+        if self.device_optim is not None and chunk.chunk_id in self.device_optim:
+            runtime.bring(chunk, {chunk.chunk_id})
+            self.counters.adam_chunks_device += 1
+            return chunk.payload
+        runtime.mover.to_host(chunk)
+        self.counters.adam_chunks_host += 1
+        return chunk.host
+
+    def _place_optimizer_states(self) -> None:
+        """After warm-up: the memory the tide leaves at its highest decides which chunks' fp32
+        master/momentum/variance live (and are updated) on the accelerator."""
+        runtime, chunks = self.placement, self.manager.chunks
+        trace = runtime.tracer.trace
+        peak_non_model = max(m.non_model for m in trace.moments)
+        busiest = max(sum(chunks[c].nbytes for c in m.chunks) for m in trace.moments)
+        free = runtime.placer.budget - peak_non_model - busiest - 2 * max(c.nbytes for c in chunks)
+        capacities = {c.chunk_id: c.capacity for c in self.manager.owned_chunks()}
+        self.device_optim = optimizer_chunks_on_device(free, capacities, runtime.placer.policy)
+        device = chunks[0].device
+        for chunk_id in self.device_optim:
+            opt = self.manager.optim[chunk_id]
+            opt.master, opt.exp_avg, opt.exp_avg_sq = (t.to(device) for t in opt.tensors())
+            runtime.optim_device_bytes += opt.nbytes
+        logger.info("ds_patrickstar: optimizer states of %d of %d chunks on the accelerator",
+                    len(self.device_optim), len(capacities))
 
     # ---- checkpoints (see [Note: checkpoint format]) ---------------------------------
     def state_dict(self) -> dict:

@@ -1,0 +1,167 @@
+"""The memory tracer: non-model memory and chunk use at every moment of an iteration.
+
+[Note: moments and the trace]
+A *moment* is a hooked module's pre-forward or pre-backward, or the optimizer step. In the
+warm-up iteration the tracer records, at each moment, which chunks are used and how much
+non-model memory (activations, temporaries) the accelerator holds: on CUDA the allocator's
+bytes minus the bytes of our chunks, and the peak since the previous moment; on the
+emulated accelerator the bytes autograd has saved for backward that are not chunk
+payloads (see :class:`SavedTensorMeter`). Afterwards the placer reads, for any moment, the
+next use of a chunk and the non-model memory to plan for.
+
+An iteration whose inputs have other shapes than the traced one (another sequence length
+or batch size), or whose moments differ from the trace (control flow: a different number
+of moments, or another module at a moment, noticed at the first differing moment), is
+traced anew and its trace replaces the old one, so a stale trace is never used silently
+(the log says so). While tracing, placement is conservative (least recently used
+eviction, no prefetch).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NEVER = 1 << 60
+
+
+@dataclass(frozen=True)
+class Moment:
+    label: str
+    chunks: tuple[int, ...]
+    non_model: int
+
+
+@dataclass
+class Trace:
+    moments: list[Moment] = field(default_factory=list)
+    _uses: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, moment: Moment) -> None:
+        index = len(self.moments)
+        self.moments.append(moment)
+        for chunk in moment.chunks:
+            self._uses.setdefault(chunk, []).append(index)
+
+    def next_use(self, chunk: int, after: int) -> int:
+        """First moment > ``after`` using ``chunk`` (this iteration), else the first use next
+        iteration (moments wrap around), else :data:`NEVER`."""
+        uses = self._uses.get(chunk)
+        if not uses:
+            return NEVER
+        i = bisect.bisect_right(uses, after)
+        return uses[i] if i < len(uses) else uses[0] + len(self.moments)
+
+    def non_model_ahead(self, moment: int, window: int = 2) -> int:
+        """Most non-model memory over this moment and the next ``window - 1``."""
+        if not self.moments:
+            return 0
+        return max(self.moments[(moment + k) % len(self.moments)].non_model for k in range(window))
+
+    def __len__(self) -> int:
+        return len(self.moments)
+
+
+class SavedTensorMeter:
+    """Live bytes autograd holds for backward that are not chunk payloads (emulated accelerator).
+
+    Installed as saved-tensor hooks around the forward; a storage is counted once while any
+    saved tensor referring to it is alive.
+    """
+
+    def __init__(self, is_model_storage) -> None:
+        self._is_model = is_model_storage
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, refs]
+        self.bytes = 0
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self._live[key]
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        if self._is_model(storage) or storage.nbytes() == 0:
+            return tensor
+        key = storage.data_ptr()
+        entry = self._live.setdefault(key, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.bytes += entry[0]
+        entry[1] += 1
+        holder = _Saved(tensor)
+        weakref.finalize(holder, self._release, key)
+        return holder
+
+    @staticmethod
+    def unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Saved:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class MemoryTracer:
+    """Records the moments of one iteration; see [Note: moments and the trace]."""
+
+    def __init__(self, device: torch.device, meter: SavedTensorMeter | None) -> None:
+        self.device = device
+        self.meter = meter
+        self.trace: Trace | None = None
+        self._recording = Trace()
+        self.moment = -1
+        self.tracing = True
+        self.signature: tuple = ()
+
+    def non_model_now(self, chunk_bytes_on_device: int) -> int:
+        if self.meter is not None:
+            return self.meter.bytes
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return max(0, max(peak, torch.cuda.memory_allocated(self.device)) - chunk_bytes_on_device)
+        return 0
+
+    def start_iteration(self, signature: tuple = ()) -> None:
+        """Called at the first forward after an optimizer step, with the shapes of the inputs."""
+        if self.tracing and len(self._recording):
+            self.trace, self._recording = self._recording, Trace()
+            self.tracing = False
+            logger.info("ds_patrickstar: traced %d moments", len(self.trace))
+        if not self.tracing and signature != self.signature:
+            logger.info("ds_patrickstar: input shapes changed from %s to %s; re-tracing", self.signature, signature)
+            self.tracing, self._recording = True, Trace()
+        self.signature = signature
+        self.moment = -1
+
+    def record(self, label: str, chunks: tuple[int, ...], chunk_bytes_on_device: int) -> int:
+        """Advance to the next moment; returns its index."""
+        self.moment += 1
+        if not self.tracing:
+            expected = self.trace.moments[self.moment] if self.moment < len(self.trace) else None
+            if expected is None or expected.label != label:
+                logger.info("ds_patrickstar: iteration differs from the trace at moment %d (%s); re-tracing",
+                            self.moment, label)
+                self._recording = Trace(list(self.trace.moments[:self.moment]))
+                for index, moment in enumerate(self._recording.moments):
+                    for chunk in moment.chunks:
+                        self._recording._uses.setdefault(chunk, []).append(index)
+                self.tracing = True
+        if self.tracing:
+            self._recording.add(Moment(label, chunks, self.non_model_now(chunk_bytes_on_device)))
+        return self.moment
