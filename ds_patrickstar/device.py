@@ -80,6 +80,7 @@ class PlacementRuntime:
         self.movable = movable  # owned chunks: the only ones with a host copy
         self.optim_device_bytes = 0
         self.moment = -1
+        self.recording = False
         self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
 
     # ---- accounting ---------------------------------------------------------------
@@ -96,9 +97,14 @@ class PlacementRuntime:
 
     # ---- moments ------------------------------------------------------------------
     def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
-        self.moment = self.tracer.record(label, chunk_ids, self.model_bytes_on_device())
-        if self.moment == 0:
-            self.tide = []
+        """A training moment advances the trace; a no-grad forward (evaluation) is placed
+        greedily without touching the trace or the tide."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        self.recording = torch.is_grad_enabled() or in_backward or label == "step"
+        if self.recording:
+            self.moment = self.tracer.record(label, chunk_ids, self.model_bytes_on_device())
+            if self.moment == 0:
+                self.tide = []
         self.placer.touch(chunk_ids)
 
     def make_room(self, need: int, keep: set[int]) -> None:
@@ -134,7 +140,8 @@ class PlacementRuntime:
         if model + non_model > self.placer.budget:
             raise DeviceBudgetExceeded(f"model data {model} B + non-model {non_model} B exceed the accelerator "
                                        f"budget of {self.placer.budget} B at moment {self.moment}")
-        self.tide.append((self.moment, model, non_model))
+        if self.recording:
+            self.tide.append((self.moment, model, non_model))
         self.counters.peak_model_bytes_device = max(self.counters.peak_model_bytes_device, model)
         self.counters.peak_non_model_bytes_device = max(self.counters.peak_non_model_bytes_device, non_model)
         trace = None if self.tracer.tracing else self.tracer.trace

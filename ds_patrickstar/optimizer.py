@@ -157,7 +157,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     # ---- hook target (see hooks.py) ---------------------------------------------
     def root_forward_start(self, inputs) -> None:
-        if self.placement is None or _inside_backward():
+        if self.placement is None or _inside_backward() or not torch.is_grad_enabled():
             return
         if self._step_since_forward:
             signature = tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs))
