@@ -36,7 +36,11 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8, help="micro-batch size")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--backends", default="zero3,patrickstar", help="comma-separated: zero3, patrickstar")
+    p.add_argument("--backends", default="zero3,patrickstar",
+                   help="comma-separated: zero3, patrickstar, patrickstar-static (static placement policy)")
+    p.add_argument("--device-budget", type=float, default=None,
+                   help="patrickstar backends: accelerator budget, bytes (> 1) or a fraction of the GPU; on a "
+                        "CPU-only machine this turns on the emulated accelerator")
     p.add_argument("--offload", action="store_true", help="ZeRO-3 offloads params and optimizer to CPU")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--json", default=None, help="write all results here")
@@ -49,21 +53,37 @@ def parse_args(argv=None):
 
 def backend_config(backend, offload):
     cuda = torch.cuda.is_available()
-    if backend == "patrickstar":
+    if backend in ("patrickstar", "patrickstar-static"):
         return bu.CONFIG_DIR / ("patrickstar_gpu.json" if cuda else "patrickstar_cpu.json")
     if backend == "zero3":
         return bu.CONFIG_DIR / ("zero3_offload_gpu.json" if offload else "zero3_cpu.json")
     raise ValueError(f"unknown backend {backend!r}")
 
 
+def placement_overrides(args, backend):
+    """zero_optimization keys for the patrickstar backends: policy and accelerator budget."""
+    if not backend.startswith("patrickstar"):
+        return {}
+    keys = {"placement": "static"} if backend == "patrickstar-static" else {}
+    if args.device_budget is not None:
+        budget = args.device_budget
+        keys["device_budget"] = int(budget) if budget > 1 else budget
+        if not torch.cuda.is_available():
+            keys["emulate_accelerator"] = True
+    return keys
+
+
 def child_config(args, backend, workdir):
     """The backend's config file; with data parallelism stock ZeRO-3 also gets DeepSpeed's comms
     logger, which measures its all-gather / reduce-scatter bytes (ours come from our counters)."""
     path = backend_config(backend, args.offload)
-    if args.world_size == 1 or backend != BASELINE:
+    placement = placement_overrides(args, backend)
+    if (args.world_size == 1 or backend != BASELINE) and not placement:
         return path
     config = bu.load_config(path)
-    config["comms_logger"] = {"enabled": True, "verbose": False}
+    config["zero_optimization"].update(placement)
+    if args.world_size > 1 and backend == BASELINE:
+        config["comms_logger"] = {"enabled": True, "verbose": False}
     out = Path(workdir) / f"{backend}_config.json"
     out.write_text(json.dumps(config, indent=1))
     return out
