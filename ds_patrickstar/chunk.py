@@ -174,9 +174,6 @@ class Chunk:
     def view_of(self, info: TensorInfo) -> torch.Tensor:
         return self.payload[info.offset:info.end].view(info.shape)
 
-    def flat_of(self, info: TensorInfo) -> torch.Tensor:
-        return self.payload[info.offset:info.end]
-
     def release(self) -> None:
         """Free the payload's memory; views stay valid (see [Note: storage resize])."""
         if self.state is ChunkState.COMPUTE:

@@ -121,7 +121,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self._global_grad_norm = 0.0
         self.group_steps = [0] * len(self.param_groups)
         self._frozen_or_extra = [p for p in module.parameters() if self.manager.info(p) is None]
-        self._adam = _adam_backend(next(iter(module.parameters())).device)
+        _adam_backend(device)  # build the kernel (or fall back, with one warning) now, not in the first step
 
     def _named_groups(self, module: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
         names = {}
