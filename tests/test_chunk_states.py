@@ -77,3 +77,15 @@ def test_release_keeps_views_valid():
     assert torch.equal(params[0].detach(), before)
     assert params[0].data_ptr() == chunk.payload.data_ptr()
     assert saved.shape == params[0].shape
+
+
+def test_packing_is_first_fit_and_a_large_tensor_gets_its_own_chunk():
+    from ds_patrickstar.chunk_manager import ALIGN, _plan_group
+
+    sizes = {"w1": 900, "b1": 10, "big": 5000, "w2": 900, "b2": 10}
+    named = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in sizes.items()]
+    plans = _plan_group(named, chunk_size=1024)
+    layout = [[name for name, _, _ in plan] for plan in plans]
+    # b1 and b2 fill the gap w1 leaves (first fit); the 5000-element tensor is alone; w2 opens a chunk
+    assert layout == [["w1", "b1", "b2"], ["big"], ["w2"]]
+    assert all(offset % ALIGN == 0 for plan in plans for _, _, offset in plan)
