@@ -258,6 +258,9 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self._global_grad_norm = scaled_norm / loss_scale
         self._apply_adam(1.0 / self._combined_scale(scaled_norm, loss_scale))
         self.manager.finish_step(restore=False)
+        # We stand in for the basic optimizer's step: a torch LR scheduler built on it checks this
+        # flag (set by its wrapper around optimizer.step) to tell a missed step from a real one.
+        self.optimizer._opt_called = True
 
     def _skip_step(self) -> None:
         self._global_grad_norm = float("inf")
