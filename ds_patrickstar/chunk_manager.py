@@ -218,16 +218,25 @@ class ChunkManager:
                 chunk.release()
         self._present.discard(group)
 
-    def gather_all(self) -> list[int]:
-        """Gather every released group (a collective); returns the groups gathered."""
+    def gather_all(self) -> tuple[list[int], list[int]]:
+        """Every parameter readable and writable through its view: gather every released group (a
+        collective) and bring owned chunks from the host, past the placement budget for the
+        moment. Returns what :meth:`release_groups` undoes."""
         missing = [g for g in range(self.num_groups) if g not in self._present]
         for group in missing:
             self._gather_group(group)
-        return missing
+        moved = [c.chunk_id for c in self.owned_chunks() if c.on_host]
+        for chunk_id in moved:
+            self.placement.mover.to_device(self.chunks[chunk_id])
+            self.placement.mover.wait(self.chunks[chunk_id])
+        return missing, moved
 
-    def release_groups(self, groups: list[int]) -> None:
+    def release_groups(self, record: tuple[list[int], list[int]]) -> None:
+        groups, moved = record
         for group in groups:
             self._release_group(group)
+        for chunk_id in moved:
+            self.placement.mover.to_host(self.chunks[chunk_id])
 
     def access(self, infos: list[TensorInfo], label: str = "") -> None:
         """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors

@@ -128,8 +128,8 @@ def gathered_parameters(engine: PatrickStarEngine) -> Iterator[None]:
     """Every parameter of ``engine.module`` readable inside the block (a collective with data
     parallelism: enter it on every rank); see [Note: state_dict]."""
     manager = engine.optimizer.manager
-    gathered = manager.gather_all()
+    record = manager.gather_all()
     try:
         yield
     finally:
-        manager.release_groups(gathered)
+        manager.release_groups(record)

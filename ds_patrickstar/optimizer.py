@@ -19,8 +19,10 @@ that edits them is read at every step.
 With data parallelism a rank keeps only its own chunks between uses; a parameter of a
 released chunk is a view of an empty storage and must not be read directly.
 ``engine.module.state_dict()`` is therefore a collective (call it on every rank, as
-Hugging Face's save path does): it gathers every released chunk group, returns *copies*
-of the parameters, and releases the groups again. Reading parameters another way
+Hugging Face's save path does): it gathers every released chunk group (and brings chunks
+that placement moved to the host onto the accelerator, past the budget for that moment),
+returns *copies* of the parameters, and releases or moves them back again.
+``load_state_dict()`` does the same around torch's copy into the parameter views. Reading parameters another way
 between steps needs :func:`ds_patrickstar.gathered_parameters`.
 """
 from __future__ import annotations

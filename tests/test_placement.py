@@ -183,3 +183,37 @@ def test_data_parallel_with_placement_matches_zero3():
         torch.testing.assert_close(torch.tensor(ours[r]["losses"]), torch.tensor(ref[r]["losses"]),
                                    rtol=1e-5, atol=1e-6)
         assert ours[r]["counters"]["evictions"] > 0 and ours[r]["counters"]["bytes_all_gathered"] > 0
+
+
+def test_state_dict_and_checkpoint_with_chunks_on_the_host(tmp_path):
+    from ds_patrickstar import gathered_parameters
+
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=BUDGET)
+    _, uninterrupted, _ = _run(config, steps=6)
+    engine, first, _ = _run(config, steps=3)
+    assert any(c.on_host for c in engine.optimizer.manager.chunks)  # some chunks live on the host now
+    state = engine.module.state_dict()
+    fp32 = engine.get_fp32_state_dict()
+    for name, value in fp32.items():
+        assert torch.equal(state[name], value), name  # fp32 run: the parameter is its master
+    with gathered_parameters(engine):
+        assert torch.equal(engine.module[0].weight.detach(), fp32["0.weight"])
+    engine.save_checkpoint(str(tmp_path))
+    engine.destroy()
+
+    import deepspeed
+
+    model = _mlp()
+    resumed, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    resumed.load_checkpoint(str(tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(BATCH, HIDDEN, generator=gen), torch.randn(BATCH, HIDDEN, generator=gen))
+               for _ in range(6)]
+    second = []
+    for x, y in batches[3:]:
+        loss = ((resumed(x) - y) ** 2).mean()
+        resumed.backward(loss)
+        resumed.step()
+        second.append(loss.item())
+    assert first + second == uninterrupted
+    resumed.destroy()
