@@ -113,6 +113,7 @@ class ChunkManager:
         for g in range(self.num_groups):
             self._release_group(g)
         self._reduced: set[int] = set()
+        self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
         self.placement = None  # a PlacementRuntime once attach_placement() is called
         logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
                     len(self._infos), len(self.chunks), chunk_size, comm.world_size)
@@ -178,6 +179,9 @@ class ChunkManager:
     def _group_tensors(self, group: int) -> Iterable[TensorInfo]:
         for chunk in self.group_members(group):
             yield from chunk.tensors
+
+    def _group_sizes(self) -> list[int]:
+        return [sum(len(c.tensors) for c in self.group_members(g)) for g in range(self.num_groups)]
 
     def attach_placement(self, runtime) -> None:
         """From now on chunks move between accelerator and host (see [Note: placement]);
@@ -265,7 +269,7 @@ class ChunkManager:
         for info in infos:
             if info.state is _S.COMPUTE:
                 info.end_forward()
-            groups.add(info.chunk_id // self.comm.world_size)
+            groups.add(self._group_of(self.chunk_of(info)))
         if self.placement is not None:
             for chunk_id in dict.fromkeys(info.chunk_id for info in infos):
                 self.placement.after_use(self.chunks[chunk_id])
@@ -295,7 +299,8 @@ class ChunkManager:
             slot.copy_(acc_slot)
         info.grad_written()
         group = self._group_of(chunk)
-        if all(t.state is _S.HOLD_AFTER_BWD for t in self._group_tensors(group)):
+        self._pending[group] -= 1
+        if self._pending[group] == 0:  # the group's last gradient: O(1) per parameter, not a scan
             self._reduce_group(group)
 
     def _reduce_group(self, group: int) -> None:
@@ -338,6 +343,7 @@ class ChunkManager:
             else:
                 slot.copy_(acc[info.offset:info.end])
             info.grad_written()
+            self._pending[self._group_of(chunk)] -= 1
 
     def grads_ready(self) -> bool:
         return len(self._reduced) == self.num_groups
@@ -349,13 +355,18 @@ class ChunkManager:
         for chunk in self.owned_chunks():
             if restore:
                 chunk.data[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
-            for info in chunk.tensors:
-                if info.state is not _S.HOLD:
-                    info.settle()
         for acc in self.grad_acc:
             if acc is not None:
                 acc.zero_()
+        self._next_step()
+
+    def _next_step(self) -> None:
+        """Every present tensor holds its parameter again; no group has gradients."""
+        for info in self._infos.values():
+            if info.state not in (_S.HOLD, _S.FREE):
+                info.settle()
         self._reduced.clear()
+        self._pending = self._group_sizes()
 
     @torch.no_grad()
     def params_to_master(self) -> None:
@@ -370,10 +381,7 @@ class ChunkManager:
             self._release_group(group)
         for chunk in self.owned_chunks():
             chunk.data[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
-        for info in self._infos.values():
-            if info.state not in (_S.HOLD, _S.FREE):
-                info.settle()
-        self._reduced.clear()
+        self._next_step()
 
     def owned_grad_norm_sq(self) -> torch.Tensor:
         """Sum over ranks of the squared norms of the owned gradient slots (fp32)."""
@@ -396,6 +404,3 @@ class ChunkManager:
 
     def optimizer_state_bytes(self) -> int:
         return sum(o.nbytes for o in self.optim.values())
-
-    def num_params(self) -> int:
-        return sum(i.numel for i in self._infos.values())

@@ -21,6 +21,7 @@ import torch
 
 from .chunk import Chunk
 from .counters import StepCounters
+from .hooks import inside_backward
 from .placement import DeviceBudgetExceeded, Placer
 from .tracer import MemoryTracer
 
@@ -99,8 +100,7 @@ class PlacementRuntime:
     def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
         """A training moment advances the trace; a no-grad forward (evaluation) is placed
         greedily without touching the trace or the tide."""
-        in_backward = torch._C._current_graph_task_id() != -1
-        self.recording = torch.is_grad_enabled() or in_backward or label == "step"
+        self.recording = torch.is_grad_enabled() or inside_backward() or label == "step"
         if self.recording:
             self.moment = self.tracer.record(label, chunk_ids, self.model_bytes_on_device())
             if self.moment == 0:

@@ -51,6 +51,11 @@ class HookTarget(Protocol):
     def after_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
 
 
+def inside_backward() -> bool:
+    """Whether autograd is running a backward pass now (e.g. an activation-checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Tensors inside (possibly nested) tuples, lists, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):

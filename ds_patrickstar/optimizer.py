@@ -22,8 +22,8 @@ released chunk is a view of an empty storage and must not be read directly.
 Hugging Face's save path does): it gathers every released chunk group (and brings chunks
 that placement moved to the host onto the accelerator, past the budget for that moment),
 returns *copies* of the parameters, and releases or moves them back again.
-``load_state_dict()`` does the same around torch's copy into the parameter views. Reading parameters another way
-between steps needs :func:`ds_patrickstar.gathered_parameters`.
+``load_state_dict()`` does the same around torch's copy into the parameter views.
+Reading parameters another way between steps needs :func:`ds_patrickstar.gathered_parameters`.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ from .chunk import TensorInfo, TensorState
 from .chunk_manager import ChunkManager
 from .comm import ChunkComm
 from .counters import StepCounters
-from .device import build_placement
-from .placement import optimizer_chunks_on_device
 from .config import PatrickStarConfig
-from .hooks import HookRegistry, iter_tensors
+from .device import build_placement
+from .hooks import HookRegistry, inside_backward, iter_tensors
+from .placement import optimizer_chunks_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,6 @@ def _adam_backend(device: torch.device) -> Callable:
     return get_adam_backend(device)
 
 
-def _inside_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class PatrickStarOptimizer(ZeROOptimizer):
     """Chunk-based mixed-precision Adam; see [Note: step]."""
 
@@ -92,7 +88,6 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.param_groups = basic_optimizer.param_groups
         self.adamw = adamw_mode(basic_optimizer)
         self.options = options
-        self.dtype = dtype
         self.clip_grad = clip_grad
         self.dp_process_group = dp_group
         self.counters = StepCounters()
@@ -159,19 +154,19 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     # ---- hook target (see hooks.py) ---------------------------------------------
     def root_forward_start(self, inputs) -> None:
-        if self.placement is None or _inside_backward() or not torch.is_grad_enabled():
+        if self.placement is None or inside_backward() or not torch.is_grad_enabled():
             return
         if self._step_since_forward:
             signature = tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs))
             self.placement.tracer.start_iteration(signature)
             self._step_since_forward = False
         meter = self.placement.tracer.meter
-        if meter is not None and torch.is_grad_enabled():
+        if meter is not None:
             self._meter_ctx = meter.hooks()
             self._meter_ctx.__enter__()
 
     def root_forward_end(self) -> None:
-        if self._meter_ctx is not None and not _inside_backward():
+        if self._meter_ctx is not None and not inside_backward():
             self._meter_ctx.__exit__(None, None, None)
             self._meter_ctx = None
 
@@ -179,7 +174,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.manager.access(infos, "fwd:" + self._module_names.get(module, "?"))
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        if _inside_backward():
+        if inside_backward():
             return  # an activation-checkpoint recomputation: the tensors stay in COMPUTE for backward
         self.manager.after_forward(infos)
 
