@@ -10,8 +10,6 @@ use, into torch's extension cache (``TORCH_EXTENSIONS_DIR`` or
   ``cpu``, the CUDA kernel for ``cuda``, else the reference.  If a kernel cannot
   be built, it logs one warning (why, and how to fix it) and returns the
   reference.  ``DS_PATRICKSTAR_FORCE_TORCH_ADAM=1`` forces the reference.
-* :func:`grad_has_inf_or_nan` ORs "grad holds an inf/nan" into a one-element
-  flag tensor on the grad's device, without a host synchronisation.
 
 The CPU build's SIMD flags are chosen by inspecting the build machine
 (``/proc/cpuinfo``, else ``torch.backends.cpu.get_cpu_capability()``); the
@@ -202,30 +200,3 @@ def cpu_simd_name() -> str | None:
     ext = None if _force_torch() else _load_extension("cpu")
     return None if ext is None else ext.simd()
 
-
-def grad_has_inf_or_nan(grad: torch.Tensor, flag: torch.Tensor) -> None:
-    """Set ``flag`` (one element, bool/int32/float32, on grad's device) to 1 if ``grad`` has an inf or nan.
-
-    Leaves ``flag`` unchanged otherwise, so one flag can accumulate over many
-    slices; never synchronises with the host.
-    """
-    if grad.numel() == 0:
-        return
-    dtype = grad.device.type
-    ext = None
-    if not _force_torch() and dtype in ("cpu", "cuda") and grad.is_contiguous() \
-            and grad.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-            and flag.dtype in (torch.bool, torch.int32, torch.float32):
-        ext = _load_extension(dtype)
-    if ext is not None:
-        ext.grad_has_inf_or_nan(grad, flag)
-        return
-    bad = torch.isfinite(grad).logical_not_().any()
-    flag.copy_(flag.logical_or(bad.reshape(flag.shape)))
-
-
-def clear_cache() -> None:
-    """Forget loaded extensions and chosen backends (for tests; a rebuild hits the disk cache)."""
-    with _lock:
-        _extensions.clear()
-        _backends.clear()

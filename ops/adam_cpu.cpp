@@ -240,47 +240,6 @@ void adam_step(at::Tensor param_lp, at::Tensor master, at::Tensor exp_avg, at::T
   }
 }
 
-// ---------------------------------------------------------------- inf/nan check
-// A value is inf or nan iff its exponent bits are all ones; a plain integer
-// loop the compiler vectorizes.
-template <typename U>
-bool any_nonfinite(const U* x, int64_t n, U exp_mask) {
-  const int64_t nblocks = (n + kBlock - 1) / kBlock;
-  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), nblocks));
-  int found = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : found) if (n >= 4 * kMinParallel)
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t begin = b * kBlock;
-    const int64_t end = std::min(n, begin + kBlock);
-    U acc = 0;
-    for (int64_t i = begin; i < end; ++i) acc |= static_cast<U>((x[i] & exp_mask) == exp_mask);
-    found |= static_cast<int>(acc != 0);
-  }
-  return found != 0;
-}
-
-void grad_has_inf_or_nan(at::Tensor grad, at::Tensor flag) {
-  check_nonfinite_inputs(grad, flag, c10::DeviceType::CPU);
-  const int64_t n = grad.numel();
-  bool found = false;
-  if (n > 0) {
-    switch (grad.scalar_type()) {
-      case at::kFloat:
-        found = any_nonfinite<uint32_t>(reinterpret_cast<const uint32_t*>(grad.data_ptr()), n, 0x7F800000u);
-        break;
-      case at::kBFloat16:
-        found = any_nonfinite<uint16_t>(reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, 0x7F80u);
-        break;
-      case at::kHalf:
-        found = any_nonfinite<uint16_t>(reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, 0x7C00u);
-        break;
-      default:
-        TORCH_CHECK(false, "unreachable");
-    }
-  }
-  if (found) flag.fill_(1);
-}
-
 std::string simd_name() { return DSPS_SIMD_NAME; }
 
 }  // namespace
@@ -289,7 +248,5 @@ std::string simd_name() { return DSPS_SIMD_NAME; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ds_patrickstar fused chunk Adam (CPU)";
   m.def("adam_step", &ds_patrickstar::adam_step, "Fused Adam/AdamW step on a flat chunk slice (in place)");
-  m.def("grad_has_inf_or_nan", &ds_patrickstar::grad_has_inf_or_nan,
-        "Set flag to 1 if grad holds an inf or nan (leaves it unchanged otherwise)");
   m.def("simd", &ds_patrickstar::simd_name, "SIMD path compiled in: avx512, avx2 or scalar");
 }

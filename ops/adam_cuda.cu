@@ -1,7 +1,6 @@
 // Fused chunk Adam on CUDA: one launch per chunk slice reads the low-precision
 // gradient, updates the fp32 master/exp_avg/exp_avg_sq and writes the new
-// low-precision parameter (see ds_patrickstar/adam_math.py); plus a fused
-// inf/nan check over a gradient slice that sets one device flag (no host sync).
+// low-precision parameter (see ds_patrickstar/adam_math.py).
 //
 // Vectorized path: 4 elements per thread and iteration (16-byte fp32 loads,
 // 8-byte bf16/fp16 loads). Slices of a chunk start at arbitrary element
@@ -128,50 +127,6 @@ void launch_adam(T* lp, float* p, float* m, float* v, int64_t n, const AdamCoeff
   adam_kernel<T><<<num_blocks(work), kThreads, 0, stream>>>(lp, p, m, v, n, head, nvec, vectorized, c);
 }
 
-// ---------------------------------------------------------------- inf/nan check
-template <typename U>
-__device__ __forceinline__ bool nonfinite_bits(U x, U exp_mask) {
-  return (x & exp_mask) == exp_mask;
-}
-
-// x: nwords words of type U; when vectorized, the first nwords16 * (16/sizeof(U))
-// words are read as 16-byte vectors, the rest scalar.
-template <typename U, typename Flag>
-__global__ void __launch_bounds__(kThreads)
-    nonfinite_kernel(const U* __restrict__ x, int64_t nwords, int64_t nvec, U exp_mask, Flag* flag) {
-  constexpr int kPer = 16 / sizeof(U);
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  bool found = false;
-  for (int64_t j = tid; j < nvec; j += stride) {
-    const uint4 raw = reinterpret_cast<const uint4*>(x)[j];
-    const U* e = reinterpret_cast<const U*>(&raw);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) found |= nonfinite_bits<U>(e[k], exp_mask);
-  }
-  for (int64_t i = nvec * kPer + tid; i < nwords; i += stride) found |= nonfinite_bits<U>(x[i], exp_mask);
-  // Every writer stores the same value, so the race is benign; no atomics needed.
-  if (__syncthreads_or(found) && threadIdx.x == 0) *flag = static_cast<Flag>(1);
-}
-
-template <typename U>
-void launch_nonfinite(const U* x, int64_t n, U exp_mask, FlagType flag_type, void* flag, cudaStream_t stream) {
-  constexpr int kPer = 16 / sizeof(U);
-  const int64_t nvec = aligned(x, 16) ? n / kPer : 0;
-  const int64_t blocks = num_blocks(std::max<int64_t>(nvec, n - nvec * kPer));
-  switch (flag_type) {
-    case FlagType::kBool:
-      nonfinite_kernel<U, bool><<<blocks, kThreads, 0, stream>>>(x, n, nvec, exp_mask, static_cast<bool*>(flag));
-      break;
-    case FlagType::kInt32:
-      nonfinite_kernel<U, int><<<blocks, kThreads, 0, stream>>>(x, n, nvec, exp_mask, static_cast<int*>(flag));
-      break;
-    case FlagType::kFloat32:
-      nonfinite_kernel<U, float><<<blocks, kThreads, 0, stream>>>(x, n, nvec, exp_mask, static_cast<float*>(flag));
-      break;
-  }
-}
-
 }  // namespace
 
 cudaError_t launch_adam_cuda(LpType lp_type, void* param_lp, float* master, float* exp_avg, float* exp_avg_sq,
@@ -187,25 +142,6 @@ cudaError_t launch_adam_cuda(LpType lp_type, void* param_lp, float* master, floa
       break;
     case LpType::kFloat16:
       launch_adam<__half>(static_cast<__half*>(param_lp), master, exp_avg, exp_avg_sq, n, coeffs, stream);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
-}
-
-cudaError_t launch_nonfinite_cuda(LpType grad_type, const void* grad, int64_t n, FlagType flag_type, void* flag,
-                                  cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  switch (grad_type) {
-    case LpType::kFloat32:
-      launch_nonfinite<uint32_t>(static_cast<const uint32_t*>(grad), n, 0x7F800000u, flag_type, flag, stream);
-      break;
-    case LpType::kBFloat16:
-      launch_nonfinite<uint16_t>(static_cast<const uint16_t*>(grad), n, 0x7F80u, flag_type, flag, stream);
-      break;
-    case LpType::kFloat16:
-      launch_nonfinite<uint16_t>(static_cast<const uint16_t*>(grad), n, 0x7C00u, flag_type, flag, stream);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -39,24 +39,10 @@ void adam_step_cuda(at::Tensor param_lp, at::Tensor master, at::Tensor exp_avg, 
                                   c10::cuda::getCurrentCUDAStream(param_lp.device().index()).stream()));
 }
 
-void grad_has_inf_or_nan_cuda(at::Tensor grad, at::Tensor flag) {
-  check_nonfinite_inputs(grad, flag, c10::DeviceType::CUDA);
-  const int64_t n = grad.numel();
-  if (n == 0) return;
-  const c10::cuda::CUDAGuard guard(grad.device());
-  const FlagType ft = flag.scalar_type() == at::kBool  ? FlagType::kBool
-                      : flag.scalar_type() == at::kInt ? FlagType::kInt32
-                                                       : FlagType::kFloat32;
-  C10_CUDA_CHECK(launch_nonfinite_cuda(lp_type_of(grad), grad.data_ptr(), n, ft, flag.data_ptr(),
-                                       c10::cuda::getCurrentCUDAStream(grad.device().index()).stream()));
-}
-
 }  // namespace
 }  // namespace ds_patrickstar
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ds_patrickstar fused chunk Adam (CUDA)";
   m.def("adam_step", &ds_patrickstar::adam_step_cuda, "Fused Adam/AdamW step on a flat chunk slice (in place)");
-  m.def("grad_has_inf_or_nan", &ds_patrickstar::grad_has_inf_or_nan_cuda,
-        "Set flag to 1 if grad holds an inf or nan (leaves it unchanged otherwise); no host sync");
 }

@@ -36,18 +36,4 @@ inline void check_adam_inputs(const at::Tensor& param_lp, const at::Tensor& mast
   TORCH_CHECK(!param_lp.is_same(master), "ds_patrickstar adam: param_lp and master must be distinct buffers");
 }
 
-inline void check_nonfinite_inputs(const at::Tensor& grad, const at::Tensor& flag, c10::DeviceType device) {
-  check_flat(grad, "grad", device);
-  TORCH_CHECK(flag.device() == grad.device(), "ds_patrickstar grad_has_inf_or_nan: flag must be on ",
-              grad.device(), ", got ", flag.device());
-  TORCH_CHECK(flag.numel() == 1, "ds_patrickstar grad_has_inf_or_nan: flag must have one element, got ",
-              flag.numel());
-  const auto g = grad.scalar_type();
-  TORCH_CHECK(g == at::kFloat || g == at::kBFloat16 || g == at::kHalf,
-              "ds_patrickstar grad_has_inf_or_nan: grad must be float32, bfloat16 or float16, got ", g);
-  const auto f = flag.scalar_type();
-  TORCH_CHECK(f == at::kBool || f == at::kInt || f == at::kFloat,
-              "ds_patrickstar grad_has_inf_or_nan: flag must be bool, int32 or float32, got ", f);
-}
-
 }  // namespace ds_patrickstar

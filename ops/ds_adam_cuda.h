@@ -11,14 +11,9 @@
 namespace ds_patrickstar {
 
 enum class LpType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-enum class FlagType : int { kBool = 0, kInt32 = 1, kFloat32 = 2 };
 
 // One fused Adam step over n elements on `stream`; returns the launch error.
 cudaError_t launch_adam_cuda(LpType lp_type, void* param_lp, float* master, float* exp_avg, float* exp_avg_sq,
                              int64_t n, const AdamCoeffs& coeffs, cudaStream_t stream);
-
-// Sets *flag = 1 if the n values at grad hold an inf or nan; returns the launch error.
-cudaError_t launch_nonfinite_cuda(LpType grad_type, const void* grad, int64_t n, FlagType flag_type, void* flag,
-                                  cudaStream_t stream);
 
 }  // namespace ds_patrickstar

@@ -1,5 +1,13 @@
-"""``import ds_patrickstar`` must leave stock DeepSpeed untouched: a stage-3 training run
-is bit-identical with and without the import.
+"""``import ds_patrickstar`` must leave stock DeepSpeed untouched: a stock training run
+(ZeRO stage 0, 1, 2 or 3) is bit-identical with and without the import.
+
+Stage 3 gets the broader set (several quirk models, fp32 and bf16); stages 0, 1 and 2
+each run one small quirk model (tied weights, gradient accumulation, clipping, weight
+decay) for 4 steps in fp32 and in bf16, all in one subprocess pair to keep the added
+runtime small. All four stages run on DeepSpeed's CPU accelerator in both dtypes (with
+DeepSpeed 0.19: stage 0 fp32 steps the bare optimizer and reports no global grad norm,
+so it records ``None``; stage 0 bf16 wraps it in ``FP16_Optimizer``; stages 1 and 2 in
+``DeepSpeedZeroOptimizer``).
 
 Each run happens in a fresh subprocess (so nothing the import patches can leak into
 the "without" run), prints its per-micro-step losses, grad norms, LRs, the optimizer
@@ -43,8 +51,8 @@ def digest(weights):
     return h.hexdigest()
 
 out = {}
-for label, model, dtype, kw in json.loads(sys.argv[3]):
-    r = run_training(QUIRK_MODELS[model], make_config(3, dtype, **kw), 4, 7)
+for label, model, stage, dtype, kw in json.loads(sys.argv[3]):
+    r = run_training(QUIRK_MODELS[model], make_config(stage, dtype, **kw), 4, 7)
     out[label] = {
         "losses": [float.hex(x) for x in r.losses],
         "grad_norms": [None if g is None else float.hex(g) for g in r.grad_norms],
@@ -57,16 +65,22 @@ out["ds_patrickstar_loaded"] = "ds_patrickstar" in sys.modules
 print("@@RESULT@@" + json.dumps(out, sort_keys=True), flush=True)
 """
 
+# [label, quirk model, ZeRO stage, dtype, make_config kwargs]
+_TIED_KW = {"gas": 2, "clip": 0.1, "weight_decay": 0.1}
 RUNS = {
     "fp32": [
-        ["fp32-tied-ga2-clip", "tied", "fp32", {"gas": 2, "clip": 0.1, "weight_decay": 0.1}],
-        ["fp32-frozen", "frozen", "fp32", {"scheduler": "WarmupLR"}],
+        ["fp32-tied-ga2-clip", "tied", 3, "fp32", _TIED_KW],
+        ["fp32-frozen", "frozen", 3, "fp32", {"scheduler": "WarmupLR"}],
     ],
     "bf16": [
-        ["bf16-tied-ga2-clip", "tied", "bf16", {"gas": 2, "clip": 0.1, "weight_decay": 0.1}],
-        ["bf16-ckpt", "ckpt_reentrant", "bf16", {}],
+        ["bf16-tied-ga2-clip", "tied", 3, "bf16", _TIED_KW],
+        ["bf16-ckpt", "ckpt_reentrant", 3, "bf16", {}],
     ],
 }
+RUNS_STAGES_012 = [
+    [f"stage{stage}-{dtype}-tied-ga2-clip", "tied", stage, dtype, _TIED_KW]
+    for stage in (0, 1, 2) for dtype in ("fp32", "bf16")
+]
 
 
 def _run(import_ps: bool, runs) -> dict:
@@ -91,14 +105,24 @@ def _run(import_ps: bool, runs) -> dict:
     return json.loads(lines[-1][len(MARKER):])
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_import_leaves_stock_stage3_bit_identical(dtype):
-    without = _run(False, RUNS[dtype])
-    with_ps = _run(True, RUNS[dtype])
+def _assert_bit_identical(runs) -> None:
+    without = _run(False, runs)
+    with_ps = _run(True, runs)
     assert without.pop("ds_patrickstar_loaded") is False
     assert with_ps.pop("ds_patrickstar_loaded") is True
-    for label in without:
+    assert sorted(without) == sorted(r[0] for r in runs)
+    for label, _, stage, _, _ in runs:
         assert with_ps[label] == without[label], (
-            f"{label}: stock ZeRO-3 changed by `import ds_patrickstar`:\n"
+            f"{label}: stock ZeRO stage {stage} changed by `import ds_patrickstar`:\n"
             f"  without: {without[label]}\n  with:    {with_ps[label]}"
         )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_import_leaves_stock_stage3_bit_identical(dtype):
+    _assert_bit_identical(RUNS[dtype])
+
+
+def test_import_leaves_stock_stages_0_1_2_bit_identical():
+    """Stages 0, 1 and 2, fp32 and bf16 each: one subprocess pair for all six runs."""
+    _assert_bit_identical(RUNS_STAGES_012)
