@@ -97,11 +97,13 @@ def check_model_file(manager, load_dir: str, tag: str) -> None:
 
 
 # ---- optimizer state ----------------------------------------------------------------
-def optimizer_state(manager, group_steps: list[int], loss_scaler, param_groups: list[dict]) -> dict[str, Any]:
-    """This rank's part of the checkpoint; see [Note: checkpoint format]."""
+def optimizer_state(manager, states: dict, group_steps: list[int], loss_scaler,
+                    param_groups: list[dict]) -> dict[str, Any]:
+    """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
+    the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory."""
     layout = {info.name: (info.chunk_id, info.offset, info.numel, tuple(info.shape)) for info in manager.infos()}
-    chunks = {cid: {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
-              for cid, opt in manager.optim.items()}
+    chunks = {cid: {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
+              for cid, opt in states.items()}
     return {"format": FORMAT, "rank": manager.comm.rank, "world_size": manager.comm.world_size,
             "layout": layout, "chunks": chunks, "group_steps": list(group_steps), "loss_scaler": loss_scaler,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
@@ -126,9 +128,9 @@ def check_same_shapes(manager, saved_shapes: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
-def load_optimizer_states(manager, saved: Iterable[dict], load_moments: bool) -> dict:
+def load_optimizer_states(manager, states: dict, saved: Iterable[dict], load_moments: bool) -> dict:
     """Copy every owned parameter's slices from whichever saved rank owned it; returns one saved dict."""
-    targets = {info.name: info for info in manager.infos() if info.chunk_id in manager.optim}
+    targets = {info.name: info for info in manager.infos() if info.chunk_id in states}
     found: set[str] = set()
     first = None
     for sd in saved:
@@ -141,7 +143,7 @@ def load_optimizer_states(manager, saved: Iterable[dict], load_moments: bool) ->
             if cid not in sd["chunks"] or name not in targets:
                 continue
             info = targets[name]
-            opt = manager.optim[info.chunk_id]
+            opt = states[info.chunk_id]
             keys = ("master", "exp_avg", "exp_avg_sq") if load_moments else ("master",)
             for key in keys:
                 dst = getattr(opt, key)[info.offset:info.end]

@@ -24,6 +24,15 @@ chunk and drops ``param.grad``. The old value is not lost: the fp32 master holds
 the optimizer step writes the new value back into the slot. That is how model data costs
 14 bytes per parameter in fp16/bf16 (2 param/grad + 4 master + 4 + 4 Adam moments).
 
+[Note: ready payload]
+A chunk's values are in one place at a time: the accelerator payload, or the host buffer
+while placement keeps the chunk on the host. Copies between the two are asynchronous (a
+copy stream on CUDA, the strict emulated accelerator on CPU), so a buffer may still be
+waiting for its values. :meth:`Chunk.ready` waits on every pending copy of the chunk and
+returns the buffer that holds the values now; code that reads or writes a chunk's values
+goes through it (or :meth:`Chunk.ready_acc` for the gradient accumulator), never through
+the buffers directly.
+
 [Note: storage resize]
 A parameter is a view into its chunk's payload for its whole life. Releasing a chunk
 resizes the payload's untyped storage to zero bytes and materializing it resizes it back,
@@ -117,21 +126,26 @@ class ChunkState(enum.Enum):
 
 @dataclass(eq=False)
 class Chunk:
-    """A flat payload of ``capacity`` elements holding some tensors back to back."""
+    """A flat payload of ``capacity`` elements holding some tensors back to back.
+
+    The buffers (``payload`` on the accelerator, ``host`` while the chunk lives on the host,
+    the gradient accumulators ``acc``/``acc_host``) are created and moved by
+    :class:`~ds_patrickstar.device.ChunkStore`; their values are read and written only
+    through :meth:`ready` / :meth:`ready_acc` (see [Note: ready payload]).
+    """
 
     chunk_id: int
     capacity: int
     dtype: torch.dtype
-    device: torch.device
     group_index: int
     tensors: list[TensorInfo] = field(default_factory=list)
-    payload: torch.Tensor = field(init=False)
-    host: torch.Tensor | None = None  # host buffer when placement moves the chunk (see device.py)
+    payload: torch.Tensor | None = None  # on the accelerator; parameters are views of it
+    host: torch.Tensor | None = None  # the values while the chunk lives on the host (see device.py)
     on_host: bool = False
+    acc: torch.Tensor | None = None  # fp32 gradient accumulator beside the payload (GA > 1)
+    acc_host: torch.Tensor | None = None  # ... and while the chunk is away from the accelerator
+    pending: list = field(default_factory=list)  # copies into or out of this chunk not yet waited on
     prefetched: bool = False
-
-    def __post_init__(self) -> None:
-        self.payload = torch.zeros(self.capacity, dtype=self.dtype, device=self.device)
 
     @property
     def used(self) -> int:
@@ -139,16 +153,30 @@ class Chunk:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * self.payload.element_size()
+        return self.capacity * (torch.finfo(self.dtype).bits // 8)
 
     @property
-    def data(self) -> torch.Tensor:
-        """Where the chunk's values are now: the host buffer or the accelerator payload."""
+    def acc_nbytes(self) -> int:
+        return self.capacity * 4 if (self.acc is not None or self.acc_host is not None) else 0
+
+    def ready(self) -> torch.Tensor:
+        """The chunk's values where they live now, once every copy into or out of the chunk has
+        completed: the one accessor for reading or writing them (see [Note: ready payload])."""
+        self.wait_pending()
         return self.host if self.on_host else self.payload
+
+    def ready_acc(self) -> torch.Tensor | None:
+        """The gradient accumulator where it lives now (None when there is none), after its copies."""
+        self.wait_pending()
+        return self.acc_host if self.acc_host is not None else self.acc
+
+    def wait_pending(self) -> None:
+        while self.pending:
+            self.pending.pop(0).wait()
 
     @property
     def is_materialized(self) -> bool:
-        return self.payload.untyped_storage().nbytes() > 0
+        return self.payload is not None and self.payload.untyped_storage().nbytes() > 0
 
     @property
     def state(self) -> ChunkState:
@@ -174,19 +202,16 @@ class Chunk:
     def view_of(self, info: TensorInfo) -> torch.Tensor:
         return self.payload[info.offset:info.end].view(info.shape)
 
-    def release(self) -> None:
-        """Free the payload's memory; views stay valid (see [Note: storage resize])."""
+    def mark_released(self) -> None:
+        """Every tensor ``FREE`` (the store frees the memory; see [Note: storage resize])."""
         if self.state is ChunkState.COMPUTE:
             raise IllegalTransition(f"chunk {self.chunk_id} is in use (COMPUTE) and cannot be released")
         for info in self.tensors:
             if info.state is not TensorState.FREE:
                 info.transition(TensorState.FREE)
-        self.payload.untyped_storage().resize_(0)
 
-    def materialize(self) -> None:
-        """Give the payload its memory back (contents undefined until filled)."""
-        if not self.is_materialized:
-            self.payload.untyped_storage().resize_(self.capacity * self.payload.element_size())
+    def mark_present(self) -> None:
+        """``FREE`` tensors are ``HOLD`` again once the payload has memory."""
         for info in self.tensors:
             if info.state is TensorState.FREE:
                 info.transition(TensorState.HOLD)

@@ -4,7 +4,7 @@
 Each optimizer param group gets its own list of chunks (so one chunk has one set of
 Adam hyper-parameters), filled in the order the group lists its parameters, which for
 ``model.parameters()`` is registration order and so close to the order of use. Placement is
-first fit (see :func:`_plan_group`); offsets are aligned to :data:`ALIGN` elements. A
+first fit among the 64 most recent chunks (see :func:`_plan_group`); offsets are aligned to :data:`ALIGN` elements. A
 chunk holds at most ``chunk_size`` elements and is allocated as large as its contents
 need (so the last chunk of a group wastes nothing); a tensor larger than ``chunk_size``
 gets a chunk of its own sized to fit it. With data parallelism all chunks of a chunk
@@ -17,15 +17,17 @@ variance) in :class:`OptimizerChunk`.
 With GA = 1 a gradient goes straight into its parameter slot
 (see [Note: gradient in the param slot]). With GA > 1 the parameters must survive until
 the last micro-step, so every micro-step adds its gradient into an fp32 accumulator
-(one per chunk, on every rank) instead; on the boundary micro-step the accumulated sum
-is written into the slot, rounded to the param dtype once (the precision a GA = 1
-gradient has). Cost: 4 more bytes per parameter (18 instead of 14 in fp16/bf16), paid
-only when GA > 1.
+(one per chunk that received a gradient, on every rank) instead; on the boundary
+micro-step the accumulated sum is written into the slot, rounded to the param dtype
+once (the precision a GA = 1 gradient has). Accumulators exist only from a chunk's first
+non-boundary gradient to the end of the step, and follow their chunk between the
+accelerator and the host (see [Note: chunk locations]). Cost: 4 more bytes per parameter
+(18 instead of 14 in fp16/bf16) during accumulation, paid only when GA > 1.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 32
 _NORM_SLICE = 1 << 22
+_FIRST_FIT_WINDOW = 64
 _S = TensorState
 
 
@@ -45,24 +48,13 @@ def _align(n: int) -> int:
 
 
 @dataclass(eq=False)
-class OptimizerChunk:
-    """fp32 master, momentum and variance aligned with one owned param chunk."""
+class ChunkSpec:
+    """One planned chunk: its size and what goes where, before any memory is allocated."""
 
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-
-    @classmethod
-    def for_chunk(cls, chunk: Chunk, device: torch.device | None = None) -> "OptimizerChunk":
-        master = chunk.payload.to(device or chunk.device, torch.float32, copy=True)
-        return cls(master, torch.zeros_like(master), torch.zeros_like(master))
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.master, self.exp_avg, self.exp_avg_sq
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    group_index: int
+    capacity: int
+    dtype: torch.dtype
+    members: list[tuple[str, torch.nn.Parameter, int]] = field(default_factory=list)  # (name, param, offset)
 
 
 def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) -> list[list[tuple]]:
@@ -82,7 +74,9 @@ def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) ->
             plans.append([(name, param, 0)])
             fill.append(chunk_size)
             continue
-        index = next((i for i, used in enumerate(fill) if _align(used) + numel <= chunk_size), None)
+        # first fit among the most recent chunks (older ones are nearly always full): linear, not quadratic
+        recent = range(max(0, len(fill) - _FIRST_FIT_WINDOW), len(fill))
+        index = next((i for i in recent if _align(fill[i]) + numel <= chunk_size), None)
         if index is None:
             plans.append([])
             fill.append(0)
@@ -93,25 +87,39 @@ def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) ->
     return plans
 
 
-class ChunkManager:
-    """Owns chunks, optimizer chunks and every :class:`TensorInfo`; moves tensor states."""
+def plan_chunks(named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int,
+                world_size: int) -> list[ChunkSpec]:
+    """The chunk layout of every param group, padded to chunk groups of ``world_size``; see
+    [Note: chunk layout]."""
+    specs: list[ChunkSpec] = []
+    for group_index, named in enumerate(named_groups):
+        plans = _plan_group(named, chunk_size)
+        plans += [[] for _ in range(-len(plans) % world_size)]
+        dtype = named[0][1].dtype if named else torch.float32
+        for start in range(0, len(plans), world_size):
+            members = plans[start:start + world_size]
+            # A chunk is as large as its contents need, at most chunk_size unless a single
+            # tensor is larger; the members of a group share one size for the collectives.
+            capacity = max([ALIGN] + [_align(o + p.numel()) for plan in members for _, p, o in plan])
+            specs += [ChunkSpec(group_index, capacity, plan[0][1].dtype if plan else dtype, plan) for plan in members]
+    return specs
 
-    def __init__(self, named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int,
-                 accumulate: bool, comm: ChunkComm, optim_device: torch.device | None = None) -> None:
+
+class ChunkManager:
+    """Owns chunks and every :class:`TensorInfo`; moves tensor states; see [Note: chunk layout]."""
+
+    def __init__(self, specs: list[ChunkSpec], chunk_size: int, accumulate: bool, comm: ChunkComm,
+                 store) -> None:
         self.chunk_size = chunk_size
+        self.accumulate = accumulate
         self.comm = comm
+        self.store = store
         self.chunks: list[Chunk] = []
         self._infos: dict[torch.nn.Parameter, TensorInfo] = {}
-        for group_index, named in enumerate(named_groups):
-            self._build_group(group_index, named)
-        # with placement on CUDA the optimizer states start on the host (optim_device)
-        self.optim: dict[int, OptimizerChunk] = {c.chunk_id: OptimizerChunk.for_chunk(c, optim_device)
-                                                 for c in self.owned_chunks()}
-        self.grad_acc = [torch.zeros(c.capacity, dtype=torch.float32, device=c.device) if accumulate else None
-                         for c in self.chunks]
-        self._present = set(range(self.num_groups))  # groups whose every chunk is materialized
-        for g in range(self.num_groups):
-            self._release_group(g)
+        for spec in specs:
+            self._build_chunk(spec)
+        self._present = {g for g in range(self.num_groups)
+                         if all(c.is_materialized for c in self.group_members(g))}
         self._reduced: set[int] = set()
         self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
         self.placement = None  # a PlacementRuntime once attach_placement() is called
@@ -119,34 +127,28 @@ class ChunkManager:
                     len(self._infos), len(self.chunks), chunk_size, comm.world_size)
 
     # ---- construction -------------------------------------------------------------
-    def _build_group(self, group_index: int, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        plans = _plan_group(named, self.chunk_size)
-        world = self.comm.world_size
-        plans += [[] for _ in range(-len(plans) % world)]
-        like = named[0][1] if named else None
-        for start in range(0, len(plans), world):
-            members = plans[start:start + world]
-            # A chunk is as large as its contents need, at most chunk_size unless a single
-            # tensor is larger; the members of a group share one size for the collectives.
-            capacity = max([ALIGN] + [_align(o + p.numel()) for plan in members for _, p, o in plan])
-            for plan in members:
-                dtype = plan[0][1].dtype if plan else like.dtype
-                device = plan[0][1].device if plan else like.device
-                chunk = Chunk(len(self.chunks), capacity, dtype, device, group_index)
-                self.chunks.append(chunk)
-                for name, param, offset in plan:
-                    info = TensorInfo(name, param, chunk.chunk_id, offset, param.numel(), param.shape, group_index)
-                    chunk.append(info)
-                    self._infos[param] = info
-                    self._bind(chunk, info)
+    def _build_chunk(self, spec: ChunkSpec) -> None:
+        chunk = Chunk(len(self.chunks), spec.capacity, spec.dtype, spec.group_index)
+        self.chunks.append(chunk)
+        owned = self.is_owned(chunk)
+        self.store.create(chunk, owned)
+        for name, param, offset in spec.members:
+            info = TensorInfo(name, param, chunk.chunk_id, offset, param.numel(), param.shape, spec.group_index)
+            chunk.append(info)
+            self._infos[param] = info
+            self._bind(chunk, info, owned)
+        self.store.settle(chunk, owned)
 
     @staticmethod
-    def _bind(chunk: Chunk, info: TensorInfo) -> None:
+    @torch.no_grad()
+    def _bind(chunk: Chunk, info: TensorInfo, owned: bool) -> None:
+        """The parameter becomes a view of the chunk payload; its values go into the chunk (on the
+        host with placement), and its own storage is dropped."""
         if info.param.dtype != chunk.dtype:
             raise ValueError(f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
                              f"hold {chunk.dtype}; put parameters of different dtypes in different param groups")
-        with torch.no_grad():
-            chunk.view_of(info).copy_(info.param.data)
+        if owned:
+            chunk.ready()[info.offset:info.end].copy_(info.param.data.reshape(-1))
         info.param.data = chunk.view_of(info)
 
     # ---- lookup -------------------------------------------------------------------
@@ -173,7 +175,7 @@ class ChunkManager:
         world = self.comm.world_size
         return self.chunks[group * world:(group + 1) * world]
 
-    def _group_of(self, chunk: Chunk) -> int:
+    def group_of(self, chunk: Chunk) -> int:
         return chunk.chunk_id // self.comm.world_size
 
     def _group_tensors(self, group: int) -> Iterable[TensorInfo]:
@@ -184,11 +186,8 @@ class ChunkManager:
         return [sum(len(c.tensors) for c in self.group_members(g)) for g in range(self.num_groups)]
 
     def attach_placement(self, runtime) -> None:
-        """From now on chunks move between accelerator and host (see [Note: placement]);
-        the owned chunks start on the host and come in when first used."""
+        """From now on chunks move between accelerator and host (see [Note: placement])."""
         self.placement = runtime
-        for chunk in self.owned_chunks():
-            runtime.mover.to_host(chunk)
 
     def _bring(self, chunk: Chunk, keep: set[int]) -> None:
         if self.placement is not None:
@@ -200,18 +199,20 @@ class ChunkManager:
     def _gather_group(self, group: int, fill: bool = True, keep: frozenset[int] = frozenset()) -> None:
         members = self.group_members(group)
         keep = set(keep) | {c.chunk_id for c in members}
-        if self.placement is not None:
-            self.placement.make_room(sum(c.nbytes for c in members if not self.is_owned(c)), keep)
+        if self.placement is not None:  # room for the whole group at once: the owned chunk and the others
+            self.placement.make_room(sum(c.nbytes + c.acc_nbytes for c in members
+                                         if not c.is_materialized or c.on_host), keep)
         for chunk in members:
             if self.is_owned(chunk):
                 self._bring(chunk, keep)
-            chunk.materialize()
+            self.store.materialize(chunk)
+        payloads = [c.ready() for c in members]
         if fill:
-            self.comm.all_gather([c.payload for c in members])
+            self.comm.all_gather(payloads)
         else:
-            for chunk in members:
+            for chunk, payload in zip(members, payloads):
                 if not self.is_owned(chunk):
-                    chunk.payload.zero_()
+                    payload.zero_()
         self._present.add(group)
 
     def _release_group(self, group: int) -> None:
@@ -219,28 +220,8 @@ class ChunkManager:
             return
         for chunk in self.group_members(group):
             if not self.is_owned(chunk):
-                chunk.release()
+                self.store.release(chunk)
         self._present.discard(group)
-
-    def gather_all(self) -> tuple[list[int], list[int]]:
-        """Every parameter readable and writable through its view: gather every released group (a
-        collective) and bring owned chunks from the host, past the placement budget for the
-        moment. Returns what :meth:`release_groups` undoes."""
-        missing = [g for g in range(self.num_groups) if g not in self._present]
-        for group in missing:
-            self._gather_group(group)
-        moved = [c.chunk_id for c in self.owned_chunks() if c.on_host]
-        for chunk_id in moved:
-            self.placement.mover.to_device(self.chunks[chunk_id])
-            self.placement.mover.wait(self.chunks[chunk_id])
-        return missing, moved
-
-    def release_groups(self, record: tuple[list[int], list[int]]) -> None:
-        groups, moved = record
-        for group in groups:
-            self._release_group(group)
-        for chunk_id in moved:
-            self.placement.mover.to_host(self.chunks[chunk_id])
 
     def access(self, infos: list[TensorInfo], label: str = "") -> None:
         """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
@@ -251,7 +232,7 @@ class ChunkManager:
         keep = frozenset(ids)
         for chunk_id in ids:
             chunk = self.chunks[chunk_id]
-            group = self._group_of(chunk)
+            group = self.group_of(chunk)
             if group not in self._present:
                 self._gather_group(group, keep=keep)
             else:
@@ -259,6 +240,7 @@ class ChunkManager:
             if chunk.prefetched:
                 chunk.prefetched = False
                 self.comm.counters.prefetch_hits += 1
+            chunk.wait_pending()  # the compute that follows reads the payload through the views
         for info in infos:
             info.start_compute()
         if self.placement is not None:
@@ -269,10 +251,12 @@ class ChunkManager:
         for info in infos:
             if info.state is _S.COMPUTE:
                 info.end_forward()
-            groups.add(self._group_of(self.chunk_of(info)))
+            groups.add(self.group_of(self.chunk_of(info)))
         if self.placement is not None:
             for chunk_id in dict.fromkeys(info.chunk_id for info in infos):
-                self.placement.after_use(self.chunks[chunk_id])
+                chunk = self.chunks[chunk_id]
+                if self.is_owned(chunk):
+                    self.placement.after_use(chunk)
         if self.comm.world_size == 1:
             return
         for group in sorted(groups):
@@ -282,23 +266,25 @@ class ChunkManager:
     # ---- gradients ----------------------------------------------------------------
     @torch.no_grad()
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
-        """Consume ``param.grad``; see [Note: gradient accumulation]."""
+        """Consume ``param.grad`` into the chunk on the accelerator; see [Note: gradient accumulation]."""
         chunk = self.chunk_of(info)
-        slot = chunk.data[info.offset:info.end]
-        acc = self.grad_acc[info.chunk_id]
-        if acc is None:
+        self._bring(chunk, {chunk.chunk_id})  # a gradient is never written through a host round trip
+        flat = grad.reshape(-1)
+        if not self.accumulate:
             if not boundary:
-                raise RuntimeError("a non-boundary micro-step without gradient accumulators")
-            slot.copy_(grad.reshape(-1))
+                raise RuntimeError("a non-boundary micro-step without gradient accumulation")
+            chunk.ready()[info.offset:info.end].copy_(flat)
         else:
-            acc_slot = acc[info.offset:info.end]
-            acc_slot.add_(grad.reshape(-1).to(acc_slot.dtype))
+            if chunk.acc is None and chunk.acc_host is None and self.placement is not None:
+                self.placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, {chunk.chunk_id})
+            acc_slot = self.store.accumulator(chunk)[info.offset:info.end]
+            acc_slot.add_(flat.to(acc_slot.dtype))
             if not boundary:
                 info.settle()
                 return
-            slot.copy_(acc_slot)
+            chunk.ready()[info.offset:info.end].copy_(acc_slot)
         info.grad_written()
-        group = self._group_of(chunk)
+        group = self.group_of(chunk)
         self._pending[group] -= 1
         if self._pending[group] == 0:  # the group's last gradient: O(1) per parameter, not a scan
             self._reduce_group(group)
@@ -309,7 +295,7 @@ class ChunkManager:
             for chunk in members:
                 if self.is_owned(chunk):
                     self._bring(chunk, {c.chunk_id for c in members})
-        self.comm.reduce_scatter_mean([c.payload for c in members])
+        self.comm.reduce_scatter_mean([c.ready() for c in members])
         self._release_group(group)
         self._reduced.add(group)
 
@@ -333,31 +319,27 @@ class ChunkManager:
             self._reduce_group(group)
 
     def _fill_missing_grads(self, chunk: Chunk) -> None:
-        acc = self.grad_acc[chunk.chunk_id]
-        for info in chunk.tensors:
-            if info.state is _S.HOLD_AFTER_BWD:
-                continue
-            slot = chunk.data[info.offset:info.end]
+        missing = [info for info in chunk.tensors if info.state is not _S.HOLD_AFTER_BWD]
+        if not missing:
+            return
+        data, acc = chunk.ready(), chunk.ready_acc()
+        for info in missing:
+            slot = data[info.offset:info.end]
             if acc is None:
                 slot.zero_()
             else:
                 slot.copy_(acc[info.offset:info.end])
             info.grad_written()
-            self._pending[self._group_of(chunk)] -= 1
+            self._pending[self.group_of(chunk)] -= 1
 
     def grads_ready(self) -> bool:
         return len(self._reduced) == self.num_groups
 
     # ---- after the step -----------------------------------------------------------
-    @torch.no_grad()
-    def finish_step(self, restore: bool) -> None:
-        """Slots hold parameters again: the new ones, or (``restore``) the master's after an overflow."""
-        for chunk in self.owned_chunks():
-            if restore:
-                chunk.data[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
-        for acc in self.grad_acc:
-            if acc is not None:
-                acc.zero_()
+    def finish_step(self) -> None:
+        """Slots hold parameters again (the step or a restore wrote them); accumulators go."""
+        for chunk in self.chunks:
+            self.store.drop_accumulator(chunk)
         self._next_step()
 
     def _next_step(self) -> None:
@@ -368,39 +350,21 @@ class ChunkManager:
         self._reduced.clear()
         self._pending = self._group_sizes()
 
-    @torch.no_grad()
-    def params_to_master(self) -> None:
-        """After the parameters were overwritten (a module state_dict load): masters follow them."""
-        for chunk in self.owned_chunks():
-            self.optim[chunk.chunk_id].master[:chunk.used].copy_(chunk.data[:chunk.used])
-
-    @torch.no_grad()
-    def master_to_params(self) -> None:
-        """After the masters were loaded: the owned slots get their values, other chunks are dropped."""
+    def release_all_groups(self) -> None:
         for group in range(self.num_groups):
             self._release_group(group)
+
+    def owned_grad_norm_sq(self, comm_device: torch.device) -> torch.Tensor:
+        """Sum over ranks of the squared norms of the owned gradient slots (fp32), each read where
+        it lives (accelerator or host) through :meth:`Chunk.ready`."""
+        partial: dict[torch.device, torch.Tensor] = {}
         for chunk in self.owned_chunks():
-            chunk.data[:chunk.used].copy_(self.optim[chunk.chunk_id].master[:chunk.used])
-        self._next_step()
-
-    def owned_grad_norm_sq(self) -> torch.Tensor:
-        """Sum over ranks of the squared norms of the owned gradient slots (fp32)."""
-        chunks = self.owned_chunks()
-        device = chunks[0].device if chunks else self.chunks[0].device
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for chunk in chunks:
+            data = chunk.ready()[:chunk.used]
+            sq = partial.setdefault(data.device, torch.zeros((), dtype=torch.float32, device=data.device))
             # in slices: the fp32 upcast of a whole large chunk would be a large temporary
-            for part in chunk.data[:chunk.used].split(_NORM_SLICE):
-                sq += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(device)
-        return self.comm.all_reduce_sum(sq)
-
-    # ---- accounting ---------------------------------------------------------------
-    def model_data_bytes(self) -> int:
-        """Bytes this rank holds now: materialized chunks, optimizer chunks, accumulators."""
-        payload = sum(c.nbytes for c in self.chunks if c.is_materialized)
-        payload += sum(c.host.numel() * c.host.element_size() for c in self.chunks if c.host is not None)
-        acc = sum(a.numel() * a.element_size() for a in self.grad_acc if a is not None)
-        return payload + self.optimizer_state_bytes() + acc
-
-    def optimizer_state_bytes(self) -> int:
-        return sum(o.nbytes for o in self.optim.values())
+            for part in data.split(_NORM_SLICE):
+                sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+        total = torch.zeros((), dtype=torch.float32, device=comm_device)
+        for sq in partial.values():
+            total += sq.to(comm_device)
+        return self.comm.all_reduce_sum(total)

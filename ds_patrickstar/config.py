@@ -83,8 +83,8 @@ class PatrickStarConfig(BaseModel):
             raise ValueError("expected bytes (an integer) or a fraction in (0, 1], not a boolean")
         if isinstance(value, float) and not 0.0 < value <= 1.0:
             raise ValueError("a fraction of the device's memory must be in (0, 1]; for bytes write an integer")
-        if isinstance(value, int) and value < 2**16:
-            raise ValueError("a budget in bytes must be at least 64 KiB (65536); for a fraction write e.g. 0.5")
+        if isinstance(value, int) and value < 2**12:
+            raise ValueError("a budget in bytes must be at least 4 KiB (4096); for a fraction write e.g. 0.5")
         return value
 
     @field_validator("chunk_size", "max_consecutive_skipped_steps", mode="before")

@@ -26,7 +26,16 @@ class StepCounters:
     adam_chunks_host: int = 0
     """chunks whose Adam update ran on the host"""
     peak_model_bytes_device: int = 0
+    """highest accelerator bytes held by the backend this step: chunks, gathered copies,
+    accumulators, optimizer states, temporaries (the device ledger)"""
     peak_non_model_bytes_device: int = 0
+    """highest non-model (activation) bytes seen at a moment this step (the tracer)"""
+    peak_device_bytes: int = 0
+    """highest backend + non-model accelerator bytes at a moment this step"""
+    model_bytes_device: int = 0
+    """model data on the accelerator at the end of the step (chunks, accumulators, optimizer states)"""
+    model_bytes_host: int = 0
+    """model data on the host at the end of the step (chunks, accumulators, optimizer states)"""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:

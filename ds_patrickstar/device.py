@@ -1,17 +1,18 @@
-"""Moving chunks between the accelerator and the host, under a budget.
+"""Chunk buffers on the accelerator and the host, and the runtime that moves them under a budget.
 
 [Note: chunk locations]
-A parameter is always a view of its chunk's accelerator payload. A chunk on the host has
-its values in a host buffer (pinned on CUDA) and its payload storage resized to zero, so
-the views stay valid and come back to life when the chunk returns (see
-[Note: storage resize]). On CUDA a move to the accelerator runs on a copy stream and is
-waited for with an event just before use, so prefetches overlap compute.
+A parameter is always a view of its chunk's accelerator payload. An owned chunk is in one
+place at a time: on the accelerator (payload backed, no host buffer) or on the host
+(values in a host buffer, pinned on CUDA; payload storage resized to zero so the views
+stay valid and come back to life when the chunk returns, see [Note: storage resize]).
+Model data therefore costs 14 bytes per parameter over device and host together. Chunks
+are built on the host (initialize never needs the model on the accelerator) and placement
+brings them in when used. A chunk owned by another rank exists only while its group is
+gathered. With gradient accumulation a chunk's fp32 accumulator follows the payload: on
+the accelerator while the chunk is there, on the host otherwise.
 
-On a CPU-only machine the *emulated accelerator* (``emulate_accelerator: true``) runs the
-same code: the "accelerator" payload and the host buffer are separate CPU tensors, every
-move is a real copy, and the budget is enforced (a move that would exceed it raises
-:class:`~ds_patrickstar.placement.DeviceBudgetExceeded`), so a missed move or a stale
-view breaks the numbers the tests compare.
+Every move is an asynchronous copy (:mod:`ds_patrickstar.accelerator`): evictions and
+prefetches run on the copy stream, and the consumer waits through :meth:`Chunk.ready`.
 """
 from __future__ import annotations
 
@@ -19,82 +20,164 @@ import logging
 
 import torch
 
+from .accelerator import Accelerator, DeviceBudgetExceeded
 from .chunk import Chunk
 from .counters import StepCounters
 from .hooks import inside_backward
-from .placement import DeviceBudgetExceeded, Placer
+from .placement import Placer
 from .tracer import MemoryTracer
 
 logger = logging.getLogger(__name__)
 
 
-class ChunkMover:
-    """Copies chunk payloads to the host and back; see [Note: chunk locations]."""
+class ChunkStore:
+    """Creates, frees and moves chunk buffers; keeps running totals of what is where."""
 
-    def __init__(self, device: torch.device, counters: StepCounters) -> None:
-        self.device = device
+    def __init__(self, accel: Accelerator, counters: StepCounters, movable: bool) -> None:
+        self.accel = accel
         self.counters = counters
-        self.pin = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._events: dict[int, torch.cuda.Event] = {}
+        self.movable = movable  # chunks have a host home (placement); else they stay put
+        self.resident: set[int] = set()  # owned chunks backed on the accelerator
+        self.host_bytes = 0  # model data on the host: host buffers and accumulators
 
+    # ---- creation -----------------------------------------------------------------
+    def create(self, chunk: Chunk, owned: bool) -> None:
+        """Give ``chunk`` its payload, backed for now so that parameter views can be made of it
+        (:meth:`settle` follows). An owned chunk's values go to the host with placement."""
+        chunk.payload = self.accel.empty(chunk.capacity, chunk.dtype, "chunk", f"chunk {chunk.chunk_id}")
+        if owned and self.movable:
+            chunk.host = self._host_zeros(chunk.capacity, chunk.dtype)
+            chunk.on_host = True
+        elif owned:
+            chunk.payload.zero_()
+            self.resident.add(chunk.chunk_id)
+
+    def settle(self, chunk: Chunk, owned: bool) -> None:
+        """After the views were made: the payload keeps memory only if the chunk lives there."""
+        if chunk.on_host or not owned:
+            self.accel.free(chunk.payload, "chunk")
+        if not owned:
+            chunk.mark_released()
+
+    def _host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.accel.host_empty(numel, dtype)
+        buf.zero_()
+        self.host_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def _drop_host(self, buf: torch.Tensor) -> None:
+        self.host_bytes -= buf.numel() * buf.element_size()
+
+    # ---- another rank's chunks: present while gathered -----------------------------
+    def materialize(self, chunk: Chunk) -> None:
+        if not chunk.is_materialized:
+            self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
+            self._acc_to_device(chunk)
+        chunk.mark_present()
+
+    def release(self, chunk: Chunk) -> None:
+        chunk.mark_released()
+        if chunk.is_materialized:
+            chunk.wait_pending()
+            self._acc_to_host(chunk)
+            self.accel.free(chunk.payload, "chunk")
+
+    # ---- owned chunks: between the accelerator and the host -------------------------
     def to_host(self, chunk: Chunk) -> None:
         if chunk.on_host:
             return
-        self.wait(chunk)
-        if chunk.host is None:
-            chunk.host = torch.empty(chunk.capacity, dtype=chunk.dtype, device="cpu", pin_memory=self.pin)
-        chunk.host.copy_(chunk.payload)
-        chunk.payload.untyped_storage().resize_(0)
-        chunk.on_host = True
+        host = self.accel.host_empty(chunk.capacity, chunk.dtype)
+        self.host_bytes += chunk.nbytes
+        pending = self.accel.copy(host, chunk.payload)  # ordered after every earlier copy of the chunk
+        self.accel.free(chunk.payload, "chunk", after=pending)
+        chunk.host, chunk.on_host, chunk.pending = host, True, [pending]
+        self._acc_to_host(chunk)
+        self.resident.discard(chunk.chunk_id)
+        chunk.prefetched = False
         self.counters.bytes_to_host += chunk.nbytes
 
     def to_device(self, chunk: Chunk) -> None:
         if not chunk.on_host:
             return
-        chunk.payload.untyped_storage().resize_(chunk.nbytes)
-        if self.copy_stream is None:
-            chunk.payload.copy_(chunk.host)
-        else:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                chunk.payload.copy_(chunk.host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
-            self._events[chunk.chunk_id] = event
-        chunk.on_host = False
+        self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
+        pending = self.accel.copy(chunk.payload, chunk.host)
+        self._drop_host(chunk.host)
+        chunk.host, chunk.on_host, chunk.pending = None, False, [pending]
+        self._acc_to_device(chunk)
+        self.resident.add(chunk.chunk_id)
         self.counters.bytes_to_device += chunk.nbytes
 
-    def wait(self, chunk: Chunk) -> None:
-        event = self._events.pop(chunk.chunk_id, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+    # ---- gradient accumulators (see [Note: gradient accumulation]) ---------------------
+    def accumulator(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's fp32 accumulator, created (zeroed, beside the payload) on first use."""
+        if chunk.acc is None and chunk.acc_host is None:
+            if chunk.on_host or not chunk.is_materialized:
+                chunk.acc_host = self._host_zeros(chunk.capacity, torch.float32)
+            else:
+                chunk.acc = self.accel.empty(chunk.capacity, torch.float32, "grad_acc",
+                                             f"the gradient accumulator of chunk {chunk.chunk_id}")
+                chunk.acc.zero_()
+        return chunk.ready_acc()
+
+    def drop_accumulator(self, chunk: Chunk) -> None:
+        chunk.wait_pending()
+        if chunk.acc is not None:
+            self.accel.free(chunk.acc, "grad_acc")
+            chunk.acc = None
+        if chunk.acc_host is not None:
+            self._drop_host(chunk.acc_host)
+            chunk.acc_host = None
+
+    def _acc_to_host(self, chunk: Chunk) -> None:
+        if chunk.acc is None:
+            return
+        host = self.accel.host_empty(chunk.capacity, torch.float32)
+        self.host_bytes += chunk.acc_nbytes
+        pending = self.accel.copy(host, chunk.acc)
+        self.accel.free(chunk.acc, "grad_acc", after=pending)
+        chunk.acc, chunk.acc_host = None, host
+        chunk.pending.append(pending)
+
+    def _acc_to_device(self, chunk: Chunk) -> None:
+        if chunk.acc_host is None:
+            return
+        acc = self.accel.empty(chunk.capacity, torch.float32, "grad_acc",
+                               f"the gradient accumulator of chunk {chunk.chunk_id}")
+        chunk.pending.append(self.accel.copy(acc, chunk.acc_host))
+        self._drop_host(chunk.acc_host)
+        chunk.acc, chunk.acc_host = acc, None
 
 
 class PlacementRuntime:
     """Carries out the placer's decisions at every moment; see [Note: placement]."""
 
-    def __init__(self, placer: Placer, tracer: MemoryTracer, mover: ChunkMover, counters: StepCounters,
-                 chunks: list[Chunk], movable: set[int]) -> None:
-        self.placer, self.tracer, self.mover, self.counters = placer, tracer, mover, counters
+    def __init__(self, placer: Placer, tracer: MemoryTracer, store: ChunkStore, counters: StepCounters,
+                 chunks: list[Chunk]) -> None:
+        self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
+        self.ledger = store.accel.ledger
         self.chunks = chunks
-        self.movable = movable  # owned chunks: the only ones with a host copy
-        self.optim_device_bytes = 0
         self.moment = -1
         self.recording = False
         self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
 
-    # ---- accounting ---------------------------------------------------------------
+    # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
     def model_bytes_on_device(self) -> int:
-        resident = sum(c.nbytes for c in self.chunks if c.is_materialized)
-        return resident + self.optim_device_bytes
+        return self.ledger.total
+
+    @staticmethod
+    def _bytes(chunk: Chunk) -> int:
+        """What the chunk occupies on the accelerator when it is there (payload + accumulator)."""
+        return chunk.nbytes + chunk.acc_nbytes
 
     def _resident_movable(self, exclude: set[int]) -> dict[int, int]:
-        return {c.chunk_id: c.nbytes for c in self.chunks if c.chunk_id in self.movable and c.is_materialized
-                and c.movable and c.chunk_id not in exclude}
+        chunks = self.chunks
+        return {cid: self._bytes(chunks[cid]) for cid in self.store.resident
+                if cid not in exclude and chunks[cid].movable}
 
     def _non_model(self) -> int:
-        return self.tracer.non_model_now(self.model_bytes_on_device())
+        non_model = self.tracer.non_model_now(self.ledger.total)
+        self.ledger.non_model = non_model
+        return non_model
 
     # ---- moments ------------------------------------------------------------------
     def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
@@ -102,117 +185,65 @@ class PlacementRuntime:
         greedily without touching the trace or the tide."""
         self.recording = torch.is_grad_enabled() or inside_backward() or label == "step"
         if self.recording:
-            self.moment = self.tracer.record(label, chunk_ids, self.model_bytes_on_device())
+            self.moment = self.tracer.record(label, chunk_ids, self.ledger.total)
             if self.moment == 0:
                 self.tide = []
         self.placer.touch(chunk_ids)
 
     def make_room(self, need: int, keep: set[int]) -> None:
         """Evict until ``need`` more bytes of model data fit beside the tide."""
-        trace = None if self.tracer.tracing else self.tracer.trace
-        headroom = self.placer.headroom(trace, self.moment, self._non_model())
-        over = self.model_bytes_on_device() + need - headroom
+        trace = self.tracer.current_trace()
+        headroom = self.placer.headroom(trace, self.moment, self._non_model()) - self.store.accel.fragmentation()
+        over = self.ledger.total + need - headroom
         if over <= 0:
             return
         try:
             victims = self.placer.victims(trace, self.moment, self._resident_movable(keep), over)
         except DeviceBudgetExceeded as err:
             raise DeviceBudgetExceeded(
-                f"the accelerator budget of {self.placer.budget} B cannot hold the chunks needed at moment "
-                f"{self.moment}: model data {self.model_bytes_on_device()} B + {need} B more, next to "
-                f"{self.placer.budget - headroom} B of non-model memory ({err}; chunks resident: "
-                f"{[c.chunk_id for c in self.chunks if c.is_materialized]}, needed now: {sorted(keep)}). Raise "
-                f"zero_optimization.device_budget or lower chunk_size.") from None
+                f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
+                f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
+                f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
+                f"Raise zero_optimization.device_budget or lower chunk_size.") from None
         for victim in victims:
-            self.mover.to_host(self.chunks[victim])
+            self.store.to_host(self.chunks[victim])
             self.counters.evictions += 1
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        """``chunk`` on the accelerator (room made for it), its copy waited on."""
         if chunk.on_host:
-            self.make_room(chunk.nbytes, keep | {chunk.chunk_id})
-            self.mover.to_device(chunk)
-        self.mover.wait(chunk)
+            self.make_room(self._bytes(chunk), keep | {chunk.chunk_id})
+            self.store.to_device(chunk)
+        chunk.wait_pending()
 
     def end_moment(self, in_use: set[int]) -> None:
         """Check the budget (the tide may have risen), record peaks, prefetch the next moment."""
         self.make_room(0, in_use)
-        model, non_model = self.model_bytes_on_device(), self._non_model()
+        model, non_model = self.ledger.total, self._non_model()
         if model + non_model > self.placer.budget:
-            raise DeviceBudgetExceeded(f"model data {model} B + non-model {non_model} B exceed the accelerator "
-                                       f"budget of {self.placer.budget} B at moment {self.moment}")
+            raise DeviceBudgetExceeded(f"model data {model:,} B + non-model {non_model:,} B exceed the accelerator "
+                                       f"budget of {self.placer.budget:,} B at moment {self.moment}")
         if self.recording:
             self.tide.append((self.moment, model, non_model))
-        self.counters.peak_model_bytes_device = max(self.counters.peak_model_bytes_device, model)
-        self.counters.peak_non_model_bytes_device = max(self.counters.peak_non_model_bytes_device, non_model)
-        trace = None if self.tracer.tracing else self.tracer.trace
+        self.note_peaks(non_model)
+        trace = self.tracer.current_trace()
         for chunk_id in self.placer.prefetch(trace, self.moment):
             chunk = self.chunks[chunk_id]
-            if chunk.on_host and self._fits(chunk.nbytes, trace):
-                self.mover.to_device(chunk)
+            if chunk.on_host and self._fits(self._bytes(chunk), trace):
+                self.store.to_device(chunk)
                 self.counters.prefetches += 1
                 chunk.prefetched = True
 
+    def note_peaks(self, non_model: int) -> None:
+        counters, ledger = self.counters, self.ledger
+        counters.peak_model_bytes_device = max(counters.peak_model_bytes_device, ledger.peak)
+        counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
+        counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
+
     def _fits(self, nbytes: int, trace) -> bool:
         headroom = self.placer.headroom(trace, self.moment + 1, self._non_model())
-        return self.model_bytes_on_device() + nbytes <= headroom
+        return self.ledger.total + nbytes <= headroom - self.store.accel.fragmentation()
 
     def after_use(self, chunk: Chunk) -> None:
-        if chunk.chunk_id in self.movable and self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
-            self.mover.to_host(chunk)
-
-
-def resolve_budget(device_budget: int | float | None, device: torch.device, emulate: bool) -> int:
-    """The accelerator budget in bytes: a byte count, or a fraction of the device's memory
-    (of the host's memory on the emulated accelerator)."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        import psutil
-
-        total = psutil.virtual_memory().total
-    if device_budget is None:
-        if emulate:
-            raise ValueError("zero_optimization.emulate_accelerator=true needs zero_optimization.device_budget: "
-                             "the emulated accelerator's size in bytes (an integer) or a fraction of host memory")
-        device_budget = 0.9
-    return int(total * device_budget) if isinstance(device_budget, float) else int(device_budget)
-
-
-def preflight(manager, budget: int, bytes_per_element_lp: int, accumulate: bool) -> None:
-    """Fail at once when the model data cannot fit accelerator budget plus free host memory."""
-    import psutil
-
-    per_param = bytes_per_element_lp + 12 + (4 if accumulate else 0)
-    owned = sum(c.capacity for c in manager.owned_chunks())
-    need = owned * (12 + bytes_per_element_lp) + (4 * sum(c.capacity for c in manager.chunks) if accumulate else 0)
-    available = budget + psutil.virtual_memory().available
-    if need > available:
-        fits = available // per_param * manager.comm.world_size
-        raise ValueError(f"the model data needs {need / 2**30:.2f} GiB on this rank ({per_param} bytes per parameter "
-                         f"x {owned:,} owned elements) but the accelerator budget ({budget / 2**30:.2f} GiB) plus "
-                         f"free host memory give {available / 2**30:.2f} GiB; the largest model that would fit has "
-                         f"about {fits / 1e6:,.0f}M parameters at this world size")
-
-
-def build_placement(options, manager, counters: StepCounters, device: torch.device, dtype: torch.dtype,
-                    accumulate: bool) -> PlacementRuntime | None:
-    """A :class:`PlacementRuntime` on CUDA or the emulated accelerator; ``None`` on a plain CPU run."""
-    from .placement import Placer
-    from .tracer import SavedTensorMeter
-
-    emulate = options.emulate_accelerator
-    if device.type != "cuda" and not emulate:
-        return None
-    budget = resolve_budget(options.device_budget, device, emulate)
-    preflight(manager, budget, torch.finfo(dtype).bits // 8, accumulate)
-    owned = {c.chunk_id for c in manager.owned_chunks()}
-    model_storages = {c.payload.untyped_storage()._cdata for c in manager.chunks}
-    meter = SavedTensorMeter(lambda s: s._cdata in model_storages) if device.type != "cuda" else None
-    placer = Placer(budget, options.placement, options.static_fraction, owned,
-                    {c.chunk_id: c.nbytes for c in manager.chunks})
-    runtime = PlacementRuntime(placer, MemoryTracer(device, meter), ChunkMover(device, counters), counters,
-                               manager.chunks, owned)
-    manager.attach_placement(runtime)
-    logger.info("ds_patrickstar: %s placement, accelerator budget %.3f GiB%s", options.placement, budget / 2**30,
-                " (emulated)" if emulate else "")
-    return runtime
+        if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
+            self.store.to_host(chunk)

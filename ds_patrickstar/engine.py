@@ -20,17 +20,36 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from . import checkpoint
 
 from .config import PatrickStarConfig
+from .export import host_parameters
 from .optimizer import PatrickStarOptimizer
 
 
 class PatrickStarEngine(DeepSpeedEngine):
     def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
         self._patrickstar_config = patrickstar_config
-        super().__init__(*args, **kwargs)
+        # The module stays where it was built: chunks are built on the host and placement brings
+        # them to the accelerator when used, so a model larger than the device can start.
+        super().__init__(*args, dont_change_device=True, **kwargs)
         self.enable_backward_allreduce = False
 
     def zero_optimization(self) -> bool:
         return True
+
+    def _broadcast_model(self) -> None:
+        """DeepSpeed's start-up broadcast of the parameters from the source rank. The module is still
+        on the host here (chunks are built there), and NCCL needs device tensors: each parameter
+        goes through the device on its own, so the device never holds more than the largest one."""
+        if self.dist_backend is None:
+            return
+        from deepspeed.utils import groups
+
+        device = torch.device(self.device)
+        for param in self.module.parameters():
+            data = param.data
+            staged = data if device.type == "cpu" or data.device == device else data.to(device)
+            dist.broadcast(staged, groups._get_broadcast_src_rank(), group=self.seq_data_parallel_group)
+            if staged is not data:
+                data.copy_(staged)
 
     def _configure_zero_optimizer(self, optimizer):
         raise ValueError("stage 'patrickstar' needs an optimizer: add an \"optimizer\" block (Adam or AdamW) to the "
@@ -47,7 +66,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         self.basic_optimizer = basic
         dtype, _ = self.get_data_types()
         self.optimizer = PatrickStarOptimizer(
-            self.module, basic, self._patrickstar_config, dtype=dtype, clip_grad=self.gradient_clipping(),
+            self.module, basic, self._patrickstar_config, device=torch.device(self.device), dtype=dtype,
+            clip_grad=self.gradient_clipping(),
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
             dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group)
@@ -125,11 +145,8 @@ class PatrickStarEngine(DeepSpeedEngine):
 
 @contextlib.contextmanager
 def gathered_parameters(engine: PatrickStarEngine) -> Iterator[None]:
-    """Every parameter of ``engine.module`` readable inside the block (a collective with data
-    parallelism: enter it on every rank); see [Note: state_dict]."""
-    manager = engine.optimizer.manager
-    record = manager.gather_all()
-    try:
+    """Every parameter of ``engine.module`` readable inside the block, as a host copy (a collective
+    with data parallelism: enter it on every rank); for reading: writes are discarded. Streamed one
+    chunk group at a time, within the accelerator budget; see [Note: state_dict]."""
+    with host_parameters(engine.optimizer.export):
         yield
-    finally:
-        manager.release_groups(record)

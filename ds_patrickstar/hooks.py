@@ -13,9 +13,9 @@
 The root module's forward pre/post hooks (registered first) mark where an iteration's
 moments begin, for the memory tracer (see [Note: moments and the trace]).
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
-in the backward epilogue. ``state_dict()`` of the top module gathers every released
-chunk group first and returns copies (see [Note: state_dict]); ``load_state_dict()``
-gathers, lets torch copy into the parameter views, and makes the fp32 masters follow. Forward hooks also fire during activation-checkpoint
+in the backward epilogue. ``state_dict()`` of the top module returns host copies streamed
+one chunk group at a time; ``load_state_dict()`` writes owned values into the chunks
+itself and makes the fp32 masters follow (see [Note: state_dict]). Forward hooks also fire during activation-checkpoint
 recomputation, which is just another ``COMPUTE`` use.
 """
 from __future__ import annotations
@@ -44,9 +44,9 @@ class HookTarget(Protocol):
 
     def before_state_dict(self) -> None: ...
 
-    def before_load_state_dict(self) -> None: ...
+    def before_load_state_dict(self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None: ...
 
-    def after_load_state_dict(self) -> None: ...
+    def after_load_state_dict(self, incompatible_keys: Any) -> None: ...
 
     def after_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
 
@@ -91,9 +91,10 @@ class HookRegistry:
         self._handles.append(module.register_state_dict_post_hook(
             lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)))
         self._handles.append(module.register_load_state_dict_pre_hook(
-            lambda mod, *args: target.before_load_state_dict()))
+            lambda mod, state_dict, prefix, metadata, strict, missing, unexpected, error_msgs:
+            target.before_load_state_dict(state_dict, prefix, error_msgs)))
         self._handles.append(module.register_load_state_dict_post_hook(
-            lambda mod, incompatible_keys: target.after_load_state_dict()))
+            lambda mod, incompatible_keys: target.after_load_state_dict(incompatible_keys)))
         seen: set[int] = set()
         for param in module.parameters():
             info = info_of(param)

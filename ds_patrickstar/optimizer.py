@@ -15,15 +15,11 @@ that edits them is read at every step.
    DeepSpeed ZeRO-3, true global-norm clipping) is handed to the Adam backend, which
    updates each chunk in one pass and writes the new low-precision parameters back.
 
-[Note: state_dict]
-With data parallelism a rank keeps only its own chunks between uses; a parameter of a
-released chunk is a view of an empty storage and must not be read directly.
-``engine.module.state_dict()`` is therefore a collective (call it on every rank, as
-Hugging Face's save path does): it gathers every released chunk group (and brings chunks
-that placement moved to the host onto the accelerator, past the budget for that moment),
-returns *copies* of the parameters, and releases or moves them back again.
-``load_state_dict()`` does the same around torch's copy into the parameter views.
-Reading parameters another way between steps needs :func:`ds_patrickstar.gathered_parameters`.
+The pieces it is built from, one job each: the chunk plan and the pre-flight check
+(:mod:`ds_patrickstar.plan`), the accelerator primitives and the chunk store
+(:mod:`ds_patrickstar.accelerator`, :mod:`ds_patrickstar.device`), the chunk manager,
+optimizer states and where they live (:mod:`ds_patrickstar.optim_states`), the hook
+target (:mod:`ds_patrickstar.flow`) and streaming export (:mod:`ds_patrickstar.export`).
 """
 from __future__ import annotations
 
@@ -37,14 +33,16 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from . import checkpoint
 from .adam_math import AdamHyper, adam_step_reference
-from .chunk import TensorInfo, TensorState
-from .chunk_manager import ChunkManager
+from .chunk import Chunk
+from .chunk_manager import ChunkManager, plan_chunks
 from .comm import ChunkComm
-from .counters import StepCounters
 from .config import PatrickStarConfig
-from .device import build_placement
-from .hooks import HookRegistry, inside_backward, iter_tensors
-from .placement import optimizer_chunks_on_device
+from .counters import StepCounters
+from .export import ChunkExport
+from .flow import TrainingFlow
+from .hooks import HookRegistry
+from .optim_states import OptimizerStates
+from .setup import build_memory
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +74,35 @@ def _adam_backend(device: torch.device) -> Callable:
     return get_adam_backend(device)
 
 
+def _named_groups(module: torch.nn.Module, param_groups: list[dict]) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    names = {}
+    for name, param in module.named_parameters():
+        names.setdefault(param, name)
+    groups = []
+    for index, group in enumerate(param_groups):
+        named = []
+        for param in group["params"]:
+            if param not in names:
+                raise ValueError(f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
+                                 f"that is not a parameter of the model; pass model_parameters="
+                                 f"model.parameters() (or groups of the model's own parameters)")
+            if param.requires_grad:
+                if not param.is_floating_point():
+                    raise ValueError(f"parameter {names[param]} has dtype {param.dtype}; only floating point "
+                                     f"parameters can be trained: make it float or set requires_grad=False")
+                named.append((names[param], param))
+        groups.append(named)
+    if not any(groups):
+        raise ValueError("the model has no trainable parameters (requires_grad=True) in the optimizer's "
+                         "param groups; stage 'patrickstar' has nothing to train")
+    return groups
+
+
 class PatrickStarOptimizer(ZeROOptimizer):
     """Chunk-based mixed-precision Adam; see [Note: step]."""
 
     def __init__(self, module: torch.nn.Module, basic_optimizer: torch.optim.Optimizer,
-                 options: PatrickStarConfig, *, dtype: torch.dtype, clip_grad: float,
+                 options: PatrickStarConfig, *, device: torch.device, dtype: torch.dtype, clip_grad: float,
                  gradient_accumulation_steps: int, static_loss_scale: float, dynamic_loss_scale: bool,
                  dynamic_loss_args: dict | None, dp_group=None) -> None:
         super().__init__()
@@ -92,23 +114,25 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.dp_process_group = dp_group
         self.counters = StepCounters()
         self.last_step_counters: dict[str, int] = self.counters.as_dict()  # all zero before the first step
-        device = next(iter(module.parameters())).device
-        self.manager = ChunkManager(self._named_groups(module), options.chunk_size,
-                                    accumulate=gradient_accumulation_steps > 1,
-                                    comm=ChunkComm(dp_group, self.counters),
-                                    optim_device=torch.device("cpu") if device.type == "cuda" else None)
+        accumulate = gradient_accumulation_steps > 1
+        comm = ChunkComm(dp_group, self.counters)
+        specs = plan_chunks(_named_groups(module, self.param_groups), options.chunk_size, comm.world_size)
+        memory = build_memory(options, device, specs, comm, self.counters, dtype, accumulate)
+        self.accel, self.placement = memory.accel, None
+        self.manager = ChunkManager(specs, options.chunk_size, accumulate, comm, memory.store)
+        module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
+        self.optim_states = OptimizerStates(self.manager.owned_chunks(), self.accel,
+                                            start_on_device=not memory.store.movable)
+        self.placement = memory.attach_placement(self.manager)
+        self.export = ChunkExport(self.manager, self.optim_states)
         self.consecutive_skipped_steps = 0
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
         self.fp16_groups = [[i.param for i in self.manager.infos() if i.group_index == g]
                             for g in range(len(self.param_groups))]
         self.bf16_groups = self.fp16_groups
-        self._module_names = {m: n for n, m in module.named_modules()}
-        self._step_since_forward = True
-        self._meter_ctx = None
-        self.device_optim: set[int] | None = None  # chunks whose Adam runs on the accelerator
-        self.placement = build_placement(options, self.manager, self.counters, device, dtype,
-                                         accumulate=gradient_accumulation_steps > 1)
-        self.hooks = HookRegistry(module, self.manager.info, self)
+        self.flow = TrainingFlow(module, self.manager, self.placement, self.export, self.optim_states,
+                                 self.is_gradient_accumulation_boundary)
+        self.hooks = HookRegistry(module, self.manager.info, self.flow)
         self.loss_scaler = CreateLossScaler(dtype=dtype, static_loss_scale=static_loss_scale,
                                             dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
         self.dynamic_loss_scale = self.loss_scaler.dynamic
@@ -118,30 +142,9 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self._global_grad_norm = 0.0
         self.group_steps = [0] * len(self.param_groups)
         self._frozen_or_extra = [p for p in module.parameters() if self.manager.info(p) is None]
-        _adam_backend(device)  # build the kernel (or fall back, with one warning) now, not in the first step
-
-    def _named_groups(self, module: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
-        names = {}
-        for name, param in module.named_parameters():
-            names.setdefault(param, name)
-        groups = []
-        for index, group in enumerate(self.param_groups):
-            named = []
-            for param in group["params"]:
-                if param not in names:
-                    raise ValueError(f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
-                                     f"that is not a parameter of the model; pass model_parameters="
-                                     f"model.parameters() (or groups of the model's own parameters)")
-                if param.requires_grad:
-                    if not param.is_floating_point():
-                        raise ValueError(f"parameter {names[param]} has dtype {param.dtype}; only floating point "
-                                         f"parameters can be trained: make it float or set requires_grad=False")
-                    named.append((names[param], param))
-            groups.append(named)
-        if not any(groups):
-            raise ValueError("the model has no trainable parameters (requires_grad=True) in the optimizer's "
-                             "param groups; stage 'patrickstar' has nothing to train")
-        return groups
+        # build every Adam kernel this run can use now (hybrid Adam: the host's too), not in a step
+        for kernel_device in {self.accel.device, torch.device("cpu")} if self.placement else {self.accel.device}:
+            _adam_backend(kernel_device)
 
     # ---- scaler interface -------------------------------------------------------
     @property
@@ -151,62 +154,6 @@ class PatrickStarOptimizer(ZeROOptimizer):
     @property
     def cur_scale(self) -> float:
         return self.loss_scaler.cur_scale
-
-    # ---- hook target (see hooks.py) ---------------------------------------------
-    def root_forward_start(self, inputs) -> None:
-        if self.placement is None or inside_backward() or not torch.is_grad_enabled():
-            return
-        if self._step_since_forward:
-            signature = tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs))
-            self.placement.tracer.start_iteration(signature)
-            self._step_since_forward = False
-        meter = self.placement.tracer.meter
-        if meter is not None:
-            self._meter_ctx = meter.hooks()
-            self._meter_ctx.__enter__()
-
-    def root_forward_end(self) -> None:
-        if self._meter_ctx is not None and not inside_backward():
-            self._meter_ctx.__exit__(None, None, None)
-            self._meter_ctx = None
-
-    def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.manager.access(infos, "fwd:" + self._module_names.get(module, "?"))
-
-    def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        if inside_backward():
-            return  # an activation-checkpoint recomputation: the tensors stay in COMPUTE for backward
-        self.manager.after_forward(infos)
-
-    def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))
-
-    def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
-        self.manager.take_grad(info, grad, self.is_gradient_accumulation_boundary())
-
-    def before_load_state_dict(self) -> None:
-        self._gathered_for_load = self.manager.gather_all()
-
-    def after_load_state_dict(self) -> None:
-        """The module's new values become the fp32 masters (an optimizer load may refine them)."""
-        self.manager.params_to_master()
-        self.manager.release_groups(self._gathered_for_load)
-
-    def before_state_dict(self) -> None:
-        self._gathered_for_state_dict = self.manager.gather_all()
-
-    def after_state_dict(self, state_dict: dict, prefix: str) -> None:
-        """See [Note: state_dict]."""
-        names = {info.name: info for info in self.manager.infos()}
-        for key, value in state_dict.items():
-            info = names.get(key[len(prefix):]) if key.startswith(prefix) else None
-            if info is None:
-                continue
-            if info.state is TensorState.HOLD_AFTER_BWD:
-                raise RuntimeError(f"state_dict() was called between backward and step: the slot of {info.name} "
-                                   f"holds its gradient. Call it before backward or after engine.step().")
-            state_dict[key] = value.detach().clone()
-        self.manager.release_groups(self._gathered_for_state_dict)
 
     # ---- engine interface -------------------------------------------------------
     def backward_epilogue(self, **kwargs) -> None:
@@ -218,10 +165,6 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     def get_global_grad_norm(self) -> float:
         return self._global_grad_norm
-
-    @torch.no_grad()
-    def _scaled_grad_norm(self) -> float:
-        return math.sqrt(self.manager.owned_grad_norm_sq().item())
 
     def _combined_scale(self, scaled_norm: float, loss_scale: float) -> float:
         """``loss_scale`` times DeepSpeed ZeRO-3's clip factor, when clipping applies."""
@@ -240,28 +183,41 @@ class PatrickStarOptimizer(ZeROOptimizer):
             raise RuntimeError("optimizer step() called before backward() reached the gradient accumulation "
                                "boundary; call engine.backward(loss) (or loss.backward()) first")
         if self.placement is not None:
-            self._step_since_forward = True
-            self.placement.begin_moment("step", tuple(c.chunk_id for c in self.manager.owned_chunks()))
-            if self.device_optim is None and self.placement.tracer.trace is not None:
-                self._place_optimizer_states()
+            self._begin_step_moment()
         loss_scale = self.loss_scale  # the scale the gradients were made with, before update_scale()
-        scaled_norm = self._scaled_grad_norm()
+        scaled_norm = math.sqrt(self.manager.owned_grad_norm_sq(self.accel.device).item())
         self.overflow = not math.isfinite(scaled_norm)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._skip_step()
-            return
-        self.consecutive_skipped_steps = 0
-        self._global_grad_norm = scaled_norm / loss_scale
-        self._apply_adam(1.0 / self._combined_scale(scaled_norm, loss_scale))
-        self.manager.finish_step(restore=False)
-        # We stand in for the basic optimizer's step: a torch LR scheduler built on it checks this
-        # flag (set by its wrapper around optimizer.step) to tell a missed step from a real one.
-        self.optimizer._opt_called = True
+        else:
+            self.consecutive_skipped_steps = 0
+            self._global_grad_norm = scaled_norm / loss_scale
+            self._apply_adam(1.0 / self._combined_scale(scaled_norm, loss_scale))
+            # We stand in for the basic optimizer's step: a torch LR scheduler built on it checks this
+            # flag (set by its wrapper around optimizer.step) to tell a missed step from a real one.
+            self.optimizer._opt_called = True
+        self.manager.finish_step()
+        if self.placement is not None:
+            self.placement.note_peaks(self.placement.tracer.non_model_now(self.accel.ledger.total))
+
+    def _begin_step_moment(self) -> None:
+        """The step is a moment; after a (re-)trace, optimizer states are re-placed (see
+        [Note: optimizer-state placement]) and the step uses only the chunks updated on the device."""
+        runtime = self.placement
+        self.flow.step_since_forward = True
+        trace = runtime.tracer.current_trace()
+        if trace is not None and trace is not self.optim_states.trace_planned:
+            self.optim_states.plan(trace, runtime.placer.budget, runtime.placer.policy,
+                                   {c.chunk_id: c.nbytes for c in self.manager.chunks})
+            step_moment = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
+            if step_moment is not None:
+                trace.replace_chunks(step_moment, tuple(sorted(self.optim_states.on_device)))
+        runtime.begin_moment("step", tuple(sorted(self.optim_states.on_device)))
 
     def _skip_step(self) -> None:
         self._global_grad_norm = float("inf")
-        self.manager.finish_step(restore=True)
+        self.optim_states.master_to_params()
         self.consecutive_skipped_steps += 1
         limit = self.options.max_consecutive_skipped_steps
         logger.info("ds_patrickstar: non-finite gradients, step skipped (%d in a row); loss scale now %s",
@@ -276,63 +232,48 @@ class PatrickStarOptimizer(ZeROOptimizer):
         for index in {c.group_index for c in self.manager.chunks}:
             self.group_steps[index] += 1
         for chunk in self.manager.owned_chunks():
-            opt = self.manager.optim[chunk.chunk_id]
-            group = self.param_groups[chunk.group_index]
-            hyper = AdamHyper.from_group(group, self.adamw)
-            used = chunk.used
-            if used == 0:
+            if chunk.used == 0:
                 continue
-            data = self._chunk_for_adam(chunk)
-            _adam_backend(data.device)(data[:used], opt.master[:used], opt.exp_avg[:used], opt.exp_avg_sq[:used],
-                                       step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
+            state = self.optim_states.states[chunk.chunk_id]
+            hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
+            data = self._chunk_for_adam(chunk)[:chunk.used]
+            _adam_backend(data.device)(data, state.master[:chunk.used], state.exp_avg[:chunk.used],
+                                       state.exp_avg_sq[:chunk.used], step=self.group_steps[chunk.group_index],
+                                       hyper=hyper, grad_scale=grad_scale)
 
-    def _chunk_for_adam(self, chunk) -> torch.Tensor:
-        """Hybrid Adam: a chunk is updated where its optimizer state lives (see [Note: placement])."""
+    def _chunk_for_adam(self, chunk: Chunk) -> torch.Tensor:
+        """Hybrid Adam: a chunk is updated where its optimizer state lives (see
+        [Note: optimizer-state placement])."""
         runtime = self.placement
-        if runtime is None:
-            return chunk.payload
-        if self.device_optim is not None and chunk.chunk_id in self.device_optim:
-            runtime.bring(chunk, {chunk.chunk_id})
-            self.counters.adam_chunks_device += 1
-            return chunk.payload
-        runtime.mover.to_host(chunk)
-        self.counters.adam_chunks_host += 1
-        return chunk.host
-
-    def _place_optimizer_states(self) -> None:
-        """After warm-up: the memory the tide leaves at its highest decides which chunks' fp32
-        master/momentum/variance live (and are updated) on the accelerator."""
-        runtime, chunks = self.placement, self.manager.chunks
-        trace = runtime.tracer.trace
-        peak_non_model = max(m.non_model for m in trace.moments)
-        busiest = max(sum(chunks[c].nbytes for c in m.chunks) for m in trace.moments)
-        free = runtime.placer.budget - peak_non_model - busiest - 2 * max(c.nbytes for c in chunks)
-        capacities = {c.chunk_id: c.capacity for c in self.manager.owned_chunks()}
-        self.device_optim = optimizer_chunks_on_device(free, capacities, runtime.placer.policy)
-        device = chunks[0].device
-        for chunk_id in self.device_optim:
-            opt = self.manager.optim[chunk_id]
-            opt.master, opt.exp_avg, opt.exp_avg_sq = (t.to(device) for t in opt.tensors())
-            runtime.optim_device_bytes += opt.nbytes
-        logger.info("ds_patrickstar: optimizer states of %d of %d chunks on the accelerator",
-                    len(self.device_optim), len(capacities))
+        if runtime is not None:
+            if chunk.chunk_id in self.optim_states.on_device:
+                runtime.bring(chunk, {chunk.chunk_id})
+                self.counters.adam_chunks_device += 1
+            else:
+                runtime.store.to_host(chunk)
+                self.counters.adam_chunks_host += 1
+        return chunk.ready()
 
     # ---- checkpoints (see [Note: checkpoint format]) ---------------------------------
     def state_dict(self) -> dict:
-        return checkpoint.optimizer_state(self.manager, self.group_steps, self.loss_scaler, self.param_groups)
+        return checkpoint.optimizer_state(self.manager, self.optim_states.states, self.group_steps,
+                                          self.loss_scaler, self.param_groups)
 
     def load_state_dict(self, state_dict_list, load_optimizer_states: bool = True,
                         load_from_fp32_weights: bool = True, **kwargs) -> None:
         if isinstance(state_dict_list, dict):
             state_dict_list = [state_dict_list]
         if load_from_fp32_weights or load_optimizer_states:
-            saved = checkpoint.load_optimizer_states(self.manager, state_dict_list, load_optimizer_states)
+            saved = checkpoint.load_optimizer_states(self.manager, self.optim_states.states, state_dict_list,
+                                                     load_optimizer_states)
             if load_optimizer_states:
                 self.group_steps = list(saved["group_steps"])
                 self.loss_scaler = saved["loss_scaler"]
                 for group, hyper in zip(self.param_groups, saved["param_groups"]):
                     group.update(hyper)
-        self.manager.master_to_params()
+        self.manager.release_all_groups()
+        self.optim_states.master_to_params()
+        self.manager.finish_step()
 
     # ---- accounting -------------------------------------------------------------
     def end_step_counters(self) -> dict[str, int]:
@@ -340,30 +281,27 @@ class PatrickStarOptimizer(ZeROOptimizer):
         collectives of a ``state_dict()``/``get_fp32_state_dict()`` in between) become
         ``last_step_counters`` and start again from zero. The engine calls this after every
         optimizer step, applied or skipped (see ``PatrickStarEngine._take_model_step``)."""
+        device, host = self.model_data_bytes_split()
+        self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
         self.last_step_counters = self.counters.as_dict()
         self.counters.reset()
+        self.accel.ledger.reset_peak()
         return self.last_step_counters
+
+    def model_data_bytes_split(self) -> tuple[int, int]:
+        """Model data this rank holds now, ``(on the accelerator, on the host)``: chunks, gradient
+        accumulators and optimizer states (gathered temporaries excluded)."""
+        kinds = self.accel.ledger.by_kind
+        device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim"))
+        host = self.manager.store.host_bytes + self.optim_states.bytes_on_host()
+        if self.placement is None:  # one memory: the "accelerator" is the host
+            device, host = 0, device + host
+        return device, host
 
     def model_data_bytes(self) -> int:
         """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""
-        return self.manager.model_data_bytes()
+        return sum(self.model_data_bytes_split())
 
-    @torch.no_grad()
     def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Every parameter's full fp32 value on every rank; the owners broadcast their masters."""
-        manager = self.manager
-        flats = []
-        for chunk in manager.chunks:
-            opt = manager.optim.get(chunk.chunk_id)
-            flat = opt.master.clone() if opt is not None else torch.zeros(chunk.capacity, device=chunk.device)
-            flats.append(flat)
-        for group in range(manager.num_groups):
-            manager.comm.all_gather(flats[group * manager.comm.world_size:(group + 1) * manager.comm.world_size])
-        result = {}
-        for name, param in module.named_parameters():
-            info = manager.info(param)
-            if info is None:
-                result[name] = param.detach().float().cpu().clone()
-            else:
-                result[name] = flats[info.chunk_id][info.offset:info.end].view(info.shape).cpu().clone()
-        return result
+        """Every parameter's full fp32 value on every rank (a collective with data parallelism)."""
+        return self.export.fp32_state_dict(module)

@@ -14,7 +14,14 @@ or batch size), or whose moments differ from the trace (control flow: a differen
 of moments, or another module at a moment, noticed at the first differing moment), is
 traced anew and its trace replaces the old one, so a stale trace is never used silently
 (the log says so). While tracing, placement is conservative (least recently used
-eviction, no prefetch).
+eviction, no prefetch). A new trace also re-plans where optimizer states live (see
+[Note: optimizer-state placement]).
+
+On CUDA the tracer reads the allocator's statistics without ever resetting them (the
+user's peak statistics, and any "max allocated" a comparison reports, stay intact): the
+highest allocation since the previous moment is known from the growth of the
+process-wide peak, else the current allocation stands in (see
+:meth:`~ds_patrickstar.accelerator.CudaAccelerator.memory_in_use`).
 """
 from __future__ import annotations
 
@@ -62,6 +69,15 @@ class Trace:
         if not self.moments:
             return 0
         return max(self.moments[(moment + k) % len(self.moments)].non_model for k in range(window))
+
+    def replace_chunks(self, index: int, chunks: tuple[int, ...]) -> None:
+        """The chunks used at moment ``index`` changed (the step's, after optimizer states moved)."""
+        old = self.moments[index]
+        for chunk in old.chunks:
+            self._uses[chunk].remove(index)
+        for chunk in chunks:
+            bisect.insort(self._uses.setdefault(chunk, []), index)
+        self.moments[index] = Moment(old.label, tuple(chunks), old.non_model)
 
     def __len__(self) -> int:
         return len(self.moments)
@@ -119,8 +135,8 @@ class _Saved:
 class MemoryTracer:
     """Records the moments of one iteration; see [Note: moments and the trace]."""
 
-    def __init__(self, device: torch.device, meter: SavedTensorMeter | None) -> None:
-        self.device = device
+    def __init__(self, accel, meter: SavedTensorMeter | None) -> None:
+        self.accel = accel
         self.meter = meter
         self.trace: Trace | None = None
         self._recording = Trace()
@@ -128,14 +144,16 @@ class MemoryTracer:
         self.tracing = True
         self.signature: tuple = ()
 
-    def non_model_now(self, chunk_bytes_on_device: int) -> int:
+    def non_model_now(self, model_bytes_on_device: int) -> int:
+        """Non-model accelerator bytes now (the highest since the previous call, on CUDA)."""
         if self.meter is not None:
             return self.meter.bytes
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return max(0, max(peak, torch.cuda.memory_allocated(self.device)) - chunk_bytes_on_device)
-        return 0
+        _, highest = self.accel.memory_in_use()
+        return max(0, highest - model_bytes_on_device)
+
+    def current_trace(self) -> Trace | None:
+        """The trace to plan from, or None while an iteration is being traced."""
+        return None if self.tracing else self.trace
 
     def start_iteration(self, signature: tuple = ()) -> None:
         """Called at the first forward after an optimizer step, with the shapes of the inputs."""

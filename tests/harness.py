@@ -198,6 +198,7 @@ class RunResult:
     dtype: str = "fp32"
     frozen: List[str] = field(default_factory=list)  # names of requires_grad=False params
     init_weights: Dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 weights before training
+    counters: List[Dict[str, int]] = field(default_factory=list)  # patrickstar: per optimizer step
 
 
 def seed_everything(seed: int) -> None:
@@ -406,6 +407,7 @@ def _train(deepspeed, model, batch_fn, model_parameters, optimizer, config, clie
         grad_norms: List[Optional[float]] = []
         lrs: List[List[float]] = []
         loss_scales: List[Optional[float]] = []
+        counters: List[Dict[str, int]] = []
         for micro in range(steps * gas):
             inputs = _cast_inputs(batch_fn(micro), dtype)
             out = engine(**inputs) if isinstance(inputs, dict) else engine(*inputs)
@@ -425,6 +427,8 @@ def _train(deepspeed, model, batch_fn, model_parameters, optimizer, config, clie
                 grad_norms.append(None if gn is None else float(gn))
                 lrs.append([float(x) for x in engine.get_lr()])
                 loss_scales.append(_loss_scale(engine))
+                if is_patrickstar(config):
+                    counters.append(engine.get_patrickstar_counters())
         if is_patrickstar(config):
             fp32, lp = _patrickstar_weights(engine)
         else:
@@ -442,6 +446,7 @@ def _train(deepspeed, model, batch_fn, model_parameters, optimizer, config, clie
             dtype=dtype_name,
             frozen=frozen,
             init_weights=init_weights,
+            counters=counters,
         )
     finally:
         destroy = getattr(engine, "destroy", None)

@@ -30,8 +30,20 @@ def test_illegal_transition_raises(old, new):
         check_transition(old, new, "w")
 
 
+def _store():
+    from ds_patrickstar.accelerator import HostAccelerator
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.device import ChunkStore
+
+    return ChunkStore(HostAccelerator(), StepCounters(), movable=False)
+
+
+STORE = _store()
+
+
 def _chunk_with_two_tensors():
-    chunk = Chunk(0, 64, torch.float32, torch.device("cpu"), 0)
+    chunk = Chunk(0, 64, torch.float32, 0)
+    STORE.create(chunk, owned=True)
     params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(8))]
     infos = []
     offset = 0
@@ -59,9 +71,9 @@ def test_chunk_state_is_derived_from_tensors():
     a.start_compute()
     assert chunk.state is ChunkState.COMPUTE and not chunk.movable
     with pytest.raises(IllegalTransition, match="in use"):
-        chunk.release()
+        STORE.release(chunk)
     a.end_forward()
-    chunk.release()
+    STORE.release(chunk)
     assert chunk.state is ChunkState.RELEASED and not chunk.is_materialized
     assert {a.state, b.state} == {S.FREE}
 
@@ -70,9 +82,9 @@ def test_release_keeps_views_valid():
     chunk, params, infos = _chunk_with_two_tensors()
     saved = params[0] * 1  # a view autograd would keep is the param itself
     before = params[0].detach().clone()
-    chunk.release()
+    STORE.release(chunk)
     assert params[0].untyped_storage().nbytes() == 0
-    chunk.materialize()
+    STORE.materialize(chunk)
     chunk.view_of(infos[0]).copy_(before)
     assert torch.equal(params[0].detach(), before)
     assert params[0].data_ptr() == chunk.payload.data_ptr()

@@ -1,0 +1,327 @@
+"""Accelerator primitives: allocate, free, copy, wait. The only code that differs between a GPU
+and its CPU twin; everything above it (chunk moves, placement, Adam) is one code path.
+
+[Note: strict emulated accelerator]
+``emulate_accelerator: true`` runs placement on a CPU-only machine against
+:class:`EmulatedAccelerator`, built to fail where a GPU would misbehave:
+
+* **Copies are asynchronous.** :meth:`Accelerator.copy` only *enqueues* a copy on the
+  emulated copy stream and fills the destination with poison (NaN) at once. The values
+  arrive when the copy's :class:`Pending` is waited on (which also completes every copy
+  enqueued before it, as a stream would). A consumer that reads, writes, reduces, norms,
+  updates or all-gathers a buffer without waiting on its pending copy sees NaN, and the
+  numbers change. A source freed (storage released) or overwritten before its copy
+  completes raises :class:`CopyHazard`.
+* **Every accelerator byte is counted.** Each allocation the backend makes on the
+  accelerator (chunk payloads, gathered copies, gradient accumulators, optimizer states,
+  temporaries of ``state_dict`` and checkpoints) is charged to the :class:`DeviceLedger`
+  with a name; one past the budget raises
+  :class:`~ds_patrickstar.placement.DeviceBudgetExceeded` naming it.
+
+On CUDA (:class:`CudaAccelerator`) a copy runs on a dedicated copy stream after the work
+already queued on the compute stream, and records an event; waiting is
+``current_stream.wait_event`` for a consumer on the device and ``event.synchronize()`` for
+one on the host. A buffer freed while a copy still reads it is handed to the copy stream
+(``record_stream``) so the caching allocator cannot give it away too early; pinned host
+buffers are protected by torch's host allocator, which records the copy's event.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceBudgetExceeded(RuntimeError):
+    """Model data plus non-model memory would not fit the accelerator budget."""
+
+
+class CopyHazard(RuntimeError):
+    """A buffer was freed or overwritten while an asynchronous copy still read it."""
+
+
+class DeviceLedger:
+    """Running totals of the bytes the backend holds on the accelerator, by kind, under a budget.
+
+    ``headroom`` is a callable giving, at the moment of an allocation, the bytes the
+    non-model memory (the activation tide) leaves for model data; it defaults to the
+    whole budget.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.by_kind: dict[str, int] = {}
+        self.total = 0
+        self.peak = 0
+        self.non_model = 0  # non-model bytes now, kept current by the placement runtime
+
+    def charge(self, nbytes: int, kind: str, what: str) -> None:
+        if self.total + nbytes + self.non_model > self.budget:
+            raise DeviceBudgetExceeded(
+                f"allocating {what} ({nbytes:,} B, {kind}) on the accelerator would exceed its budget of "
+                f"{self.budget:,} B: the backend holds {self.total:,} B ({self._kinds()}) next to "
+                f"{self.non_model:,} B of non-model memory. Raise zero_optimization.device_budget or lower "
+                f"chunk_size.")
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
+        self.total += nbytes
+        self.peak = max(self.peak, self.total)
+
+    def release(self, nbytes: int, kind: str) -> None:
+        held = self.by_kind.get(kind, 0)
+        if nbytes > held:
+            raise RuntimeError(f"device ledger: releasing {nbytes} B of {kind} but only {held} B are held")
+        self.by_kind[kind] = held - nbytes
+        self.total -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.total
+
+    def _kinds(self) -> str:
+        return ", ".join(f"{k} {v:,} B" for k, v in sorted(self.by_kind.items()) if v) or "nothing"
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Pending:
+    """An enqueued copy. :meth:`wait` makes its destination safe to use for the caller."""
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
+class Accelerator:
+    """Primitives shared by both kinds; see [Note: strict emulated accelerator]."""
+
+    device: torch.device
+    pin_host: bool = False
+
+    def __init__(self, budget: int) -> None:
+        self.ledger = DeviceLedger(budget)
+
+    # ---- memory -------------------------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
+        """A charged accelerator tensor (release it with :meth:`free`)."""
+        self.ledger.charge(numel * torch.finfo(dtype).bits // 8, kind, what)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
+        """Give an unbacked tensor its memory (contents undefined until filled)."""
+        self.ledger.charge(_nbytes(tensor), kind, what)
+        self._before_realloc(tensor)
+        tensor.untyped_storage().resize_(_nbytes(tensor))
+
+    def free(self, tensor: torch.Tensor, kind: str, after: Pending | None = None) -> None:
+        """Release ``tensor``'s memory (its storage goes to zero bytes); with ``after``, once that
+        copy, which reads ``tensor``, has completed."""
+        self.ledger.release(_nbytes(tensor), kind)
+        self._release_storage(tensor, after)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin_host)
+
+    # ---- copies -------------------------------------------------------------------
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        """Enqueue ``dst.copy_(src)`` after the work already queued; wait on the result before
+        using ``dst``, and do not touch ``src`` until then."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Every enqueued copy has completed."""
+        raise NotImplementedError
+
+    # ---- memory statistics (non-model memory; see tracer.py) ---------------------------
+    def memory_in_use(self) -> tuple[int, int]:
+        """``(allocated now, highest allocated since the previous call)`` for the whole process, or
+        ``(0, 0)`` where the process's accelerator memory cannot be read (the emulated one)."""
+        return 0, 0
+
+    def fragmentation(self) -> int:
+        """Bytes reserved by the allocator but not allocated (0 where there is no allocator)."""
+        return 0
+
+    def _before_realloc(self, tensor: torch.Tensor) -> None:
+        """Hook: the emulated device completes a pending deferred free of ``tensor`` first."""
+
+    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
+        raise NotImplementedError
+
+
+# ---- CUDA ------------------------------------------------------------------------------
+class _CudaPending(Pending):
+    def __init__(self, event: torch.cuda.Event, to_host: bool) -> None:
+        self.event = event
+        self.to_host = to_host
+
+    def wait(self) -> None:
+        if self.to_host:
+            self.event.synchronize()  # the consumer is the host
+        else:
+            torch.cuda.current_stream().wait_event(self.event)  # the consumer is the compute stream
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+class CudaAccelerator(Accelerator):
+    pin_host = True
+
+    def __init__(self, device: torch.device, budget: int) -> None:
+        super().__init__(budget)
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        stats = torch.cuda.memory_stats(device)
+        self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        for tensor in (dst, src):
+            if tensor.is_cuda:
+                tensor.record_stream(self.copy_stream)  # not reused by the allocator before the copy ran
+        return _CudaPending(event, to_host=not dst.is_cuda)
+
+    def synchronize(self) -> None:
+        self.copy_stream.synchronize()
+
+    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
+        # A copy reading ``tensor`` ran record_stream on it, so the caching allocator keeps the
+        # block until the copy stream is past that copy: freeing now is safe.
+        tensor.untyped_storage().resize_(0)
+
+    def memory_in_use(self) -> tuple[int, int]:
+        """Peak since the previous call from deltas of the process-wide peak: never resets torch's
+        statistics (the user's, and ZeRO-3's "max allocated", stay intact). When the process-wide
+        peak did not grow, the highest value in between is unknown and ``allocated now`` stands in."""
+        stats = torch.cuda.memory_stats(self.device)
+        now = stats.get("allocated_bytes.all.current", 0)
+        peak = stats.get("allocated_bytes.all.peak", 0)
+        highest = peak if peak > self._peak_seen else now
+        self._peak_seen = peak
+        return now, max(now, highest)
+
+    def fragmentation(self) -> int:
+        return max(0, torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+
+
+# ---- the CPU twin ----------------------------------------------------------------------
+class _EmulatedCopy(Pending):
+    def __init__(self, stream: "EmulatedAccelerator", dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.stream = stream
+        self.dst, self.src = dst, src
+        self.src_version = src._version
+        self.src_bytes = src.untyped_storage().nbytes()
+        self.src_ptr = src.untyped_storage().data_ptr()
+        self.after: list[Callable[[], None]] = []
+        self.completed = False
+
+    def wait(self) -> None:
+        self.stream.complete_through(self)
+
+    def done(self) -> bool:
+        return self.completed
+
+    def run(self) -> None:
+        storage = self.src.untyped_storage()
+        if storage.nbytes() != self.src_bytes or storage.data_ptr() != self.src_ptr:
+            raise CopyHazard(f"emulated accelerator: the source of a pending copy ({self.src.numel()} elements, "
+                             f"{self.src.dtype}) was freed before the copy completed; free it with "
+                             f"Accelerator.free(..., after=pending)")
+        if self.src._version != self.src_version:
+            raise CopyHazard(f"emulated accelerator: the source of a pending copy ({self.src.numel()} elements, "
+                             f"{self.src.dtype}) was overwritten before the copy completed; wait on the copy first")
+        self.dst.copy_(self.src)
+        self.completed = True
+        for action in self.after:
+            action()
+
+
+class EmulatedAccelerator(Accelerator):
+    """The accelerator's CPU twin; see [Note: strict emulated accelerator]."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget)
+        self.device = torch.device("cpu")
+        self._queue: deque[_EmulatedCopy] = deque()
+        self._deferred: dict[int, _EmulatedCopy] = {}  # storage ptr -> copy whose completion frees it
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        pending = _EmulatedCopy(self, dst, src)
+        with torch.no_grad():
+            if dst.is_floating_point():
+                dst.fill_(float("nan"))  # poison until the copy completes
+            else:
+                dst.fill_(-1)
+        self._queue.append(pending)
+        return pending
+
+    def complete_through(self, pending: _EmulatedCopy) -> None:
+        """Complete every queued copy up to and including ``pending`` (stream order)."""
+        while not pending.completed:
+            head = self._queue.popleft()
+            head.run()
+            # a later copy that reads what this one wrote sees the written values as its source
+            written = head.dst.untyped_storage().data_ptr()
+            for later in self._queue:
+                if later.src.untyped_storage().data_ptr() == written:
+                    later.src_version = later.src._version
+
+    def synchronize(self) -> None:
+        if self._queue:
+            self.complete_through(self._queue[-1])
+
+    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
+        if after is None or after.done():
+            tensor.untyped_storage().resize_(0)
+            return
+        key = tensor.untyped_storage().data_ptr()
+        storage = tensor.untyped_storage()
+        self._deferred[key] = after
+
+        def release() -> None:
+            storage.resize_(0)
+            self._deferred.pop(key, None)
+
+        after.after.append(release)
+
+    def _before_realloc(self, tensor: torch.Tensor) -> None:
+        pending = self._deferred.get(tensor.untyped_storage().data_ptr())
+        if pending is not None:
+            pending.wait()
+
+
+class HostAccelerator(Accelerator):
+    """No accelerator (a plain CPU run without placement): host memory, synchronous copies."""
+
+    def __init__(self) -> None:
+        super().__init__(budget=1 << 62)
+        self.device = torch.device("cpu")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        dst.copy_(src)
+        return _Done()
+
+    def synchronize(self) -> None:
+        pass
+
+    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
+        tensor.untyped_storage().resize_(0)
+
+
+class _Done(Pending):
+    def wait(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True

@@ -1,0 +1,156 @@
+"""Model values in and out of the chunks, streamed one chunk group at a time through the host.
+
+[Note: state_dict]
+With data parallelism a rank keeps only its own chunks between uses, and with placement a
+chunk may live on the host; a parameter's view is then backed by no memory and must not
+be read directly. So ``engine.module.state_dict()`` (a collective with data parallelism:
+call it on every rank, as Hugging Face's save path does) fills every entry that belongs to
+a chunk, under every name the parameter has (tied weights included), with a host copy,
+taken one chunk group at a time: an owned chunk is copied from wherever it lives; a group
+that must be gathered is all-gathered into one temporary accelerator buffer (counted
+against the budget), copied to the host and freed. The accelerator never holds more than
+one extra group, so models larger than the accelerator budget can be saved and exported.
+
+``load_state_dict()`` needs no collective: each rank writes the values of the parameters
+it owns into its chunks (wherever they live), takes those keys out of torch's own copy
+step, and the fp32 masters follow. ``get_fp32_state_dict()`` streams the masters the same
+way. :func:`ds_patrickstar.gathered_parameters` points every parameter at a host copy for
+the duration of a ``with`` block (for reading; writes are discarded).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from .chunk import Chunk, TensorInfo, TensorState
+
+
+class ChunkExport:
+    """Streams chunk values to and from the host; see [Note: state_dict]."""
+
+    def __init__(self, manager, optim_states) -> None:
+        self.manager = manager
+        self.optim_states = optim_states
+        self.accel = manager.store.accel
+        self._consumed: list[str] = []
+
+    # ---- streaming out ------------------------------------------------------------------
+    def _group_on_host(self, group: int, values_of, dtype: torch.dtype, what: str) -> list[torch.Tensor]:
+        """Host copies of every member's values in ``group``; ``values_of(chunk)`` gives an owned
+        chunk's (ready) tensor. A collective with data parallelism."""
+        manager = self.manager
+        members = manager.group_members(group)
+        if manager.comm.world_size == 1:
+            return [values_of(members[0]).to("cpu", copy=True)]
+        capacity = members[0].capacity
+        bufs = [self.accel.empty(capacity, dtype, "gather", f"{what} of chunk group {group}") for _ in members]
+        try:
+            own = members[manager.comm.rank]
+            bufs[manager.comm.rank].copy_(values_of(own))
+            manager.comm.all_gather(bufs)
+            return [b.to("cpu", copy=True) for b in bufs]
+        finally:
+            for buf in bufs:
+                self.accel.free(buf, "gather")
+
+    def iter_host_groups(self, fp32_masters: bool = False) -> Iterator[tuple[list[Chunk], list[torch.Tensor]]]:
+        """``(members, host values)`` per chunk group: the low-precision values, or the fp32 masters."""
+        manager = self.manager
+        for group in range(manager.num_groups):
+            members = manager.group_members(group)
+            if fp32_masters:
+                hosts = self._group_on_host(group, lambda c: self.optim_states.states[c.chunk_id].master,
+                                            torch.float32, "fp32 masters")
+            else:
+                hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
+            yield members, hosts
+
+    def _names(self, module: torch.nn.Module, prefix: str) -> dict[TensorInfo, list[str]]:
+        """Every name (aliases of tied or shared parameters included) of every chunk parameter."""
+        names: dict[TensorInfo, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            info = self.manager.info(param)
+            if info is not None:
+                names.setdefault(info, []).append(prefix + name)
+        return names
+
+    def _refuse_gradients(self, names: dict[TensorInfo, list[str]], action: str) -> None:
+        for info in names:
+            if info.state is TensorState.HOLD_AFTER_BWD:
+                raise RuntimeError(f"{action} was called between backward and step: the slot of {info.name} "
+                                   f"holds its gradient. Call it before backward or after engine.step().")
+
+    @torch.no_grad()
+    def fill_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str) -> None:
+        names = self._names(module, prefix)
+        self._refuse_gradients(names, "state_dict()")
+        for members, hosts in self.iter_host_groups():
+            for chunk, host in zip(members, hosts):
+                for info in chunk.tensors:
+                    value = None
+                    for key in names.get(info, ()):
+                        if key in state_dict:
+                            value = value if value is not None else host[info.offset:info.end].view(info.shape).clone()
+                            state_dict[key] = value
+
+    @torch.no_grad()
+    def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 value on the host, keyed by every name it has."""
+        names = self._names(module, "")
+        result = {}
+        for members, hosts in self.iter_host_groups(fp32_masters=True):
+            for chunk, host in zip(members, hosts):
+                for info in chunk.tensors:
+                    value = host[info.offset:info.end].view(info.shape).clone()
+                    for key in names.get(info, ()):
+                        result[key] = value
+        for name, param in module.named_parameters():
+            if self.manager.info(param) is None:
+                result[name] = param.detach().float().cpu().clone()
+        return {name: result[name] for name, _ in module.named_parameters()}
+
+    # ---- streaming in -------------------------------------------------------------------
+    @torch.no_grad()
+    def load_from_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str,
+                             error_msgs: list[str]) -> None:
+        """Write the owned parameters' values into their chunks and take their keys out of torch's
+        copy step (:meth:`finish_load` tells torch they were not missing)."""
+        names = self._names(module, prefix)
+        self._refuse_gradients(names, "load_state_dict()")
+        self._consumed = []
+        for info, keys in names.items():
+            chunk = self.manager.chunk_of(info)
+            for key in keys:
+                if key not in state_dict:
+                    continue
+                value = state_dict.pop(key)
+                self._consumed.append(key)
+                if tuple(value.shape) != tuple(info.shape):
+                    error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
+                                      f"from checkpoint, the shape in current model is {tuple(info.shape)}.")
+                elif self.manager.is_owned(chunk):
+                    chunk.ready()[info.offset:info.end].copy_(value.reshape(-1))
+
+    def finish_load(self, incompatible_keys) -> None:
+        consumed = set(self._consumed)
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in consumed]
+        self._consumed = []
+        self.optim_states.params_to_master()
+
+
+@contextlib.contextmanager
+def host_parameters(export: ChunkExport) -> Iterator[None]:
+    """Every chunk parameter points at a host copy of its value inside the block."""
+    saved: dict[TensorInfo, torch.Tensor] = {}
+    for members, hosts in export.iter_host_groups():
+        for chunk, host in zip(members, hosts):
+            for info in chunk.tensors:
+                saved[info] = info.param.data
+                info.param.data = host[info.offset:info.end].view(info.shape)
+    try:
+        yield
+    finally:
+        for info, view in saved.items():
+            info.param.data = view

@@ -1,0 +1,137 @@
+"""fp32 master, momentum and variance of the owned chunks, and where they live (hybrid Adam).
+
+[Note: optimizer-state placement]
+Every owned chunk has three fp32 tensors of its capacity and layout. They start on the
+host when placement is active (on the only device otherwise). After each trace (the
+warm-up iteration, and every re-trace when shapes or control flow change) the memory
+the tide leaves at its highest decides which chunks' states live on the accelerator,
+in chunk order, and the states move to match the new decision: a re-trace with a higher
+tide sends states back to the host, a lower one brings more in. A chunk is updated by
+Adam where its states live; the others are updated on the host by the CPU kernel, and
+their chunks are not brought to the accelerator for the step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .accelerator import Accelerator, DeviceBudgetExceeded
+from .chunk import Chunk
+from .placement import optimizer_chunks_on_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class OptimizerChunk:
+    """fp32 master, momentum and variance aligned with one owned param chunk."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.master, self.exp_avg, self.exp_avg_sq
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class OptimizerStates:
+    """Creates the states of the owned chunks and moves them; see [Note: optimizer-state placement]."""
+
+    def __init__(self, chunks: list[Chunk], accel: Accelerator, start_on_device: bool) -> None:
+        self.accel = accel
+        self.chunks = {c.chunk_id: c for c in chunks}
+        self.states: dict[int, OptimizerChunk] = {}
+        self.on_device: set[int] = set()
+        for chunk in chunks:
+            self.states[chunk.chunk_id] = self._create(chunk, start_on_device)
+            if start_on_device:
+                self.on_device.add(chunk.chunk_id)
+        self.trace_planned = None  # the trace the current decision was made from
+
+    def _create(self, chunk: Chunk, on_device: bool) -> OptimizerChunk:
+        values = chunk.ready()
+        if on_device:
+            tensors = [self.accel.empty(chunk.capacity, torch.float32, "optim",
+                                        f"the optimizer states of chunk {chunk.chunk_id}") for _ in range(3)]
+        else:
+            tensors = [torch.empty(chunk.capacity, dtype=torch.float32) for _ in range(3)]
+        tensors[0].copy_(values)
+        tensors[1].zero_()
+        tensors[2].zero_()
+        return OptimizerChunk(*tensors)
+
+    # ---- placement ------------------------------------------------------------------
+    def plan(self, trace, budget: int, policy: str, chunk_bytes: dict[int, int]) -> None:
+        """Re-decide from ``trace`` which chunks' states live on the accelerator and move them:
+        what the tide leaves at its highest, less the busiest moment's chunks and room for two
+        chunks in flight."""
+        if trace is self.trace_planned:
+            return
+        self.trace_planned = trace
+        peak_non_model = max(m.non_model for m in trace.moments)
+        busiest = max(sum(chunk_bytes[c] for c in m.chunks) for m in trace.moments)
+        free = budget - peak_non_model - busiest - 2 * max(chunk_bytes.values())
+        capacities = {cid: chunk.capacity for cid, chunk in self.chunks.items()}
+        wanted = optimizer_chunks_on_device(free, capacities, policy)
+        for chunk_id in sorted(self.on_device - wanted):
+            self._move(chunk_id, to_device=False)
+        for chunk_id in sorted(wanted - self.on_device):
+            try:
+                self._move(chunk_id, to_device=True)
+            except DeviceBudgetExceeded as err:  # the tide is higher now than traced: keep the rest on the host
+                logger.info("ds_patrickstar: optimizer states stay on the host from chunk %d on (%s)", chunk_id, err)
+                break
+        logger.info("ds_patrickstar: optimizer states of %d of %d chunks on the accelerator",
+                    len(self.on_device), len(capacities))
+
+    def all_to_host(self) -> None:
+        """Before a (re-)trace: every state on the host, so the new tide is measured without them."""
+        for chunk_id in sorted(self.on_device):
+            self._move(chunk_id, to_device=False)
+        self.trace_planned = None
+
+    def _move(self, chunk_id: int, to_device: bool) -> None:
+        old = self.states[chunk_id]
+        numel = old.master.numel()
+        if to_device:
+            new = [self.accel.empty(numel, torch.float32, "optim", f"the optimizer states of chunk {chunk_id}")
+                   for _ in range(3)]
+        else:
+            new = [self.accel.host_empty(numel, torch.float32) for _ in range(3)]
+        copies = [self.accel.copy(dst, src) for dst, src in zip(new, old.tensors())]
+        for pending in copies:
+            pending.wait()
+        if to_device:
+            self.on_device.add(chunk_id)
+        else:
+            for tensor, pending in zip(old.tensors(), copies):
+                self.accel.free(tensor, "optim", after=pending)
+            self.on_device.discard(chunk_id)
+        self.states[chunk_id] = OptimizerChunk(*new)
+
+    # ---- values -----------------------------------------------------------------------
+    @torch.no_grad()
+    def params_to_master(self) -> None:
+        """After the parameters were overwritten (a module state_dict load): masters follow them."""
+        for chunk_id, state in self.states.items():
+            chunk = self.chunks[chunk_id]
+            state.master[:chunk.used].copy_(chunk.ready()[:chunk.used])
+
+    @torch.no_grad()
+    def master_to_params(self) -> None:
+        """After the masters were loaded (or an overflow): the owned slots get their values."""
+        for chunk_id, state in self.states.items():
+            chunk = self.chunks[chunk_id]
+            chunk.ready()[:chunk.used].copy_(state.master[:chunk.used])
+
+    def bytes_on_device(self) -> int:
+        return sum(self.states[c].nbytes for c in self.on_device)
+
+    def bytes_on_host(self) -> int:
+        return sum(s.nbytes for c, s in self.states.items() if c not in self.on_device)
