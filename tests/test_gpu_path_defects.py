@@ -1,0 +1,182 @@
+"""The GPU-path defects the strict emulated accelerator exposes, one test each (issue "A GPU run you
+can trust before anyone has a GPU"). Each fails on the code before the fix; numbers are
+compared with stock ZeRO-3 exactly (fp32 on CPU: every move is an exact copy)."""
+import pytest
+import torch
+
+from test_placement import BATCH, BUDGET, HIDDEN, LAYERS, _config, _mlp, _run
+
+from ds_patrickstar.accelerator import DeviceBudgetExceeded
+
+PARAMS = LAYERS * (HIDDEN * HIDDEN + HIDDEN)
+
+
+def test_1_a_missing_wait_changes_the_numbers(monkeypatch):
+    """Every payload read goes through Chunk.ready(); without its wait, the emulated copies leave
+    poison and training diverges from ZeRO-3 (the vs-ZeRO-3 placement tests would catch it)."""
+    from ds_patrickstar.chunk import Chunk
+
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=BUDGET)
+    _, ref, _ = _run(_config(3), steps=3)
+    _, ours, _ = _run(config, steps=3)
+    assert ours == ref
+    monkeypatch.setattr(Chunk, "wait_pending", lambda self: None)
+    with pytest.raises(Exception):  # NaN poison: a non-finite loss, skipped steps, or a hazard
+        _, broken, _ = _run(config, steps=3)
+        assert broken == ref
+
+
+def test_2_model_data_is_14_bytes_per_param_over_device_and_host():
+    import deepspeed
+
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=BUDGET // 2)
+    config["bf16"] = {"enabled": True}
+    model = _mlp()
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    for _ in range(3):
+        x = torch.randn(BATCH, HIDDEN, dtype=torch.bfloat16)
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    last = engine.get_patrickstar_counters()
+    capacity = sum(c.capacity for c in engine.optimizer.manager.chunks)
+    assert last["model_bytes_device"] + last["model_bytes_host"] == 14 * capacity
+    assert capacity <= PARAMS * 1.01  # chunks are sized to their contents
+    assert last["model_bytes_host"] > 0  # placement is really splitting them
+    engine.destroy()
+
+
+def test_3_a_model_larger_than_the_device_initializes_and_trains():
+    """The chunks are built on the host: the emulated budget (300 KB) is far below the model's
+    parameters (822 KB fp32), and the ledger never held more than the budget."""
+    engine, ours, counters = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=4)
+    _, ref, _ = _run(_config(3), steps=4)
+    assert ours == ref
+    assert engine.dont_change_device
+    assert max(c["peak_model_bytes_device"] for c in counters) < BUDGET < PARAMS * 4
+    engine.destroy()
+
+
+def test_4_state_dict_checkpoint_and_export_stream_within_the_budget(tmp_path):
+    from ds_patrickstar import gathered_parameters
+
+    budget = 150_000  # about one and a half chunks: a whole-model gather could never fit
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=budget, chunk_size=8192)
+    engine, _, _ = _run(config, steps=2, model=_mlp())
+    ledger = engine.optimizer.accel.ledger
+    ledger.reset_peak()
+    state = engine.module.state_dict()
+    fp32 = engine.get_fp32_state_dict()
+    with gathered_parameters(engine):
+        first = engine.module[0].weight.detach().clone()
+    engine.save_checkpoint(str(tmp_path))
+    engine.load_checkpoint(str(tmp_path))
+    assert ledger.peak <= budget
+    assert torch.equal(first, fp32["0.weight"])
+    for name, value in fp32.items():
+        assert torch.equal(state[name], value), name
+        assert state[name].device.type == "cpu"
+    engine.destroy()
+
+
+def test_5_accumulators_exist_only_while_accumulating_and_follow_their_chunk():
+    # a layer's weight and (first-fit) its bias sit in two chunks: both with accumulators must fit
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=800_000)
+    config["gradient_accumulation_steps"] = 2
+    ref_cfg = _config(3)
+    ref_cfg["gradient_accumulation_steps"] = 2
+    _, ref, _ = _run(ref_cfg, steps=6)
+    engine, ours, _ = _run(config, steps=6)
+    assert ours == ref
+    opt = engine.optimizer
+    assert opt.accel.ledger.by_kind.get("grad_acc", 0) == 0
+    assert all(c.acc is None and c.acc_host is None for c in opt.manager.chunks)  # none between steps
+    x = torch.randn(BATCH, HIDDEN)
+    engine.backward(engine(x).square().mean())  # a non-boundary micro-step
+    device_acc = opt.accel.ledger.by_kind.get("grad_acc", 0)
+    host_acc = sum(c.acc_host.numel() * 4 for c in opt.manager.chunks if c.acc_host is not None)
+    assert device_acc + host_acc == 4 * sum(c.capacity for c in opt.manager.chunks)
+    assert host_acc > 0  # the budget is too small: evicted chunks took their accumulators along
+    engine.destroy()
+
+
+def test_6_preflight_refuses_before_allocating_anything(monkeypatch):
+    import psutil
+
+    from ds_patrickstar import chunk_manager
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=100_000))
+    built = []
+    monkeypatch.setattr(chunk_manager.ChunkManager, "_build_chunk", lambda self, spec: built.append(spec))
+    with pytest.raises(ValueError, match="largest model that would fit"):
+        _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=1)
+    assert built == []
+
+
+def test_6_preflight_counts_optimizer_state_once(monkeypatch):
+    """The model needs 16 B/param (fp32 + 12); with exactly that much budget + host it must start."""
+    import psutil
+
+    real = psutil.virtual_memory()
+    need = 16 * PARAMS * 1.01
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=int(need) - 2_000_000 + 64))
+    engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=2_000_000), steps=1)
+    engine.destroy()
+
+
+def test_7_retrace_with_a_higher_tide_replans_optimizer_states():
+    engine, _, counters = _run(_config("patrickstar", emulate_accelerator=True, device_budget=3_000_000),
+                               steps=6, batches=[4, 4, 4, 64, 64, 64])
+    assert counters[2]["adam_chunks_device"] > counters[-1]["adam_chunks_device"]
+    assert engine.optimizer.optim_states.trace_planned is engine.optimizer.placement.tracer.trace
+    engine.destroy()
+
+
+def test_8_the_tracer_never_resets_cuda_peak_statistics(monkeypatch):
+    from ds_patrickstar.accelerator import CudaAccelerator
+
+    stats = {"allocated_bytes.all.current": 100, "allocated_bytes.all.peak": 500}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("reset peak stats"))
+    accel = CudaAccelerator.__new__(CudaAccelerator)
+    accel.device, accel._peak_seen = torch.device("cuda"), 500
+    assert accel.memory_in_use() == (100, 100)  # no new peak since the last look: allocated now
+    stats.update({"allocated_bytes.all.current": 200, "allocated_bytes.all.peak": 900})
+    assert accel.memory_in_use() == (200, 900)  # the peak grew in between: that is the highest
+    assert accel.memory_in_use() == (200, 200)
+
+
+def test_9_host_adam_chunks_are_not_brought_to_the_device_for_the_step():
+    engine, _, counters = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=4)
+    trace = engine.optimizer.placement.tracer.trace
+    step = next(m for m in trace.moments if m.label == "step")
+    assert step.chunks == () and counters[-1]["adam_chunks_host"] == 8
+    last_backward = [m for m in trace.moments if m.label.startswith("bwd:")][-1]
+    assert last_backward is trace.moments[-2]  # nothing is prefetched into the step
+    engine.destroy()
+
+
+def test_11_every_adam_kernel_is_built_at_initialize(monkeypatch):
+    from ds_patrickstar import optimizer
+
+    built = []
+    monkeypatch.setattr(optimizer, "_adam_backend", lambda device: built.append(torch.device(device).type)
+                        or optimizer.adam_step_reference)
+    engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=0)
+    assert built == ["cpu"]  # the host kernel (hybrid Adam), before any step; on CUDA the device's too
+    engine.destroy()
+
+
+def test_hybrid_adam_with_a_real_mix_matches_zero3():
+    _, ref, _ = _run(_config(3), steps=6)
+    engine, ours, counters = _run(_config("patrickstar", emulate_accelerator=True, device_budget=2_400_000), steps=6)
+    assert ours == ref
+    last = counters[-1]
+    assert 0 < last["adam_chunks_device"] < 8 and last["adam_chunks_host"] == 8 - last["adam_chunks_device"]
+    assert last["evictions"] > 0
+    engine.destroy()
+
+
+def test_budget_error_names_what_was_allocated():
+    with pytest.raises(DeviceBudgetExceeded, match="budget"):
+        _run(_config("patrickstar", emulate_accelerator=True, device_budget=120_000), steps=1)
