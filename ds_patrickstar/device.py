@@ -169,10 +169,24 @@ class PlacementRuntime:
         """What the chunk occupies on the accelerator when it is there (payload + accumulator)."""
         return chunk.nbytes + chunk.acc_nbytes
 
-    def _resident_movable(self, exclude: set[int]) -> dict[int, int]:
+    def _evictable(self, keep: set[int]):
         chunks = self.chunks
-        return {cid: self._bytes(chunks[cid]) for cid in self.store.resident
-                if cid not in exclude and chunks[cid].movable}
+
+        def size(chunk_id: int) -> int | None:
+            chunk = chunks[chunk_id]
+            return None if chunk_id in keep or not chunk.movable else self._bytes(chunk)
+
+        return size
+
+    def _to_device(self, chunk: Chunk) -> None:
+        self.store.to_device(chunk)
+        self.placer.arrived(chunk.chunk_id)
+
+    def evict(self, chunk: Chunk) -> None:
+        """``chunk`` to the host (an asynchronous copy; see [Note: chunk locations])."""
+        if not chunk.on_host:
+            self.store.to_host(chunk)
+            self.placer.left(chunk.chunk_id)
 
     def _non_model(self) -> int:
         non_model = self.tracer.non_model_now(self.ledger.total)
@@ -188,7 +202,8 @@ class PlacementRuntime:
             self.moment = self.tracer.record(label, chunk_ids, self.ledger.total)
             if self.moment == 0:
                 self.tide = []
-        self.placer.touch(chunk_ids)
+        new_iteration = self.recording and self.moment == 0
+        self.placer.touch(chunk_ids, self.tracer.current_trace(), self.moment, new_iteration)
 
     def make_room(self, need: int, keep: set[int]) -> None:
         """Evict until ``need`` more bytes of model data fit beside the tide."""
@@ -198,7 +213,7 @@ class PlacementRuntime:
         if over <= 0:
             return
         try:
-            victims = self.placer.victims(trace, self.moment, self._resident_movable(keep), over)
+            victims = self.placer.victims(over, self._evictable(keep))
         except DeviceBudgetExceeded as err:
             raise DeviceBudgetExceeded(
                 f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
@@ -206,14 +221,14 @@ class PlacementRuntime:
                 f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
                 f"Raise zero_optimization.device_budget or lower chunk_size.") from None
         for victim in victims:
-            self.store.to_host(self.chunks[victim])
+            self.evict(self.chunks[victim])
             self.counters.evictions += 1
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
         """``chunk`` on the accelerator (room made for it), its copy waited on."""
         if chunk.on_host:
             self.make_room(self._bytes(chunk), keep | {chunk.chunk_id})
-            self.store.to_device(chunk)
+            self._to_device(chunk)
         chunk.wait_pending()
 
     def end_moment(self, in_use: set[int]) -> None:
@@ -230,7 +245,7 @@ class PlacementRuntime:
         for chunk_id in self.placer.prefetch(trace, self.moment):
             chunk = self.chunks[chunk_id]
             if chunk.on_host and self._fits(self._bytes(chunk), trace):
-                self.store.to_device(chunk)
+                self._to_device(chunk)
                 self.counters.prefetches += 1
                 chunk.prefetched = True
 
@@ -246,4 +261,4 @@ class PlacementRuntime:
 
     def after_use(self, chunk: Chunk) -> None:
         if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
-            self.store.to_host(chunk)
+            self.evict(chunk)

@@ -250,7 +250,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
                 runtime.bring(chunk, {chunk.chunk_id})
                 self.counters.adam_chunks_device += 1
             else:
-                runtime.store.to_host(chunk)
+                runtime.evict(chunk)
                 self.counters.adam_chunks_host += 1
         return chunk.ready()
 

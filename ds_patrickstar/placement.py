@@ -16,9 +16,10 @@ fp32 master, momentum and variance on the accelerator (updated there by the CUDA
 the others are updated on the host by the CPU kernel (hybrid Adam); see
 [Note: optimizer-state placement].
 
-Bookkeeping per moment is O(chunks used) plus O(resident chunks) when something must be
-evicted: byte totals are running sums in the :class:`~ds_patrickstar.accelerator.DeviceLedger`
-and the resident set is kept by the store, never recomputed over every chunk
+Bookkeeping per moment is O(chunks used) plus O(log resident chunks) per eviction: byte totals
+are running sums in the :class:`~ds_patrickstar.accelerator.DeviceLedger`, and the resident
+chunks sit in an :class:`EvictionQueue` keyed by next use (or last use), updated when a chunk
+is used, arrives or leaves; nothing is recomputed over every chunk
 (``benchmarks/bench_placement_overhead.py`` measures it with 10,000+ chunks).
 
 The ``static`` policy, for comparison, keeps a fixed fraction of the chunks on the
@@ -27,17 +28,19 @@ and evicts them the moment after, and updates every chunk's optimizer state on t
 """
 from __future__ import annotations
 
+import heapq
 from typing import Callable, Iterable
 
 from .accelerator import DeviceBudgetExceeded
 from .plan import OPTIM_BYTES_PER_ELEMENT
-from .tracer import NEVER, Trace
+from .tracer import Trace
 
-__all__ = ["DeviceBudgetExceeded", "Placer", "belady_victims", "optimizer_chunks_on_device"]
+__all__ = ["DeviceBudgetExceeded", "EvictionQueue", "Placer", "belady_victims", "optimizer_chunks_on_device"]
 
 
 def belady_victims(resident: dict[int, int], need: int, next_use: Callable[[int], int]) -> list[int]:
-    """Chunks to evict, farthest next use first, until ``need`` bytes are freed."""
+    """Chunks to evict, farthest next use first, until ``need`` bytes are freed: the rule in its
+    plain O(n log n) form, the oracle :class:`EvictionQueue` is tested against."""
     chosen, freed = [], 0
     for chunk in sorted(resident, key=lambda c: (-next_use(c), c)):
         if freed >= need:
@@ -64,9 +67,62 @@ def optimizer_chunks_on_device(free_bytes: int, capacities: dict[int, int], poli
     return chosen
 
 
+class EvictionQueue:
+    """Resident chunks by eviction priority, with lazy updates: O(log n) per change and per victim.
+
+    The priority of a chunk is its next use in the trace (Belady: farthest first) or, while there
+    is no trace, its last use (least recently used first). A chunk's next use changes only when
+    it is used, and every use re-keys it, so keys stay exact between uses. Moments are counted
+    on an absolute clock across iterations (the trace wraps), so keys from two iterations compare.
+    Entries superseded by a newer key or by an eviction are skipped when popped.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int]] = []  # (priority, chunk, stamp); smallest is evicted first
+        self._stamp: dict[int, int] = {}
+
+    def push(self, chunk: int, priority: int) -> None:
+        stamp = self._stamp.get(chunk, 0) + 1
+        self._stamp[chunk] = stamp
+        heapq.heappush(self._heap, (priority, chunk, stamp))
+        if len(self._heap) > 2 * len(self._stamp) + 1024:  # superseded entries: compact, O(n) now and then
+            self._heap = [e for e in self._heap if self._stamp.get(e[1]) == e[2]]
+            heapq.heapify(self._heap)
+
+    def drop(self, chunk: int) -> None:
+        self._stamp[chunk] = self._stamp.get(chunk, 0) + 1
+
+    def take(self, need: int, size_if_evictable: Callable[[int], int | None]) -> list[int]:
+        """Pop chunks in priority order until ``need`` bytes are covered; chunks that cannot go
+        now (``size_if_evictable`` gives None) keep their place."""
+        chosen, freed, kept = [], 0, []
+        while freed < need and self._heap:
+            entry = heapq.heappop(self._heap)
+            _, chunk, stamp = entry
+            if self._stamp.get(chunk) != stamp:
+                continue
+            size = size_if_evictable(chunk)
+            if size is None:
+                kept.append(entry)
+                continue
+            self.drop(chunk)
+            chosen.append(chunk)
+            freed += size
+        for entry in kept:
+            heapq.heappush(self._heap, entry)
+        if freed < need:
+            raise DeviceBudgetExceeded(f"cannot free {need} bytes on the accelerator: only {freed} bytes of "
+                                       f"movable chunks are resident")
+        return chosen
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._stamp.clear()
+
+
 class Placer:
-    """Decides evictions and prefetches; see [Note: placement]. Pure bookkeeping: the chunk
-    manager performs the moves it asks for."""
+    """Decides evictions and prefetches; see [Note: placement]. Pure bookkeeping: the runtime
+    performs the moves it asks for and tells it which chunks arrive on the accelerator."""
 
     def __init__(self, budget: int, policy: str, static_fraction: float, movable: Iterable[int]) -> None:
         self.budget = budget
@@ -74,25 +130,59 @@ class Placer:
         movable = sorted(movable)
         keep = int(len(movable) * static_fraction) if policy == "static" else 0
         self.pinned_static = set(movable[:keep])
-        self._last_use: dict[int, int] = {}
-        self._clock = 0
+        self._clock = 0  # one tick per moment, across iterations
+        self._queue = EvictionQueue()
+        self._trace: Trace | None = None  # the trace the queue's priorities come from
+        self._resident: set[int] = set()
+        self._base = 0  # absolute clock of this iteration's moment 0 (Belady priorities)
+        self._moment = -1
 
-    def touch(self, chunks: Iterable[int]) -> None:
+    # ---- what is where ------------------------------------------------------------
+    def arrived(self, chunk: int) -> None:
+        """``chunk`` is now backed on the accelerator."""
+        self._resident.add(chunk)
+        self._queue.push(chunk, self._priority(chunk))
+
+    def left(self, chunk: int) -> None:
+        """``chunk`` went to the host."""
+        self._resident.discard(chunk)
+        self._queue.drop(chunk)
+
+    def touch(self, chunks: Iterable[int], trace: Trace | None, moment: int, new_iteration: bool) -> None:
+        """A moment uses ``chunks``: their priorities move on."""
         self._clock += 1
+        if trace is not self._trace:
+            self._trace = trace
+            self._rekey_all(moment)
+        elif trace is not None and new_iteration:
+            self._base += len(trace)  # the trace wrapped
+        self._moment = moment
         for chunk in chunks:
-            self._last_use[chunk] = self._clock
+            if chunk in self._resident:
+                self._queue.push(chunk, self._priority(chunk))
+
+    def _rekey_all(self, moment: int) -> None:
+        self._base, self._moment = 0, moment
+        self._queue.clear()
+        for chunk in self._resident:
+            self._queue.push(chunk, self._priority(chunk))
+
+    def _priority(self, chunk: int) -> int:
+        if self._trace is None or self.policy == "static":
+            return self._clock  # least recently used first
+        return -(self._base + self._trace.next_use(chunk, self._moment))  # farthest next use first
 
     def headroom(self, trace: Trace | None, moment: int, non_model_now: int) -> int:
         """Bytes model data may use on the accelerator at ``moment``."""
         planned = trace.non_model_ahead(moment) if trace is not None and moment < len(trace) else 0
         return self.budget - max(planned, non_model_now)
 
-    def victims(self, trace: Trace | None, moment: int, resident: dict[int, int], need: int) -> list[int]:
+    def victims(self, need: int, size_if_evictable: Callable[[int], int | None]) -> list[int]:
+        """Chunks to evict for ``need`` bytes, by priority; see :class:`EvictionQueue`."""
         if self.policy == "static":
-            resident = {c: b for c, b in resident.items() if c not in self.pinned_static}
-        if trace is None or self.policy == "static":
-            return belady_victims(resident, need, lambda c: NEVER - self._last_use.get(c, 0))
-        return belady_victims(resident, need, lambda c: trace.next_use(c, moment))
+            pinned = self.pinned_static
+            return self._queue.take(need, lambda c: None if c in pinned else size_if_evictable(c))
+        return self._queue.take(need, size_if_evictable)
 
     def prefetch(self, trace: Trace | None, moment: int) -> tuple[int, ...]:
         if trace is None or self.policy == "static" or moment + 1 >= len(trace):

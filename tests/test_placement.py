@@ -36,6 +36,48 @@ def test_belady_evicts_the_farthest_next_use():
         belady_victims({0: 5}, 6, lambda c: trace.next_use(c, 0))
 
 
+def test_eviction_queue_agrees_with_the_plain_belady_rule():
+    """The O(log n) queue the runtime uses picks what the plain rule picks, moment by moment, over
+    random traces and two iterations (the trace wraps)."""
+    import random
+
+    from ds_patrickstar.placement import Placer
+
+    rng = random.Random(0)
+    for _ in range(20):
+        n = rng.randint(3, 12)
+        trace = _trace(*[rng.sample(range(n), rng.randint(1, 3)) for _ in range(rng.randint(3, 10))])
+        placer = Placer(10**9, "auto", 0.0, range(n))
+        resident = set()
+        for iteration in range(2):
+            for moment, m in enumerate(trace.moments):
+                placer.touch(m.chunks, trace, moment, new_iteration=moment == 0 and iteration > 0)
+                for c in m.chunks:
+                    if c not in resident:
+                        resident.add(c)
+                        placer.arrived(c)
+                others = {c: 1 for c in resident if c not in m.chunks}
+                if not others:
+                    continue
+                need = rng.randint(1, len(others))
+                expected = belady_victims(others, need, lambda c: trace.next_use(c, moment))
+                got = placer.victims(need, lambda c: None if c in m.chunks else 1)
+                assert [trace.next_use(c, moment) for c in got] == [trace.next_use(c, moment) for c in expected]
+                for c in got:
+                    resident.discard(c)
+                    placer.left(c)
+
+
+def test_eviction_queue_stays_bounded():
+    from ds_patrickstar.placement import EvictionQueue
+
+    queue = EvictionQueue()
+    for i in range(100_000):
+        queue.push(i % 10, i)  # ten chunks re-keyed over and over
+    assert len(queue._heap) <= 2 * 10 + 1024 + 1
+    assert queue.take(3, lambda c: 1) == [0, 1, 2]  # lowest priority first: the oldest keys
+
+
 def test_optimizer_states_fill_what_the_tide_leaves():
     caps = {0: 100, 1: 100, 2: 100}
     assert optimizer_chunks_on_device(2 * 1200 + 5, caps, "auto") == {0, 1}
