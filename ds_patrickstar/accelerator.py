@@ -21,15 +21,21 @@ and its CPU twin; everything above it (chunk moves, placement, Adam) is one code
 On CUDA (:class:`CudaAccelerator`) a copy runs on a dedicated copy stream after the work
 already queued on the compute stream, and records an event; waiting is
 ``current_stream.wait_event`` for a consumer on the device and ``event.synchronize()`` for
-one on the host. A buffer freed while a copy still reads it is handed to the copy stream
-(``record_stream``) so the caching allocator cannot give it away too early; pinned host
-buffers are protected by torch's host allocator, which records the copy's event.
+one on the host. Pinned host buffers are protected by torch's host allocator, which records
+the copy's event.
+
+[Note: deferred frees]
+A buffer that a pending copy still reads (an evicted chunk's payload) is not freed at once:
+it stays allocated, and charged to the ledger, until the copy has completed, when
+:meth:`Accelerator.reclaim` frees it. That is what the memory really does on a GPU (the
+host may run ahead of the copy stream), so the budget counts it; when room is needed and
+such frees are in flight, placement waits on the oldest copies first. The emulated
+accelerator completes its copies only when waited on, so the same code is exercised on CPU.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable
 
 import torch
 
@@ -57,6 +63,7 @@ class DeviceLedger:
         self.by_kind: dict[str, int] = {}
         self.total = 0
         self.peak = 0
+        self._interval_peak = 0  # highest total since the last interval_peak() call
         self.non_model = 0  # non-model bytes now, kept current by the placement runtime
 
     def charge(self, nbytes: int, kind: str, what: str) -> None:
@@ -69,6 +76,7 @@ class DeviceLedger:
         self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
         self.total += nbytes
         self.peak = max(self.peak, self.total)
+        self._interval_peak = max(self._interval_peak, self.total)
 
     def release(self, nbytes: int, kind: str) -> None:
         held = self.by_kind.get(kind, 0)
@@ -80,6 +88,11 @@ class DeviceLedger:
     def reset_peak(self) -> None:
         self.peak = self.total
 
+    def interval_peak(self) -> int:
+        """The highest total since the previous call (paired with the allocator's peak, see tracer.py)."""
+        peak, self._interval_peak = self._interval_peak, self.total
+        return peak
+
     def _kinds(self) -> str:
         return ", ".join(f"{k} {v:,} B" for k, v in sorted(self.by_kind.items()) if v) or "nothing"
 
@@ -89,10 +102,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class Pending:
-    """An enqueued copy. :meth:`wait` makes its destination safe to use for the caller."""
+    """An enqueued copy. :meth:`wait` makes its destination safe to use for the caller;
+    :meth:`wait_host` blocks the host until the copy has run."""
 
     def wait(self) -> None:
         raise NotImplementedError
+
+    def wait_host(self) -> None:
+        self.wait()
 
     def done(self) -> bool:
         raise NotImplementedError
@@ -106,6 +123,7 @@ class Accelerator:
 
     def __init__(self, budget: int) -> None:
         self.ledger = DeviceLedger(budget)
+        self._deferred: list[tuple[Pending, torch.Tensor, int, str]] = []  # frees waiting on a copy
 
     # ---- memory -------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
@@ -114,16 +132,48 @@ class Accelerator:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
-        """Give an unbacked tensor its memory (contents undefined until filled)."""
+        """Give an unbacked tensor its memory (contents undefined until filled); a free of the same
+        buffer still waiting on its copy completes first."""
+        storage = tensor.untyped_storage()
+        for index, (pending, other, nbytes, other_kind) in enumerate(self._deferred):
+            if other.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes():
+                pending.wait_host()
+                del self._deferred[index]
+                self._free_now(other, nbytes, other_kind)
+                break
         self.ledger.charge(_nbytes(tensor), kind, what)
-        self._before_realloc(tensor)
         tensor.untyped_storage().resize_(_nbytes(tensor))
 
     def free(self, tensor: torch.Tensor, kind: str, after: Pending | None = None) -> None:
         """Release ``tensor``'s memory (its storage goes to zero bytes); with ``after``, once that
-        copy, which reads ``tensor``, has completed."""
-        self.ledger.release(_nbytes(tensor), kind)
-        self._release_storage(tensor, after)
+        copy, which reads ``tensor``, has completed: until then the bytes stay charged (they are
+        still occupied on a device) and :meth:`reclaim` frees them (see [Note: deferred frees])."""
+        if after is None or after.done():
+            self._free_now(tensor, _nbytes(tensor), kind)
+        else:
+            self._deferred.append((after, tensor, _nbytes(tensor), kind))
+
+    def _free_now(self, tensor: torch.Tensor, nbytes: int, kind: str) -> None:
+        tensor.untyped_storage().resize_(0)
+        self.ledger.release(nbytes, kind)
+
+    def reclaim(self, need_below: int | None = None) -> None:
+        """Free the buffers whose copies have completed; with ``need_below``, also wait on the
+        oldest copies until the ledger's total is at most that (or nothing is left in flight)."""
+        still = []
+        for entry in self._deferred:
+            if entry[0].done():
+                self._free_now(*entry[1:])
+            else:
+                still.append(entry)
+        self._deferred = still
+        while need_below is not None and self.ledger.total > need_below and self._deferred:
+            pending, tensor, nbytes, kind = self._deferred.pop(0)
+            pending.wait_host()
+            self._free_now(tensor, nbytes, kind)
+
+    def in_flight_bytes(self) -> int:
+        return sum(entry[2] for entry in self._deferred)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin_host)
@@ -145,14 +195,9 @@ class Accelerator:
         return 0, 0
 
     def fragmentation(self) -> int:
-        """Bytes reserved by the allocator but not allocated (0 where there is no allocator)."""
+        """Accelerator bytes the allocator holds but a new chunk cannot use (0 where there is no allocator)."""
         return 0
 
-    def _before_realloc(self, tensor: torch.Tensor) -> None:
-        """Hook: the emulated device completes a pending deferred free of ``tensor`` first."""
-
-    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
-        raise NotImplementedError
 
 
 # ---- CUDA ------------------------------------------------------------------------------
@@ -166,6 +211,9 @@ class _CudaPending(Pending):
             self.event.synchronize()  # the consumer is the host
         else:
             torch.cuda.current_stream().wait_event(self.event)  # the consumer is the compute stream
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
 
     def done(self) -> bool:
         return self.event.query()
@@ -187,18 +235,10 @@ class CudaAccelerator(Accelerator):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        for tensor in (dst, src):
-            if tensor.is_cuda:
-                tensor.record_stream(self.copy_stream)  # not reused by the allocator before the copy ran
         return _CudaPending(event, to_host=not dst.is_cuda)
 
     def synchronize(self) -> None:
         self.copy_stream.synchronize()
-
-    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
-        # A copy reading ``tensor`` ran record_stream on it, so the caching allocator keeps the
-        # block until the copy stream is past that copy: freeing now is safe.
-        tensor.untyped_storage().resize_(0)
 
     def memory_in_use(self) -> tuple[int, int]:
         """Peak since the previous call from deltas of the process-wide peak: never resets torch's
@@ -212,7 +252,9 @@ class CudaAccelerator(Accelerator):
         return now, max(now, highest)
 
     def fragmentation(self) -> int:
-        return max(0, torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+        """Free bytes stranded inside partly used allocator blocks (``inactive_split_bytes``): reserved
+        memory a new chunk cannot use. Whole cached blocks are not counted: the allocator reuses them."""
+        return torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.current", 0)
 
 
 # ---- the CPU twin ----------------------------------------------------------------------
@@ -223,7 +265,6 @@ class _EmulatedCopy(Pending):
         self.src_version = src._version
         self.src_bytes = src.untyped_storage().nbytes()
         self.src_ptr = src.untyped_storage().data_ptr()
-        self.after: list[Callable[[], None]] = []
         self.completed = False
 
     def wait(self) -> None:
@@ -243,8 +284,6 @@ class _EmulatedCopy(Pending):
                              f"{self.src.dtype}) was overwritten before the copy completed; wait on the copy first")
         self.dst.copy_(self.src)
         self.completed = True
-        for action in self.after:
-            action()
 
 
 class EmulatedAccelerator(Accelerator):
@@ -254,7 +293,6 @@ class EmulatedAccelerator(Accelerator):
         super().__init__(budget)
         self.device = torch.device("cpu")
         self._queue: deque[_EmulatedCopy] = deque()
-        self._deferred: dict[int, _EmulatedCopy] = {}  # storage ptr -> copy whose completion frees it
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
         pending = _EmulatedCopy(self, dst, src)
@@ -281,25 +319,6 @@ class EmulatedAccelerator(Accelerator):
         if self._queue:
             self.complete_through(self._queue[-1])
 
-    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
-        if after is None or after.done():
-            tensor.untyped_storage().resize_(0)
-            return
-        key = tensor.untyped_storage().data_ptr()
-        storage = tensor.untyped_storage()
-        self._deferred[key] = after
-
-        def release() -> None:
-            storage.resize_(0)
-            self._deferred.pop(key, None)
-
-        after.after.append(release)
-
-    def _before_realloc(self, tensor: torch.Tensor) -> None:
-        pending = self._deferred.get(tensor.untyped_storage().data_ptr())
-        if pending is not None:
-            pending.wait()
-
 
 class HostAccelerator(Accelerator):
     """No accelerator (a plain CPU run without placement): host memory, synchronous copies."""
@@ -314,9 +333,6 @@ class HostAccelerator(Accelerator):
 
     def synchronize(self) -> None:
         pass
-
-    def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
-        tensor.untyped_storage().resize_(0)
 
 
 class _Done(Pending):

@@ -189,7 +189,7 @@ class PlacementRuntime:
             self.placer.left(chunk.chunk_id)
 
     def _non_model(self) -> int:
-        non_model = self.tracer.non_model_now(self.ledger.total)
+        non_model = self.tracer.non_model_now(self.ledger)
         self.ledger.non_model = non_model
         return non_model
 
@@ -199,30 +199,37 @@ class PlacementRuntime:
         greedily without touching the trace or the tide."""
         self.recording = torch.is_grad_enabled() or inside_backward() or label == "step"
         if self.recording:
-            self.moment = self.tracer.record(label, chunk_ids, self.ledger.total)
+            self.moment = self.tracer.record(label, chunk_ids, self.ledger)
             if self.moment == 0:
                 self.tide = []
         new_iteration = self.recording and self.moment == 0
         self.placer.touch(chunk_ids, self.tracer.current_trace(), self.moment, new_iteration)
 
     def make_room(self, need: int, keep: set[int]) -> None:
-        """Evict until ``need`` more bytes of model data fit beside the tide."""
+        """Evict until ``need`` more bytes of model data fit beside the tide. Evictions whose copies
+        are still in flight count as occupied until they complete (see [Note: deferred frees]):
+        new victims are chosen only for what those will not free, then the oldest are waited on."""
+        accel = self.store.accel
+        accel.reclaim()
         trace = self.tracer.current_trace()
-        headroom = self.placer.headroom(trace, self.moment, self._non_model()) - self.store.accel.fragmentation()
+        headroom = self.placer.headroom(trace, self.moment, self._non_model()) - accel.fragmentation()
         over = self.ledger.total + need - headroom
         if over <= 0:
             return
-        try:
-            victims = self.placer.victims(over, self._evictable(keep))
-        except DeviceBudgetExceeded as err:
-            raise DeviceBudgetExceeded(
-                f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
-                f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
-                f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
-                f"Raise zero_optimization.device_budget or lower chunk_size.") from None
-        for victim in victims:
-            self.evict(self.chunks[victim])
-            self.counters.evictions += 1
+        short = over - accel.in_flight_bytes()
+        if short > 0:
+            try:
+                victims = self.placer.victims(short, self._evictable(keep))
+            except DeviceBudgetExceeded as err:
+                raise DeviceBudgetExceeded(
+                    f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
+                    f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
+                    f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
+                    f"Raise zero_optimization.device_budget or lower chunk_size.") from None
+            for victim in victims:
+                self.evict(self.chunks[victim])
+                self.counters.evictions += 1
+        accel.reclaim(need_below=headroom - need)
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
         """``chunk`` on the accelerator (room made for it), its copy waited on."""

@@ -199,7 +199,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
             self.optimizer._opt_called = True
         self.manager.finish_step()
         if self.placement is not None:
-            self.placement.note_peaks(self.placement.tracer.non_model_now(self.accel.ledger.total))
+            self.placement.note_peaks(self.placement.tracer.non_model_now(self.accel.ledger))
 
     def _begin_step_moment(self) -> None:
         """The step is a moment; after a (re-)trace, optimizer states are re-placed (see
@@ -290,9 +290,12 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     def model_data_bytes_split(self) -> tuple[int, int]:
         """Model data this rank holds now, ``(on the accelerator, on the host)``: chunks, gradient
-        accumulators and optimizer states (gathered temporaries excluded)."""
+        accumulators and optimizer states (gathered temporaries excluded; an evicted buffer still
+        being copied out counts where its values now live, see [Note: deferred frees])."""
+        self.accel.reclaim()
         kinds = self.accel.ledger.by_kind
-        device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim"))
+        # buffers whose copy to the host is still in flight hold values that live on the host already
+        device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim")) - self.accel.in_flight_bytes()
         host = self.manager.store.host_bytes + self.optim_states.bytes_on_host()
         if self.placement is None:  # one memory: the "accelerator" is the host
             device, host = 0, device + host

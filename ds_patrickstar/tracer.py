@@ -144,12 +144,14 @@ class MemoryTracer:
         self.tracing = True
         self.signature: tuple = ()
 
-    def non_model_now(self, model_bytes_on_device: int) -> int:
-        """Non-model accelerator bytes now (the highest since the previous call, on CUDA)."""
+    def non_model_now(self, ledger) -> int:
+        """Non-model accelerator bytes now; on CUDA also what the allocator's peak since the previous
+        call says beyond the backend's own peak in the same interval (a chunk that arrived and left
+        between two moments is ours, not the tide's)."""
         if self.meter is not None:
             return self.meter.bytes
-        _, highest = self.accel.memory_in_use()
-        return max(0, highest - model_bytes_on_device)
+        now, highest = self.accel.memory_in_use()
+        return max(0, now - ledger.total, highest - ledger.interval_peak())
 
     def current_trace(self) -> Trace | None:
         """The trace to plan from, or None while an iteration is being traced."""
@@ -167,7 +169,7 @@ class MemoryTracer:
         self.signature = signature
         self.moment = -1
 
-    def record(self, label: str, chunks: tuple[int, ...], chunk_bytes_on_device: int) -> int:
+    def record(self, label: str, chunks: tuple[int, ...], ledger) -> int:
         """Advance to the next moment; returns its index."""
         self.moment += 1
         if not self.tracing:
@@ -181,5 +183,5 @@ class MemoryTracer:
                         self._recording._uses.setdefault(chunk, []).append(index)
                 self.tracing = True
         if self.tracing:
-            self._recording.add(Moment(label, chunks, self.non_model_now(chunk_bytes_on_device)))
+            self._recording.add(Moment(label, chunks, self.non_model_now(ledger)))
         return self.moment

@@ -9,7 +9,7 @@ import harness
 
 pytestmark = pytest.mark.gpu
 
-HIDDEN, LAYERS, BATCH = 2048, 8, 16
+HIDDEN, LAYERS, BATCH = 4096, 8, 16
 LAYER_BYTES = (HIDDEN * HIDDEN + HIDDEN) * 4
 
 
@@ -54,17 +54,18 @@ def _train(config, steps=6):
     return losses, counters, state, peak_before
 
 
-@pytest.mark.parametrize("budget_layers", [3, 5, 64])
+@pytest.mark.parametrize("budget_layers", [2, 3, 64])
 def test_cuda_placement_matches_zero3(budget_layers):
-    ref, _, _, _ = _train(_config(3, stage3_param_persistence_threshold=0))
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
-    # the budget covers all the process allocates on the device (what the reference run left too),
-    # here: that, plus our chunks for a few layers, activations and cuBLAS workspace
-    budget = torch.cuda.memory_allocated() + budget_layers * LAYER_BYTES + 64 * 2**20
+    # The budget covers everything the process allocates on the device next to our chunks (here:
+    # activations, cuBLAS workspace and what earlier tests left), so it is set from what is
+    # allocated now plus a margin, plus room for a few layers' chunks.
+    budget = torch.cuda.memory_allocated() + budget_layers * LAYER_BYTES + 256 * 2**20
     ours, counters, state, peak_before = _train(_config("patrickstar", device_budget=budget))
+    ref, _, _, _ = _train(_config(3, stage3_param_persistence_threshold=0))
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-4, atol=1e-5)
     last = counters[-1]
     assert last["peak_device_bytes"] <= budget
@@ -72,5 +73,5 @@ def test_cuda_placement_matches_zero3(budget_layers):
     if budget_layers < LAYERS:
         assert last["evictions"] > 0 and last["adam_chunks_host"] > 0
     else:
-        assert last["adam_chunks_device"] == LAYERS and last["evictions"] == 0
+        assert last["adam_chunks_host"] == 0 and last["adam_chunks_device"] >= LAYERS and last["evictions"] == 0
     assert all(v.device.type == "cpu" for v in state.values())

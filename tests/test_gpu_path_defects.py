@@ -180,3 +180,26 @@ def test_hybrid_adam_with_a_real_mix_matches_zero3():
 def test_budget_error_names_what_was_allocated():
     with pytest.raises(DeviceBudgetExceeded, match="budget"):
         _run(_config("patrickstar", emulate_accelerator=True, device_budget=120_000), steps=1)
+
+
+def test_8_a_chunk_that_came_and_went_between_moments_is_not_tide():
+    """CUDA tracer: the allocator's peak since the previous moment, less the backend's own peak in
+    the same interval; an eviction after a peak must not read as activation memory."""
+    from ds_patrickstar.accelerator import DeviceLedger
+    from ds_patrickstar.tracer import MemoryTracer
+
+    class FakeAccel:
+        reading = (0, 0)
+
+        def memory_in_use(self):
+            return self.reading
+
+    accel, ledger = FakeAccel(), DeviceLedger(10**9)
+    tracer = MemoryTracer(accel, meter=None)
+    ledger.charge(64, "chunk", "chunk 0")  # a chunk arrives ...
+    ledger.charge(64, "chunk", "chunk 1")
+    ledger.release(64, "chunk")  # ... and another leaves before the next moment
+    accel.reading = (64 + 10, 128 + 10)  # allocated now, peak since last: 10 B of activations throughout
+    assert tracer.non_model_now(ledger) == 10
+    accel.reading = (64 + 30, 64 + 50)  # activations peaked at 50 between moments, 30 now
+    assert tracer.non_model_now(ledger) == 50
