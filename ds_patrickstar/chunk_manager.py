@@ -109,8 +109,9 @@ class ChunkManager:
     """Owns chunks and every :class:`TensorInfo`; moves tensor states; see [Note: chunk layout]."""
 
     def __init__(self, specs: list[ChunkSpec], chunk_size: int, accumulate: bool, comm: ChunkComm,
-                 store) -> None:
+                 store, deferred=None) -> None:
         self.chunk_size = chunk_size
+        self._deferred = deferred  # a DeferredModel: its parameters have no values to copy (see init.py)
         self.accumulate = accumulate
         self.comm = comm
         self.store = store
@@ -136,18 +137,19 @@ class ChunkManager:
             info = TensorInfo(name, param, chunk.chunk_id, offset, param.numel(), param.shape, spec.group_index)
             chunk.append(info)
             self._infos[param] = info
-            self._bind(chunk, info, owned)
+            self._bind(chunk, info, owned and not (self._deferred and self._deferred.is_deferred(param)))
         self.store.settle(chunk, owned)
 
     @staticmethod
     @torch.no_grad()
-    def _bind(chunk: Chunk, info: TensorInfo, owned: bool) -> None:
+    def _bind(chunk: Chunk, info: TensorInfo, copy: bool) -> None:
         """The parameter becomes a view of the chunk payload; its values go into the chunk (on the
-        host with placement), and its own storage is dropped."""
+        host with placement) when ``copy`` (an owned chunk, a parameter that has values: see
+        [Note: deferred init]), and its own storage is dropped."""
         if info.param.dtype != chunk.dtype:
             raise ValueError(f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
                              f"hold {chunk.dtype}; put parameters of different dtypes in different param groups")
-        if owned:
+        if copy:
             chunk.ready()[info.offset:info.end].copy_(info.param.data.reshape(-1))
         info.param.data = chunk.view_of(info)
 
@@ -205,6 +207,13 @@ class ChunkManager:
         for chunk in members:
             if self.is_owned(chunk):
                 self._bring(chunk, keep)
+                # Symmetric with the other ranks' copies, which come back FREE -> HOLD: a tensor of the
+                # owned chunk used earlier in this forward starts over too. Otherwise "every tensor of
+                # the group used in this forward" (the release test) differs between ranks and their
+                # collectives diverge (a tied weight re-gathering a group after its release).
+                for info in chunk.tensors:
+                    if info.state is _S.HOLD_AFTER_FWD:
+                        info.transition(_S.HOLD)
             self.store.materialize(chunk)
         payloads = [c.ready() for c in members]
         if fill:

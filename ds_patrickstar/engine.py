@@ -21,12 +21,14 @@ from . import checkpoint
 
 from .config import PatrickStarConfig
 from .export import host_parameters
+from .init import swap_deferred
 from .optimizer import PatrickStarOptimizer
 
 
 class PatrickStarEngine(DeepSpeedEngine):
     def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
         self._patrickstar_config = patrickstar_config
+        self._deferred = None  # the model's meta parameters, materialized into chunks (see init.py)
         # The module stays where it was built: chunks are built on the host and placement brings
         # them to the accelerator when used, so a model larger than the device can start.
         super().__init__(*args, dont_change_device=True, **kwargs)
@@ -34,6 +36,12 @@ class PatrickStarEngine(DeepSpeedEngine):
 
     def zero_optimization(self) -> bool:
         return True
+
+    def _configure_distributed_model(self, model) -> None:
+        """Meta parameters (``ds_patrickstar.Init``) become storage-less parameters of the training dtype
+        before DeepSpeed casts the module; see [Note: deferred init]."""
+        self._deferred = swap_deferred(model, self._mixed_precision_dtypes()[0])
+        super()._configure_distributed_model(model)
 
     def _broadcast_model(self) -> None:
         """DeepSpeed's start-up broadcast of the parameters from the source rank. The module is still
@@ -45,6 +53,8 @@ class PatrickStarEngine(DeepSpeedEngine):
 
         device = torch.device(self.device)
         for param in self.module.parameters():
+            if self._deferred.is_deferred(param):
+                continue  # no values yet: deferred init gives the same values on every rank
             data = param.data
             staged = data if device.type == "cpu" or data.device == device else data.to(device)
             dist.broadcast(staged, groups._get_broadcast_src_rank(), group=self.seq_data_parallel_group)
@@ -56,6 +66,9 @@ class PatrickStarEngine(DeepSpeedEngine):
                          "DeepSpeed config or pass optimizer= to deepspeed.initialize")
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        model_parameters = self._deferred.remap(model_parameters)
+        if isinstance(client_optimizer, torch.optim.Optimizer):
+            self._deferred.remap_optimizer(client_optimizer)
         if client_optimizer is None:
             basic = self._configure_basic_optimizer(model_parameters)
         elif isinstance(client_optimizer, torch.optim.Optimizer):
@@ -70,7 +83,8 @@ class PatrickStarEngine(DeepSpeedEngine):
             clip_grad=self.gradient_clipping(),
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
-            dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group)
+            dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group,
+            deferred=self._deferred)
 
     # ---- per-step counters (see counters.py) ------------------------------------
     def _take_model_step(self, lr_kwargs, *args, **kwargs):

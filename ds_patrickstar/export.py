@@ -12,8 +12,9 @@ against the budget), copied to the host and freed. The accelerator never holds m
 one extra group, so models larger than the accelerator budget can be saved and exported.
 
 ``load_state_dict()`` needs no collective: each rank writes the values of the parameters
-it owns into its chunks (wherever they live), takes those keys out of torch's own copy
-step, and the fp32 masters follow. ``get_fp32_state_dict()`` streams the masters the same
+it owns into its chunks (wherever they live) and into their fp32 masters (at the precision
+given), and takes those keys out of torch's own copy step. :func:`ds_patrickstar.load_pretrained`
+streams checkpoint files through the same :meth:`ChunkExport.write_value`. ``get_fp32_state_dict()`` streams the masters the same
 way. :func:`ds_patrickstar.gathered_parameters` points every parameter at a host copy for
 the duration of a ``with`` block (for reading; writes are discarded).
 """
@@ -67,7 +68,7 @@ class ChunkExport:
                 hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
             yield members, hosts
 
-    def _names(self, module: torch.nn.Module, prefix: str) -> dict[TensorInfo, list[str]]:
+    def names(self, module: torch.nn.Module, prefix: str) -> dict[TensorInfo, list[str]]:
         """Every name (aliases of tied or shared parameters included) of every chunk parameter."""
         names: dict[TensorInfo, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -76,7 +77,7 @@ class ChunkExport:
                 names.setdefault(info, []).append(prefix + name)
         return names
 
-    def _refuse_gradients(self, names: dict[TensorInfo, list[str]], action: str) -> None:
+    def refuse_gradients(self, names: dict[TensorInfo, list[str]], action: str) -> None:
         for info in names:
             if info.state is TensorState.HOLD_AFTER_BWD:
                 raise RuntimeError(f"{action} was called between backward and step: the slot of {info.name} "
@@ -84,8 +85,8 @@ class ChunkExport:
 
     @torch.no_grad()
     def fill_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str) -> None:
-        names = self._names(module, prefix)
-        self._refuse_gradients(names, "state_dict()")
+        names = self.names(module, prefix)
+        self.refuse_gradients(names, "state_dict()")
         for members, hosts in self.iter_host_groups():
             for chunk, host in zip(members, hosts):
                 for info in chunk.tensors:
@@ -98,7 +99,7 @@ class ChunkExport:
     @torch.no_grad()
     def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value on the host, keyed by every name it has."""
-        names = self._names(module, "")
+        names = self.names(module, "")
         result = {}
         for members, hosts in self.iter_host_groups(fp32_masters=True):
             for chunk, host in zip(members, hosts):
@@ -117,27 +118,34 @@ class ChunkExport:
                              error_msgs: list[str]) -> None:
         """Write the owned parameters' values into their chunks and take their keys out of torch's
         copy step (:meth:`finish_load` tells torch they were not missing)."""
-        names = self._names(module, prefix)
-        self._refuse_gradients(names, "load_state_dict()")
+        names = self.names(module, prefix)
+        self.refuse_gradients(names, "load_state_dict()")
         self._consumed = []
         for info, keys in names.items():
-            chunk = self.manager.chunk_of(info)
             for key in keys:
                 if key not in state_dict:
                     continue
-                value = state_dict.pop(key)
                 self._consumed.append(key)
-                if tuple(value.shape) != tuple(info.shape):
-                    error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
-                                      f"from checkpoint, the shape in current model is {tuple(info.shape)}.")
-                elif self.manager.is_owned(chunk):
-                    chunk.ready()[info.offset:info.end].copy_(value.reshape(-1))
+                self.write_value(info, key, state_dict.pop(key), error_msgs)
+
+    @torch.no_grad()
+    def write_value(self, info: TensorInfo, key: str, value: torch.Tensor, error_msgs: list[str]) -> None:
+        """``value`` into the parameter's slot and its fp32 master (full precision), if this rank owns
+        its chunk; a shape mismatch goes to ``error_msgs`` (torch's wording)."""
+        if tuple(value.shape) != tuple(info.shape):
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
+                              f"from checkpoint, the shape in current model is {tuple(info.shape)}.")
+            return
+        chunk = self.manager.chunk_of(info)
+        if self.manager.is_owned(chunk):
+            flat = value.reshape(-1)
+            chunk.ready()[info.offset:info.end].copy_(flat)
+            self.optim_states.states[chunk.chunk_id].master[info.offset:info.end].copy_(flat)
 
     def finish_load(self, incompatible_keys) -> None:
         consumed = set(self._consumed)
         incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in consumed]
         self._consumed = []
-        self.optim_states.params_to_master()
 
 
 @contextlib.contextmanager

@@ -104,7 +104,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def __init__(self, module: torch.nn.Module, basic_optimizer: torch.optim.Optimizer,
                  options: PatrickStarConfig, *, device: torch.device, dtype: torch.dtype, clip_grad: float,
                  gradient_accumulation_steps: int, static_loss_scale: float, dynamic_loss_scale: bool,
-                 dynamic_loss_args: dict | None, dp_group=None) -> None:
+                 dynamic_loss_args: dict | None, dp_group=None, deferred=None) -> None:
         super().__init__()
         self.optimizer = basic_optimizer
         self.param_groups = basic_optimizer.param_groups
@@ -119,7 +119,9 @@ class PatrickStarOptimizer(ZeROOptimizer):
         specs = plan_chunks(_named_groups(module, self.param_groups), options.chunk_size, comm.world_size)
         memory = build_memory(options, device, specs, comm, self.counters, dtype, accumulate)
         self.accel, self.placement = memory.accel, None
-        self.manager = ChunkManager(specs, options.chunk_size, accumulate, comm, memory.store)
+        self.manager = ChunkManager(specs, options.chunk_size, accumulate, comm, memory.store, deferred)
+        if deferred:  # values from each module's own init, into the owned chunks only (see init.py)
+            deferred.materialize(self.manager)
         module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
         self.optim_states = OptimizerStates(self.manager.owned_chunks(), self.accel,
                                             start_on_device=not memory.store.movable)

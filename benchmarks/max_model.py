@@ -1,0 +1,326 @@
+"""The largest model that trains: bisection over GPT depth at a fixed width, per backend.
+
+    python benchmarks/max_model.py                                   # every backend, world sizes 1 and 2
+    python benchmarks/max_model.py --backends patrickstar,zero3 --world-sizes 1 --host-mem-gib 20
+
+A *try* builds a GPT (``--width``, depth ``L``), initializes the backend and trains ``--steps``
+optimizer steps on random tokens, each rank in its own process. The search process polls the
+resident memory (RSS) of every process of the try every ``--poll`` seconds; a try whose total
+exceeds ``--host-mem-gib``, that times out, crashes, or runs out of GPU memory is a failure.
+The search starts from an estimate (``--host-mem-gib`` / a guess of the backend's bytes/param),
+walks up or down by ``--grow`` until it brackets the largest depth that trains, then bisects
+down to one layer.
+
+Backends (each as its users would run it): ``patrickstar`` (``ds_patrickstar.Init`` +
+stage "patrickstar"), ``zero3`` (stock ZeRO-3 with ``deepspeed.zero.Init``), ``zero3-offload``
+(ZeRO-3 + ``offload_param`` + ``offload_optimizer`` to the CPU, CUDA only) and ``torch``
+(plain PyTorch AdamW on an fp32 model under bf16 autocast; world size 1 only). On CUDA the
+device's memory is a limit too (an out-of-memory error fails the try).
+
+The table: the largest parameter count per backend and world size, the peak host memory of
+that try over its parameter count (bytes/param all-in: every process of the try, baseline
+included), the median step time, and the ratios to ZeRO-3 at the same world size.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+GIB = 1024 ** 3
+# bytes/param guesses for the first try only (the search corrects them)
+GUESS_BYTES_PER_PARAM = {"patrickstar": 15.0, "zero3": 25.0, "zero3-offload": 22.0, "torch": 17.0}
+BASELINE = "zero3"
+
+
+def gpt_params(width, depth, vocab, seq_len):
+    """Parameters of benchmarks/gpt_model.GPT (tied LM head) without building it."""
+    return vocab * width + seq_len * width + depth * (12 * width ** 2 + 13 * width) + 2 * width
+
+
+# ---------------------------------------------------------------- one try (a rank process)
+def _ds_config(backend, batch):
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+           "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
+    if backend == "patrickstar":
+        cfg["zero_optimization"] = {"stage": "patrickstar"}
+    elif backend == "zero3":
+        cfg["zero_optimization"] = {"stage": 3}
+    elif backend == "zero3-offload":
+        cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    return cfg
+
+
+def run_try(args):
+    """Build, initialize and train; rank 0 writes a JSON result to ``args.result``."""
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    import torch
+
+    from gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=args.depth, n_head=args.heads, n_embd=args.width, block_size=args.seq_len,
+                    vocab_size=args.vocab)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    model_data = None
+    if args.backend == "torch":
+        model = GPT(cfg).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=False)
+
+        def train_step(x):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                _, loss = model(x, x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+    else:
+        import deepspeed
+
+        import ds_patrickstar
+
+        ds_cfg = _ds_config(args.backend, args.batch)
+        if args.backend == "patrickstar":
+            init = ds_patrickstar.Init(config=ds_cfg)
+        else:
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+            init = deepspeed.zero.Init(config_dict_or_path=ds_cfg)
+        with init:
+            model = GPT(cfg)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters())
+
+        def train_step(x):
+            _, loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    gen = torch.Generator().manual_seed(int(os.environ.get("RANK", 0)))
+    times = []
+    for _ in range(args.steps):
+        x = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen).to(device)
+        start = time.perf_counter()
+        loss = train_step(x)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        if not torch.isfinite(loss).item():
+            raise RuntimeError(f"non-finite loss {loss.item()}")
+    if args.backend == "patrickstar":
+        model_data = engine.get_patrickstar_counters()["model_data_bytes"]
+    if int(os.environ.get("RANK", 0)) == 0:
+        result = {"step_times": times, "model_data_bytes_rank0": model_data,
+                  "gpu_max_allocated": torch.cuda.max_memory_allocated() if cuda else None}
+        Path(args.result).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- the search (no torch here)
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree_rss(procs):
+    total = 0
+    for proc in procs:
+        try:
+            ps = psutil.Process(proc.pid)
+            for p in [ps] + ps.children(recursive=True):
+                total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _kill(procs):
+    for proc in procs:
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+        except psutil.Error:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
+def attempt(args, backend, world_size, depth, log_dir):
+    """One try in its own processes; returns a dict with ``ok`` and what was measured."""
+    params = gpt_params(args.width, depth, args.vocab, args.seq_len)
+    cap = int(args.host_mem_gib * GIB)
+    result_path = tempfile.mktemp(prefix="max_model_", suffix=".json")
+    port = _free_port()
+    log_path = Path(log_dir) / f"{backend}_ws{world_size}_L{depth}.log"
+    procs = []
+    with open(log_path, "w") as log:
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                       LOCAL_WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS=str(max(1, args.threads // world_size)))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--try", "--backend", backend, "--depth", str(depth),
+                   "--width", str(args.width), "--heads", str(args.heads), "--vocab", str(args.vocab),
+                   "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
+                   "--result", result_path]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        start, peak, why = time.time(), 0, None
+        while any(p.poll() is None for p in procs):
+            peak = max(peak, _tree_rss(procs))
+            if peak > cap:
+                why = f"host memory {peak / GIB:.2f} GiB > cap {args.host_mem_gib:.2f} GiB"
+            elif time.time() - start > args.timeout:
+                why = f"timeout after {args.timeout:.0f} s"
+            elif any(p.poll() not in (None, 0) for p in procs):
+                why = "a rank failed"
+            if why:
+                _kill(procs)
+                break
+            time.sleep(args.poll)
+    codes = [p.returncode for p in procs]
+    out = {"backend": backend, "world_size": world_size, "depth": depth, "params": params,
+           "peak_host_bytes": peak, "seconds": round(time.time() - start, 1), "log": str(log_path)}
+    if why is None and all(c == 0 for c in codes) and os.path.exists(result_path):
+        out.update(json.loads(Path(result_path).read_text()), ok=True)
+    else:
+        out.update(ok=False, why=why or f"exit codes {codes} (see {log_path})")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    return out
+
+
+def search(args, backend, world_size, log_dir):
+    """The largest depth that trains (and its try), by walking from an estimate then bisecting."""
+    per_layer = 12 * args.width ** 2
+    guess = args.host_mem_gib * GIB / GUESS_BYTES_PER_PARAM[backend]
+    depth = int(min(args.max_depth, max(1, (guess - args.vocab * args.width) // per_layer)))
+    tries = {}
+
+    def ok(d):
+        if d not in tries:
+            r = attempt(args, backend, world_size, d, log_dir)
+            tries[d] = r
+            status = "ok  " if r["ok"] else "FAIL"
+            detail = (f"step {statistics.median(r['step_times']):.1f} s" if r["ok"] else r["why"])
+            print(f"  [{backend} ws={world_size}] L={d:3d} {r['params'] / 1e9:6.3f}B params: {status} "
+                  f"peak host {r['peak_host_bytes'] / GIB:6.2f} GiB ({r['seconds']:.0f} s; {detail})", flush=True)
+        return tries[d]["ok"]
+
+    lo, hi = 0, args.max_depth + 1  # lo trains, hi does not
+    if ok(depth):
+        lo = depth
+        while lo < args.max_depth:
+            step = min(args.max_depth, max(lo + 1, int(lo * args.grow)))
+            if not ok(step):
+                hi = step
+                break
+            lo = step
+    else:
+        hi = depth
+        while hi > 1:
+            step = max(1, min(hi - 1, int(hi / args.grow)))
+            if ok(step):
+                lo = step
+                break
+            hi = step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return tries.get(lo), list(tries.values())
+
+
+def table(best, args):
+    rows = ["| backend | world size | largest model | depth | peak host | bytes/param all-in | step time | "
+            "params vs ZeRO-3 |", "|---|---|---|---|---|---|---|---|"]
+    for (backend, ws), r in best.items():
+        if r is None:
+            rows.append(f"| {backend} | {ws} | nothing trains | | | | | |")
+            continue
+        base = best.get((BASELINE, ws))
+        ratio = f"{r['params'] / base['params']:.2f}x" if base else "n/a"
+        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | {r['depth']} | "
+                    f"{r['peak_host_bytes'] / GIB:.2f} GiB | {r['peak_host_bytes'] / r['params']:.1f} | "
+                    f"{statistics.median(r['step_times']):.1f} s | {ratio} |")
+    return "\n".join(rows)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    total = psutil.virtual_memory().total / GIB
+    p.add_argument("--host-mem-gib", type=float, default=round(total - 2.0, 1),
+                   help=f"host memory cap per try, all processes together (default: this machine's "
+                        f"{total:.1f} GiB minus 2 GiB)")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated, of patrickstar, zero3, zero3-offload (CUDA only), torch "
+                        "(default: all that apply here)")
+    p.add_argument("--world-sizes", default="1,2")
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per try")
+    p.add_argument("--max-depth", type=int, default=96)
+    p.add_argument("--grow", type=float, default=1.15, help="factor of the walk before the bisection")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per try")
+    p.add_argument("--poll", type=float, default=0.1, help="seconds between memory readings")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per try, split over ranks")
+    p.add_argument("--logs", default=str(HERE.parent / "runs" / "max_model"))
+    p.add_argument("--json", default=None, help="write every try and the table here")
+    # one try (internal)
+    p.add_argument("--try", dest="is_try", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend", help=argparse.SUPPRESS)
+    p.add_argument("--depth", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.is_try:
+        run_try(args)
+        return
+    import torch
+
+    cuda = torch.cuda.is_available()
+    backends = (args.backends.split(",") if args.backends else
+                ["patrickstar", "zero3"] + (["zero3-offload"] if cuda else []) + ["torch"])
+    for backend in backends:
+        if backend not in GUESS_BYTES_PER_PARAM:
+            raise SystemExit(f"--backends: unknown backend {backend!r}; choose from {sorted(GUESS_BYTES_PER_PARAM)}")
+        if backend == "zero3-offload" and not cuda:
+            raise SystemExit("--backends: zero3-offload needs CUDA (offload is what moves data off the GPU)")
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    print(f"max_model: width {args.width}, seq {args.seq_len}, batch {args.batch}, {args.steps} steps per try, "
+          f"host cap {args.host_mem_gib:.1f} GiB{', CUDA' if cuda else ', CPU'}", flush=True)
+    best, everything = {}, []
+    for world_size in [int(w) for w in args.world_sizes.split(",")]:
+        for backend in backends:
+            if backend == "torch" and world_size > 1:
+                continue
+            print(f"searching {backend} at world size {world_size}", flush=True)
+            best[(backend, world_size)], tries = search(args, backend, world_size, args.logs)
+            everything += tries
+    text = table(best, args)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "tries": everything, "table": text}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Construction straight into chunks: ``with ds_patrickstar.Init(config=ds_config): model = MyModel()``.
+
+[Note: deferred init]
+Inside :class:`Init` every parameter a module registers is replaced at once by a parameter
+on the ``meta`` device (shape, dtype and ``requires_grad`` only, no memory; buffers stay
+real, as ``accelerate.init_empty_weights(include_buffers=False)`` does), so a model of any
+size is built in no memory and in no time. A model built on the ``meta`` device by other
+means (``with torch.device("meta")``) is treated the same way, if its buffers are real.
+
+At ``deepspeed.initialize`` (:class:`DeferredModel`):
+
+1. before DeepSpeed casts the module, each meta parameter is swapped, in every module that
+   holds it (tied parameters stay tied) and in the optimizer's param groups, for a parameter
+   of the training dtype whose storage is empty;
+2. the chunk manager makes it a view of its chunk as usual, but copies nothing
+   (see ``ChunkManager._bind``);
+3. :meth:`DeferredModel.materialize` then runs, one module at a time, the module's own init
+   on a host scratch of that module's parameters (fp32): ``reset_parameters()`` if the
+   module has one, then the root model's ``_init_weights(module)`` (the Hugging Face
+   convention, also used by ``benchmarks/gpt_model.py``). The RNG is seeded from
+   ``(seed, module name)`` and the values are written into the slices of the chunks this
+   rank owns; chunks of other ranks are never materialized. A deferred parameter that is
+   in no chunk (frozen) is materialized whole on every rank.
+
+What "same seed" means: with the same ``seed`` (default: ``torch.initial_seed()`` when the
+``Init`` block is entered) the values are the same on any world size and any
+``chunk_size``; they are not the values a model built without ``Init`` gets (that one
+draws every parameter from one RNG stream in construction order). Init code that runs in
+``__init__`` on parameters other than through those two hooks (e.g. a loop over
+``named_parameters()`` after construction) acts on meta tensors and is lost: put it in
+``_init_weights``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_SEED_ATTR = "_ds_patrickstar_init_seed"  # on the meta parameters Init creates (dropped at the swap)
+_STATE = threading.local()
+_ORIGINAL_REGISTER = nn.Module.register_parameter
+
+
+def _depth() -> int:
+    return getattr(_STATE, "depth", 0)
+
+
+def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _ORIGINAL_REGISTER(module, name, param)
+    if param is None or param.is_meta or _depth() == 0:
+        return
+    meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+    module._parameters[name] = meta
+    setattr(meta, _SEED_ATTR, _STATE.seed)
+
+
+def _config_stage(config: Any) -> Any:
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+        config = load_ds_config(config)
+    return config.get("zero_optimization", {}).get("stage", 0)
+
+
+class Init(contextlib.ContextDecorator):
+    """Build a model without materializing it: parameters are created on the ``meta`` device
+    and materialized at ``deepspeed.initialize``, each rank only in the chunks it owns; see
+    [Note: deferred init].
+
+    ``config``: the DeepSpeed config (dict or path) the model will be trained with; it must
+    select stage ``"patrickstar"``. ``enabled=False`` makes the block a no-op. Blocks nest
+    (the outermost one's ``seed`` applies). ``seed``: the base seed of the deferred init
+    (default: ``torch.initial_seed()``, i.e. what ``torch.manual_seed`` last set).
+    """
+
+    def __init__(self, config: Any = None, enabled: bool = True, seed: int | None = None) -> None:
+        stage = _config_stage(config)
+        if stage is not None and stage != "patrickstar":
+            raise ValueError(f"ds_patrickstar.Init(config=...) got zero_optimization.stage={stage!r}; it builds "
+                             f"models for stage 'patrickstar' only (use deepspeed.zero.Init for stage 3)")
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"ds_patrickstar.Init(seed={seed!r}): the seed must be an integer")
+        self.enabled = enabled
+        self.seed = seed
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        depth = _depth()
+        if depth == 0:
+            _STATE.seed = self.seed if self.seed is not None else torch.initial_seed()
+            nn.Module.register_parameter = _register_parameter
+        _STATE.depth = depth + 1
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.enabled:
+            _STATE.depth -= 1
+            if _STATE.depth == 0:
+                nn.Module.register_parameter = _ORIGINAL_REGISTER
+        return False
+
+
+def _module_seed(base: int, name: str) -> int:
+    digest = hashlib.sha256(f"{base}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _storage_less(param: nn.Parameter, dtype: torch.dtype | None) -> nn.Parameter:
+    dtype = dtype if dtype is not None and param.is_floating_point() else param.dtype
+    data = torch.empty(param.shape, dtype=dtype)
+    data.untyped_storage().resize_(0)
+    return type(param)(data, requires_grad=param.requires_grad)
+
+
+class DeferredModel:
+    """The meta parameters of one model between ``deepspeed.initialize`` and the chunks; see
+    [Note: deferred init]."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype | None) -> None:
+        self.module = module
+        self.swapped: dict[nn.Parameter, nn.Parameter] = {}  # meta -> storage-less
+        self.seeds: dict[nn.Parameter, int] = {}  # storage-less -> base seed
+        for name, buf in module.named_buffers():
+            if buf.is_meta:
+                raise ValueError(f"buffer {name} is on the meta device, so its values are lost; build the model "
+                                 f"under ds_patrickstar.Init (which keeps buffers real) instead of torch.device"
+                                 f"('meta'), or materialize the buffers before deepspeed.initialize")
+        default_seed = torch.initial_seed()
+        for mod in module.modules():
+            for key, param in mod._parameters.items():
+                if param is None or not param.is_meta:
+                    continue
+                if param not in self.swapped:
+                    new = _storage_less(param, dtype)
+                    self.swapped[param] = new
+                    self.seeds[new] = getattr(param, _SEED_ATTR, default_seed)
+                mod._parameters[key] = self.swapped[param]
+        if self.swapped:
+            logger.info("ds_patrickstar: %d parameters built without values (deferred init)", len(self.swapped))
+
+    def __bool__(self) -> bool:
+        return bool(self.swapped)
+
+    def is_deferred(self, param: torch.Tensor) -> bool:
+        return param in self.seeds
+
+    def remap(self, params: Any) -> Any:
+        """``model_parameters`` (tensors or param-group dicts, any iterable) with meta parameters
+        replaced by their swapped ones."""
+        if params is None or not self.swapped:
+            return params
+        out = []
+        for item in params:
+            if isinstance(item, dict):
+                item = {**item, "params": self.remap([item["params"]] if isinstance(item["params"], torch.Tensor)
+                                                     else item["params"])}
+            elif isinstance(item, torch.Tensor):
+                item = self.swapped.get(item, item)
+            out.append(item)
+        return out
+
+    def remap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["params"] = [self.swapped.get(p, p) for p in group["params"]]
+
+    # ---- materialization --------------------------------------------------------------
+    @torch.no_grad()
+    def materialize(self, manager) -> None:
+        """Fill the owned chunk slices (and the whole of non-chunk parameters) from each module's
+        own init, one module at a time; see [Note: deferred init]."""
+        if not self.swapped:
+            return
+        owner: dict[nn.Parameter, tuple[str, str]] = {}  # param -> (module name, key) of its first holder
+        for mod_name, mod in self.module.named_modules():
+            for key, param in mod._parameters.items():
+                if param is not None and self.is_deferred(param):
+                    owner.setdefault(param, (mod_name, key))
+        root_init = getattr(self.module, "_init_weights", None)
+        for mod_name, mod in self.module.named_modules():
+            mine = [(key, p) for key, p in mod._parameters.items()
+                    if p is not None and owner.get(p) == (mod_name, key) and self._wanted(p, manager)]
+            if mine:
+                self._init_module(mod, mod_name, mine, root_init, manager)
+        self.seeds.clear()
+        self.swapped.clear()
+
+    def _wanted(self, param: nn.Parameter, manager) -> bool:
+        info = manager.info(param)
+        return info is None or manager.is_owned(manager.chunk_of(info))
+
+    def _init_module(self, mod: nn.Module, mod_name: str, mine: list, root_init, manager) -> None:
+        originals = dict(mod._parameters)
+        scratch = {key: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+                   for key, p in originals.items() if p is not None and p in self.seeds}
+        base = self.seeds[mine[0][1]]
+        try:
+            mod._parameters.update(scratch)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_module_seed(base, mod_name))
+                if callable(getattr(mod, "reset_parameters", None)):
+                    mod.reset_parameters()
+                if root_init is not None:
+                    root_init(mod)
+        finally:
+            mod._parameters.update(originals)
+        for key, param in mine:
+            self._write(param, scratch[key], manager)
+
+    @staticmethod
+    def _write(param: nn.Parameter, value: torch.Tensor, manager) -> None:
+        info = manager.info(param)
+        if info is None:  # frozen or outside the optimizer: whole, on every rank
+            param.data = value.detach().to(param.dtype)
+            return
+        chunk = manager.chunk_of(info)
+        chunk.ready()[info.offset:info.end].copy_(value.detach().reshape(-1))
+
+
+def swap_deferred(module: nn.Module, dtype: torch.dtype | None) -> DeferredModel:
+    """Swap the meta parameters of ``module`` (see [Note: deferred init]); a no-op object when none."""
+    return DeferredModel(module, dtype)
