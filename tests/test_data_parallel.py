@@ -17,10 +17,12 @@ def _model():
                                torch.nn.Linear(32, 4))
 
 
-def _config(stage, gas, dtype="fp32"):
+def _config(stage, gas, dtype="fp32", budget=None):
     zero = {"stage": stage}
     if stage == "patrickstar":
         zero["chunk_size"] = 1024
+        if budget is not None:  # the strict emulated accelerator, small enough to evict every step
+            zero.update({"emulate_accelerator": True, "device_budget": budget})
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "gradient_clipping": 0.5}
     if dtype == "fp16":
@@ -28,7 +30,7 @@ def _config(stage, gas, dtype="fp32"):
     return cfg
 
 
-def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_step=None):
+def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_step=None, budget=None):
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
@@ -38,7 +40,7 @@ def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_st
 
     model = _model()
     with allow_fp16_on_cpu():
-        engine, *_ = deepspeed.initialize(model=model, config=_config(stage, gas, dtype),
+        engine, *_ = deepspeed.initialize(model=model, config=_config(stage, gas, dtype, budget),
                                           model_parameters=model.parameters())
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
@@ -57,12 +59,13 @@ def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_st
         weights = engine.get_fp32_state_dict()
         opt_bytes = sum(s.nbytes for s in engine.optimizer.optim_states.states.values())
         chunks = len(engine.optimizer.manager.chunks)
+        counters = engine.get_patrickstar_counters()
     else:
         weights = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
-        opt_bytes = chunks = None
+        opt_bytes = chunks = counters = None
     lp = {n: t.float() for n, t in engine.module.state_dict().items()} if stage != 3 else None
     return {"losses": losses, "weights": weights, "skipped": engine.skipped_steps, "opt_bytes": opt_bytes,
-            "chunks": chunks, "lp": lp}
+            "chunks": chunks, "lp": lp, "counters": counters}
 
 
 def _assert_same(ours, ref, rtol=RTOL, atol=ATOL):
@@ -78,6 +81,19 @@ def test_matches_zero3(world_size, gas):
     for rank in range(world_size):
         _assert_same(ours[rank], ref[rank])
     assert ours[0]["chunks"] % world_size == 0
+
+
+@pytest.mark.parametrize("world_size,gas", [(2, 1), (3, 1), (2, 2)])
+def test_matches_zero3_on_the_strict_emulated_accelerator(world_size, gas):
+    """Gathered groups, reduce-scatters and host/device moves on asynchronous, poisoned copies, every
+    byte counted, under a budget that holds a chunk group and its accumulators but not the model
+    data with its optimizer states."""
+    budget = 12_288 + (12_288 if gas > 1 else 0) + 8_192
+    ref = run_ranks(_train, world_size, 3, gas)
+    ours = run_ranks(_train, world_size, "patrickstar", gas, "fp32", None, None, budget)
+    for rank in range(world_size):
+        _assert_same(ours[rank], ref[rank])
+        assert ours[rank]["counters"]["bytes_all_gathered"] > 0
 
 
 def test_optimizer_state_is_split_across_ranks():
