@@ -21,7 +21,8 @@ released chunk is a view of an empty storage and must not be read directly.
 ``engine.module.state_dict()`` is therefore a collective (call it on every rank, as
 Hugging Face's save path does): it gathers every released chunk group (and brings chunks
 that placement moved to the host onto the accelerator, past the budget for that moment),
-returns *copies* of the parameters, and releases or moves them back again.
+returns *copies* of the parameters (under every name of a tied or shared parameter, see
+[Note: every name is a copy]), and releases or moves them back again.
 ``load_state_dict()`` does the same around torch's copy into the parameter views.
 Reading parameters another way between steps needs :func:`ds_patrickstar.gathered_parameters`.
 """
@@ -45,6 +46,7 @@ from .config import PatrickStarConfig
 from .device import build_placement
 from .hooks import HookRegistry, inside_backward, iter_tensors
 from .placement import optimizer_chunks_on_device
+from .shared_params import chunk_storages, copy_chunk_views
 
 logger = logging.getLogger(__name__)
 
@@ -198,14 +200,14 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def after_state_dict(self, state_dict: dict, prefix: str) -> None:
         """See [Note: state_dict]."""
         names = {info.name: info for info in self.manager.infos()}
-        for key, value in state_dict.items():
+        for key in state_dict:
             info = names.get(key[len(prefix):]) if key.startswith(prefix) else None
             if info is None:
                 continue
             if info.state is TensorState.HOLD_AFTER_BWD:
                 raise RuntimeError(f"state_dict() was called between backward and step: the slot of {info.name} "
                                    f"holds its gradient. Call it before backward or after engine.step().")
-            state_dict[key] = value.detach().clone()
+        copy_chunk_views(state_dict, chunk_storages(c.payload for c in self.manager.chunks))
         self.manager.release_groups(self._gathered_for_state_dict)
 
     # ---- engine interface -------------------------------------------------------
@@ -360,7 +362,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         for group in range(manager.num_groups):
             manager.comm.all_gather(flats[group * manager.comm.world_size:(group + 1) * manager.comm.world_size])
         result = {}
-        for name, param in module.named_parameters():
+        for name, param in module.named_parameters(remove_duplicate=False):
             info = manager.info(param)
             if info is None:
                 result[name] = param.detach().float().cpu().clone()
