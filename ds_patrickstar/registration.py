@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 import deepspeed
@@ -68,8 +69,20 @@ def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=
                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=sanitized,
                                config_class=config_class, patrickstar_config=options)
     engine.config = user_config  # Hugging Face and users read the config they wrote
+    _warn_if_launch_lost(engine.dp_world_size)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _warn_if_launch_lost(dp_world_size: int) -> None:
+    """A launcher started several processes but each one reached DeepSpeed alone (Hugging Face on a
+    CPU-only machine without being told to use the CPU, which stock stage 3 does too)."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1 and dp_world_size == 1:
+        logger.warning("WORLD_SIZE=%s in the environment, but DeepSpeed's data-parallel world size is 1: every "
+                       "process trains alone. On a CPU-only machine tell Hugging Face to use the CPU: "
+                       "TrainingArguments(use_cpu=True, ...) for the Trainer, PartialState(cpu=True) before "
+                       "Accelerator(deepspeed_plugin=...) for accelerate (see README, Hugging Face).", launched)
 
 
 def install() -> None:
