@@ -7,7 +7,8 @@ wrapper resolves the config exactly as DeepSpeed does (``config``, ``config_para
 ``zero_optimization.stage`` is not ``"patrickstar"`` goes to the original function with
 the original arguments, untouched. Code that did ``from deepspeed import initialize``
 before importing ds_patrickstar keeps the original function, so import ds_patrickstar
-first.
+first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
+of the config (see [Note: accelerate's zero_stage]).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import deepspeed
 
 from .config import is_patrickstar, split_config
+from .hf_compat import adapt_accelerate
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=
                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=sanitized,
                                config_class=config_class, patrickstar_config=options)
     engine.config = user_config  # Hugging Face and users read the config they wrote
+    adapt_accelerate()  # see [Note: accelerate's zero_stage]
     _warn_if_launch_lost(engine.dp_world_size)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
