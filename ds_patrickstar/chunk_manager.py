@@ -205,6 +205,9 @@ class ChunkManager:
         for chunk in members:
             if self.is_owned(chunk):
                 self._bring(chunk, keep)
+                for info in chunk.tensors:  # the other ranks' copies went FREE -> HOLD: states stay equal
+                    if info.state is _S.HOLD_AFTER_FWD:
+                        info.settle()
             chunk.materialize()
         if fill:
             self.comm.all_gather([c.payload for c in members])

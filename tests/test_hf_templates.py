@@ -119,3 +119,30 @@ def test_no_warning_when_the_world_sizes_agree(dist, caplog):
     with caplog.at_level(logging.WARNING, logger="ds_patrickstar.registration"):
         _init(make_config("patrickstar", chunk_size=1024))
     assert not [r for r in caplog.records if r.name == "ds_patrickstar.registration"]
+
+
+# ---- accelerate's copy of the stage (see [Note: accelerate's zero_stage]) ----------------
+def test_stage_name_orders_as_stage_3_and_equals_only_its_name():
+    from ds_patrickstar.hf_compat import StageName
+
+    stage = StageName("patrickstar")
+    assert not stage < 2 and stage >= 2 and stage > 2 and stage <= 3  # accelerate: ZeRO >= 2, no DDP no_sync
+    assert stage != 3 and stage == "patrickstar" and str(stage) == "patrickstar"  # Hugging Face: not zero3
+    assert {"patrickstar": 1}[stage] == 1 and stage < "z"
+
+
+def test_adapt_accelerate_changes_only_patrickstar_plugins(monkeypatch):
+    import sys
+    import types
+
+    from ds_patrickstar.hf_compat import StageName, adapt_accelerate
+
+    ours, stock = types.SimpleNamespace(zero_stage="patrickstar"), types.SimpleNamespace(zero_stage=3)
+    state = types.SimpleNamespace(AcceleratorState=types.SimpleNamespace(
+        _shared_state={"deepspeed_plugins": {"a": ours, "b": stock}}))
+    monkeypatch.setitem(sys.modules, "accelerate.state", state)
+    assert adapt_accelerate() == 1
+    assert type(ours.zero_stage) is StageName and stock.zero_stage == 3 and type(stock.zero_stage) is int
+    assert adapt_accelerate() == 0  # once
+    monkeypatch.delitem(sys.modules, "accelerate.state")
+    assert adapt_accelerate() == 0  # accelerate never imported: nothing to do

@@ -137,3 +137,34 @@ def test_every_name_of_a_shared_parameter_is_a_full_copy_on_every_rank(kind, tmp
     for out in resumed:
         for name, value in ranks[0]["sd"].items():
             assert torch.equal(out[name], value), name
+
+
+def _train_losses(rank, world_size, chunk_size):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    torch.manual_seed(0)
+    model = _Tied()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": "patrickstar", "chunk_size": chunk_size},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
+    losses = []
+    gen = torch.Generator().manual_seed(10 + rank)
+    for _ in range(3):
+        ids = torch.randint(0, 50, (4, 6), generator=gen)
+        loss = torch.nn.functional.cross_entropy(engine(ids).flatten(0, 1), ids.flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_tied_head_regathering_a_released_group_keeps_ranks_in_step():
+    """All parameters in rank 0's chunk (rank 1 owns an empty padding chunk): the group is released
+    after the body's forward and gathered again for the tied head. The tensor states must come out
+    the same on both ranks, or one rank releases (and later gathers) where the other does not: a hang."""
+    one_group = run_ranks(_train_losses, 2, 2048, timeout=90)
+    two_chunks = run_ranks(_train_losses, 2, 1024, timeout=90)
+    for ours, ref in zip(one_group, two_chunks):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-5, atol=1e-6)
