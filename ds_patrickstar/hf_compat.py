@@ -1,4 +1,4 @@
-"""Hugging Face accelerate: the ZeRO stage it copies out of the config.
+"""Hugging Face accelerate: the ZeRO stage it copies out of the config, and its process count.
 
 [Note: accelerate's zero_stage]
 accelerate copies ``zero_optimization.stage`` into ``DeepSpeedPlugin.zero_stage`` and
@@ -67,3 +67,12 @@ def adapt_accelerate() -> int:
             plugin.zero_stage = StageName(stage)
             changed += 1
     return changed
+
+
+def accelerate_num_processes() -> int | None:
+    """How many processes accelerate set this run up with, or None when it has not (not imported,
+    or no ``PartialState`` yet)."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return None
+    return state.PartialState._shared_state.get("num_processes")

@@ -20,7 +20,7 @@ from typing import Any
 import deepspeed
 
 from .config import is_patrickstar, split_config
-from .hf_compat import adapt_accelerate
+from .hf_compat import accelerate_num_processes, adapt_accelerate
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=
                          "nothing to train")
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
     config_class = DeepSpeedConfig(sanitized, mpu)
     engine = PatrickStarEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
@@ -72,20 +73,22 @@ def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=
                                config_class=config_class, patrickstar_config=options)
     engine.config = user_config  # Hugging Face and users read the config they wrote
     adapt_accelerate()  # see [Note: accelerate's zero_stage]
-    _warn_if_launch_lost(engine.dp_world_size)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _warn_if_launch_lost(dp_world_size: int) -> None:
-    """A launcher started several processes but each one reached DeepSpeed alone (Hugging Face on a
-    CPU-only machine without being told to use the CPU, which stock stage 3 does too)."""
+def _warn_if_world_lost(world_size: int) -> None:
+    """A launcher started several processes but Hugging Face set each up as a single one (on a
+    CPU-only machine without being told to use the CPU; stock stage 3 behaves the same)."""
     launched = os.environ.get("WORLD_SIZE", "1")
-    if launched.isdigit() and int(launched) > 1 and dp_world_size == 1:
-        logger.warning("WORLD_SIZE=%s in the environment, but DeepSpeed's data-parallel world size is 1: every "
-                       "process trains alone. On a CPU-only machine tell Hugging Face to use the CPU: "
-                       "TrainingArguments(use_cpu=True, ...) for the Trainer, PartialState(cpu=True) before "
-                       "Accelerator(deepspeed_plugin=...) for accelerate (see README, Hugging Face).", launched)
+    seen = accelerate_num_processes()
+    if not ((seen is not None and seen != world_size) or (launched.isdigit() and int(launched) > 1 and world_size == 1)):
+        return
+    logger.warning("Hugging Face sees %s process(es) but DeepSpeed's data-parallel world size is %d (WORLD_SIZE=%s): "
+                   "batch sizes and data sharding are computed for the wrong world. On a CPU-only machine tell "
+                   "Hugging Face to use the CPU: TrainingArguments(use_cpu=True, ...) for the Trainer, "
+                   "PartialState(cpu=True) before Accelerator(...) for accelerate (see README, Hugging Face).",
+                   seen if seen is not None else 1, world_size, launched)
 
 
 def install() -> None:

@@ -105,14 +105,32 @@ def test_optimizer_block_with_a_key_adam_does_not_have(dist, params, message):
 
 
 # ---- one process where several were launched --------------------------------------------
+def _world_warnings(caplog):
+    _init(make_config("patrickstar", chunk_size=1024))
+    return [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.registration"]
+
+
 def test_world_size_in_the_environment_but_one_rank_warns_with_the_fix(dist, monkeypatch, caplog):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with caplog.at_level(logging.WARNING, logger="ds_patrickstar.registration"):
-        _init(make_config("patrickstar", chunk_size=1024))
-    messages = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.registration"]
+        messages = _world_warnings(caplog)
     assert len(messages) == 1, messages
-    assert "WORLD_SIZE=2" in messages[0] and "data-parallel world size is 1" in messages[0]
+    assert "Hugging Face sees 1 process(es) but DeepSpeed's data-parallel world size is 1 (WORLD_SIZE=2)" in messages[0]
     assert "use_cpu=True" in messages[0] and "PartialState(cpu=True)" in messages[0]
+
+
+def test_accelerate_seeing_another_process_count_warns(dist, monkeypatch, caplog):
+    """accelerate launched on a CPU-only machine without cpu=True: each process believes it is alone
+    while DeepSpeed's world has them all (simulated: accelerate says 2, the world here is 1)."""
+    import sys
+    import types
+
+    state = types.SimpleNamespace(PartialState=types.SimpleNamespace(_shared_state={"num_processes": 2}),
+                                  AcceleratorState=types.SimpleNamespace(_shared_state={}))
+    monkeypatch.setitem(sys.modules, "accelerate.state", state)
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.registration"):
+        messages = _world_warnings(caplog)
+    assert len(messages) == 1 and "Hugging Face sees 2 process(es)" in messages[0], messages
 
 
 def test_no_warning_when_the_world_sizes_agree(dist, caplog):
