@@ -38,6 +38,17 @@ _CONFLICTING_ZERO_KEYS = {
 }
 
 
+# Offload blocks that say "no offload", as Hugging Face's Trainer and accelerate templates
+# write them ({"device": "none"}, often with pin_memory): harmless, so only ignored.
+_OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
+
+
+def _means_no_offload(key: str, value: Any) -> bool:
+    if key in _OFFLOAD_BLOCKS:
+        return value is None or (isinstance(value, dict) and str(value.get("device", "none")).lower() == "none")
+    return key == "cpu_offload" and value is False
+
+
 class PatrickStarConfig(BaseModel):
     """Options of the patrickstar backend, set inside ``zero_optimization``."""
 
@@ -122,10 +133,12 @@ def parse_patrickstar_options(zero_block: dict[str, Any]) -> PatrickStarConfig:
     stock_keys |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
     ours, ignored = {}, []
     for key, value in zero_block.items():
-        if key in _CONFLICTING_ZERO_KEYS:
+        if key in _CONFLICTING_ZERO_KEYS and not _means_no_offload(key, value):
+            got = f"; got {value!r}, and only \"device\": \"none\" (no offload) is accepted" \
+                if key in _OFFLOAD_BLOCKS else ""
             raise ValueError(f"zero_optimization.{key} cannot be used with stage 'patrickstar': "
-                             f"{_CONFLICTING_ZERO_KEYS[key]}. Remove the key.")
-        if key in stock_keys and key not in PatrickStarConfig.model_fields:
+                             f"{_CONFLICTING_ZERO_KEYS[key]}{got}. Remove the key.")
+        if key in _CONFLICTING_ZERO_KEYS or (key in stock_keys and key not in PatrickStarConfig.model_fields):
             ignored.append(key)
         else:
             ours[key] = value
@@ -165,6 +178,39 @@ def check_optimizer_block(config: dict[str, Any]) -> None:
         if params.get(flag):
             raise ValueError(f"optimizer.params.{flag}={params[flag]!r} is not supported by stage 'patrickstar'; "
                              f"remove it or set it to false")
+
+
+# Keys of DeepSpeed's Adam block that only choose DeepSpeed's implementation (FusedAdam,
+# DeepSpeedCPUAdam, torch's Adam): ours always runs, so they are accepted and ignored.
+_ADAM_IMPLEMENTATION_KEYS = ("torch_adam", "fp32_optimizer_states", "foreach", "fused", "set_grad_none", "capturable")
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}  # those of FusedAdam
+
+
+def torch_adam_from_block(kind: str, params: dict[str, Any] | None) -> tuple[type, dict[str, Any], dict[str, Any]]:
+    """The torch optimizer class, its keyword arguments and extra param-group keys that hold the
+    hyper-parameters of a DeepSpeed ``optimizer`` block (see [Note: no DeepSpeed optimizer]).
+
+    ``"Adam"`` means AdamW unless ``adam_w_mode`` is false, ``"AdamW"`` always does, as in
+    DeepSpeed; missing values take FusedAdam's defaults (weight_decay 0, unlike torch's AdamW).
+    """
+    import torch
+
+    params = dict(params or {})
+    if "max_grad_norm" in params:
+        raise ValueError("optimizer.params.max_grad_norm is not supported; use the DeepSpeed key "
+                         "\"gradient_clipping\" instead")
+    adam_w_mode = bool(params.pop("adam_w_mode", True))
+    adamw = kind.lower() == "adamw" or adam_w_mode
+    for key in _ADAM_IMPLEMENTATION_KEYS:
+        params.pop(key, None)
+    group_keys = {"bias_correction": bool(params.pop("bias_correction"))} if "bias_correction" in params else {}
+    unknown = sorted(set(params) - set(_ADAM_DEFAULTS) - set(_UNSUPPORTED_ADAM_PARAMS))
+    if unknown:
+        allowed = ", ".join(sorted([*_ADAM_DEFAULTS, "adam_w_mode", "bias_correction", *_ADAM_IMPLEMENTATION_KEYS]))
+        raise ValueError(f"optimizer.params.{unknown[0]}={params[unknown[0]]!r} is not an Adam option known to stage "
+                         f"'patrickstar'; the options are: {allowed}")
+    kwargs = {**_ADAM_DEFAULTS, **params}
+    return (torch.optim.AdamW if adamw else torch.optim.Adam), kwargs, group_keys
 
 
 def split_config(config: dict[str, Any]) -> tuple[PatrickStarConfig, dict[str, Any]]:

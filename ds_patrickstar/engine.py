@@ -5,6 +5,14 @@ DeepSpeed sees a stage-0 config (see [Note: config split]); the engine reports
 ZeRO optimizer: backward prologue/epilogue through the optimizer, ``optimizer.step()``
 and ``optimizer.zero_grad()`` at the boundary, no module-gradient all-reduce, no
 fp32 gradient clipping of its own (the optimizer clips on the global norm).
+
+[Note: no DeepSpeed optimizer]
+With an ``optimizer`` block, stock DeepSpeed builds its own Adam (FusedAdam: a JIT build of
+a minute on a cold cache, which fails outright on some CUDA set-ups; or DeepSpeedCPUAdam).
+We only need an object that holds the param groups and the hyper-parameters an LR scheduler
+edits: our fused Adam runs the update. So the engine builds a plain ``torch.optim.AdamW``
+(or ``torch.optim.Adam`` with ``"adam_w_mode": false``) from the block, and no DeepSpeed
+op is built for it; ``engine.basic_optimizer`` is that object.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import checkpoint
 
-from .config import PatrickStarConfig
+from .config import PatrickStarConfig, torch_adam_from_block
 from .export import host_parameters
 from .init import swap_deferred
 from .optimizer import PatrickStarOptimizer
@@ -70,7 +78,7 @@ class PatrickStarEngine(DeepSpeedEngine):
         if isinstance(client_optimizer, torch.optim.Optimizer):
             self._deferred.remap_optimizer(client_optimizer)
         if client_optimizer is None:
-            basic = self._configure_basic_optimizer(model_parameters)
+            basic = self._torch_adam(model_parameters)
         elif isinstance(client_optimizer, torch.optim.Optimizer):
             basic = client_optimizer
         else:
@@ -85,6 +93,15 @@ class PatrickStarEngine(DeepSpeedEngine):
             static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
             dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group,
             deferred=self._deferred)
+
+    def _torch_adam(self, model_parameters) -> torch.optim.Optimizer:
+        """A plain torch Adam/AdamW holding the param groups and hyper-parameters of the config's
+        ``optimizer`` block; see [Note: no DeepSpeed optimizer]."""
+        cls, kwargs, group_keys = torch_adam_from_block(self.optimizer_name(), self.optimizer_params())
+        basic = cls(model_parameters, **kwargs)
+        for group in basic.param_groups:
+            group.update(group_keys)
+        return basic
 
     # ---- per-step counters (see counters.py) ------------------------------------
     def _take_model_step(self, lr_kwargs, *args, **kwargs):

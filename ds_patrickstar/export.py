@@ -98,7 +98,8 @@ class ChunkExport:
 
     @torch.no_grad()
     def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Every parameter's full fp32 value on the host, keyed by every name it has."""
+        """Every parameter's full fp32 value on the host, keyed by every name it has (a tied
+        ``lm_head.weight`` appears beside ``transformer.wte.weight``)."""
         names = self.names(module, "")
         result = {}
         for members, hosts in self.iter_host_groups(fp32_masters=True):
@@ -107,10 +108,10 @@ class ChunkExport:
                     value = host[info.offset:info.end].view(info.shape).clone()
                     for key in names.get(info, ()):
                         result[key] = value
-        for name, param in module.named_parameters():
+        for name, param in module.named_parameters(remove_duplicate=False):
             if self.manager.info(param) is None:
                 result[name] = param.detach().float().cpu().clone()
-        return {name: result[name] for name, _ in module.named_parameters()}
+        return {name: result[name] for name, _ in module.named_parameters(remove_duplicate=False)}
 
     # ---- streaming in -------------------------------------------------------------------
     @torch.no_grad()

@@ -7,17 +7,20 @@ wrapper resolves the config exactly as DeepSpeed does (``config``, ``config_para
 ``zero_optimization.stage`` is not ``"patrickstar"`` goes to the original function with
 the original arguments, untouched. Code that did ``from deepspeed import initialize``
 before importing ds_patrickstar keeps the original function, so import ds_patrickstar
-first.
+first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
+of the config (see [Note: accelerate's zero_stage]).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 import deepspeed
 
 from .config import is_patrickstar, split_config
+from .hf_compat import accelerate_num_processes, adapt_accelerate
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +65,30 @@ def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=
                          "nothing to train")
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
     config_class = DeepSpeedConfig(sanitized, mpu)
     engine = PatrickStarEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=sanitized,
                                config_class=config_class, patrickstar_config=options)
     engine.config = user_config  # Hugging Face and users read the config they wrote
+    adapt_accelerate()  # see [Note: accelerate's zero_stage]
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _warn_if_world_lost(world_size: int) -> None:
+    """A launcher started several processes but Hugging Face set each up as a single one (on a
+    CPU-only machine without being told to use the CPU; stock stage 3 behaves the same)."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    seen = accelerate_num_processes()
+    if not ((seen is not None and seen != world_size) or (launched.isdigit() and int(launched) > 1 and world_size == 1)):
+        return
+    logger.warning("Hugging Face sees %s process(es) but DeepSpeed's data-parallel world size is %d (WORLD_SIZE=%s): "
+                   "batch sizes and data sharding are computed for the wrong world. On a CPU-only machine tell "
+                   "Hugging Face to use the CPU: TrainingArguments(use_cpu=True, ...) for the Trainer, "
+                   "PartialState(cpu=True) before Accelerator(...) for accelerate (see README, Hugging Face).",
+                   seen if seen is not None else 1, world_size, launched)
 
 
 def install() -> None:
