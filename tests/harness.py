@@ -273,8 +273,8 @@ def _stock_weights(engine, stage) -> (Dict[str, torch.Tensor], Dict[str, torch.T
 
 
 def _patrickstar_weights(engine) -> (Dict[str, torch.Tensor], Dict[str, torch.Tensor]):
-    sd32 = engine.get_fp32_state_dict()
-    fp32 = {name: _to_cpu(t, torch.float32) for name, t in sd32.items()}
+    sd32 = engine.get_fp32_state_dict()  # every name of a tied parameter; compared once, as for ZeRO-3
+    fp32 = {name: _to_cpu(sd32[name], torch.float32) for name, _ in engine.module.named_parameters()}
     sd = engine.module.state_dict()
     lp: Dict[str, torch.Tensor] = {}
     for name, _ in engine.module.named_parameters():
