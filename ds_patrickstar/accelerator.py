@@ -34,12 +34,9 @@ accelerator completes its copies only when waited on, so the same code is exerci
 """
 from __future__ import annotations
 
-import logging
 from collections import deque
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 class DeviceBudgetExceeded(RuntimeError):
@@ -52,11 +49,8 @@ class CopyHazard(RuntimeError):
 
 class DeviceLedger:
     """Running totals of the bytes the backend holds on the accelerator, by kind, under a budget.
-
-    ``headroom`` is a callable giving, at the moment of an allocation, the bytes the
-    non-model memory (the activation tide) leaves for model data; it defaults to the
-    whole budget.
-    """
+    A charge fails when it would not fit beside ``non_model`` (the activation tide, kept current
+    by the placement runtime)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -128,7 +122,7 @@ class Accelerator:
     # ---- memory -------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
         """A charged accelerator tensor (release it with :meth:`free`)."""
-        self.ledger.charge(numel * torch.finfo(dtype).bits // 8, kind, what)
+        self.ledger.charge(numel * dtype.itemsize, kind, what)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
@@ -184,10 +178,6 @@ class Accelerator:
         using ``dst``, and do not touch ``src`` until then."""
         raise NotImplementedError
 
-    def synchronize(self) -> None:
-        """Every enqueued copy has completed."""
-        raise NotImplementedError
-
     # ---- memory statistics (non-model memory; see tracer.py) ---------------------------
     def memory_in_use(self) -> tuple[int, int]:
         """``(allocated now, highest allocated since the previous call)`` for the whole process, or
@@ -197,7 +187,6 @@ class Accelerator:
     def fragmentation(self) -> int:
         """Accelerator bytes the allocator holds but a new chunk cannot use (0 where there is no allocator)."""
         return 0
-
 
 
 # ---- CUDA ------------------------------------------------------------------------------
@@ -236,9 +225,6 @@ class CudaAccelerator(Accelerator):
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return _CudaPending(event, to_host=not dst.is_cuda)
-
-    def synchronize(self) -> None:
-        self.copy_stream.synchronize()
 
     def memory_in_use(self) -> tuple[int, int]:
         """Peak since the previous call from deltas of the process-wide peak: never resets torch's
@@ -315,10 +301,6 @@ class EmulatedAccelerator(Accelerator):
                 if later.src.untyped_storage().data_ptr() == written:
                     later.src_version = later.src._version
 
-    def synchronize(self) -> None:
-        if self._queue:
-            self.complete_through(self._queue[-1])
-
 
 class HostAccelerator(Accelerator):
     """No accelerator (a plain CPU run without placement): host memory, synchronous copies."""
@@ -330,9 +312,6 @@ class HostAccelerator(Accelerator):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
         dst.copy_(src)
         return _Done()
-
-    def synchronize(self) -> None:
-        pass
 
 
 class _Done(Pending):

@@ -153,7 +153,7 @@ class Chunk:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * (torch.finfo(self.dtype).bits // 8)
+        return self.capacity * self.dtype.itemsize
 
     @property
     def acc_nbytes(self) -> int:

@@ -37,7 +37,6 @@ class ChunkStore:
         self.accel = accel
         self.counters = counters
         self.movable = movable  # chunks have a host home (placement); else they stay put
-        self.resident: set[int] = set()  # owned chunks backed on the accelerator
         self.host_bytes = 0  # model data on the host: host buffers and accumulators
 
     # ---- creation -----------------------------------------------------------------
@@ -50,7 +49,6 @@ class ChunkStore:
             chunk.on_host = True
         elif owned:
             chunk.payload.zero_()
-            self.resident.add(chunk.chunk_id)
 
     def settle(self, chunk: Chunk, owned: bool) -> None:
         """After the views were made: the payload keeps memory only if the chunk lives there."""
@@ -92,7 +90,6 @@ class ChunkStore:
         self.accel.free(chunk.payload, "chunk", after=pending)
         chunk.host, chunk.on_host, chunk.pending = host, True, [pending]
         self._acc_to_host(chunk)
-        self.resident.discard(chunk.chunk_id)
         chunk.prefetched = False
         self.counters.bytes_to_host += chunk.nbytes
 
@@ -104,7 +101,6 @@ class ChunkStore:
         self._drop_host(chunk.host)
         chunk.host, chunk.on_host, chunk.pending = None, False, [pending]
         self._acc_to_device(chunk)
-        self.resident.add(chunk.chunk_id)
         self.counters.bytes_to_device += chunk.nbytes
 
     # ---- gradient accumulators (see [Note: gradient accumulation]) ---------------------

@@ -72,7 +72,7 @@ def build_memory(options, device: torch.device, specs, comm, counters: StepCount
 
         budget = resolve_budget(options.device_budget, device, emulate)
         plan = plan_for_rank([s.capacity for s in specs], [comm.owner(i) for i in range(len(specs))], comm.rank,
-                             torch.finfo(dtype).bits // 8, accumulate)
+                             dtype.itemsize, accumulate)
         check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size)
         accel = CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)
     else:
