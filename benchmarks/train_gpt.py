@@ -325,6 +325,9 @@ def main(argv=None):
             maybe_plot(engine, args.out)
         print(format_summary(summary), flush=True)
         logger.info("uniform-guess loss is ln(%d) = %.3f", cfg.vocab_size, math.log(cfg.vocab_size))
+    if torch.distributed.is_initialized():  # an orderly end: see tests/scripts/tiny_train.py
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
