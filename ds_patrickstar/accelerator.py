@@ -27,9 +27,10 @@ buffers are protected by torch's host allocator, which records the copy's event.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -89,7 +90,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class Pending:
-    """An enqueued copy. :meth:`wait` makes its destination safe to use for the caller."""
+    """An enqueued copy (or a collective, see comm.py). :meth:`wait` makes its destination safe to
+    use for the caller."""
+
+    collective = False  # a collective in flight: its chunks must not move before it is waited on
 
     def wait(self) -> None:
         raise NotImplementedError
@@ -138,6 +142,11 @@ class Accelerator:
         """Every enqueued copy has completed."""
         raise NotImplementedError
 
+    def collective_stream(self, *tensors: torch.Tensor) -> ContextManager:
+        """Where a collective is issued (see [Note: asynchronous collectives] in comm.py): the
+        calling thread on the host; a stream of its own on CUDA."""
+        return contextlib.nullcontext()
+
     # ---- memory statistics (non-model memory; see tracer.py) ---------------------------
     def memory_in_use(self) -> tuple[int, int]:
         """``(allocated now, highest allocated since the previous call)`` for the whole process, or
@@ -178,6 +187,7 @@ class CudaAccelerator(Accelerator):
         super().__init__(budget)
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
+        self.comm_stream = torch.cuda.Stream(device)
         stats = torch.cuda.memory_stats(device)
         self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
 
@@ -194,6 +204,18 @@ class CudaAccelerator(Accelerator):
 
     def synchronize(self) -> None:
         self.copy_stream.synchronize()
+
+    @contextlib.contextmanager
+    def collective_stream(self, *tensors: torch.Tensor):
+        """Issue on the collective stream, after the work queued on the compute stream (as FSDP2's
+        all-gather and reduce-scatter streams); the buffers are not reused by the caching allocator
+        before the collective ran. Its work handle's ``wait()`` makes the compute stream wait."""
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.comm_stream):
+            yield
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(self.comm_stream)
 
     def _release_storage(self, tensor: torch.Tensor, after: Pending | None) -> None:
         # A copy reading ``tensor`` ran record_stream on it, so the caching allocator keeps the

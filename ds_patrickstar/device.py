@@ -17,6 +17,7 @@ prefetches run on the copy stream, and the consumer waits through :meth:`Chunk.r
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -83,9 +84,17 @@ class ChunkStore:
             self.accel.free(chunk.payload, "chunk")
 
     # ---- owned chunks: between the accelerator and the host -------------------------
+    @staticmethod
+    def _wait_collectives(chunk: Chunk) -> None:
+        """A collective reading or writing the chunk completes before the chunk moves."""
+        for pending in [p for p in chunk.pending if p.collective]:
+            pending.wait()
+        chunk.pending = [p for p in chunk.pending if not p.collective]
+
     def to_host(self, chunk: Chunk) -> None:
         if chunk.on_host:
             return
+        self._wait_collectives(chunk)
         host = self.accel.host_empty(chunk.capacity, chunk.dtype)
         self.host_bytes += chunk.nbytes
         pending = self.accel.copy(host, chunk.payload)  # ordered after every earlier copy of the chunk
@@ -99,6 +108,7 @@ class ChunkStore:
     def to_device(self, chunk: Chunk) -> None:
         if not chunk.on_host:
             return
+        self._wait_collectives(chunk)
         self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
         pending = self.accel.copy(chunk.payload, chunk.host)
         self._drop_host(chunk.host)
@@ -159,6 +169,8 @@ class PlacementRuntime:
         self.moment = -1
         self.recording = False
         self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
+        # releases kept gathered groups (see [Note: kept groups]) until the bytes asked for are freed
+        self.release_kept: Callable[[int, set[int]], int] = lambda need, keep: 0
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
     def model_bytes_on_device(self) -> int:
@@ -198,7 +210,14 @@ class PlacementRuntime:
         if over <= 0:
             return
         try:
-            victims = self.placer.victims(trace, self.moment, self._resident_movable(keep), over)
+            try:
+                victims = self.placer.victims(trace, self.moment, self._resident_movable(keep), over)
+            except DeviceBudgetExceeded:
+                # the kept gathered groups are a cache: drop them before giving up
+                over -= self.release_kept(over, keep)
+                if over <= 0:
+                    return
+                victims = self.placer.victims(trace, self.moment, self._resident_movable(keep), over)
         except DeviceBudgetExceeded as err:
             raise DeviceBudgetExceeded(
                 f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
@@ -239,6 +258,12 @@ class PlacementRuntime:
         counters.peak_model_bytes_device = max(counters.peak_model_bytes_device, ledger.peak)
         counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
         counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
+
+    def can_prefetch(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more (a group gathered ahead of use) fit beside the tide planned for
+        this moment and the next without evicting anything; never while tracing."""
+        trace = self.tracer.current_trace()
+        return trace is not None and self._fits(nbytes, trace)
 
     def _fits(self, nbytes: int, trace) -> bool:
         headroom = self.placer.headroom(trace, self.moment + 1, self._non_model())
