@@ -21,9 +21,14 @@ Between gradient-accumulation micro-steps the gathered groups are kept the same 
 next forward. Without a limit (the default) every group is gathered once per micro-step, as
 in ZeRO-3 with its default ``stage3_max_live_parameters``/``stage3_max_reuse_distance``,
 and each rank holds the whole low-precision model during the step. With placement, the
-kept chunks are charged to the device ledger like any gathered chunk, and placement releases
-kept groups (oldest first) before it would fail to make room for the chunks a moment needs
-(``PlacementRuntime.release_kept``, which also completes the reduce-scatters in flight): the kept set is a cache sized by the budget and the tide.
+kept chunks are charged to the device ledger like any gathered chunk, and a group is kept only
+when the budget holds it next to the highest tide the trace plans for the rest of the
+iteration and one more gathered group (``PlacementRuntime.can_keep``), on *every* rank
+(``ChunkComm.agree``, a one-integer all-reduce): which groups are gathered decides which
+collectives run, so the decision must be the same everywhere, and a kept group is never
+released on one rank alone. The same holds for a prefetch under placement. Under pressure,
+placement first completes the reduce-scatters in flight (``PlacementRuntime.release_kept``),
+which release other ranks' chunks.
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
 """
@@ -180,6 +185,13 @@ class ChunkManager:
         for chunk in self.group_members(group):
             if not self.is_owned(chunk):
                 self.store.release(chunk)  # waits for a collective still using the chunk
+                continue
+            # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
+            # gathered again; ours must read the same, or a later "all used in this forward" test
+            # (after_forward) would differ between ranks and so would the collectives.
+            for info in chunk.tensors:
+                if info.state is _S.HOLD_AFTER_FWD:
+                    info.settle()
         self._present.discard(group)
         self._kept.pop(group, None)
         self._fresh.discard(group)
@@ -190,10 +202,16 @@ class ChunkManager:
         return sum(c.nbytes for c in self.group_members(group) if not self.is_owned(c))
 
     def _keep(self, group: int) -> None:
-        """Keep ``group`` gathered for its next use, releasing the oldest kept groups over the limit."""
+        """Keep ``group`` gathered for its next use, releasing the oldest kept groups over the limit;
+        with placement only when every rank's budget holds it for the rest of the iteration."""
         if self.keep_limit is not None and self._kept_bytes(group) > self.keep_limit:
             self._release_group(group)
             return
+        if self.placement is not None:
+            largest = max(c.nbytes for c in self.chunks) * self.comm.world_size
+            if not self.comm.agree(self.placement.can_keep(0, largest)):
+                self._release_group(group)
+                return
         self._kept[group] = self._kept_bytes(group)
         while self.keep_limit is not None and sum(self._kept.values()) > self.keep_limit:
             self._release_group(next(iter(self._kept)))
@@ -201,18 +219,12 @@ class ChunkManager:
         self.comm.counters.peak_kept_gathered_bytes = max(self.comm.counters.peak_kept_gathered_bytes, held)
 
     def _release_for(self, need: int, in_use: set[int]) -> int:
-        """Placement is short of ``need`` bytes: finish the reduce-scatters in flight (they release
-        other ranks' chunks), then release kept groups oldest first (the ones the backward pass
-        needs last), then groups prefetched and not used yet; none holding a chunk in ``in_use``.
-        Returns the bytes freed."""
+        """Placement is short of ``need`` bytes: finish the reduce-scatters in flight (each releases
+        other ranks' chunks). Kept and prefetched groups stay: releasing one on this rank only would
+        make this rank alone gather it again (see [Note: kept groups]). Returns the bytes freed."""
         ledger = self.store.accel.ledger
         before = ledger.total
         self._wait_reductions()
-        for group in list(self._kept) + list(self._prefetched):
-            if before - ledger.total >= need:
-                break
-            if not any(c.chunk_id in in_use for c in self.group_members(group)):
-                self._release_group(group)
         return before - ledger.total
 
     # ---- moments ------------------------------------------------------------------
@@ -264,7 +276,7 @@ class ChunkManager:
         for group in self.order.ahead(self.prefetch_groups):
             if group in self._present or group in self._reduced:
                 continue
-            if self.placement is not None and not self.placement.can_prefetch(self._gather_bytes(group)):
+            if self.placement is not None and not self.comm.agree(self.placement.can_prefetch(self._gather_bytes(group))):
                 return
             self._gather_group(group, keep=in_use)
             self._prefetched.add(group)

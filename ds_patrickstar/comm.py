@@ -142,6 +142,15 @@ class ChunkComm:
         self.counters.bytes_reduce_scattered += (self.world_size - 1) * mine.numel() * mine.element_size()
         return PendingCollective(work, finish)
 
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank: a decision taken from a rank's own memory (placement)
+        that changes which collectives run must be the same everywhere."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.accel.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value.item())
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.group)

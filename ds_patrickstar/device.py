@@ -169,7 +169,7 @@ class PlacementRuntime:
         self.moment = -1
         self.recording = False
         self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
-        # releases kept gathered groups (see [Note: kept groups]) until the bytes asked for are freed
+        # frees what the chunk manager can free without a collective (see [Note: kept groups])
         self.release_kept: Callable[[int, set[int]], int] = lambda need, keep: 0
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
@@ -213,7 +213,7 @@ class PlacementRuntime:
             try:
                 victims = self.placer.victims(trace, self.moment, self._resident_movable(keep), over)
             except DeviceBudgetExceeded:
-                # the kept gathered groups are a cache: drop them before giving up
+                # reduce-scatters in flight hold other ranks' chunks until waited on
                 over -= self.release_kept(over, keep)
                 if over <= 0:
                     return
@@ -264,6 +264,16 @@ class PlacementRuntime:
         this moment and the next without evicting anything; never while tracing."""
         trace = self.tracer.current_trace()
         return trace is not None and self._fits(nbytes, trace)
+
+    def can_keep(self, nbytes: int, reserve: int) -> bool:
+        """Whether ``nbytes`` more can stay on the accelerator for the rest of the iteration, next
+        to ``reserve`` bytes (a chunk group gathered later) and the highest tide the trace plans
+        from here on; never while tracing."""
+        trace = self.tracer.current_trace()
+        if trace is None:
+            return False
+        tide = max([self._non_model()] + [m.non_model for m in trace.moments[self.moment + 1:]])
+        return self.ledger.total + nbytes + reserve <= self.placer.budget - tide - self.store.accel.fragmentation()
 
     def _fits(self, nbytes: int, trace) -> bool:
         headroom = self.placer.headroom(trace, self.moment + 1, self._non_model())
