@@ -76,7 +76,8 @@ class ChunkComm:
         self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # strict emulation only
 
     def bind(self, accel: Accelerator, poison: bool) -> None:
-        """Staging buffers on ``accel``; ``poison``: all-gather destinations hold NaN until waited."""
+        """Collectives on ``accel`` (its stream on CUDA); ``poison`` (the strict emulated accelerator):
+        all-gather destinations hold NaN until waited on."""
         self.accel, self.poison = accel, poison
 
     def owner(self, chunk_id: int) -> int:
