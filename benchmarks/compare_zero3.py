@@ -3,6 +3,11 @@
     python benchmarks/compare_zero3.py                                   # tiny GPT, quick check
     python benchmarks/compare_zero3.py --model gpt2-medium --batch 2 --seq-len 256 --dtype bf16
     python benchmarks/compare_zero3.py --offload ...   # ZeRO-3 with offload_param + offload_optimizer
+    python benchmarks/compare_zero3.py --world-size 2 --model small --seq-lens 256,16   # compute- and comm-bound
+
+The machine's load average is recorded before and after each backend; a busy machine (load above
+half the cores before a backend starts) is warned about, since a neighbour's work slows torch's
+OpenMP pool several times and makes step-time ratios meaningless (volumes stay exact).
 
 Each backend trains in its own child process (``benchmarks/train_gpt.py``), so the peak host
 memory (the child's ``ru_maxrss``) and the GPU max allocated are per backend.
@@ -35,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--batch", type=int, default=8, help="micro-batch size")
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-lens", default=None,
+                   help="comma-separated sequence lengths, one table each (e.g. 256,16: a long sequence where "
+                        "compute dominates and a short one where communication matters); overrides --seq-len")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backends", default="zero3,patrickstar",
                    help="comma-separated: zero3, patrickstar, patrickstar-static (static placement policy)")
@@ -112,8 +120,31 @@ def child_env():
     return env
 
 
+def load_average():
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def busy(load):
+    return load is not None and load > 0.5 * (os.cpu_count() or 1)
+
+
 def run_backend(args, backend, workdir):
-    """Train in a child process; return its JSON payload, or a dict with an ``error``."""
+    """Train in a child process; return its JSON payload (with the load average before and after),
+    or a dict with an ``error``."""
+    before = load_average()
+    if busy(before):
+        logger.warning("%s: the machine is busy before the run (1-min load average %.2f on %d cores): step "
+                       "times will be slow and their ratio meaningless", backend, before, os.cpu_count())
+    result = _run_backend(args, backend, workdir)
+    result["load_before"], result["load_after"] = before, load_average()
+    return result
+
+
+def _run_backend(args, backend, workdir):
     json_path, log_path = Path(workdir) / f"{backend}.json", Path(args.logs) / f"{backend}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = child_command(args, backend, json_path, Path(workdir) / backend, child_config(args, backend, workdir))
@@ -138,6 +169,7 @@ def last_error_line(log_path):
 def measure(payload, warmup):
     """The figures of one backend from its child's payload."""
     summary, records = payload["summary"], payload["records"]
+    counters = summary.get("patrickstar_counters") or {}
     timed = records[warmup:] or records[-1:]
     step_s = statistics.median(r["seconds"] for r in timed)
     return {
@@ -150,6 +182,8 @@ def measure(payload, warmup):
         "final_loss": records[-1]["loss"],
         "params": summary["params"],
         "timed_steps": len(timed),
+        "load_before": payload.get("load_before"), "load_after": payload.get("load_after"),
+        "peak_kept_gathered_bytes": counters.get("peak_kept_gathered_bytes"),
         **comm_columns(summary),
     }
 
@@ -180,6 +214,7 @@ COLUMNS = [
     ("all-gathered MiB/step", "bytes_all_gathered", lambda v: f"{v / 2**20:.3f}", True),
     ("reduce-scattered MiB/step", "bytes_reduce_scattered", lambda v: f"{v / 2**20:.3f}", True),
     ("comm measured by", "comm_source", str, False),
+    ("load avg before/after", "load", str, False),
 ]
 
 
@@ -209,6 +244,7 @@ def format_table(results, columns):
         if "error" in res:
             rows.append([name, f"FAILED: {res['error']}"])
             continue
+        res = dict(res, load=f"{res.get('load_before') or 0:.2f}/{res.get('load_after') or 0:.2f}")
         rows.append([name] + [("n/a" if res.get(key) is None else fmt(res[key])) for _, key, fmt, _ in columns])
     rat = ratios(results, columns)
     if rat:
@@ -224,13 +260,12 @@ def describe(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     zero3 = "ZeRO-3 offload_param+offload_optimizer" if args.offload else "ZeRO-3"
     return (f"model {args.model}, batch {args.batch}, seq {args.seq_len}, {args.dtype}, {device} x {args.world_size}, "
-            f"{args.warmup} warm-up + {args.steps} timed steps (median), seed {args.seed}; zero3 = {zero3}")
+            f"{args.warmup} warm-up + {args.steps} timed steps (median), seed {args.seed}; zero3 = {zero3}; "
+            f"{os.cpu_count()} cores")
 
 
-def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(argv)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+def compare(args, backends):
+    """One table for the current ``args.seq_len``; returns (results, ratios)."""
     results = {}
     with tempfile.TemporaryDirectory(prefix="compare_zero3_") as workdir:
         for backend in backends:
@@ -240,10 +275,27 @@ def main(argv=None):
     table, rat = format_table(results, columns)
     print(describe(args))
     print(table, flush=True)
+    if any(busy(r.get("load_before")) for r in results.values()):
+        print(f"WARNING: the machine was busy (1-min load average above {0.5 * (os.cpu_count() or 1):.1f} before a "
+              f"backend): step times and their ratio are not meaningful; volumes are exact", flush=True)
+    return results, rat
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    seq_lens = [int(v) for v in args.seq_lens.split(",")] if args.seq_lens else [args.seq_len]
+    runs, ok = [], True
+    for seq_len in seq_lens:
+        args.seq_len = seq_len
+        results, rat = compare(args, backends)
+        runs.append({"seq_len": seq_len, "results": results, "ratios": rat})
+        ok = ok and all("error" not in r for r in results.values())
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ratios": rat}, indent=1))
-    return 0 if all("error" not in r for r in results.values()) else 1
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ PRESETS = {
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=192, block_size=256, vocab_size=256),
     # ~10.8M parameters.
     "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=512, vocab_size=256),
+    # ~114M parameters (GPT-2 small width, 16 layers, byte vocabulary): the data-parallel volume check
+    # at more than 100M parameters that still fits a few CPU ranks.
+    "gpt-114m": GPTConfig(n_layer=16, n_head=12, n_embd=768, block_size=512, vocab_size=256),
     # GPT-2 medium shape, ~355M parameters (vocab padded to a multiple of 64).
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
 }

@@ -34,7 +34,9 @@ accelerator completes its copies only when waited on, so the same code is exerci
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from typing import ContextManager
 
 import torch
 
@@ -96,8 +98,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class Pending:
-    """An enqueued copy. :meth:`wait` makes its destination safe to use for the caller;
-    :meth:`wait_host` blocks the host until the copy has run."""
+    """An enqueued copy (or a collective, see comm.py). :meth:`wait` makes its destination safe to
+    use for the caller; :meth:`wait_host` blocks the host until the copy has run."""
+
+    collective = False  # a collective in flight: its chunks must not move before it is waited on
 
     def wait(self) -> None:
         raise NotImplementedError
@@ -178,6 +182,11 @@ class Accelerator:
         using ``dst``, and do not touch ``src`` until then."""
         raise NotImplementedError
 
+    def collective_stream(self, *tensors: torch.Tensor) -> ContextManager:
+        """Where a collective is issued (see [Note: asynchronous collectives] in comm.py): the
+        calling thread on the host; a stream of its own on CUDA."""
+        return contextlib.nullcontext()
+
     # ---- memory statistics (non-model memory; see tracer.py) ---------------------------
     def memory_in_use(self) -> tuple[int, int]:
         """``(allocated now, highest allocated since the previous call)`` for the whole process, or
@@ -215,6 +224,7 @@ class CudaAccelerator(Accelerator):
         super().__init__(budget)
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
+        self.comm_stream = torch.cuda.Stream(device)
         stats = torch.cuda.memory_stats(device)
         self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
 
@@ -225,6 +235,18 @@ class CudaAccelerator(Accelerator):
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return _CudaPending(event, to_host=not dst.is_cuda)
+
+    @contextlib.contextmanager
+    def collective_stream(self, *tensors: torch.Tensor):
+        """Issue on the collective stream, after the work queued on the compute stream (as FSDP2's
+        all-gather and reduce-scatter streams); the buffers are not reused by the caching allocator
+        before the collective ran. Its work handle's ``wait()`` makes the compute stream wait."""
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.comm_stream):
+            yield
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(self.comm_stream)
 
     def memory_in_use(self) -> tuple[int, int]:
         """Peak since the previous call from deltas of the process-wide peak: never resets torch's

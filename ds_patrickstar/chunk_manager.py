@@ -1,18 +1,5 @@
 """The chunk manager: packs parameters into chunks, owns their metadata, moves their states.
 
-[Note: chunk layout]
-Each optimizer param group gets its own list of chunks (so one chunk has one set of
-Adam hyper-parameters), filled in the order the group lists its parameters, which for
-``model.parameters()`` is registration order and so close to the order of use. Placement is
-first fit among the 64 most recent chunks (see :func:`_plan_group`); offsets are aligned to :data:`ALIGN` elements. A
-chunk holds at most ``chunk_size`` elements and is allocated as large as its contents
-need (so the last chunk of a group wastes nothing); a tensor larger than ``chunk_size``
-gets a chunk of its own sized to fit it. With data parallelism all chunks of a chunk
-group share the largest member's size, since a collective needs equal sizes. The list is padded with empty chunks to
-a multiple of the data-parallel world size (see [Note: chunk groups]). For every owned
-chunk there are three fp32 tensors of the same capacity and layout (master, momentum,
-variance) in :class:`OptimizerChunk`.
-
 [Note: gradient accumulation]
 With GA = 1 a gradient goes straight into its parameter slot
 (see [Note: gradient in the param slot]). With GA > 1 the parameters must survive until
@@ -23,6 +10,27 @@ once (the precision a GA = 1 gradient has). Accumulators exist only from a chunk
 non-boundary gradient to the end of the step, and follow their chunk between the
 accelerator and the host (see [Note: chunk locations]). Cost: 4 more bytes per parameter
 (18 instead of 14 in fp16/bf16) during accumulation, paid only when GA > 1.
+
+[Note: kept groups]
+Releasing a chunk group after its last forward use and gathering it again for backward
+doubles the all-gather volume. A group whose forward use is over is therefore *kept*
+gathered (its tensors stay ``HOLD_AFTER_FWD``) while the kept bytes (other ranks' chunks)
+stay within ``keep_gathered``; over the limit the oldest kept group is released, so the
+groups kept are the last ones of the forward pass, which are the first ones backward needs.
+Between gradient-accumulation micro-steps the gathered groups are kept the same way for the
+next forward. Without a limit (the default) every group is gathered once per micro-step, as
+in ZeRO-3 with its default ``stage3_max_live_parameters``/``stage3_max_reuse_distance``,
+and each rank holds the whole low-precision model during the step. With placement, the
+kept chunks are charged to the device ledger like any gathered chunk, and a group is kept only
+when the budget holds it next to the highest tide the trace plans for the rest of the
+iteration and one more gathered group (``PlacementRuntime.can_keep``), on *every* rank
+(``ChunkComm.agree``, a one-integer all-reduce): which groups are gathered decides which
+collectives run, so the decision must be the same everywhere, and a kept group is never
+released on one rank alone. The same holds for a prefetch under placement. Under pressure,
+placement first completes the reduce-scatters in flight (``PlacementRuntime.release_kept``),
+which release other ranks' chunks.
+A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
+no other rank's chunk stays gathered (its values would be stale after the update).
 """
 from __future__ import annotations
 
@@ -34,82 +42,22 @@ import torch
 
 from .chunk import Chunk, TensorInfo, TensorState
 from .comm import ChunkComm
+from .gather_order import GatherOrder
+from .hooks import inside_backward
+from .layout import ALIGN, ChunkSpec, _plan_group, plan_chunks  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 32
 _NORM_SLICE = 1 << 22
-_FIRST_FIT_WINDOW = 64
+_REDUCES_IN_FLIGHT = 2
 _S = TensorState
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass(eq=False)
-class ChunkSpec:
-    """One planned chunk: its size and what goes where, before any memory is allocated."""
-
-    group_index: int
-    capacity: int
-    dtype: torch.dtype
-    members: list[tuple[str, torch.nn.Parameter, int]] = field(default_factory=list)  # (name, param, offset)
-
-
-def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) -> list[list[tuple]]:
-    """Split one param group into chunks: a list of [(name, param, offset), ...] per chunk.
-
-    First fit, in order: a tensor goes into the first chunk with room left, else opens a new
-    one, so a layer's biases and norms fill the gaps its matrices leave instead of each
-    starting a mostly empty chunk. A tensor larger than a chunk gets a chunk of its own.
-    """
-    plans: list[list[tuple]] = []
-    fill: list[int] = []  # elements used in each plan
-    for name, param in named:
-        numel = param.numel()
-        if numel > chunk_size:
-            logger.info("ds_patrickstar: %s has %d elements > chunk_size=%d; it gets a chunk of its own",
-                        name, numel, chunk_size)
-            plans.append([(name, param, 0)])
-            fill.append(chunk_size)
-            continue
-        # first fit among the most recent chunks (older ones are nearly always full): linear, not quadratic
-        recent = range(max(0, len(fill) - _FIRST_FIT_WINDOW), len(fill))
-        index = next((i for i in recent if _align(fill[i]) + numel <= chunk_size), None)
-        if index is None:
-            plans.append([])
-            fill.append(0)
-            index = len(plans) - 1
-        offset = _align(fill[index])
-        plans[index].append((name, param, offset))
-        fill[index] = offset + numel
-    return plans
-
-
-def plan_chunks(named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int,
-                world_size: int) -> list[ChunkSpec]:
-    """The chunk layout of every param group, padded to chunk groups of ``world_size``; see
-    [Note: chunk layout]."""
-    specs: list[ChunkSpec] = []
-    for group_index, named in enumerate(named_groups):
-        plans = _plan_group(named, chunk_size)
-        plans += [[] for _ in range(-len(plans) % world_size)]
-        dtype = named[0][1].dtype if named else torch.float32
-        for start in range(0, len(plans), world_size):
-            members = plans[start:start + world_size]
-            # A chunk is as large as its contents need, at most chunk_size unless a single
-            # tensor is larger; the members of a group share one size for the collectives.
-            capacity = max([ALIGN] + [_align(o + p.numel()) for plan in members for _, p, o in plan])
-            specs += [ChunkSpec(group_index, capacity, plan[0][1].dtype if plan else dtype, plan) for plan in members]
-    return specs
 
 
 class ChunkManager:
     """Owns chunks and every :class:`TensorInfo`; moves tensor states; see [Note: chunk layout]."""
 
     def __init__(self, specs: list[ChunkSpec], chunk_size: int, accumulate: bool, comm: ChunkComm,
-                 store, deferred=None) -> None:
+                 store, deferred=None, keep_gathered: int | None = None, prefetch_groups: int = 1) -> None:
         self.chunk_size = chunk_size
         self._deferred = deferred  # a DeferredModel: its parameters have no values to copy (see init.py)
         self.accumulate = accumulate
@@ -124,6 +72,13 @@ class ChunkManager:
         self._reduced: set[int] = set()
         self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
         self.placement = None  # a PlacementRuntime once attach_placement() is called
+        self.keep_limit = keep_gathered  # bytes of kept groups; None: as many as memory holds
+        self.prefetch_groups = prefetch_groups
+        self._kept: dict[int, int] = {}  # kept group -> bytes of its other ranks' chunks, oldest first
+        self._fresh: set[int] = set()  # gathered (maybe still in flight) and not used since
+        self._prefetched: set[int] = set()  # gathered ahead of use and not used since
+        self._reducing: list = []  # reduce-scatters in flight, oldest first
+        self.order = GatherOrder()
         logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
                     len(self._infos), len(self.chunks), chunk_size, comm.world_size)
 
@@ -190,6 +145,7 @@ class ChunkManager:
     def attach_placement(self, runtime) -> None:
         """From now on chunks move between accelerator and host (see [Note: placement])."""
         self.placement = runtime
+        runtime.release_kept = self._release_for
 
     def _bring(self, chunk: Chunk, keep: set[int]) -> None:
         if self.placement is not None:
@@ -198,39 +154,84 @@ class ChunkManager:
     # ---- materialize and release (see [Note: chunk groups]) ------------------------
     # Whether a group is present is decided from tensor states, which every rank moves
     # identically, so every rank enters the same collectives in the same order.
+    def _gather_bytes(self, group: int) -> int:
+        """Accelerator bytes gathering ``group`` takes now: its chunks not there yet."""
+        return sum(c.nbytes + c.acc_nbytes for c in self.group_members(group) if not c.is_materialized or c.on_host)
+
     def _gather_group(self, group: int, fill: bool = True, keep: frozenset[int] = frozenset()) -> None:
+        """Issue the all-gather of ``group`` (see [Note: asynchronous collectives]): its result is
+        on every member's pending list, and waited on by whoever uses a member."""
         members = self.group_members(group)
         keep = set(keep) | {c.chunk_id for c in members}
         if self.placement is not None:  # room for the whole group at once: the owned chunk and the others
-            self.placement.make_room(sum(c.nbytes + c.acc_nbytes for c in members
-                                         if not c.is_materialized or c.on_host), keep)
+            self.placement.make_room(self._gather_bytes(group), keep)
         for chunk in members:
             if self.is_owned(chunk):
                 self._bring(chunk, keep)
-                # Symmetric with the other ranks' copies, which come back FREE -> HOLD: a tensor of the
-                # owned chunk used earlier in this forward starts over too. Otherwise "every tensor of
-                # the group used in this forward" (the release test) differs between ranks and their
-                # collectives diverge (a tied weight re-gathering a group after its release).
-                for info in chunk.tensors:
-                    if info.state is _S.HOLD_AFTER_FWD:
-                        info.transition(_S.HOLD)
             self.store.materialize(chunk)
         payloads = [c.ready() for c in members]
         if fill:
-            self.comm.all_gather(payloads)
+            pending = self.comm.all_gather_async(payloads)
+            for chunk in members:
+                chunk.pending.append(pending)
         else:
             for chunk, payload in zip(members, payloads):
                 if not self.is_owned(chunk):
                     payload.zero_()
         self._present.add(group)
+        self._fresh.add(group)
 
     def _release_group(self, group: int) -> None:
         if self.comm.world_size == 1 or group not in self._present:
             return
         for chunk in self.group_members(group):
             if not self.is_owned(chunk):
-                self.store.release(chunk)
+                self.store.release(chunk)  # waits for a collective still using the chunk
+                continue
+            # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
+            # gathered again; ours must read the same, or a later "all used in this forward" test
+            # (after_forward) would differ between ranks and so would the collectives.
+            for info in chunk.tensors:
+                if info.state is _S.HOLD_AFTER_FWD:
+                    info.settle()
         self._present.discard(group)
+        self._kept.pop(group, None)
+        self._fresh.discard(group)
+        self._prefetched.discard(group)
+
+    # ---- kept groups (see [Note: kept groups]) ---------------------------------------
+    def _kept_bytes(self, group: int) -> int:
+        return sum(c.nbytes for c in self.group_members(group) if not self.is_owned(c))
+
+    def _keep(self, group: int) -> None:
+        """Keep ``group`` gathered for its next use, releasing the oldest kept groups over the limit;
+        with placement only when every rank's budget holds it for the rest of the iteration."""
+        if self.keep_limit is not None and self._kept_bytes(group) > self.keep_limit:
+            self._release_group(group)
+            return
+        if self.placement is not None:
+            largest = max(c.nbytes for c in self.chunks) * self.comm.world_size
+            if not self.comm.agree(self.placement.can_keep(0, largest)):
+                self._release_group(group)
+                return
+        self._kept[group] = self._kept_bytes(group)
+        while self.keep_limit is not None and sum(self._kept.values()) > self.keep_limit:
+            self._release_group(next(iter(self._kept)))
+        held = sum(self._kept.values())
+        self.comm.counters.peak_kept_gathered_bytes = max(self.comm.counters.peak_kept_gathered_bytes, held)
+
+    def _release_for(self, need: int, in_use: set[int]) -> int:
+        """Placement is short of ``need`` bytes: finish the reduce-scatters in flight (each releases
+        other ranks' chunks). Kept and prefetched groups stay: releasing one on this rank only would
+        make this rank alone gather it again (see [Note: kept groups]). Returns the bytes freed."""
+        ledger = self.store.accel.ledger
+        before = ledger.total
+        self._wait_reductions()
+        return before - ledger.total
+
+    # ---- moments ------------------------------------------------------------------
+    def _training(self) -> bool:
+        return self.comm.world_size > 1 and (torch.is_grad_enabled() or inside_backward())
 
     def access(self, infos: list[TensorInfo], label: str = "") -> None:
         """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
@@ -239,6 +240,7 @@ class ChunkManager:
         if self.placement is not None:
             self.placement.begin_moment(label, ids)
         keep = frozenset(ids)
+        training = self._training()
         for chunk_id in ids:
             chunk = self.chunks[chunk_id]
             group = self.group_of(chunk)
@@ -246,14 +248,41 @@ class ChunkManager:
                 self._gather_group(group, keep=keep)
             else:
                 self._bring(chunk, set(keep))
+                if group in self._prefetched:
+                    self._prefetched.discard(group)
+                    self.comm.counters.prefetched_all_gather_hits += 1
+            if group in self._fresh:
+                self._fresh.discard(group)
+                if training:
+                    self.order.used(group)
+            self._kept.pop(group, None)  # in use again: no longer a candidate for release
             if chunk.prefetched:
                 chunk.prefetched = False
                 self.comm.counters.prefetch_hits += 1
-            chunk.wait_pending()  # the compute that follows reads the payload through the views
+            self._wait_for_use(chunk)
         for info in infos:
             info.start_compute()
+        if training:
+            self._prefetch(keep)
         if self.placement is not None:
             self.placement.end_moment(set(keep))
+
+    @staticmethod
+    def _wait_for_use(chunk: Chunk) -> None:
+        """The compute that follows reads the payload through the views: every copy and
+        collective into the chunk must be complete (see [Note: ready payload])."""
+        chunk.wait_pending()
+
+    def _prefetch(self, in_use: frozenset[int]) -> None:
+        """Issue the all-gathers of the next groups in the gather order (see [Note: gather order])."""
+        for group in self.order.ahead(self.prefetch_groups):
+            if group in self._present or group in self._reduced:
+                continue
+            if self.placement is not None and not self.comm.agree(self.placement.can_prefetch(self._gather_bytes(group))):
+                return
+            self._gather_group(group, keep=in_use)
+            self._prefetched.add(group)
+            self.comm.counters.prefetched_all_gathers += 1
 
     def after_forward(self, infos: list[TensorInfo]) -> None:
         groups = set()
@@ -268,9 +297,13 @@ class ChunkManager:
                     self.placement.after_use(chunk)
         if self.comm.world_size == 1:
             return
+        training = torch.is_grad_enabled()  # a backward will follow; a no-grad forward releases
         for group in sorted(groups):
             if all(t.state is _S.HOLD_AFTER_FWD for t in self._group_tensors(group)):
-                self._release_group(group)
+                if training:
+                    self._keep(group)
+                else:
+                    self._release_group(group)
 
     # ---- gradients ----------------------------------------------------------------
     @torch.no_grad()
@@ -299,24 +332,39 @@ class ChunkManager:
             self._reduce_group(group)
 
     def _reduce_group(self, group: int) -> None:
+        """Launch the reduce-scatter of ``group``'s gradients; the other ranks' chunks are released
+        once it completes (see [Note: asynchronous collectives]). At most two are in flight."""
         members = self.group_members(group)
-        if self.comm.world_size > 1:
-            for chunk in members:
-                if self.is_owned(chunk):
-                    self._bring(chunk, {c.chunk_id for c in members})
-        self.comm.reduce_scatter_mean([c.ready() for c in members])
-        self._release_group(group)
         self._reduced.add(group)
+        self._kept.pop(group, None)
+        if self.comm.world_size == 1:
+            return
+        keep = {c.chunk_id for c in members}
+        for chunk in members:
+            if self.is_owned(chunk):
+                self._bring(chunk, keep)
+        pending = self.comm.reduce_scatter_mean_async([c.ready() for c in members],
+                                                      after=lambda: self._release_group(group))
+        for chunk in members:
+            chunk.pending.append(pending)
+        self._reducing.append(pending)
+        while len(self._reducing) > _REDUCES_IN_FLIGHT:
+            self._reducing.pop(0).wait()
+
+    def _wait_reductions(self) -> None:
+        while self._reducing:
+            self._reducing.pop(0).wait()
 
     @torch.no_grad()
     def end_backward(self, boundary: bool) -> None:
-        """Backward epilogue: at the boundary every group gets its gradients and is reduced."""
+        """Backward epilogue: at the boundary every group gets its gradients and is reduced; before
+        it, the gathered groups are kept for the next micro-step (see [Note: kept groups])."""
         if not boundary:
             for info in self._infos.values():
                 if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
                     info.settle()
-            for group in range(self.num_groups):
-                self._release_group(group)
+            for group in sorted(self._present, reverse=True):  # the first groups of the forward stay longest
+                self._keep(group)
             return
         for group in range(self.num_groups):
             if group in self._reduced:
@@ -326,6 +374,7 @@ class ChunkManager:
             for chunk in self.group_members(group):
                 self._fill_missing_grads(chunk)
             self._reduce_group(group)
+        self._wait_reductions()
 
     def _fill_missing_grads(self, chunk: Chunk) -> None:
         missing = [info for info in chunk.tensors if info.state is not _S.HOLD_AFTER_BWD]
@@ -346,7 +395,12 @@ class ChunkManager:
 
     # ---- after the step -----------------------------------------------------------
     def finish_step(self) -> None:
-        """Slots hold parameters again (the step or a restore wrote them); accumulators go."""
+        """Slots hold parameters again (the step or a restore wrote them); accumulators go; no other
+        rank's chunk stays gathered across a step (its values are stale now)."""
+        self._wait_reductions()
+        self.release_all_groups()
+        self.comm.trim()
+        self.order.next_step()
         for chunk in self.chunks:
             self.store.drop_accumulator(chunk)
         self._next_step()

@@ -1,25 +1,69 @@
 """Collectives over chunk groups, on DeepSpeed's data-parallel process group.
 
 [Note: chunk groups]
-With ``W`` data-parallel ranks, each param group's chunk list is padded with empty chunks
-to a multiple of ``W``; chunks ``g*W .. g*W+W-1`` form chunk group ``g`` and chunk
-``g*W + r`` is owned by rank ``r``. A rank keeps its owned chunk's payload and the fp32
-master/momentum/variance of that chunk only. Before use, a group is all-gathered (every
-rank receives every chunk of the group); after the last gradient of the group is in its
-slots, the group is reduce-scattered (summed, then divided by ``W``) so the owner holds
-the averaged gradient, and the other ranks release their copies. With ``W == 1`` every
-collective is a no-op and the same code paths run.
+With ``W`` data-parallel ranks, each param group's chunks come in groups of ``W`` (see
+[Note: balanced chunk groups]); chunk ``g*W + r`` of group ``g`` is owned by rank ``r``. A
+rank keeps its owned chunk's payload and the fp32 master/momentum/variance of that chunk
+only. Before use, a group is all-gathered (every rank receives every chunk of the group);
+after the last gradient of the group is in its slots, the group is reduce-scattered (summed,
+then divided by ``W``) so the owner holds the averaged gradient, and the other ranks release
+their copies. With ``W == 1`` every collective is a no-op and the same code paths run. The
+ranks are DeepSpeed's data-parallel group, whatever the nodes: nothing here assumes one node.
+
+[Note: asynchronous collectives]
+Every collective is issued with ``async_op=True`` and returns a :class:`PendingCollective`
+that the chunk manager puts on the ``pending`` list of every member chunk of the group, so
+whoever reads or writes a member's values waits through :meth:`Chunk.ready` (the one
+accessor, see [Note: ready payload]), and nothing moves or frees a member before the
+collective is over. An all-gather receives straight into the members' payloads (the own
+member is input and output, so no buffer is allocated or copied). On the strict emulated
+accelerator it receives into a side buffer of the emulator instead (not charged to the
+ledger: it stands for the payloads a GPU would write) and copies the pieces into the
+payloads when waited on; the payloads hold NaN from the issue until then, so a read before
+the wait changes the numbers. A reduce-scatter sums the members' gradient slots into the owned
+member's slot in place (no buffer), divides by ``W`` when waited on, then runs its ``after``
+action (the manager releases the other ranks' chunks).
+On CUDA the collectives are issued on their own
+stream after the work queued on the compute stream (``Accelerator.collective_stream``); the
+wait makes the compute stream wait for the collective, and what follows runs there. On CPU
+(gloo) the same code runs with gloo's work handles.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .accelerator import Accelerator, HostAccelerator, Pending
 from .counters import StepCounters
 
 
+class PendingCollective(Pending):
+    """A collective in flight; :meth:`wait` completes it and delivers its result (idempotent)."""
+
+    collective = True
+
+    def __init__(self, work, finish: Callable[[], None]) -> None:
+        self.work = work
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._done = True  # the finish action may wait the member chunks again: no re-entry
+        if self.work is not None:
+            self.work.wait()
+        self._finish()
+
+    def done(self) -> bool:
+        return self._done
+
+
 class ChunkComm:
-    """The collectives the chunk manager needs; see [Note: chunk groups]."""
+    """The collectives the chunk manager needs; see [Note: chunk groups] and
+    [Note: asynchronous collectives]."""
 
     def __init__(self, group: dist.ProcessGroup | None, counters: StepCounters) -> None:
         self.group = group
@@ -27,30 +71,86 @@ class ChunkComm:
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
         self.counters = counters
+        self.accel: Accelerator = HostAccelerator()
+        self.poison = False
+        self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # strict emulation only
+
+    def bind(self, accel: Accelerator, poison: bool) -> None:
+        """Collectives on ``accel`` (its stream on CUDA); ``poison`` (the strict emulated accelerator):
+        all-gather destinations hold NaN until waited on."""
+        self.accel, self.poison = accel, poison
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.world_size
 
-    def all_gather(self, payloads: list[torch.Tensor]) -> None:
-        """``payloads[r]`` is rank r's chunk of the group; afterwards every rank has them all."""
-        if self.world_size == 1:
-            return
-        mine = payloads[self.rank].clone()
-        dist.all_gather(payloads, mine, group=self.group)
-        self.counters.all_gathers += 1
-        self.counters.bytes_all_gathered += sum(p.numel() * p.element_size() for p in payloads) - \
-            mine.numel() * mine.element_size()
+    def trim(self) -> None:
+        """End of step: the emulator's side buffers go."""
+        self._staging.clear()
 
-    def reduce_scatter_mean(self, payloads: list[torch.Tensor]) -> None:
-        """Average ``payloads[r]`` over ranks into rank r's own ``payloads[r]``."""
+    # ---- collectives --------------------------------------------------------------
+    def all_gather_async(self, payloads: list[torch.Tensor]) -> PendingCollective:
+        """``payloads[r]`` is rank r's chunk of the group (all of one size); once the result is
+        waited on, every rank has them all. ``payloads[rank]`` must not change until then."""
         if self.world_size == 1:
-            return
-        out = torch.empty_like(payloads[self.rank])
-        dist.reduce_scatter(out, payloads, op=dist.ReduceOp.SUM, group=self.group)
-        payloads[self.rank].copy_(out).div_(self.world_size)
+            return PendingCollective(None, lambda: None)
+        mine, numel = payloads[self.rank], payloads[self.rank].numel()
+        others = [p for r, p in enumerate(payloads) if r != self.rank]
+        if self.poison:  # strict emulation: received into a side buffer, visible only once waited on
+            staging = self._staging.setdefault((numel, mine.dtype), [])
+            buf = staging.pop() if staging else torch.empty((self.world_size - 1) * numel, dtype=mine.dtype)
+            pieces = list(buf.split(numel))
+            outputs = pieces[:self.rank] + [mine] + pieces[self.rank:]  # our own piece stays where it is
+        else:  # straight into the members' payloads: no buffer, no copy
+            outputs = payloads
+        with self.accel.collective_stream(*payloads):
+            work = dist.all_gather(outputs, mine, group=self.group, async_op=True)
+
+        def finish() -> None:
+            if self.poison:
+                with torch.no_grad():
+                    for payload, piece in zip(others, pieces):
+                        payload.copy_(piece)
+                staging.append(buf)
+
+        if self.poison:
+            with torch.no_grad():
+                for payload in others:
+                    payload.fill_(float("nan"))
+        self.counters.all_gathers += 1
+        self.counters.bytes_all_gathered += (self.world_size - 1) * numel * mine.element_size()
+        return PendingCollective(work, finish)
+
+    def all_gather(self, payloads: list[torch.Tensor]) -> None:
+        self.all_gather_async(payloads).wait()
+
+    def reduce_scatter_mean_async(self, payloads: list[torch.Tensor],
+                                  after: Callable[[], None] = lambda: None) -> PendingCollective:
+        """Average ``payloads[r]`` over ranks into rank r's own ``payloads[r]`` when waited on; then
+        ``after()``. No payload may change or be freed until then."""
+        if self.world_size == 1:
+            return PendingCollective(None, after)
+        mine = payloads[self.rank]
+        with self.accel.collective_stream(*payloads):
+            # in place: the output is our own input piece (gloo and NCCL read the inputs first)
+            work = dist.reduce_scatter(mine, payloads, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def finish() -> None:
+            with torch.no_grad():
+                mine.div_(self.world_size)
+            after()
+
         self.counters.reduce_scatters += 1
-        self.counters.bytes_reduce_scattered += sum(p.numel() * p.element_size() for p in payloads) - \
-            out.numel() * out.element_size()
+        self.counters.bytes_reduce_scattered += (self.world_size - 1) * mine.numel() * mine.element_size()
+        return PendingCollective(work, finish)
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank: a decision taken from a rank's own memory (placement)
+        that changes which collectives run must be the same everywhere."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.accel.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value.item())
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -63,6 +63,21 @@ class PatrickStarConfig(BaseModel):
     chunks mean fewer, bigger transfers; smaller chunks let placement use memory more
     finely. 1M-64M is the useful range."""
 
+    keep_gathered: int | None = Field(default=None, ge=0)
+    """Data parallel: bytes of other ranks' chunks that may stay gathered after a chunk group's
+    forward use, until its backward use (and between gradient-accumulation micro-steps), instead
+    of being released and all-gathered again. None (default): as much as the memory holds: every
+    group on a run without placement (as ZeRO-3's defaults keep every parameter of a model under
+    1e9 elements gathered: one all-gather per group and step, the full low-precision model on
+    each rank); with placement, as many as the device budget holds beside the tide (placement
+    releases the oldest kept groups before it would fail for lack of room). 0: release after the
+    forward use (least memory, about twice the all-gather volume). The groups kept are the last
+    ones of the forward pass, the first ones backward needs."""
+
+    prefetch_groups: int = Field(default=1, ge=0, le=8)
+    """Data parallel: chunk groups all-gathered ahead of use, asynchronously, in the order the
+    previous step gathered them, and waited on just before use; with placement only when they fit
+    the budget without evicting anything. 0: every all-gather waits at the moment of use."""
 
     max_consecutive_skipped_steps: int = Field(default=50, ge=1)
     """A run of this many consecutive skipped steps (non-finite gradients: an inf/NaN loss, or
@@ -98,7 +113,7 @@ class PatrickStarConfig(BaseModel):
             raise ValueError("a budget in bytes must be at least 4 KiB (4096); for a fraction write e.g. 0.5")
         return value
 
-    @field_validator("chunk_size", "max_consecutive_skipped_steps", mode="before")
+    @field_validator("chunk_size", "max_consecutive_skipped_steps", "keep_gathered", "prefetch_groups", mode="before")
     @classmethod
     def _a_number(cls, value: Any) -> Any:
         # pydantic would read "4096" as 4096 and True as 1: a quoted number or a flag here is a mistake

@@ -14,6 +14,12 @@ class StepCounters:
     """bytes sent to other ranks by reduce-scatters of gradients (data parallel)"""
     all_gathers: int = 0
     reduce_scatters: int = 0
+    prefetched_all_gathers: int = 0
+    """all-gathers issued ahead of use (data parallel, see [Note: gather order])"""
+    prefetched_all_gather_hits: int = 0
+    """prefetched all-gathers whose group was then used"""
+    peak_kept_gathered_bytes: int = 0
+    """highest bytes of other ranks' chunks kept gathered between uses (see [Note: kept groups])"""
     bytes_to_device: int = 0
     """chunk bytes copied host -> accelerator (placement)"""
     bytes_to_host: int = 0

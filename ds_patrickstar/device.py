@@ -17,6 +17,7 @@ prefetches run on the copy stream, and the consumer waits through :meth:`Chunk.r
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -81,9 +82,17 @@ class ChunkStore:
             self.accel.free(chunk.payload, "chunk")
 
     # ---- owned chunks: between the accelerator and the host -------------------------
+    @staticmethod
+    def _wait_collectives(chunk: Chunk) -> None:
+        """A collective reading or writing the chunk completes before the chunk moves."""
+        for pending in [p for p in chunk.pending if p.collective]:
+            pending.wait()
+        chunk.pending = [p for p in chunk.pending if not p.collective]
+
     def to_host(self, chunk: Chunk) -> None:
         if chunk.on_host:
             return
+        self._wait_collectives(chunk)
         host = self.accel.host_empty(chunk.capacity, chunk.dtype)
         self.host_bytes += chunk.nbytes
         pending = self.accel.copy(host, chunk.payload)  # ordered after every earlier copy of the chunk
@@ -96,6 +105,7 @@ class ChunkStore:
     def to_device(self, chunk: Chunk) -> None:
         if not chunk.on_host:
             return
+        self._wait_collectives(chunk)
         self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
         pending = self.accel.copy(chunk.payload, chunk.host)
         self._drop_host(chunk.host)
@@ -155,6 +165,8 @@ class PlacementRuntime:
         self.moment = -1
         self.recording = False
         self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
+        # frees what the chunk manager can free without a collective (see [Note: kept groups])
+        self.release_kept: Callable[[int, set[int]], int] = lambda need, keep: 0
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
     def model_bytes_on_device(self) -> int:
@@ -215,7 +227,7 @@ class PlacementRuntime:
         short = over - accel.in_flight_bytes()
         if short > 0:
             try:
-                victims = self.placer.victims(short, self._evictable(keep))
+                victims = self._victims(short, keep)
             except DeviceBudgetExceeded as err:
                 raise DeviceBudgetExceeded(
                     f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
@@ -226,6 +238,16 @@ class PlacementRuntime:
                 self.evict(self.chunks[victim])
                 self.counters.evictions += 1
         accel.reclaim(need_below=headroom - need)
+
+    def _victims(self, short: int, keep: set[int]) -> list[int]:
+        try:
+            return self.placer.victims(short, self._evictable(keep))
+        except DeviceBudgetExceeded:
+            # reduce-scatters in flight hold other ranks' chunks until waited on
+            short -= self.release_kept(short, keep)
+            if short <= 0:
+                return []
+            return self.placer.victims(short, self._evictable(keep))
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
         """``chunk`` on the accelerator (room made for it), its copy waited on."""
@@ -257,6 +279,22 @@ class PlacementRuntime:
         counters.peak_model_bytes_device = max(counters.peak_model_bytes_device, ledger.peak)
         counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
         counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
+
+    def can_prefetch(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more (a group gathered ahead of use) fit beside the tide planned for
+        this moment and the next without evicting anything; never while tracing."""
+        trace = self.tracer.current_trace()
+        return trace is not None and self._fits(nbytes, trace)
+
+    def can_keep(self, nbytes: int, reserve: int) -> bool:
+        """Whether ``nbytes`` more can stay on the accelerator for the rest of the iteration, next
+        to ``reserve`` bytes (a chunk group gathered later) and the highest tide the trace plans
+        from here on; never while tracing."""
+        trace = self.tracer.current_trace()
+        if trace is None:
+            return False
+        tide = max([self._non_model()] + [m.non_model for m in trace.moments[self.moment + 1:]])
+        return self.ledger.total + nbytes + reserve <= self.placer.budget - tide - self.store.accel.fragmentation()
 
     def _fits(self, nbytes: int, trace) -> bool:
         headroom = self.placer.headroom(trace, self.moment + 1, self._non_model())

@@ -32,6 +32,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from . import checkpoint
+from .accelerator import EmulatedAccelerator
 from .adam_math import AdamHyper, adam_step_reference
 from .chunk import Chunk
 from .chunk_manager import ChunkManager, plan_chunks
@@ -119,7 +120,9 @@ class PatrickStarOptimizer(ZeROOptimizer):
         specs = plan_chunks(_named_groups(module, self.param_groups), options.chunk_size, comm.world_size)
         memory = build_memory(options, device, specs, comm, self.counters, dtype, accumulate)
         self.accel, self.placement = memory.accel, None
-        self.manager = ChunkManager(specs, options.chunk_size, accumulate, comm, memory.store, deferred)
+        comm.bind(self.accel, poison=isinstance(self.accel, EmulatedAccelerator))
+        self.manager = ChunkManager(specs, options.chunk_size, accumulate, comm, memory.store, deferred,
+                                    keep_gathered=options.keep_gathered, prefetch_groups=options.prefetch_groups)
         if deferred:  # values from each module's own init, into the owned chunks only (see init.py)
             deferred.materialize(self.manager)
         module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
