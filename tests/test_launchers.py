@@ -44,7 +44,16 @@ def _launch(launcher, out, *extra):
                               timeout=TIMEOUT, start_new_session=True)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{launcher} did not finish within {TIMEOUT} s:\n{(e.output or '')[-4000:]}")
+    finally:
+        _remove_shm_buffers(cmd[cmd.index("--master_port") + 1])
     return proc.returncode, proc.stdout
+
+
+def _remove_shm_buffers(port):
+    """DeepSpeed's shm comm op leaves ``/dev/shm/deepspeed_allreduce_buffer_*_<port>_<rank>`` (69 MB
+    each) behind when a rank is killed; a machine running this suite often would fill its /dev/shm."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def _losses(out):
