@@ -5,7 +5,7 @@
 
 A *try* builds a GPT (``--width``, depth ``L``), initializes the backend and trains ``--steps``
 optimizer steps on random tokens, each rank in its own process. The search process polls the
-resident memory (RSS) of every process of the try every ``--poll`` seconds; a try whose total
+host memory (proportional set size, PSS) of every process of the try every ``--poll`` seconds; a try whose total
 exceeds ``--host-mem-gib``, that times out, crashes, or runs out of GPU memory is a failure.
 The search starts from an estimate (``--host-mem-gib`` / a guess of the backend's bytes/param),
 walks up or down by ``--grow`` until it brackets the largest depth that trains, then bisects
@@ -133,16 +133,26 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _tree_rss(procs):
+def _tree_memory(procs):
+    """Host memory of every process of a try and their children: the sum of their proportional set
+    sizes (PSS), so that pages shared between them (a child forked from a rank, DeepSpeed's shared-
+    memory buffers) count once; a forked child's RSS would count its parent's pages a second time."""
     total = 0
     for proc in procs:
         try:
             ps = psutil.Process(proc.pid)
             for p in [ps] + ps.children(recursive=True):
-                total += p.memory_info().rss
+                total += _pss(p)
         except psutil.Error:
             pass
     return total
+
+
+def _pss(process):
+    try:
+        return process.memory_full_info().pss
+    except (AttributeError, psutil.AccessDenied):  # no PSS on this platform
+        return process.memory_info().rss
 
 
 def _kill(procs):
@@ -178,7 +188,7 @@ def attempt(args, backend, world_size, depth, log_dir):
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         start, peak, why = time.time(), 0, None
         while any(p.poll() is None for p in procs):
-            peak = max(peak, _tree_rss(procs))
+            peak = max(peak, _tree_memory(procs))
             if peak > cap:
                 why = f"host memory {peak / GIB:.2f} GiB > cap {args.host_mem_gib:.2f} GiB"
             elif time.time() - start > args.timeout:
