@@ -5,7 +5,7 @@
 
 A *try* builds a GPT (``--width``, depth ``L``), initializes the backend and trains ``--steps``
 optimizer steps on random tokens, each rank in its own process. The search process polls the
-host memory (proportional set size, PSS) of every process of the try every ``--poll`` seconds; a try whose total
+resident memory (RSS) of every process of the try every ``--poll`` seconds; a try whose total
 exceeds ``--host-mem-gib``, that times out, crashes, or runs out of GPU memory is a failure.
 The search starts from an estimate (``--host-mem-gib`` / a guess of the backend's bytes/param),
 walks up or down by ``--grow`` until it brackets the largest depth that trains, then bisects
@@ -134,25 +134,25 @@ def _free_port():
 
 
 def _tree_memory(procs):
-    """Host memory of every process of a try and their children: the sum of their proportional set
-    sizes (PSS), so that pages shared between them (a child forked from a rank, DeepSpeed's shared-
-    memory buffers) count once; a forked child's RSS would count its parent's pages a second time."""
+    """Resident memory (RSS) of every rank of a try and of their children. A child that has not
+    exec'd yet (same command line as its rank: a fork on its way to running a tool) shares its
+    rank's pages and is not counted, or a 20 GiB rank would count twice. (PSS would be exact but
+    reading it walks a 20 GiB process's page tables under its memory lock and stalls it.)"""
     total = 0
     for proc in procs:
         try:
-            ps = psutil.Process(proc.pid)
-            for p in [ps] + ps.children(recursive=True):
-                total += _pss(p)
+            rank = psutil.Process(proc.pid)
+            total += rank.memory_info().rss
+            command = rank.cmdline()
+            for child in rank.children(recursive=True):
+                try:
+                    if child.cmdline() != command:
+                        total += child.memory_info().rss
+                except psutil.Error:
+                    pass
         except psutil.Error:
             pass
     return total
-
-
-def _pss(process):
-    try:
-        return process.memory_full_info().pss
-    except (AttributeError, psutil.AccessDenied):  # no PSS on this platform
-        return process.memory_info().rss
 
 
 def _kill(procs):
