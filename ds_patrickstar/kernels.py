@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,6 +98,27 @@ def detect_cpu_isa() -> str:
     return "avx512" if cap.startswith("AVX512") else "avx2" if cap.startswith("AVX2") else "scalar"
 
 
+# A build takes a minute or two here; a lock this old was left by a build that was killed.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build lock (``<build dir>/lock``) has no owner: a build killed half-way (Ctrl-C,
+    a test timeout) leaves it, and every later process waits on it forever. One older than
+    :data:`STALE_LOCK_SECONDS` goes, with a warning."""
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("ds_patrickstar: removing %s, left %.0f min ago by a build of %s that did not finish",
+                       lock, age / 60, name)
+        lock.unlink(missing_ok=True)
+
+
 def _build_extension(device_type: str) -> Any:
     """Compile (or load from the cache) the extension for ``device_type``; raises on failure."""
     from torch.utils import cpp_extension
@@ -108,6 +130,7 @@ def _build_extension(device_type: str) -> Any:
         if shutil.which(cxx) is None:
             raise RuntimeError(f"no C++ compiler found ({cxx!r} is not on PATH)")
         isa = detect_cpu_isa()
+        _clear_stale_lock(f"ds_patrickstar_adam_cpu_{isa}")
         return cpp_extension.load(
             name=f"ds_patrickstar_adam_cpu_{isa}",
             sources=[str(src / "adam_cpu.cpp")],
@@ -121,6 +144,7 @@ def _build_extension(device_type: str) -> Any:
             raise RuntimeError(f"this torch build ({torch.__version__}) has no CUDA support")
         if cpp_extension.CUDA_HOME is None:
             raise RuntimeError("nvcc / the CUDA toolkit was not found (set CUDA_HOME)")
+        _clear_stale_lock("ds_patrickstar_adam_cuda")
         return cpp_extension.load(
             name="ds_patrickstar_adam_cuda",
             sources=[str(src / "adam_cuda_binding.cpp"), str(src / "adam_cuda.cu")],

@@ -233,3 +233,21 @@ def test_other_isa_variants(isa):
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, caplog):
+    """A build killed half-way leaves torch's lock file; without this every later process waits on it."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils import cpp_extension
+
+    lock = tmp_path.joinpath(cpp_extension._get_build_directory("probe", False), "lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    kernels._clear_stale_lock("probe")
+    assert lock.exists()  # a build may be running
+    old = lock.stat().st_mtime - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.kernels"):
+        kernels._clear_stale_lock("probe")
+    assert not lock.exists()
+    assert "did not finish" in caplog.text
