@@ -10,6 +10,7 @@ plus the process baseline (resident memory before the model was built). Measured
 """
 import contextlib
 import gc
+import json
 import os
 import re
 
@@ -73,3 +74,57 @@ def test_initialize_peak_host_memory_within_1_1x_of_model_data_plus_baseline(wor
         assert r["peak"] <= bound, (
             f"rank {rank}: peak {r['peak'] / GIB:.3f} GiB during initialize > {BOUND} x (model data "
             f"{r['model_data'] / GIB:.3f} GiB + baseline {r['baseline'] / GIB:.3f} GiB)")
+
+
+SHARDS = 6
+
+
+def _load_sharded_peak(rank, world_size, folder):
+    import deepspeed
+
+    import ds_patrickstar
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": "patrickstar", "chunk_size": 1 << 24},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    with ds_patrickstar.Init(config=cfg):
+        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    gc.collect()
+    before = _proc_status("VmRSS")
+    _reset_peak()
+    result = ds_patrickstar.load_pretrained(engine, folder)
+    peak = _proc_status("VmHWM")
+    first = engine.get_fp32_state_dict()["0.weight"] if world_size == 1 else None
+    return {"before": before, "peak": peak, "missing": result.missing_keys, "first": first}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_pretrained_peak_extra_host_memory_is_one_shard(tmp_path, world_size):
+    """A 1.2 GB fp32 checkpoint in 6 shards (pytorch_model-0000k-of-00006.bin + index) streamed into
+    the chunks: the resident memory grows by at most the largest shard (+ 64 MiB) over what it was."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak resident memory")
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    names = list(model.state_dict())
+    per = -(-len(names) // SHARDS)
+    weight_map, largest = {}, 0
+    for i in range(SHARDS):
+        file = f"pytorch_model-{i + 1:05d}-of-{SHARDS:05d}.bin"
+        shard = {n: model.state_dict()[n] for n in names[i * per:(i + 1) * per]}
+        torch.save(shard, tmp_path / file)
+        largest = max(largest, os.path.getsize(tmp_path / file))
+        weight_map.update({n: file for n in shard})
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    expected = model.state_dict()["0.weight"].clone()
+    del model
+    for rank, r in enumerate(run_ranks(_load_sharded_peak, world_size, str(tmp_path), timeout=600)):
+        assert r["missing"] == []
+        if r["first"] is not None:
+            assert torch.equal(r["first"], expected)
+        extra = r["peak"] - r["before"]
+        assert extra <= largest + 64 * 2 ** 20, (
+            f"rank {rank}: load_pretrained grew the resident memory by {extra / GIB:.3f} GiB; "
+            f"the largest shard is {largest / GIB:.3f} GiB")
