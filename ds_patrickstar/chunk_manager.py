@@ -211,7 +211,8 @@ class ChunkManager:
             return
         if self.placement is not None:
             largest = max(c.nbytes for c in self.chunks) * self.comm.world_size
-            if not self.comm.agree(self.placement.can_keep(0, largest)):
+            reserve = largest * self._groups_at_once_ahead()
+            if not self.comm.agree(self.placement.can_keep(0, reserve)):
                 self._release_group(group)
                 return
         self._kept[group] = self._kept_bytes(group)
@@ -220,14 +221,23 @@ class ChunkManager:
         held = sum(self._kept.values())
         self.comm.counters.peak_kept_gathered_bytes = max(self.comm.counters.peak_kept_gathered_bytes, held)
 
+    def _groups_at_once_ahead(self) -> int:
+        """The most chunk groups one moment of the rest of the trace uses at once (room for them
+        must stay beside the kept groups); 1 while tracing."""
+        trace = self.placement.tracer.current_trace()
+        if trace is None:
+            return 1
+        world = self.comm.world_size
+        ahead = trace.moments[self.placement.moment + 1:]
+        return max([1] + [len({chunk_id // world for chunk_id in m.chunks}) for m in ahead])
+
     def _release_for(self, need: int, in_use: set[int]) -> int:
         """Placement is short of ``need`` bytes: finish the reduce-scatters in flight (each releases
         other ranks' chunks). Kept and prefetched groups stay: releasing one on this rank only would
-        make this rank alone gather it again (see [Note: kept groups]). Returns the bytes freed."""
-        ledger = self.store.accel.ledger
-        before = ledger.total
+        make this rank alone gather it again (see [Note: kept groups]). Returns how many were waited on."""
+        waited = len(self._reducing)
         self._wait_reductions()
-        return before - ledger.total
+        return waited
 
     # ---- moments ------------------------------------------------------------------
     def _training(self) -> bool:

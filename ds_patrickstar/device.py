@@ -224,10 +224,15 @@ class PlacementRuntime:
         over = self.ledger.total + need - headroom
         if over <= 0:
             return
+        if self.release_kept(over, keep):  # reduce-scatters in flight hold other ranks' chunks: done first
+            accel.reclaim()
+            over = self.ledger.total + need - headroom
+            if over <= 0:
+                return
         short = over - accel.in_flight_bytes()
         if short > 0:
             try:
-                victims = self._victims(short, keep)
+                victims = self.placer.victims(short, self._evictable(keep))
             except DeviceBudgetExceeded as err:
                 raise DeviceBudgetExceeded(
                     f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
@@ -239,15 +244,6 @@ class PlacementRuntime:
                 self.counters.evictions += 1
         accel.reclaim(need_below=headroom - need)
 
-    def _victims(self, short: int, keep: set[int]) -> list[int]:
-        try:
-            return self.placer.victims(short, self._evictable(keep))
-        except DeviceBudgetExceeded:
-            # reduce-scatters in flight hold other ranks' chunks until waited on
-            short -= self.release_kept(short, keep)
-            if short <= 0:
-                return []
-            return self.placer.victims(short, self._evictable(keep))
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
         """``chunk`` on the accelerator (room made for it), its copy waited on."""
