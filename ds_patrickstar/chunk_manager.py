@@ -27,7 +27,7 @@ iteration and one more gathered group (``PlacementRuntime.can_keep``), on *every
 (``ChunkComm.agree``, a one-integer all-reduce): which groups are gathered decides which
 collectives run, so the decision must be the same everywhere, and a kept group is never
 released on one rank alone. The same holds for a prefetch under placement. Under pressure,
-placement first completes the reduce-scatters in flight (``PlacementRuntime.release_kept``),
+placement first completes the reduce-scatters in flight (``PlacementRuntime.drain_reductions``),
 which release other ranks' chunks.
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
@@ -79,6 +79,7 @@ class ChunkManager:
         self._prefetched: set[int] = set()  # gathered ahead of use and not used since
         self._reducing: list = []  # reduce-scatters in flight, oldest first
         self.order = GatherOrder()
+        self._largest_group_bytes = max([0] + [c.nbytes for c in self.chunks]) * comm.world_size
         logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
                     len(self._infos), len(self.chunks), chunk_size, comm.world_size)
 
@@ -145,7 +146,7 @@ class ChunkManager:
     def attach_placement(self, runtime) -> None:
         """From now on chunks move between accelerator and host (see [Note: placement])."""
         self.placement = runtime
-        runtime.release_kept = self._release_for
+        runtime.drain_reductions = self._drain_reductions
 
     def _bring(self, chunk: Chunk, keep: set[int]) -> None:
         if self.placement is not None:
@@ -210,8 +211,7 @@ class ChunkManager:
             self._release_group(group)
             return
         if self.placement is not None:
-            largest = max(c.nbytes for c in self.chunks) * self.comm.world_size
-            reserve = largest * self._groups_at_once_ahead()
+            reserve = self._largest_group_bytes * self._groups_at_once_ahead()
             if not self.comm.agree(self.placement.can_keep(0, reserve)):
                 self._release_group(group)
                 return
@@ -231,10 +231,10 @@ class ChunkManager:
         ahead = trace.moments[self.placement.moment + 1:]
         return max([1] + [len({chunk_id // world for chunk_id in m.chunks}) for m in ahead])
 
-    def _release_for(self, need: int, in_use: set[int]) -> int:
-        """Placement is short of ``need`` bytes: finish the reduce-scatters in flight (each releases
-        other ranks' chunks). Kept and prefetched groups stay: releasing one on this rank only would
-        make this rank alone gather it again (see [Note: kept groups]). Returns how many were waited on."""
+    def _drain_reductions(self) -> int:
+        """Placement is short of room: finish the reduce-scatters in flight (each releases other
+        ranks' chunks). Kept and prefetched groups stay: releasing one on this rank only would make
+        this rank alone gather it again (see [Note: kept groups]). Returns how many were waited on."""
         waited = len(self._reducing)
         self._wait_reductions()
         return waited

@@ -165,8 +165,8 @@ class PlacementRuntime:
         self.moment = -1
         self.recording = False
         self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
-        # frees what the chunk manager can free without a collective (see [Note: kept groups])
-        self.release_kept: Callable[[int, set[int]], int] = lambda need, keep: 0
+        # completes the chunk manager's reduce-scatters in flight; how many (see [Note: kept groups])
+        self.drain_reductions: Callable[[], int] = lambda: 0
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
     def model_bytes_on_device(self) -> int:
@@ -224,7 +224,7 @@ class PlacementRuntime:
         over = self.ledger.total + need - headroom
         if over <= 0:
             return
-        if self.release_kept(over, keep):  # reduce-scatters in flight hold other ranks' chunks: done first
+        if self.drain_reductions():  # reduce-scatters in flight hold other ranks' chunks: done first
             accel.reclaim()
             over = self.ledger.total + need - headroom
             if over <= 0:
