@@ -47,12 +47,14 @@ def gpt_params(width, depth, vocab, seq_len):
 
 
 # ---------------------------------------------------------------- one try (a rank process)
-def _ds_config(backend, batch):
+def _ds_config(backend, batch, keep_gathered=None):
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "bf16": {"enabled": True}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
     if backend == "patrickstar":
         cfg["zero_optimization"] = {"stage": "patrickstar"}
+        if keep_gathered is not None:
+            cfg["zero_optimization"]["keep_gathered"] = keep_gathered
     elif backend == "zero3":
         cfg["zero_optimization"] = {"stage": 3}
     elif backend == "zero3-offload":
@@ -92,7 +94,7 @@ def run_try(args):
 
         import ds_patrickstar
 
-        ds_cfg = _ds_config(args.backend, args.batch)
+        ds_cfg = _ds_config(args.backend, args.batch, args.keep_gathered)
         if args.backend == "patrickstar":
             init = ds_patrickstar.Init(config=ds_cfg)
         else:
@@ -184,6 +186,7 @@ def attempt(args, backend, world_size, depth, log_dir):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--try", "--backend", backend, "--depth", str(depth),
                    "--width", str(args.width), "--heads", str(args.heads), "--vocab", str(args.vocab),
                    "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
+                   *(["--keep-gathered", str(args.keep_gathered)] if args.keep_gathered is not None else []),
                    "--result", result_path]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         start, peak, why = time.time(), 0, None
@@ -216,6 +219,8 @@ def search(args, backend, world_size, log_dir):
     per_layer = 12 * args.width ** 2
     guess = args.host_mem_gib * GIB / GUESS_BYTES_PER_PARAM[backend]
     depth = int(min(args.max_depth, max(1, (guess - args.vocab * args.width) // per_layer)))
+    if args.start_depth is not None:
+        depth = min(args.max_depth, args.start_depth)
     tries = {}
 
     def ok(d):
@@ -284,8 +289,14 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--keep-gathered", type=int, default=None,
+                   help="patrickstar: zero_optimization.keep_gathered in bytes (default: the config's default, "
+                        "every group kept gathered from forward to backward as ZeRO-3 does; 0 releases each group "
+                        "after its forward use: the least memory with several ranks on one host)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per try")
     p.add_argument("--max-depth", type=int, default=96)
+    p.add_argument("--start-depth", type=int, default=None,
+                   help="depth of the first try (default: an estimate from --host-mem-gib)")
     p.add_argument("--grow", type=float, default=1.15, help="factor of the walk before the bisection")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per try")
     p.add_argument("--poll", type=float, default=0.1, help="seconds between memory readings")
@@ -317,6 +328,7 @@ def main(argv=None):
             raise SystemExit("--backends: zero3-offload needs CUDA (offload is what moves data off the GPU)")
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     print(f"max_model: width {args.width}, seq {args.seq_len}, batch {args.batch}, {args.steps} steps per try, "
+          f"patrickstar keep_gathered {args.keep_gathered if args.keep_gathered is not None else 'default'}, "
           f"host cap {args.host_mem_gib:.1f} GiB{', CUDA' if cuda else ', CPU'}", flush=True)
     best, everything = {}, []
     for world_size in [int(w) for w in args.world_sizes.split(",")]:

@@ -6,9 +6,12 @@ DeepSpeed writes, per tag, ``mp_rank_00_model_states.pt`` (the module's full
 ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank holding
 ``optimizer.state_dict()``. Ours is :func:`optimizer_state` below: the owned chunks' fp32
 master, momentum and variance as whole flat tensors, plus the layout that maps every
-parameter name to ``(chunk, offset, numel, shape)``. Because the layout is per parameter,
-a checkpoint can be loaded into any world size or chunk size: each rank reads every
-saved rank's file and copies the slices of the parameters it now owns.
+parameter name to ``(shape, pieces)``, a piece being ``(chunk, offset, start, numel)``:
+elements ``start ..`` of the flattened parameter at ``offset`` in ``chunk`` (see
+[Note: straddling tensors]; format 1 had one whole piece per parameter and still loads).
+Because the layout is per parameter, a checkpoint can be loaded into any world size or
+chunk size: each rank reads every saved rank's file and copies the elements of the pieces
+it now owns from whichever saved pieces cover them.
 
 [Note: crash-safe save]
 DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a partial
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from typing import Any, Iterable
 
 import torch
 
-FORMAT = "ds_patrickstar/1"
+FORMAT = "ds_patrickstar/2"
+_FORMATS = (FORMAT, "ds_patrickstar/1")
 MARKER = "ds_patrickstar_complete.json"
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
 
@@ -101,7 +106,8 @@ def optimizer_state(manager, states: dict, group_steps: list[int], loss_scaler,
                     param_groups: list[dict]) -> dict[str, Any]:
     """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
     the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory."""
-    layout = {info.name: (info.chunk_id, info.offset, info.numel, tuple(info.shape)) for info in manager.infos()}
+    layout = {info.name: (tuple(info.shape), [(p.chunk_id, p.offset, p.start, p.numel) for p in info.pieces])
+              for info in manager.infos()}
     chunks = {cid: {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
               for cid, opt in states.items()}
     return {"format": FORMAT, "rank": manager.comm.rank, "world_size": manager.comm.world_size,
@@ -109,8 +115,17 @@ def optimizer_state(manager, states: dict, group_steps: list[int], loss_scaler,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
 
 
+def _entry(entry: tuple) -> tuple[tuple, list[tuple[int, int, int, int]]]:
+    """A saved layout entry as ``(shape, pieces)``, from format 2 or format 1 ``(chunk, offset, numel, shape)``."""
+    if len(entry) == 4:
+        cid, offset, numel, shape = entry
+        return tuple(shape), [(cid, offset, 0, numel)]
+    shape, pieces = entry
+    return tuple(shape), [tuple(p) for p in pieces]
+
+
 def check_same_model(manager, saved_layout: dict[str, tuple]) -> None:
-    check_same_shapes(manager, {name: entry[3] for name, entry in saved_layout.items()})
+    check_same_shapes(manager, {name: _entry(entry)[0] for name, entry in saved_layout.items()})
 
 
 def check_same_shapes(manager, saved_shapes: dict[str, Any]) -> None:
@@ -127,33 +142,44 @@ def check_same_shapes(manager, saved_shapes: dict[str, Any]) -> None:
         raise CheckpointError(f"the checkpoint is of another model: {shown}")
 
 
+def _overlaps(ours, saved):
+    """``(our slice, saved slice)`` for every element range one of ``ours`` (pieces) shares with
+    one of ``saved`` (``(chunk, offset, start, numel)``), with the saved piece's chunk id."""
+    for piece in ours:
+        for cid, offset, start, numel in saved:
+            lo, hi = max(piece.start, start), min(piece.start + piece.numel, start + numel)
+            if lo < hi:
+                yield piece, slice(piece.offset + lo - piece.start, piece.offset + hi - piece.start), \
+                    cid, slice(offset + lo - start, offset + hi - start)
+
+
 @torch.no_grad()
 def load_optimizer_states(manager, states: dict, saved: Iterable[dict], load_moments: bool) -> dict:
-    """Copy every owned parameter's slices from whichever saved rank owned it; returns one saved dict."""
-    targets = {info.name: info for info in manager.infos() if info.chunk_id in states}
-    found: set[str] = set()
+    """Copy the elements of every owned piece from whichever saved rank held them; returns one saved dict."""
+    owned = {info.name: [p for p in info.pieces if p.chunk_id in states] for info in manager.infos()}
+    owned = {name: pieces for name, pieces in owned.items() if pieces}
+    covered = dict.fromkeys(owned, 0)
+    keys = ("master", "exp_avg", "exp_avg_sq") if load_moments else ("master",)
     first = None
     for sd in saved:
-        if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        if not isinstance(sd, dict) or sd.get("format") not in _FORMATS:
             raise CheckpointError("the optimizer state in this checkpoint was not written by ds_patrickstar "
                                   f"(format {sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
         check_same_model(manager, sd["layout"])
         first = first or sd
-        for name, (cid, offset, numel, _) in sd["layout"].items():
-            if cid not in sd["chunks"] or name not in targets:
+        for name, entry in sd["layout"].items():
+            if name not in owned:
                 continue
-            info = targets[name]
-            opt = states[info.chunk_id]
-            keys = ("master", "exp_avg", "exp_avg_sq") if load_moments else ("master",)
-            for key in keys:
-                dst = getattr(opt, key)[info.offset:info.end]
-                dst.copy_(sd["chunks"][cid][key][offset:offset + numel])
-            found.add(name)
+            pieces = [p for p in _entry(entry)[1] if p[0] in sd["chunks"]]
+            for piece, ours, cid, theirs in _overlaps(owned[name], pieces):
+                for key in keys:
+                    getattr(states[piece.chunk_id], key)[ours].copy_(sd["chunks"][cid][key][theirs])
+                covered[name] += ours.stop - ours.start
     if first is None:
         raise CheckpointError("the checkpoint has no optimizer state files")
-    if found != targets.keys():
-        missing = sorted(targets.keys() - found)[:5]
-        raise CheckpointError(f"the checkpoint's optimizer files do not cover {missing}: a rank's file is missing")
+    missing = sorted(name for name, pieces in owned.items() if covered[name] != sum(p.numel for p in pieces))
+    if missing:
+        raise CheckpointError(f"the checkpoint's optimizer files do not cover {missing[:5]}: a rank's file is missing")
     return first
 
 
@@ -172,11 +198,23 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
         module = torch.load(path, map_location="cpu", weights_only=False).get("module", {})
         for name, value in module.items():
             result[name] = value.float() if value.is_floating_point() else value
+    flat: dict[str, tuple[torch.Tensor, tuple]] = {}
+    covered: dict[str, int] = {}
     for path in sorted(glob.glob(os.path.join(folder, OPTIM_GLOB))):
         sd = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-        if sd.get("format") != FORMAT:
+        if sd.get("format") not in _FORMATS:
             raise CheckpointError(f"{path} was not written by ds_patrickstar")
-        for name, (cid, offset, numel, shape) in sd["layout"].items():
-            if cid in sd["chunks"]:
-                result[name] = sd["chunks"][cid]["master"][offset:offset + numel].view(shape).clone()
+        for name, entry in sd["layout"].items():
+            shape, pieces = _entry(entry)
+            for cid, offset, start, numel in pieces:
+                if cid in sd["chunks"]:
+                    if name not in flat:
+                        flat[name] = (torch.empty(math.prod(shape), dtype=torch.float32), shape)
+                    flat[name][0][start:start + numel] = sd["chunks"][cid]["master"][offset:offset + numel]
+                    covered[name] = covered.get(name, 0) + numel
+    for name, (values, shape) in flat.items():
+        if covered[name] != values.numel():
+            raise CheckpointError(f"{folder!r}: the optimizer files hold {covered[name]} of the {values.numel()} "
+                                  f"elements of {name}: a rank's file is missing")
+        result[name] = values.view(shape)
     return result

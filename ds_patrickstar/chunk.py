@@ -34,7 +34,8 @@ goes through it (or :meth:`Chunk.ready_acc` for the gradient accumulator), never
 the buffers directly.
 
 [Note: storage resize]
-A parameter is a view into its chunk's payload for its whole life. Releasing a chunk
+A parameter is a view into its chunk's payload for its whole life (or into its joined
+buffer, see [Note: straddling tensors]). Releasing a chunk
 resizes the payload's untyped storage to zero bytes and materializing it resizes it back,
 so the views (and the views autograd saved for backward) stay valid, as in FSDP2.
 """
@@ -81,18 +82,48 @@ def check_transition(old: TensorState, new: TensorState, name: str = "tensor") -
                                 f"from {old.name} only {sorted(s.name for s in _LEGAL[old])} are allowed")
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + numel)`` of a flattened parameter, at ``offset`` in chunk ``chunk_id``."""
+
+    chunk_id: int
+    offset: int
+    start: int
+    numel: int
+
+    @property
+    def in_chunk(self) -> slice:
+        return slice(self.offset, self.offset + self.numel)
+
+    @property
+    def in_param(self) -> slice:
+        return slice(self.start, self.start + self.numel)
+
+
 @dataclass(eq=False)
 class TensorInfo:
-    """Our metadata for one trainable parameter (nothing is stored on the ``nn.Parameter``)."""
+    """Our metadata for one trainable parameter (nothing is stored on the ``nn.Parameter``).
+
+    ``pieces`` says where its elements live: one piece, or (data parallel) several pieces in
+    consecutive chunks of one chunk group, whose values are copied into ``joined`` while the group
+    is gathered (see [Note: straddling tensors])."""
 
     name: str
     param: torch.nn.Parameter
-    chunk_id: int
-    offset: int
+    pieces: list[Piece]
     numel: int
     shape: torch.Size
     group_index: int
     state: TensorState = TensorState.HOLD
+    joined: torch.Tensor | None = None  # the parameter's own buffer when it straddles chunks
+
+    @property
+    def straddles(self) -> bool:
+        return len(self.pieces) > 1
+
+    @property
+    def chunk_ids(self) -> list[int]:
+        return [piece.chunk_id for piece in self.pieces]
 
     def transition(self, new: TensorState) -> None:
         check_transition(self.state, new, self.name)
@@ -113,9 +144,6 @@ class TensorInfo:
         if self.state is not TensorState.HOLD:
             self.transition(TensorState.HOLD)
 
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
 
 
 class ChunkState(enum.Enum):
@@ -138,7 +166,8 @@ class Chunk:
     capacity: int
     dtype: torch.dtype
     group_index: int
-    tensors: list[TensorInfo] = field(default_factory=list)
+    tensors: list[TensorInfo] = field(default_factory=list)  # every tensor with a piece here, in order
+    pieces: list[Piece] = field(default_factory=list)  # their pieces in this chunk, in the same order
     payload: torch.Tensor | None = None  # on the accelerator; parameters are views of it
     host: torch.Tensor | None = None  # the values while the chunk lives on the host (see device.py)
     on_host: bool = False
@@ -149,7 +178,7 @@ class Chunk:
 
     @property
     def used(self) -> int:
-        return self.tensors[-1].end if self.tensors else 0
+        return self.pieces[-1].offset + self.pieces[-1].numel if self.pieces else 0
 
     @property
     def nbytes(self) -> int:
@@ -191,16 +220,17 @@ class Chunk:
     def movable(self) -> bool:
         return self.state is not ChunkState.COMPUTE
 
-    def can_append(self, numel: int) -> bool:
-        return self.used + numel <= self.capacity
-
-    def append(self, info: TensorInfo) -> None:
-        if not self.can_append(info.numel):
-            raise ValueError(f"{info.name} ({info.numel} elements) does not fit chunk {self.chunk_id}")
+    def append(self, info: TensorInfo, piece: Piece) -> None:
+        if piece.offset < self.used or piece.offset + piece.numel > self.capacity:
+            raise ValueError(f"{info.name}: elements {piece.start}..{piece.start + piece.numel} do not fit chunk "
+                             f"{self.chunk_id} at offset {piece.offset} (used {self.used} of {self.capacity})")
         self.tensors.append(info)
+        self.pieces.append(piece)
 
     def view_of(self, info: TensorInfo) -> torch.Tensor:
-        return self.payload[info.offset:info.end].view(info.shape)
+        """The parameter's view of the payload (a tensor with one piece, in this chunk)."""
+        (piece,) = info.pieces
+        return self.payload[piece.in_chunk].view(info.shape)
 
     def mark_released(self) -> None:
         """Every tensor ``FREE`` (the store frees the memory; see [Note: storage resize])."""

@@ -31,16 +31,28 @@ placement first completes the reduce-scatters in flight (``PlacementRuntime.drai
 which release other ranks' chunks.
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
+
+[Note: straddling tensors]
+With data parallelism a chunk group is one flat sequence cut into ``W`` equal members (see
+[Note: balanced chunk groups]), so a tensor may have pieces in two or more members of its
+group, each owned by another rank. Everything that works on chunk elements (the all-gather,
+the gradient slots and the reduce-scatter, the fp32 masters and Adam, the gradient norm,
+checkpoints) works on pieces and needs nothing else. Only the module needs the tensor whole
+and contiguous: such a parameter is a view of its own *joined* buffer (charged to the device
+ledger like a chunk, storage resized to zero while its group is not gathered). The buffer gets
+memory when its group is all-gathered and is filled from the pieces at the tensor's first use
+after the gather has completed (:meth:`ChunkManager._join`); it is freed with the group. Its
+gradient is copied piece by piece into the slots, as any gradient is copied into its slot. At
+most ``W - 1`` tensors per group straddle, so the extra memory is a few tensors while gathered.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
-from .chunk import Chunk, TensorInfo, TensorState
+from .chunk import Chunk, Piece, TensorInfo, TensorState
 from .comm import ChunkComm
 from .gather_order import GatherOrder
 from .hooks import inside_backward
@@ -65,8 +77,9 @@ class ChunkManager:
         self.store = store
         self.chunks: list[Chunk] = []
         self._infos: dict[torch.nn.Parameter, TensorInfo] = {}
-        for spec in specs:
-            self._build_chunk(spec)
+        world = comm.world_size
+        for first in range(0, len(specs), world):
+            self._build_group(specs[first:first + world])
         self._present = {g for g in range(self.num_groups)
                          if all(c.is_materialized for c in self.group_members(g))}
         self._reduced: set[int] = set()
@@ -78,36 +91,70 @@ class ChunkManager:
         self._fresh: set[int] = set()  # gathered (maybe still in flight) and not used since
         self._prefetched: set[int] = set()  # gathered ahead of use and not used since
         self._reducing: list = []  # reduce-scatters in flight, oldest first
+        self._unjoined: set[TensorInfo] = set()  # straddling tensors gathered but not joined yet
         self.order = GatherOrder()
         self._largest_group_bytes = max([0] + [c.nbytes for c in self.chunks]) * comm.world_size
         logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
                     len(self._infos), len(self.chunks), chunk_size, comm.world_size)
 
     # ---- construction -------------------------------------------------------------
-    def _build_chunk(self, spec: ChunkSpec) -> None:
-        chunk = Chunk(len(self.chunks), spec.capacity, spec.dtype, spec.group_index)
-        self.chunks.append(chunk)
-        owned = self.is_owned(chunk)
-        self.store.create(chunk, owned)
-        for name, param, offset in spec.members:
-            info = TensorInfo(name, param, chunk.chunk_id, offset, param.numel(), param.shape, spec.group_index)
-            chunk.append(info)
+    def _build_group(self, specs: list[ChunkSpec]) -> None:
+        """Create one chunk group, bind its tensors and let go of what this rank does not keep: one
+        group's payloads at a time beside the model (initialize never doubles model memory)."""
+        members = []
+        for spec in specs:
+            chunk = Chunk(len(self.chunks), spec.capacity, spec.dtype, spec.group_index)
+            self.chunks.append(chunk)
+            self.store.create(chunk, self.is_owned(chunk))
+            members.append(chunk)
+        infos: dict[torch.nn.Parameter, TensorInfo] = {}
+        for chunk, spec in zip(members, specs):
+            for name, param, offset, start, numel in spec.members:
+                info = infos.get(param)
+                if info is None:
+                    info = infos[param] = TensorInfo(name, param, [], param.numel(), param.shape, spec.group_index)
+                piece = Piece(chunk.chunk_id, offset, start, numel)
+                info.pieces.append(piece)
+                chunk.append(info, piece)
+        for param, info in infos.items():
             self._infos[param] = info
-            self._bind(chunk, info, owned and not (self._deferred and self._deferred.is_deferred(param)))
-        self.store.settle(chunk, owned)
+            self._bind(info, not (self._deferred and self._deferred.is_deferred(param)))
+        for chunk in members:
+            self.store.settle(chunk, self.is_owned(chunk))
 
-    @staticmethod
     @torch.no_grad()
-    def _bind(chunk: Chunk, info: TensorInfo, copy: bool) -> None:
-        """The parameter becomes a view of the chunk payload; its values go into the chunk (on the
-        host with placement) when ``copy`` (an owned chunk, a parameter that has values: see
-        [Note: deferred init]), and its own storage is dropped."""
+    def _bind(self, info: TensorInfo, has_values: bool) -> None:
+        """The parameter becomes a view of its chunk payload (of its joined buffer when it straddles
+        chunks); its values go into the owned pieces (on the host with placement) when it
+        ``has_values`` (see [Note: deferred init]), and its own storage is dropped."""
+        chunk = self.chunks[info.pieces[0].chunk_id]
         if info.param.dtype != chunk.dtype:
             raise ValueError(f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
                              f"hold {chunk.dtype}; put parameters of different dtypes in different param groups")
-        if copy:
-            chunk.ready()[info.offset:info.end].copy_(info.param.data.reshape(-1))
-        info.param.data = chunk.view_of(info)
+        if has_values:
+            self.write_pieces(info, info.param.data.reshape(-1), lambda c: c.ready())
+        if info.straddles:
+            info.joined = self.store.accel.empty(info.numel, chunk.dtype, "chunk", f"{info.name} (joined)")
+            info.param.data = info.joined.view(info.shape)
+            self.store.accel.free(info.joined, "chunk")
+        else:
+            info.param.data = chunk.view_of(info)
+
+    def write_pieces(self, info: TensorInfo, flat: torch.Tensor, target) -> None:
+        """``flat`` (the whole flattened parameter) into ``target(chunk)`` of every owned chunk
+        holding a piece of ``info``."""
+        for piece in info.pieces:
+            chunk = self.chunks[piece.chunk_id]
+            if self.is_owned(chunk):
+                target(chunk)[piece.in_chunk].copy_(flat[piece.in_param])
+
+    def owns_any(self, info: TensorInfo) -> bool:
+        return any(self.is_owned(self.chunks[cid]) for cid in info.chunk_ids)
+
+    def model_storages(self) -> set[int]:
+        """The storages model data lives in on the accelerator (payloads and joined buffers)."""
+        tensors = [c.payload for c in self.chunks] + [i.joined for i in self._infos.values() if i.joined is not None]
+        return {t.untyped_storage()._cdata for t in tensors}
 
     # ---- lookup -------------------------------------------------------------------
     @property
@@ -121,7 +168,8 @@ class ChunkManager:
         return list(self._infos.values())
 
     def chunk_of(self, info: TensorInfo) -> Chunk:
-        return self.chunks[info.chunk_id]
+        """The chunk of a tensor's first piece (all its pieces are in that chunk's group)."""
+        return self.chunks[info.pieces[0].chunk_id]
 
     def is_owned(self, chunk: Chunk) -> bool:
         return self.comm.owner(chunk.chunk_id) == self.comm.rank
@@ -136,12 +184,15 @@ class ChunkManager:
     def group_of(self, chunk: Chunk) -> int:
         return chunk.chunk_id // self.comm.world_size
 
-    def _group_tensors(self, group: int) -> Iterable[TensorInfo]:
-        for chunk in self.group_members(group):
-            yield from chunk.tensors
+    def group_tensors(self, group: int) -> list[TensorInfo]:
+        """Every tensor with a piece in ``group``, once, in layout order."""
+        return list(dict.fromkeys(info for chunk in self.group_members(group) for info in chunk.tensors))
+
+    def _joined(self, group: int) -> list[TensorInfo]:
+        return [info for info in self.group_tensors(group) if info.straddles]
 
     def _group_sizes(self) -> list[int]:
-        return [sum(len(c.tensors) for c in self.group_members(g)) for g in range(self.num_groups)]
+        return [len(self.group_tensors(g)) for g in range(self.num_groups)]
 
     def attach_placement(self, runtime) -> None:
         """From now on chunks move between accelerator and host (see [Note: placement])."""
@@ -157,7 +208,9 @@ class ChunkManager:
     # identically, so every rank enters the same collectives in the same order.
     def _gather_bytes(self, group: int) -> int:
         """Accelerator bytes gathering ``group`` takes now: its chunks not there yet."""
-        return sum(c.nbytes + c.acc_nbytes for c in self.group_members(group) if not c.is_materialized or c.on_host)
+        chunks = sum(c.nbytes + c.acc_nbytes for c in self.group_members(group) if not c.is_materialized or c.on_host)
+        return chunks + sum(i.numel * i.joined.element_size() for i in self._joined(group)
+                            if not i.joined.untyped_storage().nbytes())
 
     def _gather_group(self, group: int, fill: bool = True, keep: frozenset[int] = frozenset()) -> None:
         """Issue the all-gather of ``group`` (see [Note: asynchronous collectives]): its result is
@@ -175,6 +228,9 @@ class ChunkManager:
             pending = self.comm.all_gather_async(payloads)
             for chunk in members:
                 chunk.pending.append(pending)
+            for info in self._joined(group):  # charged now, filled at first use (see _join)
+                self.store.accel.materialize(info.joined, "chunk", f"{info.name} (joined)")
+                self._unjoined.add(info)
         else:
             for chunk, payload in zip(members, payloads):
                 if not self.is_owned(chunk):
@@ -185,6 +241,10 @@ class ChunkManager:
     def _release_group(self, group: int) -> None:
         if self.comm.world_size == 1 or group not in self._present:
             return
+        for info in self._joined(group):
+            if info.joined.untyped_storage().nbytes():
+                self.store.accel.free(info.joined, "chunk")
+            self._unjoined.discard(info)
         for chunk in self.group_members(group):
             if not self.is_owned(chunk):
                 self.store.release(chunk)  # waits for a collective still using the chunk
@@ -246,7 +306,7 @@ class ChunkManager:
     def access(self, infos: list[TensorInfo], label: str = "") -> None:
         """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
         ``COMPUTE``, and (with placement) check the budget and prefetch the next moment."""
-        ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
+        ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
         if self.placement is not None:
             self.placement.begin_moment(label, ids)
         keep = frozenset(ids)
@@ -271,11 +331,22 @@ class ChunkManager:
                 self.comm.counters.prefetch_hits += 1
             self._wait_for_use(chunk)
         for info in infos:
+            self._join(info)
             info.start_compute()
         if training:
             self._prefetch(keep)
         if self.placement is not None:
             self.placement.end_moment(set(keep))
+
+    @torch.no_grad()
+    def _join(self, info: TensorInfo) -> None:
+        """Fill a straddling tensor's joined buffer from its pieces (once per gather of its group;
+        the pieces' chunks are ready); see [Note: straddling tensors]."""
+        if info not in self._unjoined:
+            return
+        self._unjoined.discard(info)
+        for piece in info.pieces:
+            info.joined[piece.in_param].copy_(self.chunks[piece.chunk_id].ready()[piece.in_chunk])
 
     @staticmethod
     def _wait_for_use(chunk: Chunk) -> None:
@@ -301,7 +372,7 @@ class ChunkManager:
                 info.end_forward()
             groups.add(self.group_of(self.chunk_of(info)))
         if self.placement is not None:
-            for chunk_id in dict.fromkeys(info.chunk_id for info in infos):
+            for chunk_id in dict.fromkeys(cid for info in infos for cid in info.chunk_ids):
                 chunk = self.chunks[chunk_id]
                 if self.is_owned(chunk):
                     self.placement.after_use(chunk)
@@ -309,7 +380,7 @@ class ChunkManager:
             return
         training = torch.is_grad_enabled()  # a backward will follow; a no-grad forward releases
         for group in sorted(groups):
-            if all(t.state is _S.HOLD_AFTER_FWD for t in self._group_tensors(group)):
+            if all(t.state is _S.HOLD_AFTER_FWD for t in self.group_tensors(group)):
                 if training:
                     self._keep(group)
                 else:
@@ -318,25 +389,29 @@ class ChunkManager:
     # ---- gradients ----------------------------------------------------------------
     @torch.no_grad()
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
-        """Consume ``param.grad`` into the chunk on the accelerator; see [Note: gradient accumulation]."""
-        chunk = self.chunk_of(info)
-        self._bring(chunk, {chunk.chunk_id})  # a gradient is never written through a host round trip
+        """Consume ``param.grad`` into the tensor's pieces on the accelerator; see
+        [Note: gradient accumulation]."""
+        if not self.accumulate and not boundary:
+            raise RuntimeError("a non-boundary micro-step without gradient accumulation")
         flat = grad.reshape(-1)
-        if not self.accumulate:
-            if not boundary:
-                raise RuntimeError("a non-boundary micro-step without gradient accumulation")
-            chunk.ready()[info.offset:info.end].copy_(flat)
-        else:
-            if chunk.acc is None and chunk.acc_host is None and self.placement is not None:
-                self.placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, {chunk.chunk_id})
-            acc_slot = self.store.accumulator(chunk)[info.offset:info.end]
-            acc_slot.add_(flat.to(acc_slot.dtype))
-            if not boundary:
-                info.settle()
-                return
-            chunk.ready()[info.offset:info.end].copy_(acc_slot)
+        keep = set(info.chunk_ids)
+        for piece in info.pieces:
+            chunk = self.chunks[piece.chunk_id]
+            self._bring(chunk, keep)  # a gradient is never written through a host round trip
+            part = flat[piece.in_param]
+            if self.accumulate:
+                if chunk.acc is None and chunk.acc_host is None and self.placement is not None:
+                    self.placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, keep)
+                acc_slot = self.store.accumulator(chunk)[piece.in_chunk]
+                acc_slot.add_(part.to(acc_slot.dtype))
+                part = acc_slot
+            if boundary:
+                chunk.ready()[piece.in_chunk].copy_(part)
+        if not boundary:
+            info.settle()
+            return
         info.grad_written()
-        group = self.group_of(chunk)
+        group = self.group_of(self.chunk_of(info))
         self._pending[group] -= 1
         if self._pending[group] == 0:  # the group's last gradient: O(1) per parameter, not a scan
             self._reduce_group(group)
@@ -381,24 +456,24 @@ class ChunkManager:
                 continue
             if group not in self._present:
                 self._gather_group(group, fill=False)  # every slot is about to be overwritten
-            for chunk in self.group_members(group):
-                self._fill_missing_grads(chunk)
+            self._fill_missing_grads(group)
             self._reduce_group(group)
         self._wait_reductions()
 
-    def _fill_missing_grads(self, chunk: Chunk) -> None:
-        missing = [info for info in chunk.tensors if info.state is not _S.HOLD_AFTER_BWD]
-        if not missing:
-            return
-        data, acc = chunk.ready(), chunk.ready_acc()
-        for info in missing:
-            slot = data[info.offset:info.end]
-            if acc is None:
-                slot.zero_()
-            else:
-                slot.copy_(acc[info.offset:info.end])
+    def _fill_missing_grads(self, group: int) -> None:
+        """Tensors of ``group`` that got no gradient this step get zero (or what they accumulated)."""
+        for info in self.group_tensors(group):
+            if info.state is _S.HOLD_AFTER_BWD:
+                continue
+            for piece in info.pieces:
+                chunk = self.chunks[piece.chunk_id]
+                data, acc = chunk.ready(), chunk.ready_acc()
+                if acc is None:
+                    data[piece.in_chunk].zero_()
+                else:
+                    data[piece.in_chunk].copy_(acc[piece.in_chunk])
             info.grad_written()
-            self._pending[self.group_of(chunk)] -= 1
+            self._pending[group] -= 1
 
     def grads_ready(self) -> bool:
         return len(self._reduced) == self.num_groups

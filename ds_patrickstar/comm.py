@@ -44,6 +44,9 @@ class PendingCollective(Pending):
 
     collective = True
 
+    # A completed collective drops its work handle and finish action at once: the handle holds
+    # the process group's buffers (gloo flattens a reduce-scatter's whole input into one), and
+    # a member chunk's pending list may keep this object until that chunk is next read.
     def __init__(self, work, finish: Callable[[], None]) -> None:
         self.work = work
         self._finish = finish
@@ -55,7 +58,8 @@ class PendingCollective(Pending):
         self._done = True  # the finish action may wait the member chunks again: no re-entry
         if self.work is not None:
             self.work.wait()
-        self._finish()
+        finish, self.work, self._finish = self._finish, None, None
+        finish()
 
     def done(self) -> bool:
         return self._done

@@ -83,18 +83,24 @@ class ChunkExport:
                 raise RuntimeError(f"{action} was called between backward and step: the slot of {info.name} "
                                    f"holds its gradient. Call it before backward or after engine.step().")
 
+    def iter_host_values(self, fp32_masters: bool = False) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+        """``(tensor, its whole value as a new host tensor)`` for every chunk parameter, streamed one
+        chunk group at a time (a straddling tensor is joined from its pieces)."""
+        for members, hosts in self.iter_host_groups(fp32_masters):
+            host_of = {chunk.chunk_id: host for chunk, host in zip(members, hosts)}
+            for info in dict.fromkeys(info for chunk in members for info in chunk.tensors):
+                pieces = [host_of[p.chunk_id][p.in_chunk] for p in info.pieces]
+                value = pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+                yield info, value.view(info.shape)
+
     @torch.no_grad()
     def fill_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str) -> None:
         names = self.names(module, prefix)
         self.refuse_gradients(names, "state_dict()")
-        for members, hosts in self.iter_host_groups():
-            for chunk, host in zip(members, hosts):
-                for info in chunk.tensors:
-                    value = None
-                    for key in names.get(info, ()):
-                        if key in state_dict:
-                            value = value if value is not None else host[info.offset:info.end].view(info.shape).clone()
-                            state_dict[key] = value
+        for info, value in self.iter_host_values():
+            for key in names.get(info, ()):
+                if key in state_dict:
+                    state_dict[key] = value
 
     @torch.no_grad()
     def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -102,12 +108,9 @@ class ChunkExport:
         ``lm_head.weight`` appears beside ``transformer.wte.weight``)."""
         names = self.names(module, "")
         result = {}
-        for members, hosts in self.iter_host_groups(fp32_masters=True):
-            for chunk, host in zip(members, hosts):
-                for info in chunk.tensors:
-                    value = host[info.offset:info.end].view(info.shape).clone()
-                    for key in names.get(info, ()):
-                        result[key] = value
+        for info, value in self.iter_host_values(fp32_masters=True):
+            for key in names.get(info, ()):
+                result[key] = value
         for name, param in module.named_parameters(remove_duplicate=False):
             if self.manager.info(param) is None:
                 result[name] = param.detach().float().cpu().clone()
@@ -137,11 +140,9 @@ class ChunkExport:
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
                               f"from checkpoint, the shape in current model is {tuple(info.shape)}.")
             return
-        chunk = self.manager.chunk_of(info)
-        if self.manager.is_owned(chunk):
-            flat = value.reshape(-1)
-            chunk.ready()[info.offset:info.end].copy_(flat)
-            self.optim_states.states[chunk.chunk_id].master[info.offset:info.end].copy_(flat)
+        flat = value.reshape(-1)
+        self.manager.write_pieces(info, flat, lambda chunk: chunk.ready())
+        self.manager.write_pieces(info, flat, lambda chunk: self.optim_states.states[chunk.chunk_id].master)
 
     def finish_load(self, incompatible_keys) -> None:
         consumed = set(self._consumed)
@@ -153,11 +154,9 @@ class ChunkExport:
 def host_parameters(export: ChunkExport) -> Iterator[None]:
     """Every chunk parameter points at a host copy of its value inside the block."""
     saved: dict[TensorInfo, torch.Tensor] = {}
-    for members, hosts in export.iter_host_groups():
-        for chunk, host in zip(members, hosts):
-            for info in chunk.tensors:
-                saved[info] = info.param.data
-                info.param.data = host[info.offset:info.end].view(info.shape)
+    for info, value in export.iter_host_values():
+        saved[info] = info.param.data
+        info.param.data = value
     try:
         yield
     finally:

@@ -195,7 +195,7 @@ class DeferredModel:
 
     def _wanted(self, param: nn.Parameter, manager) -> bool:
         info = manager.info(param)
-        return info is None or manager.is_owned(manager.chunk_of(info))
+        return info is None or manager.owns_any(info)
 
     def _init_module(self, mod: nn.Module, mod_name: str, mine: list, root_init, manager) -> None:
         originals = dict(mod._parameters)
@@ -221,8 +221,7 @@ class DeferredModel:
         if info is None:  # frozen or outside the optimizer: whole, on every rank
             param.data = value.detach().to(param.dtype)
             return
-        chunk = manager.chunk_of(info)
-        chunk.ready()[info.offset:info.end].copy_(value.detach().reshape(-1))
+        manager.write_pieces(info, value.detach().reshape(-1), lambda chunk: chunk.ready())
 
 
 def swap_deferred(module: nn.Module, dtype: torch.dtype | None) -> DeferredModel:

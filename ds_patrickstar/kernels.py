@@ -18,14 +18,15 @@ chosen ISA is part of the extension name, so a shared cache never mixes them.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import platform
 import shutil
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -98,25 +99,29 @@ def detect_cpu_isa() -> str:
     return "avx512" if cap.startswith("AVX512") else "avx2" if cap.startswith("AVX2") else "scalar"
 
 
-# A build takes a minute or two here; a lock this old was left by a build that was killed.
-STALE_LOCK_SECONDS = 15 * 60
+@contextlib.contextmanager
+def _build_guard(name: str) -> Iterator[None]:
+    """Hold an OS lock on ``name``'s build directory while torch builds or loads it.
 
-
-def _clear_stale_lock(name: str) -> None:
-    """torch's build lock (``<build dir>/lock``) has no owner: a build killed half-way (Ctrl-C,
-    a test timeout) leaves it, and every later process waits on it forever. One older than
-    :data:`STALE_LOCK_SECONDS` goes, with a warning."""
+    torch's own lock (``<build dir>/lock``) is a plain file: a process killed while holding it
+    (Ctrl-C, a test timeout, an out-of-memory kill during a load) leaves it, and every later process
+    waits on it forever. ``fcntl.flock`` locks are dropped by the kernel when their holder dies, and
+    every ds_patrickstar process builds and loads under one; so a torch lock found while we hold it
+    was left by a dead process and goes, with a warning."""
     from torch.utils import cpp_extension
 
-    lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("ds_patrickstar: removing %s, left %.0f min ago by a build of %s that did not finish",
-                       lock, age / 60, name)
-        lock.unlink(missing_ok=True)
+    build_dir = Path(cpp_extension._get_build_directory(name, False))
+    with open(build_dir / "ds_patrickstar.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            lock = build_dir / "lock"
+            if lock.exists():
+                logger.warning("ds_patrickstar: removing %s, left by a build or load of %s whose process died",
+                               lock, name)
+                lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def _build_extension(device_type: str) -> Any:
@@ -130,29 +135,29 @@ def _build_extension(device_type: str) -> Any:
         if shutil.which(cxx) is None:
             raise RuntimeError(f"no C++ compiler found ({cxx!r} is not on PATH)")
         isa = detect_cpu_isa()
-        _clear_stale_lock(f"ds_patrickstar_adam_cpu_{isa}")
-        return cpp_extension.load(
-            name=f"ds_patrickstar_adam_cpu_{isa}",
-            sources=[str(src / "adam_cpu.cpp")],
-            extra_cflags=["-O3", "-fopenmp", *_ISA_CFLAGS[isa], *common],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(src)],
-            verbose=False,
-        )
+        with _build_guard(f"ds_patrickstar_adam_cpu_{isa}"):
+            return cpp_extension.load(
+                name=f"ds_patrickstar_adam_cpu_{isa}",
+                sources=[str(src / "adam_cpu.cpp")],
+                extra_cflags=["-O3", "-fopenmp", *_ISA_CFLAGS[isa], *common],
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(src)],
+                verbose=False,
+            )
     if device_type == "cuda":
         if torch.version.cuda is None:
             raise RuntimeError(f"this torch build ({torch.__version__}) has no CUDA support")
         if cpp_extension.CUDA_HOME is None:
             raise RuntimeError("nvcc / the CUDA toolkit was not found (set CUDA_HOME)")
-        _clear_stale_lock("ds_patrickstar_adam_cuda")
-        return cpp_extension.load(
-            name="ds_patrickstar_adam_cuda",
-            sources=[str(src / "adam_cuda_binding.cpp"), str(src / "adam_cuda.cu")],
-            extra_cflags=["-O3", *common],
-            extra_cuda_cflags=["-O3", "-lineinfo", *common],
-            extra_include_paths=[str(src)],
-            verbose=False,
-        )
+        with _build_guard("ds_patrickstar_adam_cuda"):
+            return cpp_extension.load(
+                name="ds_patrickstar_adam_cuda",
+                sources=[str(src / "adam_cuda_binding.cpp"), str(src / "adam_cuda.cu")],
+                extra_cflags=["-O3", *common],
+                extra_cuda_cflags=["-O3", "-lineinfo", *common],
+                extra_include_paths=[str(src)],
+                verbose=False,
+            )
     raise RuntimeError(f"no fused Adam kernel for device type {device_type!r}")
 
 

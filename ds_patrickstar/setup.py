@@ -52,7 +52,7 @@ class Memory:
         owned = {c.chunk_id for c in manager.owned_chunks()}
         meter = None
         if isinstance(accel, EmulatedAccelerator):
-            model_storages = {c.payload.untyped_storage()._cdata for c in manager.chunks}
+            model_storages = manager.model_storages()
             meter = SavedTensorMeter(lambda s: s._cdata in model_storages)
         placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
         runtime = PlacementRuntime(placer, MemoryTracer(accel, meter), self.store, self.counters, manager.chunks)

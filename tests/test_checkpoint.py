@@ -82,6 +82,29 @@ def test_resume_and_reshard(tmp_path, reference, save_world, load_world):
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference), rtol=1e-5, atol=1e-6)
 
 
+def test_a_format_1_checkpoint_still_loads(tmp_path, reference):
+    """Format 1 (before tensors could straddle chunks) stored one whole piece per parameter as
+    ``(chunk, offset, numel, shape)``; rewritten that way, a checkpoint resumes on 2 ranks as before."""
+    first = run_ranks(_save_half, 1, str(tmp_path))
+    tag = (tmp_path / "latest").read_text().strip()
+    (optim,) = (tmp_path / tag).glob("*optim_states.pt")
+    state = torch.load(optim, weights_only=False)
+    sd = state["optimizer_state_dict"]
+    layout = {}
+    for name, (shape, pieces) in sd["layout"].items():
+        (cid, offset, start, numel), = pieces
+        assert start == 0
+        layout[name] = (cid, offset, numel, shape)
+    sd.update(format="ds_patrickstar/1", layout=layout)
+    torch.save(state, optim)
+    from ds_patrickstar.checkpoint import write_marker
+
+    write_marker(str(tmp_path), tag)
+    second = run_ranks(_resume, 2, str(tmp_path))
+    torch.testing.assert_close(torch.tensor(first[0]["losses"] + second[0]["losses"]), torch.tensor(reference),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_consolidated_fp32_equals_live_master(tmp_path):
     live = run_ranks(_save_half, 2, str(tmp_path))[0]["fp32"]
     from ds_patrickstar.checkpoint import consolidate_fp32_state_dict

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from ds_patrickstar.chunk import (Chunk, ChunkState, IllegalTransition, TensorInfo, TensorState,
+from ds_patrickstar.chunk import (Chunk, ChunkState, IllegalTransition, Piece, TensorInfo, TensorState,
                                   check_transition)
 
 S = TensorState
@@ -48,8 +48,9 @@ def _chunk_with_two_tensors():
     infos = []
     offset = 0
     for i, p in enumerate(params):
-        info = TensorInfo(f"p{i}", p, 0, offset, p.numel(), p.shape, 0)
-        chunk.append(info)
+        piece = Piece(0, offset, 0, p.numel())
+        info = TensorInfo(f"p{i}", p, [piece], p.numel(), p.shape, 0)
+        chunk.append(info, piece)
         chunk.view_of(info).copy_(p.data)
         p.data = chunk.view_of(info)
         infos.append(info)

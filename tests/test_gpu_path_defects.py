@@ -107,7 +107,7 @@ def test_6_preflight_refuses_before_allocating_anything(monkeypatch):
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=100_000))
     built = []
-    monkeypatch.setattr(chunk_manager.ChunkManager, "_build_chunk", lambda self, spec: built.append(spec))
+    monkeypatch.setattr(chunk_manager.ChunkManager, "_build_group", lambda self, specs: built.append(specs))
     with pytest.raises(ValueError, match="largest model that would fit"):
         _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=1)
     assert built == []

@@ -9,12 +9,14 @@ scalar variants of the CPU kernel (two more builds, ~90 s).
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -235,19 +237,31 @@ def test_other_isa_variants(isa):
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, caplog):
-    """A build killed half-way leaves torch's lock file; without this every later process waits on it."""
+def test_a_build_lock_left_by_a_dead_process_is_removed_and_a_live_build_waited_for(tmp_path, monkeypatch,
+                                                                                     caplog):
+    """A process killed while torch held its build lock leaves the lock file; without the guard every
+    later process waits on it forever. A live holder of the guard is waited for."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     from torch.utils import cpp_extension
 
-    lock = tmp_path.joinpath(cpp_extension._get_build_directory("probe", False), "lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    build_dir = tmp_path.joinpath(cpp_extension._get_build_directory("probe", False))
+    lock = build_dir / "lock"
     lock.touch()
-    kernels._clear_stale_lock("probe")
-    assert lock.exists()  # a build may be running
-    old = lock.stat().st_mtime - kernels.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING, logger="ds_patrickstar.kernels"):
-        kernels._clear_stale_lock("probe")
-    assert not lock.exists()
-    assert "did not finish" in caplog.text
+        with kernels._build_guard("probe"):
+            assert not lock.exists()
+    assert "whose process died" in caplog.text
+    entered = threading.Event()
+    with open(build_dir / "ds_patrickstar.flock", "a") as held:  # another process building now
+        fcntl.flock(held, fcntl.LOCK_EX)
+
+        def load():
+            with kernels._build_guard("probe"):
+                entered.set()
+
+        waiter = threading.Thread(target=load)
+        waiter.start()
+        assert not entered.wait(0.5)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert entered.wait(10)
+    waiter.join()
