@@ -1,17 +1,16 @@
 """Per-step counters: bytes all-gathered / reduce-scattered per step, the engine getter, the monitor.
 
 Model and layout (chunk_size 1024, fp32): Linear(16,32), Linear(32,32), Linear(32,4) are six
-tensors of 512, 32, 1024, 32, 128 and 4 elements. With 2 ranks the balanced plan (first fit
-decreasing, see [Note: balanced chunk groups]) puts the 1024-element weight in one chunk and
-the other five (708 used) in the other: one chunk group of two chunks of capacity 1024 (4096
-bytes each), rank r owning chunk r. Per step:
+tensors of 512, 32, 1024, 32, 128 and 4 elements, 1732 in all. With 2 ranks they are one chunk
+group, back to back, cut into two chunks of 866 elements (3464 bytes each; the 1024-element
+weight straddles the cut, see [Note: balanced chunk groups]), rank r owning chunk r. Per step:
 
 * forward: the group is gathered at the first layer and kept gathered after the last layer's
   forward (see [Note: kept groups]) for backward: 1 all-gather, receiving the other rank's
-  chunk, (W-1)/W of the group = 4096 bytes; with ``keep_gathered: 0`` it is released after the
+  chunk, (W-1)/W of the group = 3464 bytes; with ``keep_gathered: 0`` it is released after the
   forward and gathered again in backward: 2 all-gathers;
 * after the last gradient the group is reduce-scattered once: each rank sends the other
-  rank's part, 4096 bytes.
+  rank's part, 3464 bytes.
 """
 import csv
 import math
@@ -24,7 +23,7 @@ import torch
 from multiproc import run_ranks
 
 STEPS = 4
-CHUNK_BYTES = 1024 * 4
+CHUNK_BYTES = 866 * 4
 
 
 def _model():
@@ -70,8 +69,8 @@ def test_two_ranks_match_the_closed_form(keep_gathered, gathers):
     # step, released after its forward use (keep_gathered=0) twice
     results = run_ranks(_train, 2, None, keep_gathered)
     for rank, res in enumerate(results):
-        assert res["layout"]["capacities"] == [1024, 1024], res["layout"]
-        assert sorted(res["layout"]["used"]) == [708, 1024], res["layout"]
+        assert res["layout"]["capacities"] == [866, 866], res["layout"]
+        assert res["layout"]["used"] == [866, 866], res["layout"]
         assert res["before"]["bytes_all_gathered"] == 0 and res["before"]["bytes_reduce_scattered"] == 0
         for step, counters in enumerate(res["per_step"]):
             # per step, not cumulative: the same numbers every step
