@@ -32,6 +32,21 @@ which release other ranks' chunks.
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
 
+[Note: tied weights between backward uses]
+A weight held by two modules (GPT's token embedding and LM head) gets its gradient only after
+the last backward use, so its group, with the gradient slots it will receive, would stay gathered
+from the LM head's backward to the embedding's: the whole backward pass. A module holding such
+a weight therefore gets a post-backward hook (:mod:`ds_patrickstar.hooks`); when the module's
+backward is over and no other backward use of the tensor is under way (uses are counted from
+each backward access, recomputations included, and a use counts as over only when its
+post-backward says so), the tensor goes back to ``HOLD_AFTER_FWD`` and its group is treated as
+after a forward use: kept within ``keep_gathered``, released above it, gathered again at the
+next use. A dense ``nn.Embedding`` reads no weight values in backward: when its group is released
+and holds only its tensors, its backward gathers nothing (:meth:`ChunkManager.grads_only`), and
+the gradient's arrival gives the group zeroed slots instead (:meth:`ChunkManager.take_grad`),
+so the tied weight is gathered three times per step (embedding and LM head forward, LM head
+backward) and held gathered only while used.
+
 [Note: straddling tensors]
 With data parallelism a chunk group is one flat sequence cut into ``W`` equal members (see
 [Note: balanced chunk groups]), so a tensor may have pieces in two or more members of its
@@ -92,6 +107,7 @@ class ChunkManager:
         self._prefetched: set[int] = set()  # gathered ahead of use and not used since
         self._reducing: list = []  # reduce-scatters in flight, oldest first
         self._unjoined: set[TensorInfo] = set()  # straddling tensors gathered but not joined yet
+        self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self.order = GatherOrder()
         self._largest_group_bytes = max([0] + [c.nbytes for c in self.chunks]) * comm.world_size
         logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
@@ -333,6 +349,8 @@ class ChunkManager:
         for info in infos:
             self._join(info)
             info.start_compute()
+            if inside_backward():  # a backward use, or a recomputation for one: not over before it says so
+                self._backward_users[info] = self._backward_users.get(info, 0) + 1
         if training:
             self._prefetch(keep)
         if self.placement is not None:
@@ -386,6 +404,33 @@ class ChunkManager:
                 else:
                     self._release_group(group)
 
+    # ---- tied weights between backward uses ------------------------------------------
+    def backward_use_over(self, infos: list[TensorInfo]) -> None:
+        """A module's backward is over: its tensors that still wait for a gradient (tied to a module
+        that backward reaches later) stop being used, and a group whose tensors all wait may go;
+        see [Note: tied weights between backward uses]."""
+        groups = set()
+        for info in infos:
+            self._backward_users[info] = max(0, self._backward_users.get(info, 0) - 1)
+            if info.state is _S.COMPUTE and self._backward_users[info] == 0:
+                info.end_backward_use()
+                groups.add(self.group_of(self.chunk_of(info)))
+        if self.comm.world_size == 1:
+            return
+        for group in sorted(groups):
+            if group in self._present and all(t.state is _S.HOLD_AFTER_FWD for t in self.group_tensors(group)):
+                self._keep(group)
+
+    def grads_only(self, infos: list[TensorInfo]) -> bool:
+        """Whether ``infos``' gradients can go to slots without gathering their values first: every
+        group of theirs is released and holds nothing else (its slots are then zeroed, not gathered,
+        when the first gradient arrives, see :meth:`take_grad`)."""
+        if self.comm.world_size == 1:
+            return False
+        mine = set(infos)
+        groups = {self.group_of(self.chunk_of(info)) for info in infos}
+        return all(g not in self._present and set(self.group_tensors(g)) <= mine for g in groups)
+
     # ---- gradients ----------------------------------------------------------------
     @torch.no_grad()
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
@@ -395,6 +440,9 @@ class ChunkManager:
             raise RuntimeError("a non-boundary micro-step without gradient accumulation")
         flat = grad.reshape(-1)
         keep = set(info.chunk_ids)
+        group = self.group_of(self.chunk_of(info))
+        if self.comm.world_size > 1 and group not in self._present:  # see grads_only()
+            self._gather_group(group, fill=False)
         for piece in info.pieces:
             chunk = self.chunks[piece.chunk_id]
             self._bring(chunk, keep)  # a gradient is never written through a host round trip
@@ -411,7 +459,6 @@ class ChunkManager:
             info.settle()
             return
         info.grad_written()
-        group = self.group_of(self.chunk_of(info))
         self._pending[group] -= 1
         if self._pending[group] == 0:  # the group's last gradient: O(1) per parameter, not a scan
             self._reduce_group(group)
@@ -444,6 +491,7 @@ class ChunkManager:
     def end_backward(self, boundary: bool) -> None:
         """Backward epilogue: at the boundary every group gets its gradients and is reduced; before
         it, the gathered groups are kept for the next micro-step (see [Note: kept groups])."""
+        self._backward_users.clear()
         if not boundary:
             for info in self._infos.values():
                 if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
