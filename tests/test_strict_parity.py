@@ -72,3 +72,27 @@ def test_strict_grad_accumulation(backend, dtype):
     ours, ref = _pair("tied", dtype, gas=2)
     check(ours, ref, dtype)
     _moved_every_step(ours)
+
+
+def _dp_pair(rank, world_size, model, stage, gas, budget):
+    from test_dp_overlap import _quirk
+
+    extra = {"emulate_accelerator": True, "device_budget": budget}
+    return _quirk(rank, world_size, model, "fp32", stage, gas, extra if stage == "patrickstar" else None)
+
+
+@pytest.mark.parametrize("model,gas", [("tied", 2), ("reused", 1), ("frozen", 2)])
+def test_strict_two_ranks(model, gas):
+    """Two real ranks on the strict accelerator (all-gathers land as NaN until waited on): each
+    rank's budget holds about its share of the model plus a gathered group, so on models of
+    several groups chunks move while groups are gathered, kept and reduced."""
+    from multiproc import run_ranks
+
+    budget = _budget(model, "fp32", gas) * 3 // 2
+    ref = run_ranks(_dp_pair, 2, model, 3, gas, 0)
+    ours = run_ranks(_dp_pair, 2, model, "patrickstar", gas, budget)
+    for rank in range(2):
+        check(ours[rank], ref[rank], "fp32")
+    owned = ours[0].counters[0]["adam_chunks_device"] + ours[0].counters[0]["adam_chunks_host"]
+    if owned > 1:  # with one owned chunk a rank has nothing to move (the reused model: one group)
+        assert sum(c["bytes_to_host"] for c in ours[0].counters[1:]) > 0, ours[0].counters
