@@ -41,11 +41,12 @@ backward is over and no other backward use of the tensor is under way (uses are 
 each backward access, recomputations included, and a use counts as over only when its
 post-backward says so), the tensor goes back to ``HOLD_AFTER_FWD`` and its group is treated as
 after a forward use: kept within ``keep_gathered``, released above it, gathered again at the
-next use. A dense ``nn.Embedding`` reads no weight values in backward: when its group is released
-and holds only its tensors, its backward gathers nothing (:meth:`ChunkManager.grads_only`), and
-the gradient's arrival gives the group zeroed slots instead (:meth:`ChunkManager.take_grad`),
-so the tied weight is gathered three times per step (embedding and LM head forward, LM head
-backward) and held gathered only while used.
+next use. A dense ``nn.Embedding`` reads no weight values in backward, so its backward makes none
+ready (:meth:`ChunkManager.grads_only`): a kept group is not joined again, and a released group
+that holds only its tensors is not gathered, the gradient's arrival giving it zeroed slots
+instead (:meth:`ChunkManager.take_grad`). With ``keep_gathered: 0`` the tied weight is gathered
+three times per step (embedding and LM head forward, LM head backward) and held gathered only
+while used.
 
 [Note: straddling tensors]
 With data parallelism a chunk group is one flat sequence cut into ``W`` equal members (see
@@ -54,9 +55,13 @@ group, each owned by another rank. Everything that works on chunk elements (the 
 the gradient slots and the reduce-scatter, the fp32 masters and Adam, the gradient norm,
 checkpoints) works on pieces and needs nothing else. Only the module needs the tensor whole
 and contiguous: such a parameter is a view of its own *joined* buffer (charged to the device
-ledger like a chunk, storage resized to zero while its group is not gathered). The buffer gets
-memory when its group is all-gathered and is filled from the pieces at the tensor's first use
-after the gather has completed (:meth:`ChunkManager._join`); it is freed with the group. Its
+ledger like a chunk, storage resized to zero while it is not needed). The buffer gets memory when
+its group is all-gathered and is filled from the pieces at the tensor's first use after the gather
+has completed (:meth:`ChunkManager._join`); it is freed with the group, and also when the group is
+*kept* between uses (see [Note: kept groups]): the pieces stay gathered, and the next use gets the
+buffer back and fills it again from them (a local copy, no communication), so a rank holding
+every group gathered does not also hold a second copy of every straddling tensor. Autograd's
+saved views of the parameter stay valid across the free (its storage is resized, not replaced). Its
 gradient is copied piece by piece into the slots, as any gradient is copied into its slot. At
 most ``W - 1`` tensors per group straddle, so the extra memory is a few tensors while gathered.
 """
@@ -254,13 +259,27 @@ class ChunkManager:
         self._present.add(group)
         self._fresh.add(group)
 
-    def _release_group(self, group: int) -> None:
-        if self.comm.world_size == 1 or group not in self._present:
-            return
+    def _drop_joined(self, group: int) -> None:
+        """The joined buffers of ``group``'s straddling tensors go; their values stay in the pieces."""
         for info in self._joined(group):
             if info.joined.untyped_storage().nbytes():
                 self.store.accel.free(info.joined, "chunk")
             self._unjoined.discard(info)
+
+    def _rejoin(self, info: TensorInfo, keep: frozenset[int]) -> None:
+        """A straddling tensor of a kept group is about to be used: its joined buffer comes back
+        (filled from the pieces by :meth:`_join`); see [Note: straddling tensors]."""
+        if not info.straddles or info.joined.untyped_storage().nbytes():
+            return
+        if self.placement is not None:
+            self.placement.make_room(info.numel * info.joined.element_size(), set(keep))
+        self.store.accel.materialize(info.joined, "chunk", f"{info.name} (joined)")
+        self._unjoined.add(info)
+
+    def _release_group(self, group: int) -> None:
+        if self.comm.world_size == 1 or group not in self._present:
+            return
+        self._drop_joined(group)
         for chunk in self.group_members(group):
             if not self.is_owned(chunk):
                 self.store.release(chunk)  # waits for a collective still using the chunk
@@ -292,6 +311,7 @@ class ChunkManager:
                 self._release_group(group)
                 return
         self._kept[group] = self._kept_bytes(group)
+        self._drop_joined(group)  # a kept group keeps its pieces, not their joined copies
         while self.keep_limit is not None and sum(self._kept.values()) > self.keep_limit:
             self._release_group(next(iter(self._kept)))
         held = sum(self._kept.values())
@@ -347,6 +367,7 @@ class ChunkManager:
                 self.comm.counters.prefetch_hits += 1
             self._wait_for_use(chunk)
         for info in infos:
+            self._rejoin(info, keep)
             self._join(info)
             info.start_compute()
             if inside_backward():  # a backward use, or a recomputation for one: not over before it says so
@@ -422,14 +443,15 @@ class ChunkManager:
                 self._keep(group)
 
     def grads_only(self, infos: list[TensorInfo]) -> bool:
-        """Whether ``infos``' gradients can go to slots without gathering their values first: every
-        group of theirs is released and holds nothing else (its slots are then zeroed, not gathered,
-        when the first gradient arrives, see :meth:`take_grad`)."""
+        """Whether ``infos``' gradients can go to slots without their values being made ready: every
+        group of theirs is gathered (kept: its slots are there), or released and holding nothing
+        else (its slots are then zeroed, not gathered, when the first gradient arrives, see
+        :meth:`take_grad`)."""
         if self.comm.world_size == 1:
             return False
         mine = set(infos)
         groups = {self.group_of(self.chunk_of(info)) for info in infos}
-        return all(g not in self._present and set(self.group_tensors(g)) <= mine for g in groups)
+        return all(g in self._present or set(self.group_tensors(g)) <= mine for g in groups)
 
     # ---- gradients ----------------------------------------------------------------
     @torch.no_grad()
