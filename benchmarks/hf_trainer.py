@@ -3,7 +3,7 @@ Trainer and DeepSpeed stage "patrickstar".
 
     python benchmarks/hf_trainer.py                                   # one process, configs/hf_patrickstar.json
     deepspeed --num_gpus 2 benchmarks/hf_trainer.py --steps 100       # 2 ranks (CPU-only: 2 processes on gloo)
-    python benchmarks/hf_trainer.py --deepspeed configs/zero3_hf.json # any DeepSpeed config Trainer accepts
+    python benchmarks/hf_trainer.py --deepspeed my_ds_config.json     # any DeepSpeed config Trainer accepts
 
 Needs the ``hf`` extra (``pip install -e ".[hf]"``). Tokens are raw bytes (vocabulary 256): a
 uniform guess scores ln 256 = 5.55. Prints the Trainer's progress bar and loss logs, then its

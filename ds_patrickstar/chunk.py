@@ -136,6 +136,11 @@ class TensorInfo:
     def end_forward(self) -> None:
         self.transition(TensorState.HOLD_AFTER_FWD)
 
+    def end_backward_use(self) -> None:
+        """A backward use is over and the gradient still waits for another use (a tied weight):
+        the values are not needed until then (see [Note: tied weights between backward uses])."""
+        self.transition(TensorState.HOLD_AFTER_FWD)
+
     def grad_written(self) -> None:
         self.transition(TensorState.HOLD_AFTER_BWD)
 

@@ -32,6 +32,22 @@ which release other ranks' chunks.
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
 
+[Note: tied weights between backward uses]
+A weight held by two modules (GPT's token embedding and LM head) gets its gradient only after
+the last backward use, so its group, with the gradient slots it will receive, would stay gathered
+from the LM head's backward to the embedding's: the whole backward pass. A module holding such
+a weight therefore gets a post-backward hook (:mod:`ds_patrickstar.hooks`); when the module's
+backward is over and no other backward use of the tensor is under way (uses are counted from
+each backward access, recomputations included, and a use counts as over only when its
+post-backward says so), the tensor goes back to ``HOLD_AFTER_FWD`` and its group is treated as
+after a forward use: kept within ``keep_gathered``, released above it, gathered again at the
+next use. A dense ``nn.Embedding`` reads no weight values in backward, so its backward makes none
+ready (:meth:`ChunkManager.grads_only`): a kept group is not joined again, and a released group
+that holds only its tensors is not gathered, the gradient's arrival giving it zeroed slots
+instead (:meth:`ChunkManager.take_grad`). With ``keep_gathered: 0`` the tied weight is gathered
+three times per step (embedding and LM head forward, LM head backward) and held gathered only
+while used.
+
 [Note: straddling tensors]
 With data parallelism a chunk group is one flat sequence cut into ``W`` equal members (see
 [Note: balanced chunk groups]), so a tensor may have pieces in two or more members of its
@@ -39,9 +55,13 @@ group, each owned by another rank. Everything that works on chunk elements (the 
 the gradient slots and the reduce-scatter, the fp32 masters and Adam, the gradient norm,
 checkpoints) works on pieces and needs nothing else. Only the module needs the tensor whole
 and contiguous: such a parameter is a view of its own *joined* buffer (charged to the device
-ledger like a chunk, storage resized to zero while its group is not gathered). The buffer gets
-memory when its group is all-gathered and is filled from the pieces at the tensor's first use
-after the gather has completed (:meth:`ChunkManager._join`); it is freed with the group. Its
+ledger like a chunk, storage resized to zero while it is not needed). The buffer gets memory when
+its group is all-gathered and is filled from the pieces at the tensor's first use after the gather
+has completed (:meth:`ChunkManager._join`); it is freed with the group, and also when the group is
+*kept* between uses (see [Note: kept groups]): the pieces stay gathered, and the next use gets the
+buffer back and fills it again from them (a local copy, no communication), so a rank holding
+every group gathered does not also hold a second copy of every straddling tensor. Autograd's
+saved views of the parameter stay valid across the free (its storage is resized, not replaced). Its
 gradient is copied piece by piece into the slots, as any gradient is copied into its slot. At
 most ``W - 1`` tensors per group straddle, so the extra memory is a few tensors while gathered.
 """
@@ -92,6 +112,7 @@ class ChunkManager:
         self._prefetched: set[int] = set()  # gathered ahead of use and not used since
         self._reducing: list = []  # reduce-scatters in flight, oldest first
         self._unjoined: set[TensorInfo] = set()  # straddling tensors gathered but not joined yet
+        self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self.order = GatherOrder()
         self._largest_group_bytes = max([0] + [c.nbytes for c in self.chunks]) * comm.world_size
         logger.info("ds_patrickstar: %d params in %d chunks (chunk_size=%d elements, %d rank(s))",
@@ -238,13 +259,27 @@ class ChunkManager:
         self._present.add(group)
         self._fresh.add(group)
 
-    def _release_group(self, group: int) -> None:
-        if self.comm.world_size == 1 or group not in self._present:
-            return
+    def _drop_joined(self, group: int) -> None:
+        """The joined buffers of ``group``'s straddling tensors go; their values stay in the pieces."""
         for info in self._joined(group):
             if info.joined.untyped_storage().nbytes():
                 self.store.accel.free(info.joined, "chunk")
             self._unjoined.discard(info)
+
+    def _rejoin(self, info: TensorInfo, keep: frozenset[int]) -> None:
+        """A straddling tensor of a kept group is about to be used: its joined buffer comes back
+        (filled from the pieces by :meth:`_join`); see [Note: straddling tensors]."""
+        if not info.straddles or info.joined.untyped_storage().nbytes():
+            return
+        if self.placement is not None:
+            self.placement.make_room(info.numel * info.joined.element_size(), set(keep))
+        self.store.accel.materialize(info.joined, "chunk", f"{info.name} (joined)")
+        self._unjoined.add(info)
+
+    def _release_group(self, group: int) -> None:
+        if self.comm.world_size == 1 or group not in self._present:
+            return
+        self._drop_joined(group)
         for chunk in self.group_members(group):
             if not self.is_owned(chunk):
                 self.store.release(chunk)  # waits for a collective still using the chunk
@@ -276,6 +311,7 @@ class ChunkManager:
                 self._release_group(group)
                 return
         self._kept[group] = self._kept_bytes(group)
+        self._drop_joined(group)  # a kept group keeps its pieces, not their joined copies
         while self.keep_limit is not None and sum(self._kept.values()) > self.keep_limit:
             self._release_group(next(iter(self._kept)))
         held = sum(self._kept.values())
@@ -331,8 +367,11 @@ class ChunkManager:
                 self.comm.counters.prefetch_hits += 1
             self._wait_for_use(chunk)
         for info in infos:
+            self._rejoin(info, keep)
             self._join(info)
             info.start_compute()
+            if inside_backward():  # a backward use, or a recomputation for one: not over before it says so
+                self._backward_users[info] = self._backward_users.get(info, 0) + 1
         if training:
             self._prefetch(keep)
         if self.placement is not None:
@@ -386,6 +425,34 @@ class ChunkManager:
                 else:
                     self._release_group(group)
 
+    # ---- tied weights between backward uses ------------------------------------------
+    def backward_use_over(self, infos: list[TensorInfo]) -> None:
+        """A module's backward is over: its tensors that still wait for a gradient (tied to a module
+        that backward reaches later) stop being used, and a group whose tensors all wait may go;
+        see [Note: tied weights between backward uses]."""
+        groups = set()
+        for info in infos:
+            self._backward_users[info] = max(0, self._backward_users.get(info, 0) - 1)
+            if info.state is _S.COMPUTE and self._backward_users[info] == 0:
+                info.end_backward_use()
+                groups.add(self.group_of(self.chunk_of(info)))
+        if self.comm.world_size == 1:
+            return
+        for group in sorted(groups):
+            if group in self._present and all(t.state is _S.HOLD_AFTER_FWD for t in self.group_tensors(group)):
+                self._keep(group)
+
+    def grads_only(self, infos: list[TensorInfo]) -> bool:
+        """Whether ``infos``' gradients can go to slots without their values being made ready: every
+        group of theirs is gathered (kept: its slots are there), or released and holding nothing
+        else (its slots are then zeroed, not gathered, when the first gradient arrives, see
+        :meth:`take_grad`)."""
+        if self.comm.world_size == 1:
+            return False
+        mine = set(infos)
+        groups = {self.group_of(self.chunk_of(info)) for info in infos}
+        return all(g in self._present or set(self.group_tensors(g)) <= mine for g in groups)
+
     # ---- gradients ----------------------------------------------------------------
     @torch.no_grad()
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
@@ -395,6 +462,9 @@ class ChunkManager:
             raise RuntimeError("a non-boundary micro-step without gradient accumulation")
         flat = grad.reshape(-1)
         keep = set(info.chunk_ids)
+        group = self.group_of(self.chunk_of(info))
+        if self.comm.world_size > 1 and group not in self._present:  # see grads_only()
+            self._gather_group(group, fill=False)
         for piece in info.pieces:
             chunk = self.chunks[piece.chunk_id]
             self._bring(chunk, keep)  # a gradient is never written through a host round trip
@@ -411,7 +481,6 @@ class ChunkManager:
             info.settle()
             return
         info.grad_written()
-        group = self.group_of(self.chunk_of(info))
         self._pending[group] -= 1
         if self._pending[group] == 0:  # the group's last gradient: O(1) per parameter, not a scan
             self._reduce_group(group)
@@ -444,6 +513,7 @@ class ChunkManager:
     def end_backward(self, boundary: bool) -> None:
         """Backward epilogue: at the boundary every group gets its gradients and is reduced; before
         it, the gathered groups are kept for the next micro-step (see [Note: kept groups])."""
+        self._backward_users.clear()
         if not boundary:
             for info in self._infos.values():
                 if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):

@@ -16,6 +16,11 @@ from .chunk import TensorInfo
 from .hooks import inside_backward, iter_tensors
 
 
+def _backward_reads_no_weights(module: torch.nn.Module) -> bool:
+    """A dense ``nn.Embedding``: its backward needs the indices and the weight's shape, not its values."""
+    return type(module) is torch.nn.Embedding and not module.sparse
+
+
 class TrainingFlow:
     """Implements :class:`~ds_patrickstar.hooks.HookTarget` for one model."""
 
@@ -60,7 +65,12 @@ class TrainingFlow:
         self.manager.after_forward(infos)
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        if _backward_reads_no_weights(module) and self.is_boundary() and self.manager.grads_only(infos):
+            return  # its gradient gets slots when it arrives (see [Note: tied weights between backward uses])
         self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))
+
+    def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        self.manager.backward_use_over(infos)
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
         self.manager.take_grad(info, grad, self.is_boundary())

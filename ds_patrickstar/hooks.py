@@ -6,6 +6,10 @@
 * module forward post-hook: those params -> ``HOLD_AFTER_FWD``; and a multi-grad hook on
   the module's outputs (tensors found inside tuples, lists, dicts and dataclasses) that
   fires when backward reaches the module: its params -> ``COMPUTE`` again;
+* module post-backward (only on modules holding a parameter another module holds too, a
+  tied weight): an identity autograd function on the module's inputs whose backward runs
+  once the module's backward is over; its tensors that still wait for a gradient stop
+  being used (see [Note: tied weights between backward uses]);
 * per-parameter post-accumulate-grad hook: autograd has summed every use of the
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
@@ -40,6 +44,8 @@ class HookTarget(Protocol):
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
+    def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
+
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None: ...
 
     def before_state_dict(self) -> None: ...
@@ -71,6 +77,35 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name))
 
 
+def _mark_post_backward(args: tuple, callback: Callable[[], None]) -> tuple | None:
+    """``args`` with its positional tensors that require grad passed through :class:`_PostBackward`
+    (None, leaving the arguments as they are, when there is none: no post-backward then)."""
+    where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not where:
+        return None
+    marked = _PostBackward.apply(callback, *(args[i] for i in where))
+    args = list(args)
+    for i, tensor in zip(where, marked):
+        args[i] = tensor
+    return tuple(args)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's input tensors; its backward runs once every gradient into them is
+    computed, i.e. once the module's backward is over (FSDP2 marks the end of a module's
+    backward the same way)."""
+
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
 class HookRegistry:
     """Registers and removes every hook; see [Note: which hook drives which state]."""
 
@@ -82,10 +117,15 @@ class HookRegistry:
                                              with_kwargs=True),
             module.register_forward_hook(lambda mod, args, output: target.root_forward_end()),
         ]
+        holders: dict[int, int] = {}  # id(param) -> how many modules hold it
+        for sub in module.modules():
+            for param in sub.parameters(recurse=False):
+                holders[id(param)] = holders.get(id(param), 0) + 1
         for sub in module.modules():
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
             if infos:
-                self._register_module(sub, infos)
+                tied = any(holders[id(i.param)] > 1 for i in infos)
+                self._register_module(sub, infos, tied)
         self._handles.append(module.register_state_dict_pre_hook(
             lambda mod, prefix, keep_vars: target.before_state_dict()))
         self._handles.append(module.register_state_dict_post_hook(
@@ -102,11 +142,14 @@ class HookRegistry:
                 seen.add(id(param))
                 self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(info)))
 
-    def _register_module(self, sub: torch.nn.Module, infos: list[TensorInfo]) -> None:
+    def _register_module(self, sub: torch.nn.Module, infos: list[TensorInfo], tied: bool) -> None:
         target = self._target
 
-        def pre_forward(mod: torch.nn.Module, args: Any) -> None:
+        def pre_forward(mod: torch.nn.Module, args: Any) -> Any:
             target.pre_forward(mod, infos)
+            if tied and torch.is_grad_enabled() and not inside_backward():
+                return _mark_post_backward(args, lambda: target.post_backward(mod, infos))
+            return None
 
         def post_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
             target.post_forward(mod, infos)

@@ -89,3 +89,34 @@ def test_accelerate_accumulate_save_state_load_state_two_ranks(tmp_path):
         assert torch.equal(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"])
     for name, value in ref[0]["state_dict"].items():  # stage 3 gathers onto rank 0 only
         torch.testing.assert_close(ours[0]["state_dict"][name], value, rtol=RTOL, atol=1e-5, msg=name)
+
+
+def test_hf_trainer_script_runs_as_a_user_runs_it(tmp_path):
+    """benchmarks/hf_trainer.py end to end in its own process (default config, tiny sizes): it
+    trains, evaluates to a finite perplexity below a uniform guess's (256), and saves a model
+    that from_pretrained reads."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from transformers import GPT2LMHeadModel
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "hf_trainer.py"), "--steps", "20", "--seq-len", "32",
+           "--batch", "4", "--n-layer", "1", "--n-embd", "32", "--eval-windows", "8", "--lr", "3e-3",
+           "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert "perplexity" in log, log[-3000:]
+    model = GPT2LMHeadModel.from_pretrained(out / "final")
+    assert model.config.n_layer == 1
+    assert json.loads((out / "final" / "config.json").read_text())["n_embd"] == 32
+    found = re.search(r"perplexity\s*=\s*([0-9.eE+-]+)", log)
+    assert found, log[-3000:]
+    assert float(found.group(1)) < 256, found.group(0)

@@ -72,3 +72,28 @@ def test_strict_grad_accumulation(backend, dtype):
     ours, ref = _pair("tied", dtype, gas=2)
     check(ours, ref, dtype)
     _moved_every_step(ours)
+
+
+def _dp_pair(rank, world_size, model, stage, gas, budget):
+    from test_dp_overlap import _quirk
+
+    extra = {"emulate_accelerator": True, "device_budget": budget}
+    return _quirk(rank, world_size, model, "fp32", stage, gas, extra if stage == "patrickstar" else None)
+
+
+@pytest.mark.parametrize("model,gas", [("tied", 2), ("reused", 1), ("frozen", 2)])
+def test_strict_two_ranks(model, gas):
+    """Two real ranks on the strict accelerator (all-gathers land as NaN until waited on). Each
+    rank's budget is 9/8 of the one-rank budget above: a rank owns half the model but gathers
+    the other half while a group is in use, so chunks move while groups are gathered, kept and
+    reduced (the tied model at GA 2 fits without a move from 5/4 up and fails below 9/8)."""
+    from multiproc import run_ranks
+
+    budget = _budget(model, "fp32", gas) * 9 // 8
+    ref = run_ranks(_dp_pair, 2, model, 3, gas, 0)
+    ours = run_ranks(_dp_pair, 2, model, "patrickstar", gas, budget)
+    for rank in range(2):
+        check(ours[rank], ref[rank], "fp32")
+    owned = ours[0].counters[0]["adam_chunks_device"] + ours[0].counters[0]["adam_chunks_host"]
+    if owned > 1:  # with one owned chunk a rank has nothing to move (the reused model: one group)
+        assert sum(c["bytes_to_host"] for c in ours[0].counters[1:]) > 0, ours[0].counters
