@@ -366,11 +366,12 @@ class ChunkManager:
                 chunk.prefetched = False
                 self.comm.counters.prefetch_hits += 1
             self._wait_for_use(chunk)
+        backward = inside_backward()  # a backward use, or a recomputation for one: not over before it says so
         for info in infos:
             self._rejoin(info, keep)
             self._join(info)
             info.start_compute()
-            if inside_backward():  # a backward use, or a recomputation for one: not over before it says so
+            if backward:
                 self._backward_users[info] = self._backward_users.get(info, 0) + 1
         if training:
             self._prefetch(keep)

@@ -25,6 +25,7 @@ recomputation, which is just another ``COMPUTE`` use.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -117,10 +118,7 @@ class HookRegistry:
                                              with_kwargs=True),
             module.register_forward_hook(lambda mod, args, output: target.root_forward_end()),
         ]
-        holders: dict[int, int] = {}  # id(param) -> how many modules hold it
-        for sub in module.modules():
-            for param in sub.parameters(recurse=False):
-                holders[id(param)] = holders.get(id(param), 0) + 1
+        holders = Counter(id(p) for sub in module.modules() for p in sub.parameters(recurse=False))
         for sub in module.modules():
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
             if infos:
