@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ds_patrickstar import kernels  # noqa: E402
-from ds_patrickstar.adam_math import AdamHyper, adam_step_reference  # noqa: E402
+from ds_patrickstar.optim.adam_math import AdamHyper, adam_step_reference  # noqa: E402
 
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
 BYTES = {"ours": 28, "ds_cpu_adam": 40, "ds_fused_adam": 40, "torch_fused_e2e": 40, "torch_fused_fp32": 28,

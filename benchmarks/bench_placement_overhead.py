@@ -64,13 +64,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ds_patrickstar.accelerator import EmulatedAccelerator  # noqa: E402
-from ds_patrickstar.chunk_manager import ChunkManager, plan_chunks  # noqa: E402
-from ds_patrickstar.comm import ChunkComm  # noqa: E402
-from ds_patrickstar.config import PatrickStarConfig  # noqa: E402
+from ds_patrickstar.chunks.layout import plan_chunks  # noqa: E402
 from ds_patrickstar.counters import StepCounters  # noqa: E402
-from ds_patrickstar.device import ChunkStore  # noqa: E402
-from ds_patrickstar.setup import Memory  # noqa: E402
+from ds_patrickstar.dist.comm import ChunkComm  # noqa: E402
+from ds_patrickstar.dist.manager import ChunkManager  # noqa: E402
+from ds_patrickstar.dist.reductions import InFlightReductions  # noqa: E402
+from ds_patrickstar.integration.assembly import make_placement  # noqa: E402
+from ds_patrickstar.integration.config import PatrickStarConfig  # noqa: E402
+from ds_patrickstar.memory.binding import build_chunk_map  # noqa: E402
+from ds_patrickstar.memory.emulated import EmulatedAccelerator  # noqa: E402
+from ds_patrickstar.memory.store import ChunkStore  # noqa: E402
 
 
 def describe_machine() -> str:
@@ -102,12 +105,15 @@ class Setup:
         accel = EmulatedAccelerator(self.budget)
         store = ChunkStore(accel, self.counters, movable=True)
         comm = ChunkComm(None, self.counters)
-        self.manager = ChunkManager(specs, elems, accumulate=False, comm=comm, store=store)
+        chunk_map = build_chunk_map(specs, 1, 0, store, has_values=lambda p: True)
         options = PatrickStarConfig(emulate_accelerator=True, device_budget=self.budget, chunk_size=elems)
-        self.runtime = Memory(accel, store, options, self.counters).attach_placement(self.manager)
+        reductions = InFlightReductions()
+        self.runtime = make_placement(options, accel, store, self.counters, chunk_map, reductions)
+        self.manager = ChunkManager(chunk_map, comm, store, self.runtime, reductions, accumulate=False,
+                                    keep_gathered=None, prefetch_groups=1)
         self.setup_s = time.perf_counter() - t0
-        assert len(self.manager.chunks) == n, (len(self.manager.chunks), n)
-        infos = [self.manager.info(p) for p in self.params]  # chunk i holds parameter i
+        assert len(self.manager.map.chunks) == n, (len(self.manager.map.chunks), n)
+        infos = [self.manager.map.info(p) for p in self.params]  # chunk i holds parameter i
         self.moments = [infos[i:i + per_moment] for i in range(0, n, per_moment)]
         self.grad = torch.zeros(elems)
         # Time spent choosing eviction victims (the resident scan and the Belady sort), by wrapping

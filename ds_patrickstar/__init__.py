@@ -2,16 +2,34 @@
 
 ``import ds_patrickstar`` and set ``"zero_optimization": {"stage": "patrickstar"}`` in a
 DeepSpeed config; see README.md.
+
+The sub-packages, bottom to top; each imports only from those below it (``tests/test_layers.py``
+checks it):
+
+* ``chunks``: the layout, chunks, tensor states and the chunk map (no memory of its own);
+* ``memory``: accelerator primitives and the strict CPU twin, the device ledger, the chunk store,
+  binding parameters to chunks, the pre-flight arithmetic;
+* ``placement``: the memory tracer, the placement policy, the runtime that carries it out;
+* ``dist``: collectives and chunk groups (gather, keep, prefetch, release, reduce-scatter), the
+  chunk manager;
+* ``optim``: Adam math, kernels, optimizer states, per-chunk Adam;
+* ``io``: checkpoints, state-dict streaming, ``Init``, ``load_pretrained``;
+* ``integration``: DeepSpeed registration, config, engine, ZeRO-optimizer adapter, assembly,
+  hooks, Hugging Face.
+
+``counters`` (the per-step counters) and ``autograd_state`` (is a backward running?) are leaf
+modules every layer may import; ``plan`` and ``zero_to_fp32`` are the command-line entry points.
 """
-from .chunk import ChunkState, IllegalTransition, TensorState
-from .config import PatrickStarConfig
-from .engine import PatrickStarEngine, gathered_parameters
-from .init import Init
-from .pretrained import load_pretrained
-from .registration import install
+from .chunks.state import ChunkState, IllegalTransition, TensorState
+from .integration.config import PatrickStarConfig
+from .integration.engine import PatrickStarEngine, gathered_parameters
+from .integration.registration import install
+from .io.checkpoint import consolidate_fp32_state_dict
+from .io.init import Init
+from .io.pretrained import load_pretrained
 
 __all__ = ["ChunkState", "IllegalTransition", "Init", "PatrickStarConfig", "PatrickStarEngine", "TensorState",
-           "gathered_parameters", "install", "load_pretrained"]
+           "consolidate_fp32_state_dict", "gathered_parameters", "install", "load_pretrained"]
 __version__ = "0.1.0"
 
 install()

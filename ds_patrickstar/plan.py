@@ -1,88 +1,29 @@
-"""Will it fit? The model-data arithmetic of the pre-flight check, from the chunk plan alone.
-
-[Note: pre-flight]
-Before anything is allocated, the chunk plan (:func:`~ds_patrickstar.chunk_manager.plan_chunks`)
-gives each rank's owned elements. Model data per rank is
-
-* low-precision parameters (their gradients reuse the slots): ``lp_bytes`` per owned element;
-* fp32 master, momentum and variance: 12 bytes per owned element;
-* with gradient accumulation, an fp32 accumulator for *every* chunk the rank computes
-  gradients for (all of them): 4 bytes per element of the whole model.
-
-With placement these bytes may live on the accelerator (up to its budget) or on the host,
-so the run fits when they are at most budget + available host memory. One implementation,
-used by ``deepspeed.initialize``, by ``python -m ds_patrickstar.plan`` (the same functions on a
-parameter count, a GPT shape or a Hugging Face config.json built on ``meta``) and by the tests
-that compare it with a real run's counters.
+"""The planner's command line: ``python -m ds_patrickstar.plan``. Will a model fit, and where would
+its model data live? The arithmetic is the pre-flight check's (:mod:`ds_patrickstar.memory.preflight`,
+see [Note: pre-flight]) on the chunk plan ``deepspeed.initialize`` would make, from a parameter
+count, a GPT shape or a Hugging Face ``config.json`` built on ``meta``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
 
-OPTIM_BYTES_PER_ELEMENT = 12  # fp32 master + momentum + variance
-ACC_BYTES_PER_ELEMENT = 4
+from .chunks.chunk_map import owner_of
+from .chunks.layout import plan_chunks
+from .memory.preflight import largest_fitting_params, plan_for_rank
 
-
-@dataclass(frozen=True)
-class ModelDataPlan:
-    owned_elements: int
-    total_elements: int
-    lp_bytes: int
-    accumulate: bool
-
-    @property
-    def bytes_per_owned_element(self) -> int:
-        return self.lp_bytes + OPTIM_BYTES_PER_ELEMENT
-
-    @property
-    def model_data_bytes(self) -> int:
-        """Model data on this rank, device and host together."""
-        acc = ACC_BYTES_PER_ELEMENT * self.total_elements if self.accumulate else 0
-        return self.owned_elements * self.bytes_per_owned_element + acc
+__all__ = ["capacities_for", "main", "plan_report", "sizes_from_gpt", "sizes_from_hf_config"]
 
 
-def plan_for_rank(capacities: list[int], owners: list[int], rank: int, lp_bytes: int,
-                  accumulate: bool) -> ModelDataPlan:
-    owned = sum(c for c, o in zip(capacities, owners) if o == rank)
-    return ModelDataPlan(owned, sum(capacities), lp_bytes, accumulate)
-
-
-def largest_fitting_params(plan: ModelDataPlan, available: int, world_size: int) -> int:
-    """The most parameters whose model data fits ``available`` bytes per rank at this world size."""
-    per_param = plan.bytes_per_owned_element + (ACC_BYTES_PER_ELEMENT * world_size if plan.accumulate else 0)
-    return available // per_param * world_size
-
-
-def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size: int) -> None:
-    """Raise ``ValueError`` when the model data cannot fit accelerator budget plus free host memory."""
-    need = plan.model_data_bytes
-    available = budget + host_available
-    if need <= available:
-        return
-    fits = largest_fitting_params(plan, available, world_size)
-    raise ValueError(f"the model data needs {need / 2**30:.2f} GiB on this rank ({plan.bytes_per_owned_element} "
-                     f"bytes per owned parameter x {plan.owned_elements:,} owned elements"
-                     f"{', + 4 bytes per parameter for gradient accumulation' if plan.accumulate else ''}) but the "
-                     f"accelerator budget ({budget / 2**30:.2f} GiB) plus free host memory give "
-                     f"{available / 2**30:.2f} GiB; the largest model that would fit has about "
-                     f"{fits / 1e6:,.0f}M parameters at this world size")
-
-
-# ---- the planner CLI: python -m ds_patrickstar.plan ----------------------------------------
 def capacities_for(shapes: list[int], chunk_size: int, world_size: int) -> list[int]:
     """Chunk capacities of a model given its trainable tensors' sizes (in registration order): the
     chunk plan ``deepspeed.initialize`` makes, without building anything."""
-    import torch
+    named = [(str(i), torch.nn.Parameter(torch.empty(n, device="meta"))) for i, n in enumerate(shapes)]
 
-    from .chunk_manager import plan_chunks
-
-    named = [(str(i), torch.empty(n, device="meta")) for i, n in enumerate(shapes)]
     return [spec.capacity for spec in plan_chunks([named], chunk_size, world_size)]
 
 
-def _sizes_from_hf_config(path: str) -> list[int]:
+def sizes_from_hf_config(path: str) -> list[int]:
     """Trainable tensor sizes of the Hugging Face model a ``config.json`` describes (built on ``meta``)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
@@ -91,7 +32,7 @@ def _sizes_from_hf_config(path: str) -> list[int]:
     return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
-def _sizes_from_gpt(spec: str) -> list[int]:
+def sizes_from_gpt(spec: str) -> list[int]:
     """``WIDTHxDEPTH[xVOCAB[xSEQ]]`` of benchmarks/gpt_model.GPT: its tensor sizes in order."""
     parts = [int(x) for x in spec.lower().split("x")]
     width, depth = parts[0], parts[1]
@@ -106,7 +47,7 @@ def plan_report(sizes: list[int], chunk_size: int, world_size: int, lp_bytes: in
                 device_budget: int, host_bytes: int) -> dict:
     """Rank 0's model data (the rank with the most), where it would live, and the largest model that fits."""
     capacities = capacities_for(sizes, chunk_size, world_size)
-    owners = [i % world_size for i in range(len(capacities))]
+    owners = [owner_of(i, world_size) for i in range(len(capacities))]
     plans = [plan_for_rank(capacities, owners, r, lp_bytes, accumulate) for r in range(world_size)]
     plan = max(plans, key=lambda p: p.model_data_bytes)
     need = plan.model_data_bytes
@@ -133,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     """``python -m ds_patrickstar.plan``: will it fit? See [Note: pre-flight]."""
     import argparse
 
-    from .config import DEFAULT_CHUNK_SIZE
+    from .integration.config import DEFAULT_CHUNK_SIZE
 
     parser = argparse.ArgumentParser(prog="python -m ds_patrickstar.plan",
                                      description="Model data per rank of a stage 'patrickstar' run, where it would "
@@ -156,9 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
         n = int(args.params)
         sizes = [args.chunk_size] * (n // args.chunk_size) + ([n % args.chunk_size] if n % args.chunk_size else [])
     elif args.hf_config is not None:
-        sizes = _sizes_from_hf_config(args.hf_config)
+        sizes = sizes_from_hf_config(args.hf_config)
     else:
-        sizes = _sizes_from_gpt(args.gpt)
+        sizes = sizes_from_gpt(args.gpt)
     report = plan_report(sizes, args.chunk_size, args.world_size, 4 if args.dtype == "fp32" else 2,
                          args.gradient_accumulation, _bytes(args.device_mem), _bytes(args.host_mem))
     gib = 2**30

@@ -4,7 +4,7 @@
 
 The output is a ``torch.save``-d ``{name: tensor}`` that ``model.load_state_dict`` takes
 (trainable parameters from the fp32 masters; frozen parameters and buffers from the module
-state). The same as :func:`ds_patrickstar.checkpoint.consolidate_fp32_state_dict`.
+state). The same as :func:`ds_patrickstar.consolidate_fp32_state_dict`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from .checkpoint import CheckpointError, consolidate_fp32_state_dict
+from .io.checkpoint import CheckpointError, consolidate_fp32_state_dict
 
 logger = logging.getLogger("ds_patrickstar.zero_to_fp32")
 

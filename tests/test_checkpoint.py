@@ -97,7 +97,7 @@ def test_a_format_1_checkpoint_still_loads(tmp_path, reference):
         layout[name] = (cid, offset, numel, shape)
     sd.update(format="ds_patrickstar/1", layout=layout)
     torch.save(state, optim)
-    from ds_patrickstar.checkpoint import write_marker
+    from ds_patrickstar.io.checkpoint import write_marker
 
     write_marker(str(tmp_path), tag)
     second = run_ranks(_resume, 2, str(tmp_path))
@@ -107,7 +107,7 @@ def test_a_format_1_checkpoint_still_loads(tmp_path, reference):
 
 def test_consolidated_fp32_equals_live_master(tmp_path):
     live = run_ranks(_save_half, 2, str(tmp_path))[0]["fp32"]
-    from ds_patrickstar.checkpoint import consolidate_fp32_state_dict
+    from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
 
     consolidated = consolidate_fp32_state_dict(str(tmp_path))
     assert consolidated.keys() == live.keys()

@@ -4,8 +4,8 @@ import itertools
 import pytest
 import torch
 
-from ds_patrickstar.chunk import (Chunk, ChunkState, IllegalTransition, Piece, TensorInfo, TensorState,
-                                  check_transition)
+from ds_patrickstar.chunks.chunk import Chunk, Piece, TensorInfo
+from ds_patrickstar.chunks.state import ChunkState, IllegalTransition, TensorState, check_transition
 
 S = TensorState
 LEGAL = {
@@ -31,9 +31,9 @@ def test_illegal_transition_raises(old, new):
 
 
 def _store():
-    from ds_patrickstar.accelerator import HostAccelerator
+    from ds_patrickstar.memory.accelerator import HostAccelerator
     from ds_patrickstar.counters import StepCounters
-    from ds_patrickstar.device import ChunkStore
+    from ds_patrickstar.memory.store import ChunkStore
 
     return ChunkStore(HostAccelerator(), StepCounters(), movable=False)
 
@@ -93,11 +93,11 @@ def test_release_keeps_views_valid():
 
 
 def test_packing_is_first_fit_and_a_large_tensor_gets_its_own_chunk():
-    from ds_patrickstar.chunk_manager import ALIGN, _plan_group
+    from ds_patrickstar.chunks.layout import ALIGN, plan_first_fit
 
     sizes = {"w1": 900, "b1": 10, "big": 5000, "w2": 900, "b2": 10}
     named = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in sizes.items()]
-    plans = _plan_group(named, chunk_size=1024)
+    plans = plan_first_fit(named, chunk_size=1024)
     layout = [[name for name, _, _ in plan] for plan in plans]
     # b1 and b2 fill the gap w1 leaves (first fit); the 5000-element tensor is alone; w2 opens a chunk
     assert layout == [["w1", "b1", "b2"], ["big"], ["w2"]]

@@ -42,20 +42,6 @@ def _config(stage, gas, keep_gathered=None):
     return cfg
 
 
-def _zero3_volume():
-    from deepspeed.comm import comm as ds_comm
-
-    world = ds_comm.get_world_size()
-    gathered = scattered = 0
-    for name, sizes in ds_comm.comms_logger.comms_dict.items():
-        for msg_size, record in sizes.items():
-            if name.startswith("all_gather"):
-                gathered += record[0] * msg_size * (world - 1)
-            elif name.startswith("reduce_scatter"):
-                scattered += record[0] * msg_size * (world - 1) // world
-    return gathered, scattered
-
-
 def _worker(rank, world_size, stage, gas, keep_gathered=None):
     import deepspeed
 
@@ -76,14 +62,16 @@ def _worker(rank, world_size, stage, gas, keep_gathered=None):
             engine.backward(loss)
             engine.step()
     if stage == 3:
-        gathered, scattered = _zero3_volume()
-        return {"gathered": gathered, "scattered": scattered}
+        from train_gpt import comms_logger_volume
+
+        volume = comms_logger_volume()
+        return {"gathered": volume["bytes_all_gathered"], "scattered": volume["bytes_reduce_scattered"]}
     counters = engine.get_patrickstar_counters()
     manager = engine.optimizer.manager
-    size = manager.chunks[0].payload.element_size()
-    pad = sum(c.capacity - c.used for c in manager.chunks) * size * (world_size - 1) // world_size
+    size = manager.map.chunks[0].payload.element_size()
+    pad = sum(c.capacity - c.used for c in manager.map.chunks) * size * (world_size - 1) // world_size
     return {"gathered": counters["bytes_all_gathered"], "scattered": counters["bytes_reduce_scattered"],
-            "pad": pad, "gathers": counters["all_gathers"], "groups": manager.num_groups,
+            "pad": pad, "gathers": counters["all_gathers"], "groups": manager.map.num_groups,
             "prefetched": counters["prefetched_all_gathers"],
             "param_bytes": sum(p.numel() for p in model.parameters()) * size}
 
@@ -110,7 +98,7 @@ def test_chunk_groups_send_no_more_than_zero3(preset, chunk_size, world_size):
     tensors no whole-tensor layout can split evenly (small and gpt2-medium at 3 ranks, gpt-114m at 2)."""
     from gpt_model import GPT, get_config
 
-    from ds_patrickstar.layout import plan_chunks
+    from ds_patrickstar.chunks.layout import plan_chunks
 
     with torch.device("meta"):
         model = GPT(get_config(preset))

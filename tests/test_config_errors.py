@@ -102,9 +102,9 @@ def test_conflicting_stock_key_is_an_error(key, value, why):
 
 
 def test_stock_tuning_keys_only_warn(caplog):
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.config"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.config"):
         engine = _init(_config(reduce_bucket_size=5e8, overlap_comm=True))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.config"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.integration.config"]
     assert len(warnings) == 1, warnings
     assert "['overlap_comm', 'reduce_bucket_size']" in warnings[0]
     assert "ignored by stage 'patrickstar'" in warnings[0]

@@ -58,8 +58,8 @@ def _train(rank, world_size, monitor_dir=None, keep_gathered=None):
         engine.step()
         per_step.append(engine.get_patrickstar_counters())
     manager = engine.optimizer.manager
-    layout = {"capacities": [c.capacity for c in manager.chunks], "element_size": manager.chunks[0].payload.element_size(),
-              "used": [c.used for c in manager.chunks]}
+    layout = {"capacities": [c.capacity for c in manager.map.chunks], "element_size": manager.map.chunks[0].payload.element_size(),
+              "used": [c.used for c in manager.map.chunks]}
     return {"before": before, "per_step": per_step, "layout": layout, "samples": engine.global_samples}
 
 

@@ -58,7 +58,7 @@ def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_st
     if stage == "patrickstar":
         weights = engine.get_fp32_state_dict()
         opt_bytes = sum(s.nbytes for s in engine.optimizer.optim_states.states.values())
-        chunks = len(engine.optimizer.manager.chunks)
+        chunks = len(engine.optimizer.manager.map.chunks)
         counters = engine.get_patrickstar_counters()
     else:
         weights = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}

@@ -6,7 +6,7 @@ import torch
 
 from test_placement import BATCH, BUDGET, HIDDEN, LAYERS, _config, _mlp, _run
 
-from ds_patrickstar.accelerator import DeviceBudgetExceeded
+from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
 
 PARAMS = LAYERS * (HIDDEN * HIDDEN + HIDDEN)
 
@@ -14,7 +14,7 @@ PARAMS = LAYERS * (HIDDEN * HIDDEN + HIDDEN)
 def test_1_a_missing_wait_changes_the_numbers(monkeypatch):
     """Every payload read goes through Chunk.ready(); without its wait, the emulated copies leave
     poison and training diverges from ZeRO-3 (the vs-ZeRO-3 placement tests would catch it)."""
-    from ds_patrickstar.chunk import Chunk
+    from ds_patrickstar.chunks.chunk import Chunk
 
     config = _config("patrickstar", emulate_accelerator=True, device_budget=BUDGET)
     _, ref, _ = _run(_config(3), steps=3)
@@ -38,7 +38,7 @@ def test_2_model_data_is_14_bytes_per_param_over_device_and_host():
         engine.backward(engine(x).float().square().mean())
         engine.step()
     last = engine.get_patrickstar_counters()
-    capacity = sum(c.capacity for c in engine.optimizer.manager.chunks)
+    capacity = sum(c.capacity for c in engine.optimizer.manager.map.chunks)
     assert last["model_bytes_device"] + last["model_bytes_host"] == 14 * capacity
     assert capacity <= PARAMS * 1.01  # chunks are sized to their contents
     assert last["model_bytes_host"] > 0  # placement is really splitting them
@@ -89,12 +89,12 @@ def test_5_accumulators_exist_only_while_accumulating_and_follow_their_chunk():
     assert ours == ref
     opt = engine.optimizer
     assert opt.accel.ledger.by_kind.get("grad_acc", 0) == 0
-    assert all(c.acc is None and c.acc_host is None for c in opt.manager.chunks)  # none between steps
+    assert all(c.acc is None and c.acc_host is None for c in opt.manager.map.chunks)  # none between steps
     x = torch.randn(BATCH, HIDDEN)
     engine.backward(engine(x).square().mean())  # a non-boundary micro-step
     device_acc = opt.accel.ledger.by_kind.get("grad_acc", 0)
-    host_acc = sum(c.acc_host.numel() * 4 for c in opt.manager.chunks if c.acc_host is not None)
-    assert device_acc + host_acc == 4 * sum(c.capacity for c in opt.manager.chunks)
+    host_acc = sum(c.acc_host.numel() * 4 for c in opt.manager.map.chunks if c.acc_host is not None)
+    assert device_acc + host_acc == 4 * sum(c.capacity for c in opt.manager.map.chunks)
     assert host_acc > 0  # the budget is too small: evicted chunks took their accumulators along
     engine.destroy()
 
@@ -102,12 +102,12 @@ def test_5_accumulators_exist_only_while_accumulating_and_follow_their_chunk():
 def test_6_preflight_refuses_before_allocating_anything(monkeypatch):
     import psutil
 
-    from ds_patrickstar import chunk_manager
+    from ds_patrickstar.integration import assembly
 
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=100_000))
     built = []
-    monkeypatch.setattr(chunk_manager.ChunkManager, "_build_group", lambda self, specs: built.append(specs))
+    monkeypatch.setattr(assembly, "build_chunk_map", lambda *args, **kwargs: built.append(args))
     with pytest.raises(ValueError, match="largest model that would fit"):
         _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=1)
     assert built == []
@@ -133,7 +133,7 @@ def test_7_retrace_with_a_higher_tide_replans_optimizer_states():
 
 
 def test_8_the_tracer_never_resets_cuda_peak_statistics(monkeypatch):
-    from ds_patrickstar.accelerator import CudaAccelerator
+    from ds_patrickstar.memory.cuda import CudaAccelerator
 
     stats = {"allocated_bytes.all.current": 100, "allocated_bytes.all.peak": 500}
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
@@ -157,11 +157,11 @@ def test_9_host_adam_chunks_are_not_brought_to_the_device_for_the_step():
 
 
 def test_11_every_adam_kernel_is_built_at_initialize(monkeypatch):
-    from ds_patrickstar import optimizer
+    from ds_patrickstar.optim import chunk_adam
 
     built = []
-    monkeypatch.setattr(optimizer, "_adam_backend", lambda device: built.append(torch.device(device).type)
-                        or optimizer.adam_step_reference)
+    monkeypatch.setattr(chunk_adam, "adam_backend", lambda device: built.append(torch.device(device).type)
+                        or chunk_adam.adam_step_reference)
     engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=0)
     assert built == ["cpu"]  # the host kernel (hybrid Adam), before any step; on CUDA the device's too
     engine.destroy()
@@ -185,8 +185,8 @@ def test_budget_error_names_what_was_allocated():
 def test_8_a_chunk_that_came_and_went_between_moments_is_not_tide():
     """CUDA tracer: the allocator's peak since the previous moment, less the backend's own peak in
     the same interval; an eviction after a peak must not read as activation memory."""
-    from ds_patrickstar.accelerator import DeviceLedger
-    from ds_patrickstar.tracer import MemoryTracer
+    from ds_patrickstar.memory.ledger import DeviceLedger
+    from ds_patrickstar.placement.tracer import MemoryTracer
 
     class FakeAccel:
         reading = (0, 0)
@@ -219,15 +219,16 @@ def test_10_placement_bookkeeping_never_scans_every_chunk(monkeypatch):
     """Per-moment accounting is running totals (ledger, eviction queue): training under eviction
     pressure with a chunk list that raises when scanned still matches ZeRO-3. The cost per
     iteration at 1,000-20,000 chunks is measured by benchmarks/bench_placement_overhead.py."""
-    from ds_patrickstar.chunk_manager import ChunkManager
+    from ds_patrickstar.integration import assembly
 
-    attach = ChunkManager.attach_placement
+    make_placement = assembly.make_placement
 
-    def attach_index_only(manager, runtime):
+    def index_only(*args):
+        runtime = make_placement(*args)
         runtime.chunks = _IndexOnly(runtime.chunks)
-        attach(manager, runtime)
+        return runtime
 
-    monkeypatch.setattr(ChunkManager, "attach_placement", attach_index_only)
+    monkeypatch.setattr(assembly, "make_placement", index_only)
     engine, ours, counters = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=4)
     runtime = engine.optimizer.manager.placement
     assert isinstance(runtime.chunks, _IndexOnly)
@@ -241,7 +242,7 @@ def test_10_placement_bookkeeping_never_scans_every_chunk(monkeypatch):
 def test_12_a_prefetch_evicted_before_use_is_not_a_hit():
     engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=1)
     runtime = engine.optimizer.manager.placement
-    chunk = engine.optimizer.manager.chunks[0]
+    chunk = engine.optimizer.manager.map.chunks[0]
     runtime.bring(chunk, set())
     chunk.prefetched = True  # as end_moment marks a chunk it brought ahead of use
     assert not chunk.on_host

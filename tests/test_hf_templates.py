@@ -47,9 +47,9 @@ def test_offload_device_none_is_accepted_with_the_ignored_keys_warning(dist, cap
     cfg = make_config("patrickstar", chunk_size=1024)
     cfg["zero_optimization"].update(offload_optimizer={"device": "none", "pin_memory": True},
                                     offload_param={"device": "none", "pin_memory": True}, overlap_comm=True)
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.config"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.config"):
         engine = _init(cfg)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.config"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.integration.config"]
     assert len(warnings) == 1 and "['offload_optimizer', 'offload_param', 'overlap_comm']" in warnings[0], warnings
     assert torch.isfinite(torch.tensor(_step(engine)))
 
@@ -107,12 +107,12 @@ def test_optimizer_block_with_a_key_adam_does_not_have(dist, params, message):
 # ---- one process where several were launched --------------------------------------------
 def _world_warnings(caplog):
     _init(make_config("patrickstar", chunk_size=1024))
-    return [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.registration"]
+    return [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.integration.registration"]
 
 
 def test_world_size_in_the_environment_but_one_rank_warns_with_the_fix(dist, monkeypatch, caplog):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.registration"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.registration"):
         messages = _world_warnings(caplog)
     assert len(messages) == 1, messages
     assert "Hugging Face sees 1 process(es) but DeepSpeed's data-parallel world size is 1 (WORLD_SIZE=2)" in messages[0]
@@ -128,20 +128,20 @@ def test_accelerate_seeing_another_process_count_warns(dist, monkeypatch, caplog
     state = types.SimpleNamespace(PartialState=types.SimpleNamespace(_shared_state={"num_processes": 2}),
                                   AcceleratorState=types.SimpleNamespace(_shared_state={}))
     monkeypatch.setitem(sys.modules, "accelerate.state", state)
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.registration"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.registration"):
         messages = _world_warnings(caplog)
     assert len(messages) == 1 and "Hugging Face sees 2 process(es)" in messages[0], messages
 
 
 def test_no_warning_when_the_world_sizes_agree(dist, caplog):
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.registration"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.registration"):
         _init(make_config("patrickstar", chunk_size=1024))
-    assert not [r for r in caplog.records if r.name == "ds_patrickstar.registration"]
+    assert not [r for r in caplog.records if r.name == "ds_patrickstar.integration.registration"]
 
 
 # ---- accelerate's copy of the stage (see [Note: accelerate's zero_stage]) ----------------
 def test_stage_name_orders_as_stage_3_and_equals_only_its_name():
-    from ds_patrickstar.hf_compat import StageName
+    from ds_patrickstar.integration.hf_compat import StageName
 
     stage = StageName("patrickstar")
     assert not stage < 2 and stage >= 2 and stage > 2 and stage <= 3  # accelerate: ZeRO >= 2, no DDP no_sync
@@ -153,7 +153,7 @@ def test_adapt_accelerate_changes_only_patrickstar_plugins(monkeypatch):
     import sys
     import types
 
-    from ds_patrickstar.hf_compat import StageName, adapt_accelerate
+    from ds_patrickstar.integration.hf_compat import StageName, adapt_accelerate
 
     ours, stock = types.SimpleNamespace(zero_stage="patrickstar"), types.SimpleNamespace(zero_stage=3)
     state = types.SimpleNamespace(AcceleratorState=types.SimpleNamespace(

@@ -35,7 +35,7 @@ def _build_and_read(rank, world_size, chunk_size, seed):
     assert all(p.is_meta for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     manager = engine.optimizer.manager
-    foreign_materialized = [c.is_materialized for c in manager.chunks if not manager.is_owned(c)]
+    foreign_materialized = [c.is_materialized for c in manager.map.chunks if not manager.map.is_owned(c)]
     lp = {k: v.float() for k, v in engine.module.state_dict().items()}
     fp32 = engine.get_fp32_state_dict()
     x = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
@@ -43,7 +43,7 @@ def _build_and_read(rank, world_size, chunk_size, seed):
     engine.backward(loss)
     engine.step()
     return {"lp": lp, "fp32": fp32, "foreign_materialized": foreign_materialized,
-            "chunks": len(manager.chunks), "loss": loss.item()}
+            "chunks": len(manager.map.chunks), "loss": loss.item()}
 
 
 def test_same_seed_same_model_on_1_2_3_ranks_and_any_chunk_size():

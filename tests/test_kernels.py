@@ -21,8 +21,8 @@ import threading
 import pytest
 import torch
 
-from ds_patrickstar import kernels
-from ds_patrickstar.adam_math import AdamHyper, adam_step_reference
+from ds_patrickstar.optim import kernels
+from ds_patrickstar.optim.adam_math import AdamHyper, adam_step_reference
 
 # Master/exp_avg/exp_avg_sq of the fp32 kernel vs the float64 reference, one step:
 # |kernel - ref| <= ATOL + RTOL * |ref|. fp32 has a 6e-8 unit roundoff; the update
@@ -181,11 +181,11 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_build_extension", broken_build)
     monkeypatch.setattr(kernels, "_extensions", {})  # restored afterwards: the real build stays cached
     monkeypatch.setattr(kernels, "_backends", {})
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.kernels"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.optim.kernels"):
         for _ in range(3):
             assert kernels.get_adam_backend("cpu") is adam_step_reference
             assert kernels.adam_backend_name(torch.device("cpu")) == "torch_reference"
-    warnings = [r for r in caplog.records if r.name == "ds_patrickstar.kernels" and r.levelno == logging.WARNING]
+    warnings = [r for r in caplog.records if r.name == "ds_patrickstar.optim.kernels" and r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     msg = warnings[0].getMessage()
     assert "simulated compiler failure" in msg and "falling back" in msg and "To fix" in msg
@@ -220,7 +220,7 @@ def test_other_isa_variants(isa):
     # In a subprocess: the ISA is fixed at build time and cached per process.
     code = textwrap.dedent(f"""
         import torch
-        from ds_patrickstar import kernels
+        from ds_patrickstar.optim import kernels
         import tests.test_kernels as t
         assert kernels.cpu_simd_name() == {isa!r}, kernels.cpu_simd_name()
         step = kernels.get_adam_backend("cpu")
@@ -247,7 +247,7 @@ def test_a_build_lock_left_by_a_dead_process_is_removed_and_a_live_build_waited_
     build_dir = tmp_path.joinpath(cpp_extension._get_build_directory("probe", False))
     lock = build_dir / "lock"
     lock.touch()
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.kernels"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.optim.kernels"):
         with kernels._build_guard("probe"):
             assert not lock.exists()
     assert "whose process died" in caplog.text

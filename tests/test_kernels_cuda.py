@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_patrickstar import kernels
-from ds_patrickstar.adam_math import AdamHyper
+from ds_patrickstar.optim import kernels
+from ds_patrickstar.optim.adam_math import AdamHyper
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_kernels import HYPERS, check_against_reference, hyper_id, make_inputs  # noqa: E402
@@ -106,7 +106,7 @@ def test_cuda_kernel_unaligned_lp_only(cuda_step):
         n, device="cuda")
     ref = [t.double().cpu().clone() for t in (lp, master, exp_avg, exp_avg_sq)]
     cuda_step(lp, master, exp_avg, exp_avg_sq, step=1, hyper=HYPERS[0], grad_scale=1.0)
-    from ds_patrickstar.adam_math import adam_step_reference
+    from ds_patrickstar.optim.adam_math import adam_step_reference
     adam_step_reference(*ref, step=1, hyper=HYPERS[0], grad_scale=1.0)
     torch.testing.assert_close(master.cpu().double(), ref[1], rtol=2e-6, atol=1e-7)
     assert torch.equal(lp, master.bfloat16())

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 import harness
-from ds_patrickstar.placement import DeviceBudgetExceeded, belady_victims, optimizer_chunks_on_device
-from ds_patrickstar.tracer import NEVER, Moment, Trace
+from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
+from ds_patrickstar.placement.policy import belady_victims, optimizer_chunks_on_device
+from ds_patrickstar.placement.tracer import NEVER, Moment, Trace
 
 HIDDEN, LAYERS, BATCH = 160, 8, 4
 
@@ -41,7 +42,7 @@ def test_eviction_queue_agrees_with_the_plain_belady_rule():
     random traces and two iterations (the trace wraps)."""
     import random
 
-    from ds_patrickstar.placement import Placer
+    from ds_patrickstar.placement.policy import Placer
 
     rng = random.Random(0)
     for _ in range(20):
@@ -69,7 +70,7 @@ def test_eviction_queue_agrees_with_the_plain_belady_rule():
 
 
 def test_eviction_queue_stays_bounded():
-    from ds_patrickstar.placement import EvictionQueue
+    from ds_patrickstar.placement.policy import EvictionQueue
 
     queue = EvictionQueue()
     for i in range(100_000):
@@ -157,7 +158,7 @@ def test_budget_is_enforced():
 
 
 def test_shape_change_retraces(caplog):
-    caplog.set_level("INFO", logger="ds_patrickstar.tracer")
+    caplog.set_level("INFO", logger="ds_patrickstar.placement.tracer")
     engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET * 2), steps=5,
                         batches=[4, 4, 4, 8, 8])
     assert "input shapes changed" in caplog.text and "re-tracing" in caplog.text
@@ -233,7 +234,7 @@ def test_state_dict_and_checkpoint_with_chunks_on_the_host(tmp_path):
     config = _config("patrickstar", emulate_accelerator=True, device_budget=BUDGET)
     _, uninterrupted, _ = _run(config, steps=6)
     engine, first, _ = _run(config, steps=3)
-    assert any(c.on_host for c in engine.optimizer.manager.chunks)  # some chunks live on the host now
+    assert any(c.on_host for c in engine.optimizer.manager.map.chunks)  # some chunks live on the host now
     state = engine.module.state_dict()
     fp32 = engine.get_fp32_state_dict()
     for name, value in fp32.items():

@@ -36,17 +36,18 @@ def _train_and_count(rank, world_size, dtype):
 
 
 def test_gpt_shape_sizes_match_the_model():
-    from ds_patrickstar.plan import _sizes_from_gpt
+    from ds_patrickstar.plan import sizes_from_gpt
 
-    assert _sizes_from_gpt("64x3x128x32") == [p.numel() for p in GPT(TINY).parameters()]
+    assert sizes_from_gpt("64x3x128x32") == [p.numel() for p in GPT(TINY).parameters()]
 
 
 @pytest.mark.parametrize("world_size,dtype", [(1, "bf16"), (1, "fp32"), (2, "bf16")])
 def test_planner_equals_a_real_runs_counters(world_size, dtype):
-    from ds_patrickstar.plan import _sizes_from_gpt, capacities_for, plan_for_rank, plan_report
+    from ds_patrickstar.memory.preflight import plan_for_rank
+    from ds_patrickstar.plan import capacities_for, plan_report, sizes_from_gpt
 
     counted = run_ranks(_train_and_count, world_size, dtype)
-    sizes = _sizes_from_gpt("64x3x128x32")
+    sizes = sizes_from_gpt("64x3x128x32")
     lp = 2 if dtype == "bf16" else 4
     capacities = capacities_for(sizes, CHUNK, world_size)
     owners = [i % world_size for i in range(len(capacities))]
@@ -57,7 +58,7 @@ def test_planner_equals_a_real_runs_counters(world_size, dtype):
 
 
 def test_largest_fitting_model_and_the_preflight_message_agree():
-    from ds_patrickstar.plan import check_fits, largest_fitting_params, plan_for_rank
+    from ds_patrickstar.memory.preflight import check_fits, largest_fitting_params, plan_for_rank
 
     plan = plan_for_rank([1 << 20] * 8, [0, 1] * 4, 0, 2, False)
     assert plan.model_data_bytes == 4 * (1 << 20) * 14

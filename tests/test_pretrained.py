@@ -88,7 +88,7 @@ def _load_on_rank(rank, world_size, path):
     engine = _engine_under_init(lambda: GPT(TINY), _config("fp32"))
     ds_patrickstar.load_pretrained(engine, path)
     manager = engine.optimizer.manager
-    assert not any(c.is_materialized for c in manager.chunks if not manager.is_owned(c))
+    assert not any(c.is_materialized for c in manager.map.chunks if not manager.map.is_owned(c))
     return engine.get_fp32_state_dict()
 
 

@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from ds_patrickstar.accelerator import CopyHazard, DeviceBudgetExceeded, DeviceLedger, EmulatedAccelerator
-from ds_patrickstar.chunk import Chunk
+from ds_patrickstar.memory.emulated import CopyHazard, EmulatedAccelerator
+from ds_patrickstar.memory.ledger import DeviceBudgetExceeded, DeviceLedger
+from ds_patrickstar.chunks.chunk import Chunk
 from ds_patrickstar.counters import StepCounters
-from ds_patrickstar.device import ChunkStore
+from ds_patrickstar.memory.store import ChunkStore
 
 
 def test_copy_is_poison_until_waited_on():

@@ -47,9 +47,9 @@ def _watch_embedding_group(rank, world_size):
     config.pop("train_batch_size", None)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     manager = engine.optimizer.manager
-    wte = manager.info(model.gpt.wte.weight)
-    assert wte is manager.info(model.gpt.lm_head.weight)
-    others = [manager.chunks[cid] for cid in wte.chunk_ids if not manager.is_owned(manager.chunks[cid])]
+    wte = manager.map.info(model.gpt.wte.weight)
+    assert wte is manager.map.info(model.gpt.lm_head.weight)
+    others = [manager.map.chunks[cid] for cid in wte.chunk_ids if not manager.map.is_owned(manager.map.chunks[cid])]
     seen: list[bool] = []
     for block in model.gpt.blocks:
         block.register_full_backward_pre_hook(lambda *_: seen.append(any(c.is_materialized for c in others)))
@@ -60,7 +60,7 @@ def _watch_embedding_group(rank, world_size):
         engine.backward(loss)
         engine.step()
         counters = engine.get_patrickstar_counters()
-        steps.append((list(seen), counters["all_gathers"], manager.num_groups, wte.straddles))
+        steps.append((list(seen), counters["all_gathers"], manager.map.num_groups, wte.straddles))
     return steps
 
 

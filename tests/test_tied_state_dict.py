@@ -70,7 +70,7 @@ def _step(engine, kind, rank):
 
 
 def _chunk_aliases(engine, state_dict):
-    storages = {c.payload.untyped_storage()._cdata for c in engine.optimizer.manager.chunks}
+    storages = {c.payload.untyped_storage()._cdata for c in engine.optimizer.manager.map.chunks}
     return sorted(k for k, v in state_dict.items() if v.untyped_storage()._cdata in storages)
 
 

@@ -16,10 +16,12 @@ import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
+
 
 logger = logging.getLogger(__name__)
 
-STAGE_NAME = "patrickstar"
+STAGE_NAME: Literal["patrickstar"] = "patrickstar"
 DEFAULT_CHUNK_SIZE = 32 * 1024 * 1024
 
 # Stock ZeRO keys that would change what is kept where. Our placement decides that
@@ -122,7 +124,7 @@ class PatrickStarConfig(BaseModel):
         return value
 
 
-def _describe(error: dict) -> str:
+def _describe(error: ErrorDetails) -> str:
     key = ".".join(str(p) for p in error["loc"]) or "zero_optimization"
     value = error.get("input")
     if error["type"] == "extra_forbidden":

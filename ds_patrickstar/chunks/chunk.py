@@ -1,21 +1,5 @@
-"""Chunks: fixed-size flat payloads that parameters live in, and the tensor state machine.
-
-[Note: tensor states]
-Every trainable parameter has a :class:`TensorState`:
-
-* ``FREE``: its payload is not materialized (the chunk's storage is released);
-* ``HOLD``: its value is present and nobody is using it;
-* ``COMPUTE``: a module is using it (forward, backward or a recomputation);
-* ``HOLD_AFTER_FWD``: used in this forward and done for now;
-* ``HOLD_AFTER_BWD``: its slot holds its *gradient* (see [Note: gradient in the param slot]).
-
-The legal moves are the table :data:`_LEGAL`; anything else raises
-:class:`IllegalTransition`. Using a tensor whose slot holds a gradient for compute is
-illegal: that is what catches a forward that would read a gradient as a weight.
-
-A chunk's state is derived from its tensors (:attr:`Chunk.state`): ``COMPUTE`` pins it
-(it may neither move nor be freed), all-``FREE`` means ``RELEASED``, anything else is
-``HOLD`` (movable).
+"""Chunks: fixed-size flat payloads that parameters live in, and per-parameter metadata
+(:class:`TensorInfo`: where a parameter's pieces are, its state).
 
 [Note: gradient in the param slot]
 After a parameter's last backward use, autograd has accumulated its gradient; a
@@ -41,45 +25,11 @@ so the views (and the views autograd saved for backward) stay valid, as in FSDP2
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
 
-
-class IllegalTransition(RuntimeError):
-    """A tensor was asked to move between states in a way the state machine forbids."""
-
-
-class TensorState(enum.Enum):
-    FREE = "free"
-    HOLD = "hold"
-    COMPUTE = "compute"
-    HOLD_AFTER_FWD = "hold_after_fwd"
-    HOLD_AFTER_BWD = "hold_after_bwd"
-
-
-_S = TensorState
-_LEGAL: dict[TensorState, frozenset[TensorState]] = {
-    _S.FREE: frozenset({_S.HOLD}),
-    _S.HOLD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD_AFTER_BWD}),
-    # COMPUTE -> COMPUTE: a module nested in a module that uses the same tensor.
-    # COMPUTE -> HOLD: the gradient of a non-boundary micro-step went to the accumulator.
-    _S.COMPUTE: frozenset({_S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD}),
-    _S.HOLD_AFTER_FWD: frozenset({_S.FREE, _S.HOLD, _S.COMPUTE, _S.HOLD_AFTER_BWD}),
-    # A slot holding a gradient goes back to HOLD once the step (or an overflow restore)
-    # has written a parameter value into it, or to FREE once its gradient is consumed
-    # elsewhere (data parallel reduce-scatter). Never straight to COMPUTE, and never a
-    # second gradient into the same slot: that would mean a weight was read after its
-    # slot had been overwritten.
-    _S.HOLD_AFTER_BWD: frozenset({_S.HOLD, _S.FREE}),
-}
-
-
-def check_transition(old: TensorState, new: TensorState, name: str = "tensor") -> None:
-    if new not in _LEGAL[old]:
-        raise IllegalTransition(f"{name}: illegal tensor state transition {old.name} -> {new.name}; "
-                                f"from {old.name} only {sorted(s.name for s in _LEGAL[old])} are allowed")
+from .state import ChunkState, IllegalTransition, TensorState, check_transition
 
 
 @dataclass(frozen=True)
@@ -150,20 +100,13 @@ class TensorInfo:
             self.transition(TensorState.HOLD)
 
 
-
-class ChunkState(enum.Enum):
-    RELEASED = "released"
-    HOLD = "hold"
-    COMPUTE = "compute"
-
-
 @dataclass(eq=False)
 class Chunk:
     """A flat payload of ``capacity`` elements holding some tensors back to back.
 
     The buffers (``payload`` on the accelerator, ``host`` while the chunk lives on the host,
     the gradient accumulators ``acc``/``acc_host``) are created and moved by
-    :class:`~ds_patrickstar.device.ChunkStore`; their values are read and written only
+    :class:`~ds_patrickstar.memory.store.ChunkStore`; their values are read and written only
     through :meth:`ready` / :meth:`ready_acc` (see [Note: ready payload]).
     """
 
@@ -173,8 +116,8 @@ class Chunk:
     group_index: int
     tensors: list[TensorInfo] = field(default_factory=list)  # every tensor with a piece here, in order
     pieces: list[Piece] = field(default_factory=list)  # their pieces in this chunk, in the same order
-    payload: torch.Tensor | None = None  # on the accelerator; parameters are views of it
-    host: torch.Tensor | None = None  # the values while the chunk lives on the host (see device.py)
+    payload: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # on the accelerator; parameters are views of it
+    host: torch.Tensor | None = None  # the values while the chunk lives on the host (see memory/store.py)
     on_host: bool = False
     acc: torch.Tensor | None = None  # fp32 gradient accumulator beside the payload (GA > 1)
     acc_host: torch.Tensor | None = None  # ... and while the chunk is away from the accelerator
@@ -197,7 +140,13 @@ class Chunk:
         """The chunk's values where they live now, once every copy into or out of the chunk has
         completed: the one accessor for reading or writing them (see [Note: ready payload])."""
         self.wait_pending()
-        return self.host if self.on_host else self.payload
+        return self.host_buffer() if self.on_host else self.payload
+
+    def host_buffer(self) -> torch.Tensor:
+        """The host buffer of a chunk that lives on the host (not waited on: use :meth:`ready`)."""
+        if self.host is None:
+            raise RuntimeError(f"chunk {self.chunk_id} has no host buffer (it lives on the accelerator)")
+        return self.host
 
     def ready_acc(self) -> torch.Tensor | None:
         """The gradient accumulator where it lives now (None when there is none), after its copies."""
@@ -210,7 +159,8 @@ class Chunk:
 
     @property
     def is_materialized(self) -> bool:
-        return self.payload is not None and self.payload.untyped_storage().nbytes() > 0
+        return self.payload.untyped_storage().nbytes() > 0
+
 
     @property
     def state(self) -> ChunkState:

@@ -24,14 +24,14 @@ recomputation, which is just another ``COMPUTE`` use.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .chunk import TensorInfo
+from ..autograd_state import inside_backward, iter_tensors
+from ..chunks.chunk import TensorInfo
 
 
 class HookTarget(Protocol):
@@ -49,33 +49,11 @@ class HookTarget(Protocol):
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None: ...
 
-    def before_state_dict(self) -> None: ...
-
     def before_load_state_dict(self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None: ...
 
     def after_load_state_dict(self, incompatible_keys: Any) -> None: ...
 
     def after_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
-
-
-def inside_backward() -> bool:
-    """Whether autograd is running a backward pass now (e.g. an activation-checkpoint recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside (possibly nested) tuples, lists, dicts and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):  # includes Hugging Face ModelOutput
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from iter_tensors(value)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name))
 
 
 def _mark_post_backward(args: tuple, callback: Callable[[], None]) -> tuple | None:
@@ -85,10 +63,10 @@ def _mark_post_backward(args: tuple, callback: Callable[[], None]) -> tuple | No
     if not where:
         return None
     marked = _PostBackward.apply(callback, *(args[i] for i in where))
-    args = list(args)
+    replaced = list(args)
     for i, tensor in zip(where, marked):
-        args[i] = tensor
-    return tuple(args)
+        replaced[i] = tensor
+    return tuple(replaced)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -97,12 +75,13 @@ class _PostBackward(torch.autograd.Function):
     backward the same way)."""
 
     @staticmethod
-    def forward(ctx, callback: Callable[[], None], *inputs: torch.Tensor):  # type: ignore[override]
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
         return inputs
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+
         ctx.callback()
         return (None, *grads)
 
@@ -124,8 +103,6 @@ class HookRegistry:
             if infos:
                 tied = any(holders[id(i.param)] > 1 for i in infos)
                 self._register_module(sub, infos, tied)
-        self._handles.append(module.register_state_dict_pre_hook(
-            lambda mod, prefix, keep_vars: target.before_state_dict()))
         self._handles.append(module.register_state_dict_post_hook(
             lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)))
         self._handles.append(module.register_load_state_dict_pre_hook(

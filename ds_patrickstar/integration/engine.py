@@ -25,18 +25,17 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from . import checkpoint
-
+from ..io import checkpoint
+from ..io.export import host_parameters
+from ..io.init import DeferredModel, swap_deferred
 from .config import PatrickStarConfig, torch_adam_from_block
-from .export import host_parameters
-from .init import swap_deferred
-from .optimizer import PatrickStarOptimizer
+from .zero_optimizer import PatrickStarOptimizer
 
 
 class PatrickStarEngine(DeepSpeedEngine):
     def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
         self._patrickstar_config = patrickstar_config
-        self._deferred = None  # the model's meta parameters, materialized into chunks (see init.py)
+        self._deferred: DeferredModel | None = None  # meta parameters, materialized into chunks (see io/init.py)
         # The module stays where it was built: chunks are built on the host and placement brings
         # them to the accelerator when used, so a model larger than the device can start.
         super().__init__(*args, dont_change_device=True, **kwargs)
@@ -60,8 +59,9 @@ class PatrickStarEngine(DeepSpeedEngine):
         from deepspeed.utils import groups
 
         device = torch.device(self.device)
+        deferred = self._deferred_model()
         for param in self.module.parameters():
-            if self._deferred.is_deferred(param):
+            if deferred.is_deferred(param):
                 continue  # no values yet: deferred init gives the same values on every rank
             data = param.data
             staged = data if device.type == "cpu" or data.device == device else data.to(device)
@@ -73,10 +73,17 @@ class PatrickStarEngine(DeepSpeedEngine):
         raise ValueError("stage 'patrickstar' needs an optimizer: add an \"optimizer\" block (Adam or AdamW) to the "
                          "DeepSpeed config or pass optimizer= to deepspeed.initialize")
 
+    def _deferred_model(self) -> DeferredModel:
+        if self._deferred is None:
+            raise RuntimeError("the model's deferred parameters are read before DeepSpeed configured the model")
+        return self._deferred
+
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
-        model_parameters = self._deferred.remap(model_parameters)
+        deferred = self._deferred_model()
+        model_parameters = deferred.remap(model_parameters)
         if isinstance(client_optimizer, torch.optim.Optimizer):
-            self._deferred.remap_optimizer(client_optimizer)
+            deferred.remap_optimizer(client_optimizer)
+
         if client_optimizer is None:
             basic = self._torch_adam(model_parameters)
         elif isinstance(client_optimizer, torch.optim.Optimizer):
@@ -139,7 +146,7 @@ class PatrickStarEngine(DeepSpeedEngine):
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         tag = checkpoint.resolve_tag(load_dir, tag)
         checkpoint.verify_complete(load_dir, tag)
-        checkpoint.check_model_file(self.optimizer.manager, load_dir, tag)
+        checkpoint.check_model_file(self.optimizer.chunk_map, load_dir, tag)
         return super().load_checkpoint(load_dir, tag, **kwargs)
 
     def _copy_recovery_script(self, save_path):
@@ -162,7 +169,7 @@ class PatrickStarEngine(DeepSpeedEngine):
         if runtime is None or not runtime.tide:
             raise RuntimeError("no placement trace to plot: placement runs on CUDA or with "
                                "zero_optimization.emulate_accelerator=true, after at least one iteration")
-        from .tide_plot import plot_tide
+        from ..placement.tide_plot import plot_tide
 
         return plot_tide(runtime.tide, runtime.placer.budget, path,
                          f"ds_patrickstar tide ({runtime.placer.policy} placement)")

@@ -6,7 +6,7 @@ use, into torch's extension cache (``TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``); later processes reuse the build.
 
 * :func:`get_adam_backend` returns a function with the signature of
-  :func:`ds_patrickstar.adam_math.adam_step_reference`: the fused CPU kernel for
+  :func:`ds_patrickstar.optim.adam_math.adam_step_reference`: the fused CPU kernel for
   ``cpu``, the CUDA kernel for ``cuda``, else the reference.  If a kernel cannot
   be built, it logs one warning (why, and how to fix it) and returns the
   reference.  ``DS_PATRICKSTAR_FORCE_TORCH_ADAM=1`` forces the reference.
@@ -30,14 +30,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .adam_math import AdamHyper, adam_step_reference, bias_corrections
+from .adam_math import AdamHyper, AdamStep, adam_step_reference, bias_corrections
 
 logger = logging.getLogger(__name__)
 
 FORCE_TORCH_ENV = "DS_PATRICKSTAR_FORCE_TORCH_ADAM"
 CPU_ISA_ENV = "DS_PATRICKSTAR_CPU_ISA"
-
-AdamStep = Callable[..., None]
 
 _ISA_CFLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -65,7 +63,7 @@ def source_dir() -> Path:
     except (ImportError, ModuleNotFoundError, TypeError):
         pass
     # Running from a source checkout where ds_patrickstar.csrc is not mapped.
-    return (Path(__file__).resolve().parent.parent / "ops").resolve()
+    return (Path(__file__).resolve().parents[2] / "ops").resolve()
 
 
 def _cpu_flags() -> set[str]:

@@ -31,6 +31,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ..chunks.chunk_map import ChunkMap
+
 FORMAT = "ds_patrickstar/2"
 _FORMATS = (FORMAT, "ds_patrickstar/1")
 MARKER = "ds_patrickstar_complete.json"
@@ -90,7 +92,7 @@ def verify_complete(load_dir: str, tag: str) -> None:
                                   f"written: it is truncated or was modified")
 
 
-def check_model_file(manager, load_dir: str, tag: str) -> None:
+def check_model_file(chunk_map: ChunkMap, load_dir: str, tag: str) -> None:
     """Compare the parameter shapes DeepSpeed recorded in the model file with this model."""
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
@@ -98,19 +100,19 @@ def check_model_file(manager, load_dir: str, tag: str) -> None:
     shapes = {}
     for group in torch.load(path, map_location="cpu", weights_only=False).get("param_shapes") or []:
         shapes.update(group)
-    check_same_shapes(manager, shapes)
+    check_same_shapes(chunk_map, shapes)
 
 
 # ---- optimizer state ----------------------------------------------------------------
-def optimizer_state(manager, states: dict, group_steps: list[int], loss_scaler,
+def optimizer_state(chunk_map: ChunkMap, states: dict, group_steps: list[int], loss_scaler,
                     param_groups: list[dict]) -> dict[str, Any]:
     """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
     the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory."""
     layout = {info.name: (tuple(info.shape), [(p.chunk_id, p.offset, p.start, p.numel) for p in info.pieces])
-              for info in manager.infos()}
+              for info in chunk_map.infos()}
     chunks = {cid: {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
               for cid, opt in states.items()}
-    return {"format": FORMAT, "rank": manager.comm.rank, "world_size": manager.comm.world_size,
+    return {"format": FORMAT, "rank": chunk_map.rank, "world_size": chunk_map.world_size,
             "layout": layout, "chunks": chunks, "group_steps": list(group_steps), "loss_scaler": loss_scaler,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
 
@@ -124,13 +126,13 @@ def _entry(entry: tuple) -> tuple[tuple, list[tuple[int, int, int, int]]]:
     return tuple(shape), [tuple(p) for p in pieces]
 
 
-def check_same_model(manager, saved_layout: dict[str, tuple]) -> None:
-    check_same_shapes(manager, {name: _entry(entry)[0] for name, entry in saved_layout.items()})
+def check_same_model(chunk_map: ChunkMap, saved_layout: dict[str, tuple]) -> None:
+    check_same_shapes(chunk_map, {name: _entry(entry)[0] for name, entry in saved_layout.items()})
 
 
-def check_same_shapes(manager, saved_shapes: dict[str, Any]) -> None:
+def check_same_shapes(chunk_map: ChunkMap, saved_shapes: dict[str, Any]) -> None:
     """Raise :class:`CheckpointError` naming the first differences between the checkpoint and the model."""
-    ours = {info.name: tuple(info.shape) for info in manager.infos()}
+    ours = {info.name: tuple(info.shape) for info in chunk_map.infos()}
     theirs = {name: tuple(shape) for name, shape in saved_shapes.items()}
     problems = [f"{n} missing from the checkpoint" for n in sorted(ours.keys() - theirs.keys())]
     problems += [f"{n} in the checkpoint is not a trainable parameter of this model"
@@ -154,9 +156,9 @@ def _overlaps(ours, saved):
 
 
 @torch.no_grad()
-def load_optimizer_states(manager, states: dict, saved: Iterable[dict], load_moments: bool) -> dict:
+def load_optimizer_states(chunk_map: ChunkMap, states: dict, saved: Iterable[dict], load_moments: bool) -> dict:
     """Copy the elements of every owned piece from whichever saved rank held them; returns one saved dict."""
-    owned = {info.name: [p for p in info.pieces if p.chunk_id in states] for info in manager.infos()}
+    owned = {info.name: [p for p in info.pieces if p.chunk_id in states] for info in chunk_map.infos()}
     owned = {name: pieces for name, pieces in owned.items() if pieces}
     covered = dict.fromkeys(owned, 0)
     keys = ("master", "exp_avg", "exp_avg_sq") if load_moments else ("master",)
@@ -165,7 +167,7 @@ def load_optimizer_states(manager, states: dict, saved: Iterable[dict], load_mom
         if not isinstance(sd, dict) or sd.get("format") not in _FORMATS:
             raise CheckpointError("the optimizer state in this checkpoint was not written by ds_patrickstar "
                                   f"(format {sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
-        check_same_model(manager, sd["layout"])
+        check_same_model(chunk_map, sd["layout"])
         first = first or sd
         for name, entry in sd["layout"].items():
             if name not in owned:

@@ -21,16 +21,22 @@ On CUDA the tracer reads the allocator's statistics without ever resetting them 
 user's peak statistics, and any "max allocated" a comparison reports, stay intact): the
 highest allocation since the previous moment is known from the growth of the
 process-wide peak, else the current allocation stands in (see
-:meth:`~ds_patrickstar.accelerator.CudaAccelerator.memory_in_use`).
+:meth:`~ds_patrickstar.memory.cuda.CudaAccelerator.memory_in_use`).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import weakref
+from typing import Callable
+
 from dataclasses import dataclass, field
 
 import torch
+
+from ..memory.accelerator import Accelerator
+from ..memory.ledger import DeviceLedger
+
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +96,7 @@ class SavedTensorMeter:
     saved tensor referring to it is alive.
     """
 
-    def __init__(self, is_model_storage) -> None:
+    def __init__(self, is_model_storage: Callable[[torch.UntypedStorage], bool]) -> None:
         self._is_model = is_model_storage
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, refs]
         self.bytes = 0
@@ -104,7 +110,7 @@ class SavedTensorMeter:
             self.bytes -= entry[0]
             del self._live[key]
 
-    def pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         storage = tensor.untyped_storage()
         if self._is_model(storage) or storage.nbytes() == 0:
             return tensor
@@ -118,7 +124,7 @@ class SavedTensorMeter:
         return holder
 
     @staticmethod
-    def unpack(packed):
+    def unpack(packed: torch.Tensor | _Saved) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Saved) else packed
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -135,7 +141,7 @@ class _Saved:
 class MemoryTracer:
     """Records the moments of one iteration; see [Note: moments and the trace]."""
 
-    def __init__(self, accel, meter: SavedTensorMeter | None) -> None:
+    def __init__(self, accel: Accelerator, meter: SavedTensorMeter | None) -> None:
         self.accel = accel
         self.meter = meter
         self.trace: Trace | None = None
@@ -144,7 +150,7 @@ class MemoryTracer:
         self.tracing = True
         self.signature: tuple = ()
 
-    def non_model_now(self, ledger) -> int:
+    def non_model_now(self, ledger: DeviceLedger) -> int:
         """Non-model accelerator bytes now; on CUDA also what the allocator's peak since the previous
         call says beyond the backend's own peak in the same interval (a chunk that arrived and left
         between two moments is ours, not the tide's)."""
@@ -169,18 +175,18 @@ class MemoryTracer:
         self.signature = signature
         self.moment = -1
 
-    def record(self, label: str, chunks: tuple[int, ...], ledger) -> int:
+    def record(self, label: str, chunks: tuple[int, ...], ledger: DeviceLedger) -> int:
         """Advance to the next moment; returns its index."""
         self.moment += 1
-        if not self.tracing:
-            expected = self.trace.moments[self.moment] if self.moment < len(self.trace) else None
+        trace = self.current_trace()
+        if trace is not None:
+            expected = trace.moments[self.moment] if self.moment < len(trace) else None
             if expected is None or expected.label != label:
                 logger.info("ds_patrickstar: iteration differs from the trace at moment %d (%s); re-tracing",
                             self.moment, label)
-                self._recording = Trace(list(self.trace.moments[:self.moment]))
-                for index, moment in enumerate(self._recording.moments):
-                    for chunk in moment.chunks:
-                        self._recording._uses.setdefault(chunk, []).append(index)
+                self._recording = Trace()
+                for moment in trace.moments[:self.moment]:
+                    self._recording.add(moment)
                 self.tracing = True
         if self.tracing:
             self._recording.add(Moment(label, chunks, self.non_model_now(ledger)))

@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .accelerator import Accelerator, HostAccelerator, Pending
-from .counters import StepCounters
+from ..memory.accelerator import Accelerator, HostAccelerator, Pending
+from ..counters import StepCounters
 
 
 class PendingCollective(Pending):
@@ -47,9 +47,9 @@ class PendingCollective(Pending):
     # A completed collective drops its work handle and finish action at once: the handle holds
     # the process group's buffers (gloo flattens a reduce-scatter's whole input into one), and
     # a member chunk's pending list may keep this object until that chunk is next read.
-    def __init__(self, work, finish: Callable[[], None]) -> None:
+    def __init__(self, work: dist.Work | None, finish: Callable[[], None]) -> None:
         self.work = work
-        self._finish = finish
+        self._finish: Callable[[], None] | None = finish
         self._done = False
 
     def wait(self) -> None:
@@ -59,7 +59,9 @@ class PendingCollective(Pending):
         if self.work is not None:
             self.work.wait()
         finish, self.work, self._finish = self._finish, None, None
-        finish()
+        if finish is not None:
+            finish()
+
 
     def done(self) -> bool:
         return self._done
@@ -83,9 +85,6 @@ class ChunkComm:
         """Collectives on ``accel`` (its stream on CUDA); ``poison`` (the strict emulated accelerator):
         all-gather destinations hold NaN until waited on."""
         self.accel, self.poison = accel, poison
-
-    def owner(self, chunk_id: int) -> int:
-        return chunk_id % self.world_size
 
     def trim(self) -> None:
         """End of step: the emulator's side buffers go."""

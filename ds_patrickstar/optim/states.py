@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .accelerator import Accelerator, DeviceBudgetExceeded
-from .chunk import Chunk
-from .placement import optimizer_chunks_on_device
+from ..memory.accelerator import Accelerator
+from ..memory.ledger import DeviceBudgetExceeded
+from ..chunks.chunk import Chunk
+from ..placement.policy import optimizer_chunks_on_device
+from ..placement.tracer import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class OptimizerStates:
             self.states[chunk.chunk_id] = self._create(chunk, start_on_device)
             if start_on_device:
                 self.on_device.add(chunk.chunk_id)
-        self.trace_planned = None  # the trace the current decision was made from
+        self.trace_planned: Trace | None = None  # the trace the current decision was made from
 
     def _create(self, chunk: Chunk, on_device: bool) -> OptimizerChunk:
         values = chunk.ready()
@@ -67,7 +69,7 @@ class OptimizerStates:
         return OptimizerChunk(*tensors)
 
     # ---- placement ------------------------------------------------------------------
-    def plan(self, trace, budget: int, policy: str, chunk_bytes: dict[int, int]) -> None:
+    def plan(self, trace: Trace, budget: int, policy: str, chunk_bytes: dict[int, int]) -> None:
         """Re-decide from ``trace`` which chunks' states live on the accelerator and move them:
         what the tide leaves at its highest, less the busiest moment's chunks and room for two
         chunks in flight."""
@@ -129,9 +131,6 @@ class OptimizerStates:
         for chunk_id, state in self.states.items():
             chunk = self.chunks[chunk_id]
             chunk.ready()[:chunk.used].copy_(state.master[:chunk.used])
-
-    def bytes_on_device(self) -> int:
-        return sum(self.states[c].nbytes for c in self.on_device)
 
     def bytes_on_host(self) -> int:
         return sum(s.nbytes for c, s in self.states.items() if c not in self.on_device)

@@ -17,7 +17,7 @@ the others are updated on the host by the CPU kernel (hybrid Adam); see
 [Note: optimizer-state placement].
 
 Bookkeeping per moment is O(chunks used) plus O(log resident chunks) per eviction: byte totals
-are running sums in the :class:`~ds_patrickstar.accelerator.DeviceLedger`, and the resident
+are running sums in the :class:`~ds_patrickstar.memory.ledger.DeviceLedger`, and the resident
 chunks sit in an :class:`EvictionQueue` keyed by next use (or last use), updated when a chunk
 is used, arrives or leaves; nothing is recomputed over every chunk
 (``benchmarks/bench_placement_overhead.py`` measures it with 10,000+ chunks).
@@ -31,11 +31,11 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Iterable
 
-from .accelerator import DeviceBudgetExceeded
-from .plan import OPTIM_BYTES_PER_ELEMENT
+from ..memory.ledger import DeviceBudgetExceeded
+from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from .tracer import Trace
 
-__all__ = ["DeviceBudgetExceeded", "EvictionQueue", "Placer", "belady_victims", "optimizer_chunks_on_device"]
+__all__ = ["EvictionQueue", "Placer", "belady_victims", "optimizer_chunks_on_device"]
 
 
 def belady_victims(resident: dict[int, int], need: int, next_use: Callable[[int], int]) -> list[int]:

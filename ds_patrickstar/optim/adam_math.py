@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+# A backend: ``step(param_lp, master, exp_avg, exp_avg_sq, *, step, hyper, grad_scale)``, updating in place.
+AdamStep = Callable[..., None]
 
 
 @dataclass(frozen=True)

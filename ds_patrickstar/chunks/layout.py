@@ -10,9 +10,9 @@ allocated as large as its contents need (so the last chunk of a group wastes not
 tensor larger than ``chunk_size`` gets a chunk of its own sized to fit it (one rank), or is
 spread over a chunk group (data parallel). For every owned chunk there are three fp32 tensors
 of the same capacity and layout (master, momentum, variance) in
-:class:`~ds_patrickstar.optim_states.OptimizerChunk`.
+:class:`~ds_patrickstar.optim.states.OptimizerChunk`.
 
-With one rank the plan is first fit among the most recent chunks (:func:`_plan_group`).
+With one rank the plan is first fit among the most recent chunks (:func:`plan_first_fit`).
 
 [Note: balanced chunk groups]
 With ``W`` data-parallel ranks a chunk group's ``W`` chunks are all-gathered and
@@ -59,7 +59,7 @@ class ChunkSpec:
     members: list[tuple[str, torch.nn.Parameter, int, int, int]] = field(default_factory=list)
 
 
-def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) -> list[list[tuple]]:
+def plan_first_fit(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) -> list[list[tuple]]:
     """Split one param group into chunks: a list of [(name, param, offset), ...] per chunk.
 
     First fit, in order: a tensor goes into the first chunk with room left, else opens a new
@@ -92,7 +92,10 @@ def _plan_group(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) ->
 def _plan_straddled(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int,
                     world_size: int) -> list[list[list[tuple]]]:
     """Chunk groups of ``world_size`` equal members; see [Note: balanced chunk groups]."""
-    groups, run, total = [], [], 0
+    groups: list[list[list[tuple]]] = []
+    run: list[tuple[str, torch.nn.Parameter]] = []
+    total = 0
+
     for name, param in named:
         if run and total + param.numel() > world_size * chunk_size:
             groups.append(_cut(run, total, world_size))
@@ -132,7 +135,7 @@ def plan_chunks(named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_
     for group_index, named in enumerate(named_groups):
         dtype = named[0][1].dtype if named else torch.float32
         if world_size == 1:
-            groups = [[[(n, p, o, 0, p.numel()) for n, p, o in plan]] for plan in _plan_group(named, chunk_size)]
+            groups = [[[(n, p, o, 0, p.numel()) for n, p, o in plan]] for plan in plan_first_fit(named, chunk_size)]
         else:
             groups = _plan_straddled(named, chunk_size, world_size)
         for members in groups:

@@ -8,7 +8,7 @@ one at a time and tensor by tensor (safetensors reads one tensor at a time; torc
 memory-mapped), so the extra host memory is at most one shard, never a full-model copy per
 rank. Each rank writes only the parameters of the chunks it owns, into the low-precision slot
 and the fp32 master (at the checkpoint's precision), through
-:meth:`~ds_patrickstar.export.ChunkExport.write_value`, the path ``engine.module.load_state_dict``
+:meth:`~ds_patrickstar.io.export.ChunkExport.write_value`, the path ``engine.module.load_state_dict``
 takes too. Buffers and parameters that are not in a chunk (frozen) are copied whole on every
 rank. No collective: every rank reads the files itself.
 """
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+
+from ..chunks.chunk_map import ChunkMap
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def iter_tensors(file: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield key, state.pop(key)
 
 
-def _whole_targets(module: torch.nn.Module, manager) -> dict[str, torch.Tensor]:
+def _whole_targets(module: torch.nn.Module, chunk_map: ChunkMap) -> dict[str, torch.Tensor]:
     """Persistent buffers and parameters outside the chunks: copied whole on every rank."""
     targets = {}
     for mod_name, mod in module.named_modules():
@@ -79,7 +81,7 @@ def _whole_targets(module: torch.nn.Module, manager) -> dict[str, torch.Tensor]:
             if buf is not None and key not in mod._non_persistent_buffers_set:
                 targets[prefix + key] = buf
         for key, param in mod._parameters.items():
-            if param is not None and manager.info(param) is None:
+            if param is not None and chunk_map.info(param) is None:
                 targets[prefix + key] = param
     return targets
 
@@ -93,8 +95,10 @@ def load_pretrained(engine, path: str, strict: bool = True) -> LoadResult:
     names = export.names(module, "")
     export.refuse_gradients(names, "load_pretrained()")
     by_key = {key: info for info, keys in names.items() for key in keys}
-    whole = _whole_targets(module, engine.optimizer.manager)
-    loaded, result, errors = set(), LoadResult(), []
+    whole = _whole_targets(module, engine.optimizer.chunk_map)
+    loaded: set[object] = set()
+    result, errors = LoadResult(), list[str]()
+
     files = checkpoint_files(path)
     for file in files:
         for key, value in iter_tensors(file):

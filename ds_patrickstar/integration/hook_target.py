@@ -1,19 +1,24 @@
 """The hook target: what happens to chunks at every forward, backward and state-dict moment.
 
-The hooks (:mod:`ds_patrickstar.hooks`) call :class:`TrainingFlow`; it turns module
-entries and exits into chunk-manager moments, marks iteration starts for the memory
-tracer (see [Note: moments and the trace]), hands gradients to the manager, and routes
-``state_dict``/``load_state_dict`` to :class:`~ds_patrickstar.export.ChunkExport`
+The hooks (:mod:`~ds_patrickstar.integration.hooks`) call :class:`TrainingFlow`; it turns module
+entries and exits into chunk-manager moments, tells placement where an iteration starts (see
+[Note: moments and the trace]), hands gradients to the manager, and routes
+``state_dict``/``load_state_dict`` to :class:`~ds_patrickstar.io.export.ChunkExport`
 (see [Note: state_dict]).
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
 
-from .chunk import TensorInfo
-from .hooks import inside_backward, iter_tensors
+from ..autograd_state import inside_backward
+from ..chunks.chunk import TensorInfo
+from ..dist.manager import ChunkManager
+from ..io.export import ChunkExport
+from ..optim.states import OptimizerStates
+from ..placement.runtime import PlacementRuntime
 
 
 def _backward_reads_no_weights(module: torch.nn.Module) -> bool:
@@ -22,10 +27,10 @@ def _backward_reads_no_weights(module: torch.nn.Module) -> bool:
 
 
 class TrainingFlow:
-    """Implements :class:`~ds_patrickstar.hooks.HookTarget` for one model."""
+    """Implements :class:`~ds_patrickstar.integration.hooks.HookTarget` for one model."""
 
-    def __init__(self, module: torch.nn.Module, manager, placement, export, optim_states,
-                 is_boundary: Callable[[], bool]) -> None:
+    def __init__(self, module: torch.nn.Module, manager: ChunkManager, placement: PlacementRuntime | None,
+                 export: ChunkExport, optim_states: OptimizerStates, is_boundary: Callable[[], bool]) -> None:
         self.module = module
         self.manager = manager
         self.optim_states = optim_states
@@ -33,21 +38,16 @@ class TrainingFlow:
         self.export = export
         self.is_boundary = is_boundary
         self._module_names = {m: n for n, m in module.named_modules()}
-        self.step_since_forward = True
-        self._meter_ctx = None
+        self._meter_ctx: AbstractContextManager[Any] | None = None
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
         if self.placement is None or inside_backward() or not torch.is_grad_enabled():
             return
-        tracer = self.placement.tracer
-        if self.step_since_forward:
-            tracer.start_iteration(tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs)))
-            self.step_since_forward = False
-            if tracer.tracing:  # a new tide: states go to the host until the new trace re-plans them
-                self.optim_states.all_to_host()
-        if tracer.meter is not None:
-            self._meter_ctx = tracer.meter.hooks()
+        self.placement.start_forward(inputs, self.optim_states)
+        meter = self.placement.tracer.meter
+        if meter is not None:
+            self._meter_ctx = meter.hooks()
             self._meter_ctx.__enter__()
 
     def root_forward_end(self) -> None:
@@ -76,14 +76,11 @@ class TrainingFlow:
         self.manager.take_grad(info, grad, self.is_boundary())
 
     # ---- state dicts (see [Note: state_dict]) ------------------------------------------
-    def before_state_dict(self) -> None:
-        """Nothing to gather: torch only records views, :meth:`after_state_dict` fills copies."""
-
-    def after_state_dict(self, state_dict: dict, prefix: str) -> None:
+    def after_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None:
         self.export.fill_state_dict(self.module, state_dict, prefix)
 
-    def before_load_state_dict(self, state_dict: dict, prefix: str, error_msgs: list[str]) -> None:
+    def before_load_state_dict(self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         self.export.load_from_state_dict(self.module, state_dict, prefix, error_msgs)
 
-    def after_load_state_dict(self, incompatible_keys) -> None:
+    def after_load_state_dict(self, incompatible_keys: Any) -> None:
         self.export.finish_load(incompatible_keys)

@@ -21,36 +21,41 @@ the duration of a ``with`` block (for reading; writes are discarded).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from .chunk import Chunk, TensorInfo, TensorState
+from ..chunks.chunk import Chunk, TensorInfo
+from ..chunks.chunk_map import ChunkMap
+from ..chunks.state import TensorState
+from ..dist.comm import ChunkComm
+from ..memory.accelerator import Accelerator
+from ..optim.states import OptimizerStates
 
 
 class ChunkExport:
     """Streams chunk values to and from the host; see [Note: state_dict]."""
 
-    def __init__(self, manager, optim_states) -> None:
-        self.manager = manager
+    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, accel: Accelerator, optim_states: OptimizerStates) -> None:
+        self.map = chunk_map
+        self.comm = comm
         self.optim_states = optim_states
-        self.accel = manager.store.accel
+        self.accel = accel
         self._consumed: list[str] = []
 
     # ---- streaming out ------------------------------------------------------------------
-    def _group_on_host(self, group: int, values_of, dtype: torch.dtype, what: str) -> list[torch.Tensor]:
+    def _group_on_host(self, group: int, values_of: Callable[[Chunk], torch.Tensor], dtype: torch.dtype, what: str) -> list[torch.Tensor]:
         """Host copies of every member's values in ``group``; ``values_of(chunk)`` gives an owned
         chunk's (ready) tensor. A collective with data parallelism."""
-        manager = self.manager
-        members = manager.group_members(group)
-        if manager.comm.world_size == 1:
+        members = self.map.group_members(group)
+        if self.comm.world_size == 1:
             return [values_of(members[0]).to("cpu", copy=True)]
         capacity = members[0].capacity
         bufs = [self.accel.empty(capacity, dtype, "gather", f"{what} of chunk group {group}") for _ in members]
         try:
-            own = members[manager.comm.rank]
-            bufs[manager.comm.rank].copy_(values_of(own))
-            manager.comm.all_gather(bufs)
+            own = members[self.comm.rank]
+            bufs[self.comm.rank].copy_(values_of(own))
+            self.comm.all_gather(bufs)
             return [b.to("cpu", copy=True) for b in bufs]
         finally:
             for buf in bufs:
@@ -58,9 +63,8 @@ class ChunkExport:
 
     def iter_host_groups(self, fp32_masters: bool = False) -> Iterator[tuple[list[Chunk], list[torch.Tensor]]]:
         """``(members, host values)`` per chunk group: the low-precision values, or the fp32 masters."""
-        manager = self.manager
-        for group in range(manager.num_groups):
-            members = manager.group_members(group)
+        for group in range(self.map.num_groups):
+            members = self.map.group_members(group)
             if fp32_masters:
                 hosts = self._group_on_host(group, lambda c: self.optim_states.states[c.chunk_id].master,
                                             torch.float32, "fp32 masters")
@@ -72,7 +76,7 @@ class ChunkExport:
         """Every name (aliases of tied or shared parameters included) of every chunk parameter."""
         names: dict[TensorInfo, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
-            info = self.manager.info(param)
+            info = self.map.info(param)
             if info is not None:
                 names.setdefault(info, []).append(prefix + name)
         return names
@@ -112,7 +116,7 @@ class ChunkExport:
             for key in names.get(info, ()):
                 result[key] = value
         for name, param in module.named_parameters(remove_duplicate=False):
-            if self.manager.info(param) is None:
+            if self.map.info(param) is None:
                 result[name] = param.detach().float().cpu().clone()
         return {name: result[name] for name, _ in module.named_parameters(remove_duplicate=False)}
 
@@ -141,10 +145,10 @@ class ChunkExport:
                               f"from checkpoint, the shape in current model is {tuple(info.shape)}.")
             return
         flat = value.reshape(-1)
-        self.manager.write_pieces(info, flat, lambda chunk: chunk.ready())
-        self.manager.write_pieces(info, flat, lambda chunk: self.optim_states.states[chunk.chunk_id].master)
+        self.map.write_pieces(info, flat, lambda chunk: chunk.ready())
+        self.map.write_pieces(info, flat, lambda chunk: self.optim_states.states[chunk.chunk_id].master)
 
-    def finish_load(self, incompatible_keys) -> None:
+    def finish_load(self, incompatible_keys: Any) -> None:
         consumed = set(self._consumed)
         incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in consumed]
         self._consumed = []

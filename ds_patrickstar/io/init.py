@@ -1,8 +1,8 @@
 """Construction straight into chunks: ``with ds_patrickstar.Init(config=ds_config): model = MyModel()``.
 
 [Note: deferred init]
-Inside :class:`Init` every parameter a module registers is replaced at once by a parameter
-on the ``meta`` device (shape, dtype and ``requires_grad`` only, no memory; buffers stay
+Inside :class:`Init` every parameter a module registers is replaced at once (torch's global
+parameter-registration hook, removed when the block closes) by a parameter on the ``meta`` device (shape, dtype and ``requires_grad`` only, no memory; buffers stay
 real, as ``accelerate.init_empty_weights(include_buffers=False)`` does), so a model of any
 size is built in no memory and in no time. A model built on the ``meta`` device by other
 means (``with torch.device("meta")``) is treated the same way, if its buffers are real.
@@ -12,8 +12,8 @@ At ``deepspeed.initialize`` (:class:`DeferredModel`):
 1. before DeepSpeed casts the module, each meta parameter is swapped, in every module that
    holds it (tied parameters stay tied) and in the optimizer's param groups, for a parameter
    of the training dtype whose storage is empty;
-2. the chunk manager makes it a view of its chunk as usual, but copies nothing
-   (see ``ChunkManager._bind``);
+2. binding (``memory/binding.py``) makes it a view of its chunk as usual, but copies nothing
+   (``_bind`` there);
 3. :meth:`DeferredModel.materialize` then runs, one module at a time, the module's own init
    on a host scratch of that module's parameters (fp32): ``reset_parameters()`` if the
    module has one, then the root model's ``_init_weights(module)`` (the Hugging Face
@@ -36,29 +36,61 @@ import contextlib
 import hashlib
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable, cast
+
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.utils.hooks import RemovableHandle
+
+from ..chunks.chunk_map import ChunkMap
 
 logger = logging.getLogger(__name__)
 
 _SEED_ATTR = "_ds_patrickstar_init_seed"  # on the meta parameters Init creates (dropped at the swap)
 _STATE = threading.local()
-_ORIGINAL_REGISTER = nn.Module.register_parameter
+
+
+class _RegistrationHook:
+    """torch's global parameter-registration hook, installed while any thread has an Init block open."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handle: RemovableHandle | None = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._handle is None:
+                # torch annotates the hook as returning None; its documented contract (and code) take
+                # a returned parameter as the replacement
+                self._handle = register_module_parameter_registration_hook(cast(Callable[..., None], _meta_parameter))
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._handle is not None:
+                self._handle.remove()
+                self._handle = None
 
 
 def _depth() -> int:
     return getattr(_STATE, "depth", 0)
 
 
-def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    _ORIGINAL_REGISTER(module, name, param)
+def _meta_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    """torch's parameter-registration hook: inside an :class:`Init` block of this thread, the
+    parameter a module registers is replaced by a ``meta`` one (returned; None keeps it)."""
     if param is None or param.is_meta or _depth() == 0:
-        return
+        return None
     meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-    module._parameters[name] = meta
     setattr(meta, _SEED_ATTR, _STATE.seed)
+    return meta
+
+
+_HOOK = _RegistrationHook()
 
 
 def _config_stage(config: Any) -> Any:
@@ -97,16 +129,15 @@ class Init(contextlib.ContextDecorator):
         depth = _depth()
         if depth == 0:
             _STATE.seed = self.seed if self.seed is not None else torch.initial_seed()
-            nn.Module.register_parameter = _register_parameter
+            _HOOK.acquire()
         _STATE.depth = depth + 1
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> None:
         if self.enabled:
             _STATE.depth -= 1
             if _STATE.depth == 0:
-                nn.Module.register_parameter = _ORIGINAL_REGISTER
-        return False
+                _HOOK.release()
 
 
 def _module_seed(base: int, name: str) -> int:
@@ -127,7 +158,7 @@ class DeferredModel:
 
     def __init__(self, module: nn.Module, dtype: torch.dtype | None) -> None:
         self.module = module
-        self.swapped: dict[nn.Parameter, nn.Parameter] = {}  # meta -> storage-less
+        self.swapped: dict[torch.Tensor, nn.Parameter] = {}  # meta -> storage-less
         self.seeds: dict[nn.Parameter, int] = {}  # storage-less -> base seed
         for name, buf in module.named_buffers():
             if buf.is_meta:
@@ -174,7 +205,7 @@ class DeferredModel:
 
     # ---- materialization --------------------------------------------------------------
     @torch.no_grad()
-    def materialize(self, manager) -> None:
+    def materialize(self, chunk_map: ChunkMap) -> None:
         """Fill the owned chunk slices (and the whole of non-chunk parameters) from each module's
         own init, one module at a time; see [Note: deferred init]."""
         if not self.swapped:
@@ -187,17 +218,17 @@ class DeferredModel:
         root_init = getattr(self.module, "_init_weights", None)
         for mod_name, mod in self.module.named_modules():
             mine = [(key, p) for key, p in mod._parameters.items()
-                    if p is not None and owner.get(p) == (mod_name, key) and self._wanted(p, manager)]
+                    if p is not None and owner.get(p) == (mod_name, key) and self._wanted(p, chunk_map)]
             if mine:
-                self._init_module(mod, mod_name, mine, root_init, manager)
+                self._init_module(mod, mod_name, mine, root_init, chunk_map)
         self.seeds.clear()
         self.swapped.clear()
 
-    def _wanted(self, param: nn.Parameter, manager) -> bool:
-        info = manager.info(param)
-        return info is None or manager.owns_any(info)
+    def _wanted(self, param: nn.Parameter, chunk_map: ChunkMap) -> bool:
+        info = chunk_map.info(param)
+        return info is None or chunk_map.owns_any(info)
 
-    def _init_module(self, mod: nn.Module, mod_name: str, mine: list, root_init, manager) -> None:
+    def _init_module(self, mod: nn.Module, mod_name: str, mine: list, root_init: Any, chunk_map: ChunkMap) -> None:
         originals = dict(mod._parameters)
         scratch = {key: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
                    for key, p in originals.items() if p is not None and p in self.seeds}
@@ -206,22 +237,24 @@ class DeferredModel:
             mod._parameters.update(scratch)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_module_seed(base, mod_name))
-                if callable(getattr(mod, "reset_parameters", None)):
-                    mod.reset_parameters()
+                reset = getattr(mod, "reset_parameters", None)
+                if callable(reset):
+                    reset()
                 if root_init is not None:
+
                     root_init(mod)
         finally:
             mod._parameters.update(originals)
         for key, param in mine:
-            self._write(param, scratch[key], manager)
+            self._write(param, scratch[key], chunk_map)
 
     @staticmethod
-    def _write(param: nn.Parameter, value: torch.Tensor, manager) -> None:
-        info = manager.info(param)
+    def _write(param: nn.Parameter, value: torch.Tensor, chunk_map: ChunkMap) -> None:
+        info = chunk_map.info(param)
         if info is None:  # frozen or outside the optimizer: whole, on every rank
             param.data = value.detach().to(param.dtype)
             return
-        manager.write_pieces(info, value.detach().reshape(-1), lambda chunk: chunk.ready())
+        chunk_map.write_pieces(info, value.detach().reshape(-1), lambda chunk: chunk.ready())
 
 
 def swap_deferred(module: nn.Module, dtype: torch.dtype | None) -> DeferredModel:

@@ -1,0 +1,173 @@
+"""The chunk manager: the moments of training (a module uses its tensors, a forward or backward use
+ends, a gradient arrives, the step is over) turned into chunk-group work.
+
+A short facade over the classes that each do one job: :class:`~ds_patrickstar.chunks.chunk_map.ChunkMap`
+(what is where), :class:`~ds_patrickstar.dist.groups.GroupResidency` (gathered groups and their
+collectives), :class:`~ds_patrickstar.dist.keep.KeepPolicy` (whether a group stays gathered),
+:class:`~ds_patrickstar.dist.straddle.JoinedBuffers` (straddling tensors) and
+:class:`~ds_patrickstar.dist.grads.GradientSink` (gradients, reduce-scatters, the norm). With one
+rank every collective is a no-op and the same code runs.
+
+[Note: tied weights between backward uses]
+A weight held by two modules (GPT's token embedding and LM head) gets its gradient only after
+the last backward use, so its group, with the gradient slots it will receive, would stay gathered
+from the LM head's backward to the embedding's: the whole backward pass. A module holding such
+a weight therefore gets a post-backward hook (:mod:`ds_patrickstar.integration.hooks`); when the module's
+backward is over and no other backward use of the tensor is under way (uses are counted from
+each backward access, recomputations included, and a use counts as over only when its
+post-backward says so), the tensor goes back to ``HOLD_AFTER_FWD`` and its group is treated as
+after a forward use: kept within ``keep_gathered``, released above it, gathered again at the
+next use. A dense ``nn.Embedding`` reads no weight values in backward, so its backward makes none
+ready (:meth:`ChunkManager.grads_only`): a kept group is not joined again, and a released group
+that holds only its tensors is not gathered, the gradient's arrival giving it zeroed slots
+instead (:meth:`GradientSink.take_grad`). With ``keep_gathered: 0`` the tied weight is gathered
+three times per step (embedding and LM head forward, LM head backward) and held gathered only
+while used.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..autograd_state import inside_backward
+from ..chunks.chunk import TensorInfo
+from ..chunks.chunk_map import ChunkMap
+from ..chunks.state import TensorState
+from ..memory.store import ChunkStore
+from ..placement.runtime import PlacementRuntime
+from .comm import ChunkComm
+from .grads import GradientSink
+from .groups import GroupResidency
+from .keep import KeepPolicy
+from .reductions import InFlightReductions
+from .straddle import JoinedBuffers
+
+_S = TensorState
+
+
+class ChunkManager:
+    """The moments hooks and the optimizer call; see the module docstring."""
+
+    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, store: ChunkStore, placement: PlacementRuntime | None,
+                 reductions: InFlightReductions, *, accumulate: bool, keep_gathered: int | None,
+                 prefetch_groups: int) -> None:
+        self.map = chunk_map
+        self.comm = comm
+        self.store = store
+        self.placement = placement
+        self.joined = JoinedBuffers(chunk_map, store.accel)
+        self.residency = GroupResidency(chunk_map, comm, store, self.joined, placement, prefetch_groups)
+        self.keep = KeepPolicy(chunk_map, comm, self.residency, placement, keep_gathered)
+        self.grads = GradientSink(chunk_map, comm, store, self.residency, self.keep, reductions, placement,
+                                  accumulate)
+        self._reductions = reductions
+        self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
+
+    def _training(self) -> bool:
+        return self.comm.world_size > 1 and (torch.is_grad_enabled() or inside_backward())
+
+    # ---- uses -----------------------------------------------------------------------
+    def access(self, infos: list[TensorInfo], label: str = "") -> None:
+        """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
+        ``COMPUTE``, and (with placement) check the budget and prefetch the next moment."""
+        ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
+        if self.placement is not None:
+            self.placement.begin_moment(label, ids)
+        keep = frozenset(ids)
+        training = self._training()
+        for chunk_id in ids:
+            self.residency.use(self.map.chunks[chunk_id], keep, training)
+        backward = inside_backward()  # a backward use, or a recomputation for one: not over before it says so
+        for info in infos:
+            need = self.joined.rejoin_bytes(info)
+            if need and self.placement is not None:
+                self.placement.make_room(need, set(keep))
+            self.joined.rejoin(info)
+            self.joined.join(info)
+            info.start_compute()
+            if backward:
+                self._backward_users[info] = self._backward_users.get(info, 0) + 1
+        if training:
+            self.residency.prefetch(keep, self.grads.reduced)
+        if self.placement is not None:
+            self.placement.end_moment(set(keep))
+
+    def after_forward(self, infos: list[TensorInfo]) -> None:
+        groups = set()
+        for info in infos:
+            if info.state is _S.COMPUTE:
+                info.end_forward()
+            groups.add(self.map.group_of_info(info))
+        if self.placement is not None:
+            for chunk_id in dict.fromkeys(cid for info in infos for cid in info.chunk_ids):
+                chunk = self.map.chunks[chunk_id]
+                if self.map.is_owned(chunk):
+                    self.placement.after_use(chunk)
+        if self.comm.world_size == 1:
+            return
+        training = torch.is_grad_enabled()  # a backward will follow; a no-grad forward releases
+        for group in sorted(groups):
+            if all(t.state is _S.HOLD_AFTER_FWD for t in self.map.group_tensors(group)):
+                if training:
+                    self.keep.keep(group)
+                else:
+                    self.residency.release(group)
+
+    # ---- tied weights between backward uses ------------------------------------------
+    def backward_use_over(self, infos: list[TensorInfo]) -> None:
+        """A module's backward is over: its tensors that still wait for a gradient (tied to a module
+        that backward reaches later) stop being used, and a group whose tensors all wait may go;
+        see [Note: tied weights between backward uses]."""
+        groups = set()
+        for info in infos:
+            self._backward_users[info] = max(0, self._backward_users.get(info, 0) - 1)
+            if info.state is _S.COMPUTE and self._backward_users[info] == 0:
+                info.end_backward_use()
+                groups.add(self.map.group_of_info(info))
+        if self.comm.world_size == 1:
+            return
+        for group in sorted(groups):
+            if group in self.residency.present and all(t.state is _S.HOLD_AFTER_FWD
+                                                       for t in self.map.group_tensors(group)):
+                self.keep.keep(group)
+
+    def grads_only(self, infos: list[TensorInfo]) -> bool:
+        """Whether ``infos``' gradients can go to slots without their values being made ready: every
+        group of theirs is gathered (kept: its slots are there), or released and holding nothing
+        else (its slots are then zeroed, not gathered, when the first gradient arrives, see
+        :meth:`GradientSink.take_grad`)."""
+        if self.comm.world_size == 1:
+            return False
+        mine = set(infos)
+        groups = {self.map.group_of_info(info) for info in infos}
+        return all(g in self.residency.present or set(self.map.group_tensors(g)) <= mine for g in groups)
+
+    # ---- gradients and the step -------------------------------------------------------
+    def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
+        self.grads.take_grad(info, grad, boundary)
+
+    def end_backward(self, boundary: bool) -> None:
+        self._backward_users.clear()
+        self.grads.end_backward(boundary)
+
+    def grads_ready(self) -> bool:
+        return self.grads.grads_ready()
+
+    def owned_grad_norm_sq(self, comm_device: torch.device) -> torch.Tensor:
+        return self.grads.owned_grad_norm_sq(comm_device)
+
+    def finish_step(self) -> None:
+        """Slots hold parameters again (the step or a restore wrote them); accumulators go; no other
+        rank's chunk stays gathered across a step (its values are stale now)."""
+        self._reductions.drain()
+        self.residency.release_all()
+        self.comm.trim()
+        self.residency.order.next_step()
+        for chunk in self.map.chunks:
+            self.store.drop_accumulator(chunk)
+        for info in self.map.infos():
+            if info.state not in (_S.HOLD, _S.FREE):
+                info.settle()
+        self.grads.next_step()
+
+    def release_all_groups(self) -> None:
+        self.residency.release_all()

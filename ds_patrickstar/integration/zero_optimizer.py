@@ -1,0 +1,181 @@
+"""The ZeRO optimizer object DeepSpeed's engine drives for stage 'patrickstar'.
+
+A thin adapter: it implements the interface the engine calls on a ZeRO optimizer (backward
+prologue/epilogue, ``step``, ``zero_grad``, ``overflow``, ``loss_scale``/``cur_scale``,
+``param_groups``, grad norm, ``state_dict``) on top of the parts
+:func:`~ds_patrickstar.integration.assembly.assemble` builds. The parameter groups are the basic
+optimizer's own group dicts, so an LR scheduler (from the config or the client) that edits them
+is read at every step. The step itself is described in [Note: step].
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from torch.distributed import ProcessGroup
+
+
+from ..io import checkpoint
+from ..io.init import DeferredModel
+from ..optim.chunk_adam import combined_scale
+from .assembly import assemble
+from .config import PatrickStarConfig
+
+logger = logging.getLogger(__name__)
+
+
+class PatrickStarOptimizer(ZeROOptimizer):
+    """Chunk-based mixed-precision Adam behind DeepSpeed's ZeRO-optimizer interface."""
+
+    def __init__(self, module: torch.nn.Module, basic_optimizer: torch.optim.Optimizer,
+                 options: PatrickStarConfig, *, device: torch.device, dtype: torch.dtype, clip_grad: float,
+                 gradient_accumulation_steps: int, static_loss_scale: float, dynamic_loss_scale: bool,
+                 dynamic_loss_args: dict | None, dp_group: ProcessGroup | None = None,
+                 deferred: DeferredModel | None = None) -> None:
+        super().__init__()
+        self.optimizer = basic_optimizer
+        self.param_groups = basic_optimizer.param_groups
+        self.options = options
+        self.clip_grad = clip_grad
+        self.dp_process_group = dp_group
+        parts = assemble(module, basic_optimizer, options, device=device, dtype=dtype,
+                         accumulate=gradient_accumulation_steps > 1, dp_group=dp_group, deferred=deferred,
+                         is_boundary=self.is_gradient_accumulation_boundary)
+        self.parts = parts
+        self.counters, self.accel, self.chunk_map = parts.counters, parts.accel, parts.chunk_map
+        self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
+        self.export, self.adam = parts.export, parts.adam
+        self.last_step_counters: dict[str, int] = self.counters.as_dict()  # all zero before the first step
+        self.consecutive_skipped_steps = 0
+        # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
+        self.fp16_groups = [[i.param for i in self.chunk_map.infos() if i.group_index == g]
+                            for g in range(len(self.param_groups))]
+        self.bf16_groups = self.fp16_groups
+        self.loss_scaler = CreateLossScaler(dtype=dtype, static_loss_scale=static_loss_scale,
+                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
+        self.dynamic_loss_scale = self.loss_scaler.dynamic
+        self.custom_loss_scaler = False
+        self.torch_autocast_gradscaler = None
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self._frozen_or_extra = [p for p in module.parameters() if self.chunk_map.info(p) is None]
+
+    # ---- scaler interface -------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    # ---- engine interface -------------------------------------------------------
+    def backward_epilogue(self, **kwargs: Any) -> None:
+        self.manager.end_backward(self.is_gradient_accumulation_boundary())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self._frozen_or_extra:
+            param.grad = None
+
+    def get_global_grad_norm(self) -> float:
+        return self._global_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """See [Note: step]."""
+        if closure is not None:
+            raise ValueError("stage 'patrickstar' does not support an optimizer closure")
+        if not self.manager.grads_ready():
+            raise RuntimeError("optimizer step() called before backward() reached the gradient accumulation "
+                               "boundary; call engine.backward(loss) (or loss.backward()) first")
+        if self.placement is not None:
+            self.placement.begin_step(self.optim_states)
+        loss_scale = self.loss_scale  # the scale the gradients were made with, before update_scale()
+        scaled_norm = math.sqrt(self.manager.owned_grad_norm_sq(self.accel.device).item())
+        self.overflow = not math.isfinite(scaled_norm)
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._skip_step()
+        else:
+            self.consecutive_skipped_steps = 0
+            self._global_grad_norm = scaled_norm / loss_scale
+            self.adam.apply(1.0 / combined_scale(scaled_norm, loss_scale, self.clip_grad))
+            # We stand in for the basic optimizer's step. Its own step() finds no gradient (they live
+            # in the chunks) and changes nothing, but whatever wraps it sees a step: a torch LR
+            # scheduler uses that to tell a missed step from a real one.
+            self.optimizer.step()
+        self.manager.finish_step()
+        if self.placement is not None:
+            self.placement.end_step()
+
+    def _skip_step(self) -> None:
+        self._global_grad_norm = float("inf")
+        self.optim_states.master_to_params()
+        self.consecutive_skipped_steps += 1
+        limit = self.options.max_consecutive_skipped_steps
+        logger.info("ds_patrickstar: non-finite gradients, step skipped (%d in a row); loss scale now %s",
+                    self.consecutive_skipped_steps, self.loss_scale)
+        if self.consecutive_skipped_steps >= limit:
+            raise RuntimeError(f"{self.consecutive_skipped_steps} consecutive steps were skipped because the gradients "
+                               f"were not finite (inf/NaN loss or gradients; loss scale now {self.loss_scale}). "
+                               f"Check the data and the learning rate, or raise "
+                               f"zero_optimization.max_consecutive_skipped_steps (now {limit}).")
+
+    # ---- checkpoints (see [Note: checkpoint format]) ---------------------------------
+    def state_dict(self) -> dict:
+        return checkpoint.optimizer_state(self.chunk_map, self.optim_states.states, self.adam.group_steps,
+                                          self.loss_scaler, self.param_groups)
+
+    def load_state_dict(self, state_dict_list: dict | Iterable[dict], load_optimizer_states: bool = True,
+                        load_from_fp32_weights: bool = True, **kwargs: Any) -> None:
+        if isinstance(state_dict_list, dict):
+            state_dict_list = [state_dict_list]
+        if load_from_fp32_weights or load_optimizer_states:
+            saved = checkpoint.load_optimizer_states(self.chunk_map, self.optim_states.states, state_dict_list,
+                                                     load_optimizer_states)
+            if load_optimizer_states:
+                self.adam.group_steps = list(saved["group_steps"])
+                self.loss_scaler = saved["loss_scaler"]
+                for group, hyper in zip(self.param_groups, saved["param_groups"]):
+                    group.update(hyper)
+        self.manager.release_all_groups()
+        self.optim_states.master_to_params()
+        self.manager.finish_step()
+
+    # ---- accounting -------------------------------------------------------------
+    def end_step_counters(self) -> dict[str, int]:
+        """Close the step: ``counters`` (everything counted since the previous step, including the
+        collectives of a ``state_dict()``/``get_fp32_state_dict()`` in between) become
+        ``last_step_counters`` and start again from zero. The engine calls this after every
+        optimizer step, applied or skipped (see ``PatrickStarEngine._take_model_step``)."""
+        device, host = self.model_data_bytes_split()
+        self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
+        self.last_step_counters = self.counters.as_dict()
+        self.counters.reset()
+        self.accel.ledger.reset_peak()
+        return self.last_step_counters
+
+    def model_data_bytes_split(self) -> tuple[int, int]:
+        """Model data this rank holds now, ``(on the accelerator, on the host)``: chunks, gradient
+        accumulators and optimizer states (gathered temporaries excluded; an evicted buffer still
+        being copied out counts where its values now live, see [Note: deferred frees])."""
+        self.accel.reclaim()
+        kinds = self.accel.ledger.by_kind
+        # buffers whose copy to the host is still in flight hold values that live on the host already
+        device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim")) - self.accel.in_flight_bytes()
+        host = self.parts.store.host_bytes + self.optim_states.bytes_on_host()
+        if self.placement is None:  # one memory: the "accelerator" is the host
+            device, host = 0, device + host
+        return device, host
+
+    def model_data_bytes(self) -> int:
+        """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""
+        return sum(self.model_data_bytes_split())
+
+    def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 value on every rank (a collective with data parallelism)."""
+        return self.export.fp32_state_dict(module)

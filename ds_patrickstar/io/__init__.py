@@ -1,0 +1,7 @@
+"""Model data in and out: checkpoints, state dicts, deferred initialization, pretrained weights.
+
+Owns the checkpoint format and its crash-safe save (``checkpoint.py``), streaming chunk values to
+and from the host for ``state_dict``/``load_state_dict`` (``export.py``), ``ds_patrickstar.Init``
+(``init.py``) and ``load_pretrained`` (``pretrained.py``).
+May import: ``optim``, ``dist``, ``placement``, ``memory``, ``chunks`` and the leaf modules.
+"""

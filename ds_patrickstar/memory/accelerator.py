@@ -1,0 +1,146 @@
+"""Accelerator primitives: allocate, free, copy, wait. The only code that differs between a GPU
+and its CPU twin (:mod:`~ds_patrickstar.memory.cuda`, :mod:`~ds_patrickstar.memory.emulated`); everything
+above it (chunk moves, placement, Adam) is one code path. :class:`HostAccelerator` is the plain CPU run
+without placement: host memory, synchronous copies.
+
+[Note: deferred frees]
+A buffer that a pending copy still reads (an evicted chunk's payload) is not freed at once:
+it stays allocated, and charged to the ledger, until the copy has completed, when
+:meth:`Accelerator.reclaim` frees it. That is what the memory really does on a GPU (the
+host may run ahead of the copy stream), so the budget counts it; when room is needed and
+such frees are in flight, placement waits on the oldest copies first. The emulated
+accelerator completes its copies only when waited on, so the same code is exercised on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+from .ledger import DeviceLedger
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Pending:
+    """An enqueued copy (or a collective, see dist/comm.py). :meth:`wait` makes its destination safe to
+    use for the caller; :meth:`wait_host` blocks the host until the copy has run."""
+
+    collective = False  # a collective in flight: its chunks must not move before it is waited on
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def wait_host(self) -> None:
+        self.wait()
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
+class Accelerator:
+    """Primitives shared by both kinds; see [Note: strict emulated accelerator]."""
+
+    device: torch.device
+    pin_host: bool = False
+
+    def __init__(self, budget: int) -> None:
+        self.ledger = DeviceLedger(budget)
+        self._deferred: list[tuple[Pending, torch.Tensor, int, str]] = []  # frees waiting on a copy
+
+    # ---- memory -------------------------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
+        """A charged accelerator tensor (release it with :meth:`free`)."""
+        self.ledger.charge(numel * dtype.itemsize, kind, what)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
+        """Give an unbacked tensor its memory (contents undefined until filled); a free of the same
+        buffer still waiting on its copy completes first."""
+        storage = tensor.untyped_storage()
+        for index, (pending, other, nbytes, other_kind) in enumerate(self._deferred):
+            if other.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes():
+                pending.wait_host()
+                del self._deferred[index]
+                self._free_now(other, nbytes, other_kind)
+                break
+        self.ledger.charge(_nbytes(tensor), kind, what)
+        tensor.untyped_storage().resize_(_nbytes(tensor))
+
+    def free(self, tensor: torch.Tensor, kind: str, after: Pending | None = None) -> None:
+        """Release ``tensor``'s memory (its storage goes to zero bytes); with ``after``, once that
+        copy, which reads ``tensor``, has completed: until then the bytes stay charged (they are
+        still occupied on a device) and :meth:`reclaim` frees them (see [Note: deferred frees])."""
+        if after is None or after.done():
+            self._free_now(tensor, _nbytes(tensor), kind)
+        else:
+            self._deferred.append((after, tensor, _nbytes(tensor), kind))
+
+    def _free_now(self, tensor: torch.Tensor, nbytes: int, kind: str) -> None:
+        tensor.untyped_storage().resize_(0)
+        self.ledger.release(nbytes, kind)
+
+    def reclaim(self, need_below: int | None = None) -> None:
+        """Free the buffers whose copies have completed; with ``need_below``, also wait on the
+        oldest copies until the ledger's total is at most that (or nothing is left in flight)."""
+        still = []
+        for entry in self._deferred:
+            if entry[0].done():
+                self._free_now(*entry[1:])
+            else:
+                still.append(entry)
+        self._deferred = still
+        while need_below is not None and self.ledger.total > need_below and self._deferred:
+            pending, tensor, nbytes, kind = self._deferred.pop(0)
+            pending.wait_host()
+            self._free_now(tensor, nbytes, kind)
+
+    def in_flight_bytes(self) -> int:
+        return sum(entry[2] for entry in self._deferred)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin_host)
+
+    # ---- copies -------------------------------------------------------------------
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        """Enqueue ``dst.copy_(src)`` after the work already queued; wait on the result before
+        using ``dst``, and do not touch ``src`` until then."""
+        raise NotImplementedError
+
+    def collective_stream(self, *tensors: torch.Tensor) -> ContextManager:
+        """Where a collective is issued (see [Note: asynchronous collectives] in dist/comm.py): the
+        calling thread on the host; a stream of its own on CUDA."""
+        return contextlib.nullcontext()
+
+    # ---- memory statistics (non-model memory; see placement/tracer.py) ---------------------------
+    def memory_in_use(self) -> tuple[int, int]:
+        """``(allocated now, highest allocated since the previous call)`` for the whole process, or
+        ``(0, 0)`` where the process's accelerator memory cannot be read (the emulated one)."""
+        return 0, 0
+
+    def fragmentation(self) -> int:
+        """Accelerator bytes the allocator holds but a new chunk cannot use (0 where there is no allocator)."""
+        return 0
+
+
+class HostAccelerator(Accelerator):
+    """No accelerator (a plain CPU run without placement): host memory, synchronous copies."""
+
+    def __init__(self) -> None:
+        super().__init__(budget=1 << 62)
+        self.device = torch.device("cpu")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        dst.copy_(src)
+        return _Done()
+
+
+class _Done(Pending):
+    def wait(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True

@@ -1,0 +1,59 @@
+"""Building the chunk map with memory: chunk buffers created, parameters made views of them.
+
+One chunk group at a time: its chunks get their buffers from the :class:`ChunkStore`, its
+parameters become views of their chunk's payload (of their joined buffer when they straddle
+chunks, see [Note: straddling tensors]) after their values were copied into the owned pieces,
+and what this rank does not keep is let go before the next group. So initialize holds one
+group's payloads beside the model at most and never doubles model memory (see [Note: storage resize]).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from ..chunks.chunk import TensorInfo
+from ..chunks.chunk_map import ChunkMap
+from ..chunks.layout import ChunkSpec
+from .store import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+
+def build_chunk_map(specs: list[ChunkSpec], world_size: int, rank: int, store: ChunkStore,
+                    has_values: Callable[[torch.nn.Parameter], bool]) -> ChunkMap:
+    """The chunk map of ``specs`` with every parameter bound to it. ``has_values(param)`` is False
+    for a parameter built without values (``ds_patrickstar.Init``, see [Note: deferred init])."""
+    chunk_map = ChunkMap(world_size, rank)
+    for first in range(0, len(specs), world_size):
+        members, infos = chunk_map.add_group(specs[first:first + world_size])
+        for chunk in members:
+            store.create(chunk, chunk_map.is_owned(chunk))
+        for info in infos:
+            _bind(chunk_map, store, info, has_values(info.param))
+        for chunk in members:
+            store.settle(chunk, chunk_map.is_owned(chunk))
+    logger.info("ds_patrickstar: %d params in %d chunks (%d rank(s))", len(chunk_map.infos()),
+                len(chunk_map.chunks), world_size)
+    return chunk_map
+
+
+@torch.no_grad()
+def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: bool) -> None:
+    """The parameter becomes a view of its chunk payload (of its joined buffer when it straddles
+    chunks); its values go into the owned pieces (on the host with placement) when it
+    ``has_values``, and its own storage is dropped."""
+    chunk = chunk_map.chunk_of(info)
+    if info.param.dtype != chunk.dtype:
+        raise ValueError(f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
+                         f"hold {chunk.dtype}; put parameters of different dtypes in different param groups")
+    if has_values:
+        chunk_map.write_pieces(info, info.param.data.reshape(-1), lambda c: c.ready())
+    if info.straddles:
+        joined = store.accel.empty(info.numel, chunk.dtype, "chunk", f"{info.name} (joined)")
+        info.joined = joined
+        info.param.data = joined.view(info.shape)
+        store.accel.free(joined, "chunk")
+    else:
+        info.param.data = chunk.view_of(info)

@@ -1,0 +1,81 @@
+"""The CUDA accelerator: a copy stream, a collective stream, the caching allocator's statistics.
+
+On CUDA (:class:`CudaAccelerator`) a copy runs on a dedicated copy stream after the work
+already queued on the compute stream, and records an event; waiting is
+``current_stream.wait_event`` for a consumer on the device and ``event.synchronize()`` for
+one on the host. Pinned host buffers are protected by torch's host allocator, which records
+the copy's event.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .accelerator import Accelerator, Pending
+
+
+class _CudaPending(Pending):
+    def __init__(self, event: torch.cuda.Event, to_host: bool) -> None:
+        self.event = event
+        self.to_host = to_host
+
+    def wait(self) -> None:
+        if self.to_host:
+            self.event.synchronize()  # the consumer is the host
+        else:
+            torch.cuda.current_stream().wait_event(self.event)  # the consumer is the compute stream
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+class CudaAccelerator(Accelerator):
+    pin_host = True
+
+    def __init__(self, device: torch.device, budget: int) -> None:
+        super().__init__(budget)
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        self.comm_stream = torch.cuda.Stream(device)
+        stats = torch.cuda.memory_stats(device)
+        self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return _CudaPending(event, to_host=not dst.is_cuda)
+
+    @contextlib.contextmanager
+    def collective_stream(self, *tensors: torch.Tensor):
+        """Issue on the collective stream, after the work queued on the compute stream (as FSDP2's
+        all-gather and reduce-scatter streams); the buffers are not reused by the caching allocator
+        before the collective ran. Its work handle's ``wait()`` makes the compute stream wait."""
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.comm_stream):
+            yield
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(self.comm_stream)
+
+    def memory_in_use(self) -> tuple[int, int]:
+        """Peak since the previous call from deltas of the process-wide peak: never resets torch's
+        statistics (the user's, and ZeRO-3's "max allocated", stay intact). When the process-wide
+        peak did not grow, the highest value in between is unknown and ``allocated now`` stands in."""
+        stats = torch.cuda.memory_stats(self.device)
+        now = stats.get("allocated_bytes.all.current", 0)
+        peak = stats.get("allocated_bytes.all.peak", 0)
+        highest = peak if peak > self._peak_seen else now
+        self._peak_seen = peak
+        return now, max(now, highest)
+
+    def fragmentation(self) -> int:
+        """Free bytes stranded inside partly used allocator blocks (``inactive_split_bytes``): reserved
+        memory a new chunk cannot use. Whole cached blocks are not counted: the allocator reuses them."""
+        return torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.current", 0)

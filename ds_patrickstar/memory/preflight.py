@@ -1,0 +1,68 @@
+"""Will it fit? The model-data arithmetic of the pre-flight check, from the chunk plan alone.
+
+[Note: pre-flight]
+Before anything is allocated, the chunk plan (:func:`~ds_patrickstar.chunks.layout.plan_chunks`)
+gives each rank's owned elements. Model data per rank is
+
+* low-precision parameters (their gradients reuse the slots): ``lp_bytes`` per owned element;
+* fp32 master, momentum and variance: 12 bytes per owned element;
+* with gradient accumulation, an fp32 accumulator for *every* chunk the rank computes
+  gradients for (all of them): 4 bytes per element of the whole model.
+
+With placement these bytes may live on the accelerator (up to its budget) or on the host,
+so the run fits when they are at most budget + available host memory. One implementation,
+used by ``deepspeed.initialize``, by ``python -m ds_patrickstar.plan`` (the same functions on a
+parameter count, a GPT shape or a Hugging Face config.json built on ``meta``) and by the tests
+that compare it with a real run's counters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPTIM_BYTES_PER_ELEMENT = 12  # fp32 master + momentum + variance
+ACC_BYTES_PER_ELEMENT = 4
+
+
+@dataclass(frozen=True)
+class ModelDataPlan:
+    owned_elements: int
+    total_elements: int
+    lp_bytes: int
+    accumulate: bool
+
+    @property
+    def bytes_per_owned_element(self) -> int:
+        return self.lp_bytes + OPTIM_BYTES_PER_ELEMENT
+
+    @property
+    def model_data_bytes(self) -> int:
+        """Model data on this rank, device and host together."""
+        acc = ACC_BYTES_PER_ELEMENT * self.total_elements if self.accumulate else 0
+        return self.owned_elements * self.bytes_per_owned_element + acc
+
+
+def plan_for_rank(capacities: list[int], owners: list[int], rank: int, lp_bytes: int,
+                  accumulate: bool) -> ModelDataPlan:
+    owned = sum(c for c, o in zip(capacities, owners) if o == rank)
+    return ModelDataPlan(owned, sum(capacities), lp_bytes, accumulate)
+
+
+def largest_fitting_params(plan: ModelDataPlan, available: int, world_size: int) -> int:
+    """The most parameters whose model data fits ``available`` bytes per rank at this world size."""
+    per_param = plan.bytes_per_owned_element + (ACC_BYTES_PER_ELEMENT * world_size if plan.accumulate else 0)
+    return available // per_param * world_size
+
+
+def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size: int) -> None:
+    """Raise ``ValueError`` when the model data cannot fit accelerator budget plus free host memory."""
+    need = plan.model_data_bytes
+    available = budget + host_available
+    if need <= available:
+        return
+    fits = largest_fitting_params(plan, available, world_size)
+    raise ValueError(f"the model data needs {need / 2**30:.2f} GiB on this rank ({plan.bytes_per_owned_element} "
+                     f"bytes per owned parameter x {plan.owned_elements:,} owned elements"
+                     f"{', + 4 bytes per parameter for gradient accumulation' if plan.accumulate else ''}) but the "
+                     f"accelerator budget ({budget / 2**30:.2f} GiB) plus free host memory give "
+                     f"{available / 2**30:.2f} GiB; the largest model that would fit has about "
+                     f"{fits / 1e6:,.0f}M parameters at this world size")

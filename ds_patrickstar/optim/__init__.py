@@ -1,0 +1,9 @@
+"""The optimizer: one Adam math, several backends, and the states it updates.
+
+Owns the pure-torch reference math (``adam_math.py``, also the oracle of the kernels), the JIT
+kernels and their loader (``kernels.py``, sources in ``ops/``), the fp32 master/momentum/variance
+of the owned chunks and where they live (``states.py``), and the per-chunk Adam dispatch of
+hybrid Adam (``chunk_adam.py``).
+May import: ``placement``, ``memory``, ``chunks`` and the leaf modules (not ``dist``: it updates
+the chunks a rank owns, whatever the collectives did).
+"""

@@ -1,0 +1,112 @@
+"""Adam over the owned chunks: one fused update per chunk, where its optimizer states live.
+
+[Note: step]
+1. one pass over every gradient slot computes the global gradient norm (still scaled by
+   the loss scale); a non-finite norm is an overflow: DeepSpeed's loss scaler lowers the
+   scale, the slots get their parameters back from the fp32 master, and the step is
+   skipped (in bf16 and fp32 too: a NaN step is never applied);
+2. otherwise the combined factor ``1 / (loss_scale * clip)`` (the same formula as
+   DeepSpeed ZeRO-3, true global-norm clipping, :func:`combined_scale`) is handed to the Adam
+   backend, which updates each chunk in one pass and writes the new low-precision parameters back.
+
+A chunk is updated where its optimizer states live (hybrid Adam, see
+[Note: optimizer-state placement]): on the accelerator by the CUDA kernel, on the host by the
+CPU kernel (:mod:`~ds_patrickstar.optim.kernels`), with the pure-torch reference as the fallback.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..chunks.chunk import Chunk
+from ..counters import StepCounters
+from ..placement.runtime import PlacementRuntime
+from .adam_math import AdamHyper, AdamStep, adam_step_reference
+from .states import OptimizerStates
+
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def adamw_mode(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` decouples weight decay (AdamW); raise if it is not an Adam."""
+    name = type(optimizer).__name__
+    if hasattr(optimizer, "adam_w_mode"):  # DeepSpeed FusedAdam / DeepSpeedCPUAdam
+        return bool(optimizer.adam_w_mode)
+    if isinstance(optimizer, torch.optim.Adam):  # torch AdamW subclasses Adam
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        for flag in _UNSUPPORTED_FLAGS:
+            if any(g.get(flag) for g in optimizer.param_groups):
+                raise ValueError(f"{name}({flag}=True) is not supported by stage 'patrickstar'; "
+                                 f"set {flag}=False")
+        return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    raise ValueError(f"stage 'patrickstar' updates parameters with its own fused Adam and supports "
+                     f"Adam and AdamW only, got optimizer {name}. Use \"type\": \"Adam\" or \"AdamW\" in the "
+                     f"optimizer block, or pass torch.optim.Adam / torch.optim.AdamW.")
+
+
+def adam_backend(device: torch.device) -> AdamStep:
+    """The fused kernel for ``device`` (built on first use), else the pure-torch reference."""
+    try:
+        from .kernels import get_adam_backend
+    except ImportError:
+        return adam_step_reference
+    return get_adam_backend(device)
+
+
+def combined_scale(scaled_norm: float, loss_scale: float, clip_grad: float) -> float:
+    """``loss_scale`` times DeepSpeed ZeRO-3's clip factor, when clipping applies."""
+    combined = loss_scale
+    if clip_grad > 0.0:
+        clip = (scaled_norm / loss_scale + 1e-6) / clip_grad
+        if clip > 1.0:
+            combined = clip * loss_scale
+    return combined
+
+
+class ChunkAdam:
+    """Runs the Adam update of every owned chunk; see [Note: step]."""
+
+    def __init__(self, chunks: list[Chunk], states: OptimizerStates, param_groups: list[dict[str, Any]],
+                 adamw: bool, placement: PlacementRuntime | None, counters: StepCounters,
+                 stepped_groups: set[int]) -> None:
+        self._chunks = chunks  # the owned chunks
+        self._stepped_groups = stepped_groups  # param groups with chunks on any rank: their step counts advance
+        self._states = states
+        self.param_groups = param_groups
+        self.adamw = adamw
+        self._placement = placement
+        self._counters = counters
+        self.group_steps = [0] * len(param_groups)
+
+    def build_kernels(self, devices: set[torch.device]) -> None:
+        """Build every Adam kernel this run can use now (hybrid Adam: the host's too), not in a step."""
+        for device in devices:
+            adam_backend(device)
+
+    def apply(self, grad_scale: float) -> None:
+        """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``."""
+        for index in self._stepped_groups:
+            self.group_steps[index] += 1
+        for chunk in self._chunks:
+            if chunk.used == 0:
+                continue
+            state = self._states.states[chunk.chunk_id]
+            hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
+            data = self._chunk_values(chunk)[:chunk.used]
+            used = chunk.used
+            adam_backend(data.device)(data, state.master[:used], state.exp_avg[:used], state.exp_avg_sq[:used],
+                                      step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
+
+    def _chunk_values(self, chunk: Chunk) -> torch.Tensor:
+        """Hybrid Adam: a chunk is updated where its optimizer state lives (see
+        [Note: optimizer-state placement])."""
+        placement = self._placement
+        if placement is not None:
+            if chunk.chunk_id in self._states.on_device:
+                placement.bring(chunk, {chunk.chunk_id})
+                self._counters.adam_chunks_device += 1
+            else:
+                placement.evict(chunk)
+                self._counters.adam_chunks_host += 1
+        return chunk.ready()

@@ -1,0 +1,9 @@
+"""Placement: which chunks are on the accelerator at each moment, planned from the activation tide.
+
+Owns the memory tracer and its trace (``tracer.py``), the policy (``policy.py``: Belady eviction,
+prefetch, the static policy, which optimizer states fit), the runtime that carries the policy out
+at every moment and at the optimizer step (``runtime.py``), and the tide plot (``tide_plot.py``).
+May import: ``memory``, ``chunks`` and the leaf modules. It talks to the layers above through
+the small protocols in ``runtime.py`` (the reduce-scatters in flight, the optimizer states'
+placement), which those layers implement.
+"""

@@ -1,0 +1,217 @@
+"""The placement runtime: carries out the placer's decisions at every moment, under the budget.
+
+It is the one object the layers above talk to about placement (see [Note: placement] in
+``policy.py``): a moment begins and ends, a chunk is brought or evicted, room is made, a kept or
+prefetched group is allowed or not; the step is a moment too (see [Note: optimizer-state placement]).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+import torch
+
+from ..autograd_state import inside_backward, iter_tensors
+from ..chunks.chunk import Chunk
+from ..counters import StepCounters
+from ..memory.ledger import DeviceBudgetExceeded
+from ..memory.store import ChunkStore
+from .policy import Placer
+from .tracer import MemoryTracer, Trace
+
+logger = logging.getLogger(__name__)
+
+
+class InFlightReductions(Protocol):
+    """The data-parallel reduce-scatters in flight (``dist/reductions.py``): completing them releases
+    other ranks' chunks, which placement does first when it is short of room (see [Note: kept groups])."""
+
+    def drain(self) -> int:
+        """Wait on every reduce-scatter in flight; returns how many there were."""
+        ...
+
+
+class StatePlacement(Protocol):
+    """Where the optimizer states live (``optim/states.py``); see [Note: optimizer-state placement]."""
+
+    on_device: set[int]
+    trace_planned: Trace | None
+
+    def plan(self, trace: Trace, budget: int, policy: str, chunk_bytes: dict[int, int]) -> None: ...
+
+    def all_to_host(self) -> None: ...
+
+
+class PlacementRuntime:
+    """Carries out the placer's decisions at every moment; see [Note: placement]."""
+
+    def __init__(self, placer: Placer, tracer: MemoryTracer, store: ChunkStore, counters: StepCounters,
+                 chunks: list[Chunk], reductions: InFlightReductions) -> None:
+        self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
+        self.ledger = store.accel.ledger
+        self.chunks = chunks
+        self.reductions = reductions
+        self._chunk_bytes = {c.chunk_id: c.nbytes for c in chunks}  # fixed: the step's plan reads it
+        self.moment = -1
+        self.recording = False
+        self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
+        self._step_since_forward = True  # the next training forward starts an iteration
+
+    # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
+    def model_bytes_on_device(self) -> int:
+        return self.ledger.total
+
+    @staticmethod
+    def _bytes(chunk: Chunk) -> int:
+        """What the chunk occupies on the accelerator when it is there (payload + accumulator)."""
+        return chunk.nbytes + chunk.acc_nbytes
+
+    def _evictable(self, keep: set[int]) -> Callable[[int], int | None]:
+        chunks = self.chunks
+
+        def size(chunk_id: int) -> int | None:
+            chunk = chunks[chunk_id]
+            return None if chunk_id in keep or not chunk.movable else self._bytes(chunk)
+
+        return size
+
+    def _to_device(self, chunk: Chunk) -> None:
+        self.store.to_device(chunk)
+        self.placer.arrived(chunk.chunk_id)
+
+    def evict(self, chunk: Chunk) -> None:
+        """``chunk`` to the host (an asynchronous copy; see [Note: chunk locations])."""
+        if not chunk.on_host:
+            self.store.to_host(chunk)
+            self.placer.left(chunk.chunk_id)
+
+    def _non_model(self) -> int:
+        non_model = self.tracer.non_model_now(self.ledger)
+        self.ledger.non_model = non_model
+        return non_model
+
+    # ---- moments ------------------------------------------------------------------
+    def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
+        """A training moment advances the trace; a no-grad forward (evaluation) is placed
+        greedily without touching the trace or the tide."""
+        self.recording = torch.is_grad_enabled() or inside_backward() or label == "step"
+        if self.recording:
+            self.moment = self.tracer.record(label, chunk_ids, self.ledger)
+            if self.moment == 0:
+                self.tide = []
+        new_iteration = self.recording and self.moment == 0
+        self.placer.touch(chunk_ids, self.tracer.current_trace(), self.moment, new_iteration)
+
+    def make_room(self, need: int, keep: set[int]) -> None:
+        """Evict until ``need`` more bytes of model data fit beside the tide. Evictions whose copies
+        are still in flight count as occupied until they complete (see [Note: deferred frees]):
+        new victims are chosen only for what those will not free, then the oldest are waited on."""
+        accel = self.store.accel
+        accel.reclaim()
+        trace = self.tracer.current_trace()
+        headroom = self.placer.headroom(trace, self.moment, self._non_model()) - accel.fragmentation()
+        over = self.ledger.total + need - headroom
+        if over <= 0:
+            return
+        if self.reductions.drain():  # reduce-scatters in flight hold other ranks' chunks: done first
+            accel.reclaim()
+            over = self.ledger.total + need - headroom
+            if over <= 0:
+                return
+        short = over - accel.in_flight_bytes()
+        if short > 0:
+            try:
+                victims = self.placer.victims(short, self._evictable(keep))
+            except DeviceBudgetExceeded as err:
+                raise DeviceBudgetExceeded(
+                    f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
+                    f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
+                    f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
+                    f"Raise zero_optimization.device_budget or lower chunk_size.") from None
+            for victim in victims:
+                self.evict(self.chunks[victim])
+                self.counters.evictions += 1
+        accel.reclaim(need_below=headroom - need)
+
+
+    def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        """``chunk`` on the accelerator (room made for it), its copy waited on."""
+        if chunk.on_host:
+            self.make_room(self._bytes(chunk), keep | {chunk.chunk_id})
+            self._to_device(chunk)
+        chunk.wait_pending()
+
+    def end_moment(self, in_use: set[int]) -> None:
+        """Check the budget (the tide may have risen), record peaks, prefetch the next moment."""
+        self.make_room(0, in_use)
+        model, non_model = self.ledger.total, self._non_model()
+        if model + non_model > self.placer.budget:
+            raise DeviceBudgetExceeded(f"model data {model:,} B + non-model {non_model:,} B exceed the accelerator "
+                                       f"budget of {self.placer.budget:,} B at moment {self.moment}")
+        if self.recording:
+            self.tide.append((self.moment, model, non_model))
+        self.note_peaks(non_model)
+        trace = self.tracer.current_trace()
+        for chunk_id in self.placer.prefetch(trace, self.moment):
+            chunk = self.chunks[chunk_id]
+            if chunk.on_host and self._fits(self._bytes(chunk), trace):
+                self._to_device(chunk)
+                self.counters.prefetches += 1
+                chunk.prefetched = True
+
+    def note_peaks(self, non_model: int) -> None:
+        counters, ledger = self.counters, self.ledger
+        counters.peak_model_bytes_device = max(counters.peak_model_bytes_device, ledger.peak)
+        counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
+        counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
+
+    def can_prefetch(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more (a group gathered ahead of use) fit beside the tide planned for
+        this moment and the next without evicting anything; never while tracing."""
+        trace = self.tracer.current_trace()
+        return trace is not None and self._fits(nbytes, trace)
+
+    def can_keep(self, nbytes: int, reserve: int) -> bool:
+        """Whether ``nbytes`` more can stay on the accelerator for the rest of the iteration, next
+        to ``reserve`` bytes (a chunk group gathered later) and the highest tide the trace plans
+        from here on; never while tracing."""
+        trace = self.tracer.current_trace()
+        if trace is None:
+            return False
+        tide = max([self._non_model()] + [m.non_model for m in trace.moments[self.moment + 1:]])
+        return self.ledger.total + nbytes + reserve <= self.placer.budget - tide - self.store.accel.fragmentation()
+
+    def _fits(self, nbytes: int, trace) -> bool:
+        headroom = self.placer.headroom(trace, self.moment + 1, self._non_model())
+        return self.ledger.total + nbytes <= headroom - self.store.accel.fragmentation()
+
+    def after_use(self, chunk: Chunk) -> None:
+        if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
+            self.evict(chunk)
+
+    # ---- iterations and the step (see [Note: optimizer-state placement]) ----------------
+    def start_forward(self, inputs: object, states: StatePlacement) -> None:
+        """A training forward of the root module: the first after a step starts an iteration (a new
+        trace when the input shapes changed); before a (re-)trace every optimizer state goes to the
+        host, so that the new tide is measured without them."""
+        if not self._step_since_forward:
+            return
+        self.tracer.start_iteration(tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs)))
+        self._step_since_forward = False
+        if self.tracer.tracing:
+            states.all_to_host()
+
+    def begin_step(self, states: StatePlacement) -> None:
+        """The optimizer step is a moment; after a (re-)trace, the optimizer states are re-placed and
+        the step uses only the chunks whose states live on the accelerator."""
+        self._step_since_forward = True
+        trace = self.tracer.current_trace()
+        if trace is not None and trace is not states.trace_planned:
+            states.plan(trace, self.placer.budget, self.placer.policy, self._chunk_bytes)
+            step_moment = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
+            if step_moment is not None:
+                trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
+        self.begin_moment("step", tuple(sorted(states.on_device)))
+
+    def end_step(self) -> None:
+        self.note_peaks(self.tracer.non_model_now(self.ledger))
