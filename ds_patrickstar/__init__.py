@@ -20,6 +20,7 @@ checks it):
 ``counters`` (the per-step counters) and ``autograd_state`` (is a backward running?) are leaf
 modules every layer may import; ``plan`` and ``zero_to_fp32`` are the command-line entry points.
 """
+
 from .chunks.state import ChunkState, IllegalTransition, TensorState
 from .integration.config import PatrickStarConfig
 from .integration.engine import PatrickStarEngine, gathered_parameters
@@ -28,8 +29,18 @@ from .io.checkpoint import consolidate_fp32_state_dict
 from .io.init import Init
 from .io.pretrained import load_pretrained
 
-__all__ = ["ChunkState", "IllegalTransition", "Init", "PatrickStarConfig", "PatrickStarEngine", "TensorState",
-           "consolidate_fp32_state_dict", "gathered_parameters", "install", "load_pretrained"]
+__all__ = [
+    "ChunkState",
+    "IllegalTransition",
+    "Init",
+    "PatrickStarConfig",
+    "PatrickStarEngine",
+    "TensorState",
+    "consolidate_fp32_state_dict",
+    "gathered_parameters",
+    "install",
+    "load_pretrained",
+]
 __version__ = "0.1.0"
 
 install()

@@ -3,10 +3,12 @@
 A leaf module: every layer may import it (the hook registry, placement and the chunk manager
 all ask whether a backward pass is running).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

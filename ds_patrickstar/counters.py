@@ -1,4 +1,5 @@
 """Per-step counters: what moved where, readable from the engine and written to DeepSpeed's monitor."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

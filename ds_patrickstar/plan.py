@@ -3,6 +3,7 @@ its model data live? The arithmetic is the pre-flight check's (:mod:`ds_patricks
 see [Note: pre-flight]) on the chunk plan ``deepspeed.initialize`` would make, from a parameter
 count, a GPT shape or a Hugging Face ``config.json`` built on ``meta``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,13 +39,32 @@ def sizes_from_gpt(spec: str) -> list[int]:
     width, depth = parts[0], parts[1]
     vocab = parts[2] if len(parts) > 2 else 50304
     seq = parts[3] if len(parts) > 3 else 1024
-    layer = [width, width, 3 * width * width, 3 * width, width * width, width, width, width,
-             4 * width * width, 4 * width, 4 * width * width, width]
+    layer = [
+        width,
+        width,
+        3 * width * width,
+        3 * width,
+        width * width,
+        width,
+        width,
+        width,
+        4 * width * width,
+        4 * width,
+        4 * width * width,
+        width,
+    ]
     return [vocab * width, seq * width] + layer * depth + [width, width]
 
 
-def plan_report(sizes: list[int], chunk_size: int, world_size: int, lp_bytes: int, accumulate: bool,
-                device_budget: int, host_bytes: int) -> dict:
+def plan_report(
+    sizes: list[int],
+    chunk_size: int,
+    world_size: int,
+    lp_bytes: int,
+    accumulate: bool,
+    device_budget: int,
+    host_bytes: int,
+) -> dict:
     """Rank 0's model data (the rank with the most), where it would live, and the largest model that fits."""
     capacities = capacities_for(sizes, chunk_size, world_size)
     owners = [owner_of(i, world_size) for i in range(len(capacities))]
@@ -53,20 +73,36 @@ def plan_report(sizes: list[int], chunk_size: int, world_size: int, lp_bytes: in
     need = plan.model_data_bytes
     on_device = min(need, device_budget)
     available = device_budget + host_bytes
-    return {"parameters": sum(sizes), "chunks": len(capacities), "model_data_bytes_per_rank": need,
-            "bytes_per_owned_parameter": plan.bytes_per_owned_element, "on_accelerator_bytes": on_device,
-            "on_host_bytes": need - on_device, "fits": need <= available,
-            "largest_fitting_params": largest_fitting_params(plan, available, world_size), "plan": plan}
+    return {
+        "parameters": sum(sizes),
+        "chunks": len(capacities),
+        "model_data_bytes_per_rank": need,
+        "bytes_per_owned_parameter": plan.bytes_per_owned_element,
+        "on_accelerator_bytes": on_device,
+        "on_host_bytes": need - on_device,
+        "fits": need <= available,
+        "largest_fitting_params": largest_fitting_params(plan, available, world_size),
+        "plan": plan,
+    }
 
 
 def _bytes(text: str) -> int:
     """``24GiB``, ``80GB``, ``1.5TiB`` or a plain number of bytes."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "b": 1}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "b": 1,
+    }
     low = text.strip().lower()
     for unit, factor in units.items():
         if low.endswith(unit):
-            return int(float(low[:-len(unit)]) * factor)
+            return int(float(low[: -len(unit)]) * factor)
     return int(float(low))
 
 
@@ -76,10 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     from .integration.config import DEFAULT_CHUNK_SIZE
 
-    parser = argparse.ArgumentParser(prog="python -m ds_patrickstar.plan",
-                                     description="Model data per rank of a stage 'patrickstar' run, where it would "
-                                                 "live, and the largest model that fits (the pre-flight arithmetic "
-                                                 "of deepspeed.initialize).")
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_patrickstar.plan",
+        description="Model data per rank of a stage 'patrickstar' run, where it would "
+        "live, and the largest model that fits (the pre-flight arithmetic "
+        "of deepspeed.initialize).",
+    )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="a parameter count (e.g. 1.3e9), packed in full chunks")
     what.add_argument("--hf-config", help="a Hugging Face config.json (or its folder); needs transformers")
@@ -100,18 +138,33 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = sizes_from_hf_config(args.hf_config)
     else:
         sizes = sizes_from_gpt(args.gpt)
-    report = plan_report(sizes, args.chunk_size, args.world_size, 4 if args.dtype == "fp32" else 2,
-                         args.gradient_accumulation, _bytes(args.device_mem), _bytes(args.host_mem))
+    report = plan_report(
+        sizes,
+        args.chunk_size,
+        args.world_size,
+        4 if args.dtype == "fp32" else 2,
+        args.gradient_accumulation,
+        _bytes(args.device_mem),
+        _bytes(args.host_mem),
+    )
     gib = 2**30
-    print(f"model: {report['parameters'] / 1e6:,.1f}M parameters in {report['chunks']} chunks "
-          f"(chunk_size {args.chunk_size:,}), world size {args.world_size}, {args.dtype}")
-    print(f"model data per rank: {report['model_data_bytes_per_rank'] / gib:.2f} GiB "
-          f"({report['bytes_per_owned_parameter']} bytes per owned parameter"
-          f"{' + 4 per parameter for gradient accumulation' if args.gradient_accumulation else ''})")
-    print(f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
-          f"take), {report['on_host_bytes'] / gib:.2f} GiB or more on the host")
-    print(f"fits: {'yes' if report['fits'] else 'NO'}; the largest model that fits: about "
-          f"{report['largest_fitting_params'] / 1e6:,.0f}M parameters at this world size")
+    print(
+        f"model: {report['parameters'] / 1e6:,.1f}M parameters in {report['chunks']} chunks "
+        f"(chunk_size {args.chunk_size:,}), world size {args.world_size}, {args.dtype}"
+    )
+    print(
+        f"model data per rank: {report['model_data_bytes_per_rank'] / gib:.2f} GiB "
+        f"({report['bytes_per_owned_parameter']} bytes per owned parameter"
+        f"{' + 4 per parameter for gradient accumulation' if args.gradient_accumulation else ''})"
+    )
+    print(
+        f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
+        f"take), {report['on_host_bytes'] / gib:.2f} GiB or more on the host"
+    )
+    print(
+        f"fits: {'yes' if report['fits'] else 'NO'}; the largest model that fits: about "
+        f"{report['largest_fitting_params'] / 1e6:,.0f}M parameters at this world size"
+    )
     return report
 
 

@@ -6,6 +6,7 @@ The output is a ``torch.save``-d ``{name: tensor}`` that ``model.load_state_dict
 (trainable parameters from the fp32 masters; frozen parameters and buffers from the module
 state). The same as :func:`ds_patrickstar.consolidate_fp32_state_dict`.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -23,6 +23,7 @@ buffer, see [Note: straddling tensors]). Releasing a chunk
 resizes the payload's untyped storage to zero bytes and materializing it resizes it back,
 so the views (and the views autograd saved for backward) stay valid, as in FSDP2.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class Chunk:
     group_index: int
     tensors: list[TensorInfo] = field(default_factory=list)  # every tensor with a piece here, in order
     pieces: list[Piece] = field(default_factory=list)  # their pieces in this chunk, in the same order
-    payload: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # on the accelerator; parameters are views of it
+    payload: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0)
+    )  # on the accelerator; parameters are views of it
     host: torch.Tensor | None = None  # the values while the chunk lives on the host (see memory/store.py)
     on_host: bool = False
     acc: torch.Tensor | None = None  # fp32 gradient accumulator beside the payload (GA > 1)
@@ -161,7 +164,6 @@ class Chunk:
     def is_materialized(self) -> bool:
         return self.payload.untyped_storage().nbytes() > 0
 
-
     @property
     def state(self) -> ChunkState:
         states = {t.state for t in self.tensors}
@@ -177,8 +179,10 @@ class Chunk:
 
     def append(self, info: TensorInfo, piece: Piece) -> None:
         if piece.offset < self.used or piece.offset + piece.numel > self.capacity:
-            raise ValueError(f"{info.name}: elements {piece.start}..{piece.start + piece.numel} do not fit chunk "
-                             f"{self.chunk_id} at offset {piece.offset} (used {self.used} of {self.capacity})")
+            raise ValueError(
+                f"{info.name}: elements {piece.start}..{piece.start + piece.numel} do not fit chunk "
+                f"{self.chunk_id} at offset {piece.offset} (used {self.used} of {self.capacity})"
+            )
         self.tensors.append(info)
         self.pieces.append(piece)
 

@@ -6,9 +6,10 @@ layout (:func:`~ds_patrickstar.chunks.layout.plan_chunks`) one group at a time a
 lookups; nothing here allocates or moves memory (``memory/binding.py`` gives the chunks their
 buffers and makes the parameters views of them).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -84,7 +85,7 @@ class ChunkMap:
         return len(self.chunks) // self.world_size
 
     def group_members(self, group: int) -> list[Chunk]:
-        return self.chunks[group * self.world_size:(group + 1) * self.world_size]
+        return self.chunks[group * self.world_size : (group + 1) * self.world_size]
 
     def group_of(self, chunk: Chunk) -> int:
         return chunk.chunk_id // self.world_size

@@ -31,6 +31,7 @@ sends for the same tensors, ``(W - 1) x sum(ceil(numel / W))``
 (``tests/test_comm_volume.py``). The checkpoint format is per parameter piece, so a layout
 change never breaks a checkpoint (resharding loads across layouts).
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,12 @@ def plan_first_fit(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int)
     for name, param in named:
         numel = param.numel()
         if numel > chunk_size:
-            logger.info("ds_patrickstar: %s has %d elements > chunk_size=%d; it gets a chunk of its own",
-                        name, numel, chunk_size)
+            logger.info(
+                "ds_patrickstar: %s has %d elements > chunk_size=%d; it gets a chunk of its own",
+                name,
+                numel,
+                chunk_size,
+            )
             plans.append([(name, param, 0)])
             fill.append(chunk_size)
             continue
@@ -89,8 +94,9 @@ def plan_first_fit(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int)
     return plans
 
 
-def _plan_straddled(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int,
-                    world_size: int) -> list[list[list[tuple]]]:
+def _plan_straddled(
+    named: list[tuple[str, torch.nn.Parameter]], chunk_size: int, world_size: int
+) -> list[list[list[tuple]]]:
     """Chunk groups of ``world_size`` equal members; see [Note: balanced chunk groups]."""
     groups: list[list[list[tuple]]] = []
     run: list[tuple[str, torch.nn.Parameter]] = []
@@ -127,8 +133,9 @@ def _cut(run: list[tuple[str, torch.nn.Parameter]], total: int, world_size: int)
     return members
 
 
-def plan_chunks(named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int,
-                world_size: int) -> list[ChunkSpec]:
+def plan_chunks(
+    named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int, world_size: int
+) -> list[ChunkSpec]:
     """The chunk layout of every param group, in chunk groups of ``world_size``; see
     [Note: chunk layout] and [Note: balanced chunk groups]."""
     specs: list[ChunkSpec] = []

@@ -17,6 +17,7 @@ A chunk's state is derived from its tensors (:attr:`~ds_patrickstar.chunks.chunk
 ``COMPUTE`` pins it (it may neither move nor be freed), all-``FREE`` means ``RELEASED``,
 anything else is ``HOLD`` (movable).
 """
+
 from __future__ import annotations
 
 import enum
@@ -53,8 +54,10 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
 
 def check_transition(old: TensorState, new: TensorState, name: str = "tensor") -> None:
     if new not in _LEGAL[old]:
-        raise IllegalTransition(f"{name}: illegal tensor state transition {old.name} -> {new.name}; "
-                                f"from {old.name} only {sorted(s.name for s in _LEGAL[old])} are allowed")
+        raise IllegalTransition(
+            f"{name}: illegal tensor state transition {old.name} -> {new.name}; "
+            f"from {old.name} only {sorted(s.name for s in _LEGAL[old])} are allowed"
+        )
 
 
 class ChunkState(enum.Enum):

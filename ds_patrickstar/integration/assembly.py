@@ -7,16 +7,16 @@ chunks), placement (on CUDA or the emulated accelerator), the chunk manager, def
 (``ds_patrickstar.Init``), optimizer states, Adam, the streaming export, the hook target and the
 hooks; finally every Adam kernel the run can use is built, so no step waits on a compiler.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import psutil
 import torch
 from torch.distributed import ProcessGroup
-
 
 from ..chunks.chunk_map import ChunkMap, owner_of
 from ..chunks.layout import ChunkSpec, plan_chunks
@@ -62,8 +62,7 @@ class ChunkedModel:
     hooks: HookRegistry
 
 
-def named_param_groups(module: torch.nn.Module,
-                       param_groups: list[dict]) -> list[list[tuple[str, torch.nn.Parameter]]]:
+def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """The trainable parameters of every param group with their names; bad groups raise ``ValueError``."""
     names: dict[torch.nn.Parameter, str] = {}
     for name, param in module.named_parameters():
@@ -73,18 +72,24 @@ def named_param_groups(module: torch.nn.Module,
         named = []
         for param in group["params"]:
             if param not in names:
-                raise ValueError(f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
-                                 f"that is not a parameter of the model; pass model_parameters="
-                                 f"model.parameters() (or groups of the model's own parameters)")
+                raise ValueError(
+                    f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
+                    f"that is not a parameter of the model; pass model_parameters="
+                    f"model.parameters() (or groups of the model's own parameters)"
+                )
             if param.requires_grad:
                 if not param.is_floating_point():
-                    raise ValueError(f"parameter {names[param]} has dtype {param.dtype}; only floating point "
-                                     f"parameters can be trained: make it float or set requires_grad=False")
+                    raise ValueError(
+                        f"parameter {names[param]} has dtype {param.dtype}; only floating point "
+                        f"parameters can be trained: make it float or set requires_grad=False"
+                    )
                 named.append((names[param], param))
         groups.append(named)
     if not any(groups):
-        raise ValueError("the model has no trainable parameters (requires_grad=True) in the optimizer's "
-                         "param groups; stage 'patrickstar' has nothing to train")
+        raise ValueError(
+            "the model has no trainable parameters (requires_grad=True) in the optimizer's "
+            "param groups; stage 'patrickstar' has nothing to train"
+        )
     return groups
 
 
@@ -97,27 +102,46 @@ def resolve_budget(device_budget: int | float | None, device: torch.device, emul
         total = psutil.virtual_memory().total
     if device_budget is None:
         if emulate:
-            raise ValueError("zero_optimization.emulate_accelerator=true needs zero_optimization.device_budget: "
-                             "the emulated accelerator's size in bytes (an integer) or a fraction of host memory")
+            raise ValueError(
+                "zero_optimization.emulate_accelerator=true needs zero_optimization.device_budget: "
+                "the emulated accelerator's size in bytes (an integer) or a fraction of host memory"
+            )
         device_budget = 0.9
     return int(total * device_budget) if isinstance(device_budget, float) else int(device_budget)
 
 
-def make_accelerator(options: PatrickStarConfig, device: torch.device, specs: list[ChunkSpec], comm: ChunkComm,
-                     dtype: torch.dtype, accumulate: bool) -> Accelerator:
+def make_accelerator(
+    options: PatrickStarConfig,
+    device: torch.device,
+    specs: list[ChunkSpec],
+    comm: ChunkComm,
+    dtype: torch.dtype,
+    accumulate: bool,
+) -> Accelerator:
     """The accelerator of this run, after the pre-flight check (see [Note: pre-flight])."""
     emulate = options.emulate_accelerator
     if device.type != "cuda" and not emulate:
         return HostAccelerator()
     budget = resolve_budget(options.device_budget, device, emulate)
-    plan = plan_for_rank([s.capacity for s in specs], [owner_of(i, comm.world_size) for i in range(len(specs))],
-                         comm.rank, dtype.itemsize, accumulate)
+    plan = plan_for_rank(
+        [s.capacity for s in specs],
+        [owner_of(i, comm.world_size) for i in range(len(specs))],
+        comm.rank,
+        dtype.itemsize,
+        accumulate,
+    )
     check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size)
     return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)
 
 
-def make_placement(options: PatrickStarConfig, accel: Accelerator, store: ChunkStore, counters: StepCounters,
-                   chunk_map: ChunkMap, reductions: InFlightReductions) -> PlacementRuntime:
+def make_placement(
+    options: PatrickStarConfig,
+    accel: Accelerator,
+    store: ChunkStore,
+    counters: StepCounters,
+    chunk_map: ChunkMap,
+    reductions: InFlightReductions,
+) -> PlacementRuntime:
     """Tide-aware (or static) placement on CUDA or the emulated accelerator; see [Note: placement]."""
     meter = None
     if isinstance(accel, EmulatedAccelerator):
@@ -126,40 +150,69 @@ def make_placement(options: PatrickStarConfig, accel: Accelerator, store: ChunkS
     owned = {c.chunk_id for c in chunk_map.owned_chunks()}
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     runtime = PlacementRuntime(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions)
-    logger.info("ds_patrickstar: %s placement, accelerator budget %.3f GiB%s", options.placement,
-                accel.ledger.budget / 2**30, " (emulated)" if meter is not None else "")
+    logger.info(
+        "ds_patrickstar: %s placement, accelerator budget %.3f GiB%s",
+        options.placement,
+        accel.ledger.budget / 2**30,
+        " (emulated)" if meter is not None else "",
+    )
     return runtime
 
 
-def assemble(module: torch.nn.Module, basic_optimizer: torch.optim.Optimizer, options: PatrickStarConfig, *,
-             device: torch.device, dtype: torch.dtype, accumulate: bool, dp_group: ProcessGroup | None,
-             deferred: DeferredModel | None, is_boundary: Callable[[], bool]) -> ChunkedModel:
+def assemble(
+    module: torch.nn.Module,
+    basic_optimizer: torch.optim.Optimizer,
+    options: PatrickStarConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    accumulate: bool,
+    dp_group: ProcessGroup | None,
+    deferred: DeferredModel | None,
+    is_boundary: Callable[[], bool],
+) -> ChunkedModel:
     """Build every part of a run for ``module``; see the module docstring for the order."""
     adamw = adamw_mode(basic_optimizer)  # refuse a non-Adam optimizer before anything is built
     counters = StepCounters()
     comm = ChunkComm(dp_group, counters)
-    specs = plan_chunks(named_param_groups(module, basic_optimizer.param_groups), options.chunk_size,
-                        comm.world_size)
+    specs = plan_chunks(named_param_groups(module, basic_optimizer.param_groups), options.chunk_size, comm.world_size)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
     movable = not isinstance(accel, HostAccelerator)  # chunks have a host home: placement
     store = ChunkStore(accel, counters, movable=movable)
-    chunk_map = build_chunk_map(specs, comm.world_size, comm.rank, store,
-                                has_values=lambda p: not (deferred and deferred.is_deferred(p)))
+    chunk_map = build_chunk_map(
+        specs, comm.world_size, comm.rank, store, has_values=lambda p: not (deferred and deferred.is_deferred(p))
+    )
     reductions = InFlightReductions()
     placement = make_placement(options, accel, store, counters, chunk_map, reductions) if movable else None
-    manager = ChunkManager(chunk_map, comm, store, placement, reductions, accumulate=accumulate,
-                           keep_gathered=options.keep_gathered, prefetch_groups=options.prefetch_groups)
+    manager = ChunkManager(
+        chunk_map,
+        comm,
+        store,
+        placement,
+        reductions,
+        accumulate=accumulate,
+        keep_gathered=options.keep_gathered,
+        prefetch_groups=options.prefetch_groups,
+    )
     if deferred:  # values from each module's own init, into the owned chunks only (see io/init.py)
         deferred.materialize(chunk_map)
     module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
     owned = chunk_map.owned_chunks()
     optim_states = OptimizerStates(owned, accel, start_on_device=not movable)
-    adam = ChunkAdam(owned, optim_states, basic_optimizer.param_groups, adamw, placement, counters,
-                     stepped_groups={c.group_index for c in chunk_map.chunks})
+    adam = ChunkAdam(
+        owned,
+        optim_states,
+        basic_optimizer.param_groups,
+        adamw,
+        placement,
+        counters,
+        stepped_groups={c.group_index for c in chunk_map.chunks},
+    )
     export = ChunkExport(chunk_map, comm, accel, optim_states)
     flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary)
     hooks = HookRegistry(module, chunk_map.info, flow)
     adam.build_kernels({accel.device, torch.device("cpu")} if placement else {accel.device})
-    return ChunkedModel(counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export,
-                        flow, hooks)
+    return ChunkedModel(
+        counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks
+    )

@@ -9,6 +9,7 @@ stage-0 code paths for everything that is not ZeRO (precision flags, batch sizes
 schedulers, monitors, checkpoint layout) and our optimizer for the rest. The user's
 original dict stays visible as ``engine.config``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
-
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,9 @@ class PatrickStarConfig(BaseModel):
     def _a_number(cls, value: Any) -> Any:
         # pydantic would read "4096" as 4096 and True as 1: a quoted number or a flag here is a mistake
         if isinstance(value, (bool, str)):
-            raise ValueError(f"expected an integer (a JSON number, not {'a boolean' if isinstance(value, bool) else 'a string'})")
+            raise ValueError(
+                f"expected an integer (a JSON number, not {'a boolean' if isinstance(value, bool) else 'a string'})"
+            )
         return value
 
 
@@ -151,17 +153,21 @@ def parse_patrickstar_options(zero_block: dict[str, Any]) -> PatrickStarConfig:
     ours, ignored = {}, []
     for key, value in zero_block.items():
         if key in _CONFLICTING_ZERO_KEYS and not _means_no_offload(key, value):
-            got = f"; got {value!r}, and only \"device\": \"none\" (no offload) is accepted" \
-                if key in _OFFLOAD_BLOCKS else ""
-            raise ValueError(f"zero_optimization.{key} cannot be used with stage 'patrickstar': "
-                             f"{_CONFLICTING_ZERO_KEYS[key]}{got}. Remove the key.")
+            got = (
+                f'; got {value!r}, and only "device": "none" (no offload) is accepted' if key in _OFFLOAD_BLOCKS else ""
+            )
+            raise ValueError(
+                f"zero_optimization.{key} cannot be used with stage 'patrickstar': "
+                f"{_CONFLICTING_ZERO_KEYS[key]}{got}. Remove the key."
+            )
         if key in _CONFLICTING_ZERO_KEYS or (key in stock_keys and key not in PatrickStarConfig.model_fields):
             ignored.append(key)
         else:
             ours[key] = value
     if ignored:
-        logger.warning("zero_optimization keys %s tune stock ZeRO stages and are ignored by stage 'patrickstar'",
-                       sorted(ignored))
+        logger.warning(
+            "zero_optimization keys %s tune stock ZeRO stages and are ignored by stage 'patrickstar'", sorted(ignored)
+        )
     try:
         return PatrickStarConfig(**ours)
     except ValidationError as err:
@@ -172,8 +178,9 @@ def is_patrickstar(config: dict[str, Any]) -> bool:
     zero = config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, dict) else None
     if isinstance(stage, str) and stage != STAGE_NAME and stage.strip().lower() == STAGE_NAME:
-        raise ValueError(f"zero_optimization.stage={stage!r}: write {STAGE_NAME!r} exactly (lower case) to select "
-                         f"this backend")
+        raise ValueError(
+            f"zero_optimization.stage={stage!r}: write {STAGE_NAME!r} exactly (lower case) to select this backend"
+        )
     return stage == STAGE_NAME
 
 
@@ -188,13 +195,17 @@ def check_optimizer_block(config: dict[str, Any]) -> None:
         return
     kind = block["type"]
     if not isinstance(kind, str) or kind.lower() not in _ADAM_TYPES:
-        raise ValueError(f"optimizer.type={kind!r} is not supported by stage 'patrickstar', which updates parameters "
-                         f"with its own fused Adam: use \"type\": \"Adam\" or \"AdamW\"")
+        raise ValueError(
+            f"optimizer.type={kind!r} is not supported by stage 'patrickstar', which updates parameters "
+            f'with its own fused Adam: use "type": "Adam" or "AdamW"'
+        )
     params = block.get("params") or {}
     for flag in _UNSUPPORTED_ADAM_PARAMS:
         if params.get(flag):
-            raise ValueError(f"optimizer.params.{flag}={params[flag]!r} is not supported by stage 'patrickstar'; "
-                             f"remove it or set it to false")
+            raise ValueError(
+                f"optimizer.params.{flag}={params[flag]!r} is not supported by stage 'patrickstar'; "
+                f"remove it or set it to false"
+            )
 
 
 # Keys of DeepSpeed's Adam block that only choose DeepSpeed's implementation (FusedAdam,
@@ -214,8 +225,9 @@ def torch_adam_from_block(kind: str, params: dict[str, Any] | None) -> tuple[typ
 
     params = dict(params or {})
     if "max_grad_norm" in params:
-        raise ValueError("optimizer.params.max_grad_norm is not supported; use the DeepSpeed key "
-                         "\"gradient_clipping\" instead")
+        raise ValueError(
+            'optimizer.params.max_grad_norm is not supported; use the DeepSpeed key "gradient_clipping" instead'
+        )
     adam_w_mode = bool(params.pop("adam_w_mode", True))
     adamw = kind.lower() == "adamw" or adam_w_mode
     for key in _ADAM_IMPLEMENTATION_KEYS:
@@ -224,8 +236,10 @@ def torch_adam_from_block(kind: str, params: dict[str, Any] | None) -> tuple[typ
     unknown = sorted(set(params) - set(_ADAM_DEFAULTS) - set(_UNSUPPORTED_ADAM_PARAMS))
     if unknown:
         allowed = ", ".join(sorted([*_ADAM_DEFAULTS, "adam_w_mode", "bias_correction", *_ADAM_IMPLEMENTATION_KEYS]))
-        raise ValueError(f"optimizer.params.{unknown[0]}={params[unknown[0]]!r} is not an Adam option known to stage "
-                         f"'patrickstar'; the options are: {allowed}")
+        raise ValueError(
+            f"optimizer.params.{unknown[0]}={params[unknown[0]]!r} is not an Adam option known to stage "
+            f"'patrickstar'; the options are: {allowed}"
+        )
     kwargs = {**_ADAM_DEFAULTS, **params}
     return (torch.optim.AdamW if adamw else torch.optim.Adam), kwargs, group_keys
 

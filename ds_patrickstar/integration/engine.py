@@ -14,12 +14,13 @@ edits: our fused Adam runs the update. So the engine builds a plain ``torch.opti
 (or ``torch.optim.Adam`` with ``"adam_w_mode": false``) from the block, and no DeepSpeed
 op is built for it; ``engine.basic_optimizer`` is that object.
 """
+
 from __future__ import annotations
 
 import contextlib
 import glob
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from deepspeed import comm as dist
@@ -70,8 +71,10 @@ class PatrickStarEngine(DeepSpeedEngine):
                 data.copy_(staged)
 
     def _configure_zero_optimizer(self, optimizer):
-        raise ValueError("stage 'patrickstar' needs an optimizer: add an \"optimizer\" block (Adam or AdamW) to the "
-                         "DeepSpeed config or pass optimizer= to deepspeed.initialize")
+        raise ValueError(
+            "stage 'patrickstar' needs an optimizer: add an \"optimizer\" block (Adam or AdamW) to the "
+            "DeepSpeed config or pass optimizer= to deepspeed.initialize"
+        )
 
     def _deferred_model(self) -> DeferredModel:
         if self._deferred is None:
@@ -94,12 +97,19 @@ class PatrickStarEngine(DeepSpeedEngine):
         self.basic_optimizer = basic
         dtype, _ = self.get_data_types()
         self.optimizer = PatrickStarOptimizer(
-            self.module, basic, self._patrickstar_config, device=torch.device(self.device), dtype=dtype,
+            self.module,
+            basic,
+            self._patrickstar_config,
+            device=torch.device(self.device),
+            dtype=dtype,
             clip_grad=self.gradient_clipping(),
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
-            static_loss_scale=self.loss_scale(), dynamic_loss_scale=self.dynamic_loss_scale(),
-            dynamic_loss_args=self.dynamic_loss_scale_args(), dp_group=self.seq_data_parallel_group,
-            deferred=self._deferred)
+            static_loss_scale=self.loss_scale(),
+            dynamic_loss_scale=self.dynamic_loss_scale(),
+            dynamic_loss_args=self.dynamic_loss_scale_args(),
+            dp_group=self.seq_data_parallel_group,
+            deferred=self._deferred,
+        )
 
     def _torch_adam(self, model_parameters) -> torch.optim.Optimizer:
         """A plain torch Adam/AdamW holding the param groups and hyper-parameters of the config's
@@ -121,8 +131,12 @@ class PatrickStarEngine(DeepSpeedEngine):
         boundary = self.is_gradient_accumulation_boundary()  # super().step() advances micro_steps
         super().step(lr_kwargs)
         if boundary and self.monitor.enabled and self.global_rank == 0:
-            self.monitor.write_events([(f"Train/Samples/patrickstar/{name}", value, self.global_samples)
-                                       for name, value in self.get_patrickstar_counters().items()])
+            self.monitor.write_events(
+                [
+                    (f"Train/Samples/patrickstar/{name}", value, self.global_samples)
+                    for name, value in self.get_patrickstar_counters().items()
+                ]
+            )
 
     def get_patrickstar_counters(self) -> dict[str, int]:
         """The last completed optimizer step's counters (all zero before the first step; bytes of
@@ -130,11 +144,15 @@ class PatrickStarEngine(DeepSpeedEngine):
         return {**self.optimizer.last_step_counters, "model_data_bytes": int(self.optimizer.model_data_bytes())}
 
     # ---- checkpoints (see [Note: checkpoint format], [Note: crash-safe save]) --------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        saved = super().save_checkpoint(save_dir, tag, client_state=client_state or {}, save_latest=False,
-                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        saved = super().save_checkpoint(
+            save_dir,
+            tag,
+            client_state=client_state or {},
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
         dist.barrier()
         if self.global_rank == 0:
             checkpoint.write_marker(save_dir, tag)
@@ -158,8 +176,11 @@ class PatrickStarEngine(DeepSpeedEngine):
         if not paths:
             raise checkpoint.CheckpointError(f"checkpoint {os.path.join(load_dir, tag)!r} has no optimizer files")
         saved = (self.checkpoint_engine.load(p, map_location="cpu")["optimizer_state_dict"] for p in paths)
-        self.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer_states,
-                                       load_from_fp32_weights=self.zero_load_from_fp32_weights())
+        self.optimizer.load_state_dict(
+            saved,
+            load_optimizer_states=load_optimizer_states,
+            load_from_fp32_weights=self.zero_load_from_fp32_weights(),
+        )
         return True
 
     # ---- placement ----------------------------------------------------------------
@@ -167,12 +188,15 @@ class PatrickStarEngine(DeepSpeedEngine):
         """Write a PNG of the last iteration's model vs non-model accelerator memory per moment."""
         runtime = self.optimizer.placement
         if runtime is None or not runtime.tide:
-            raise RuntimeError("no placement trace to plot: placement runs on CUDA or with "
-                               "zero_optimization.emulate_accelerator=true, after at least one iteration")
+            raise RuntimeError(
+                "no placement trace to plot: placement runs on CUDA or with "
+                "zero_optimization.emulate_accelerator=true, after at least one iteration"
+            )
         from ..placement.tide_plot import plot_tide
 
-        return plot_tide(runtime.tide, runtime.placer.budget, path,
-                         f"ds_patrickstar tide ({runtime.placer.policy} placement)")
+        return plot_tide(
+            runtime.tide, runtime.placer.budget, path, f"ds_patrickstar tide ({runtime.placer.policy} placement)"
+        )
 
     # ---- model data access ------------------------------------------------------
     @torch.no_grad()

@@ -17,6 +17,7 @@ numbers as stage 3 does. Parameters, gradients and optimizer states are partitio
 takes its ZeRO >= 2 path: no ``no_sync``, the boundary is passed to the engine. Nothing is
 changed when accelerate was never imported, nor for plugins of other stages.
 """
+
 from __future__ import annotations
 
 import sys

@@ -6,10 +6,12 @@ entries and exits into chunk-manager moments, tells placement where an iteration
 ``state_dict``/``load_state_dict`` to :class:`~ds_patrickstar.io.export.ChunkExport`
 (see [Note: state_dict]).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -29,8 +31,15 @@ def _backward_reads_no_weights(module: torch.nn.Module) -> bool:
 class TrainingFlow:
     """Implements :class:`~ds_patrickstar.integration.hooks.HookTarget` for one model."""
 
-    def __init__(self, module: torch.nn.Module, manager: ChunkManager, placement: PlacementRuntime | None,
-                 export: ChunkExport, optim_states: OptimizerStates, is_boundary: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        manager: ChunkManager,
+        placement: PlacementRuntime | None,
+        export: ChunkExport,
+        optim_states: OptimizerStates,
+        is_boundary: Callable[[], bool],
+    ) -> None:
         self.module = module
         self.manager = manager
         self.optim_states = optim_states

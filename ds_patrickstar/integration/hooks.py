@@ -22,10 +22,12 @@ one chunk group at a time; ``load_state_dict()`` writes owned values into the ch
 itself and makes the fp32 masters follow (see [Note: state_dict]). Forward hooks also fire during activation-checkpoint
 recomputation, which is just another ``COMPUTE`` use.
 """
+
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -89,12 +91,14 @@ class _PostBackward(torch.autograd.Function):
 class HookRegistry:
     """Registers and removes every hook; see [Note: which hook drives which state]."""
 
-    def __init__(self, module: torch.nn.Module, info_of: Callable[[torch.Tensor], TensorInfo | None],
-                 target: HookTarget) -> None:
+    def __init__(
+        self, module: torch.nn.Module, info_of: Callable[[torch.Tensor], TensorInfo | None], target: HookTarget
+    ) -> None:
         self._target = target
         self._handles: list[RemovableHandle] = [
-            module.register_forward_pre_hook(lambda mod, args, kwargs: target.root_forward_start((args, kwargs)),
-                                             with_kwargs=True),
+            module.register_forward_pre_hook(
+                lambda mod, args, kwargs: target.root_forward_start((args, kwargs)), with_kwargs=True
+            ),
             module.register_forward_hook(lambda mod, args, output: target.root_forward_end()),
         ]
         holders = Counter(id(p) for sub in module.modules() for p in sub.parameters(recurse=False))
@@ -103,13 +107,23 @@ class HookRegistry:
             if infos:
                 tied = any(holders[id(i.param)] > 1 for i in infos)
                 self._register_module(sub, infos, tied)
-        self._handles.append(module.register_state_dict_post_hook(
-            lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)))
-        self._handles.append(module.register_load_state_dict_pre_hook(
-            lambda mod, state_dict, prefix, metadata, strict, missing, unexpected, error_msgs:
-            target.before_load_state_dict(state_dict, prefix, error_msgs)))
-        self._handles.append(module.register_load_state_dict_post_hook(
-            lambda mod, incompatible_keys: target.after_load_state_dict(incompatible_keys)))
+        self._handles.append(
+            module.register_state_dict_post_hook(
+                lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)
+            )
+        )
+        self._handles.append(
+            module.register_load_state_dict_pre_hook(
+                lambda mod, state_dict, prefix, metadata, strict, missing, unexpected, error_msgs: (
+                    target.before_load_state_dict(state_dict, prefix, error_msgs)
+                )
+            )
+        )
+        self._handles.append(
+            module.register_load_state_dict_post_hook(
+                lambda mod, incompatible_keys: target.after_load_state_dict(incompatible_keys)
+            )
+        )
         seen: set[int] = set()
         for param in module.parameters():
             info = info_of(param)
@@ -132,7 +146,8 @@ class HookRegistry:
                 outputs = [t for t in iter_tensors(output) if t.requires_grad]
                 if outputs:
                     torch.autograd.graph.register_multi_grad_hook(
-                        outputs, lambda grads: target.pre_backward(mod, infos), mode="any")
+                        outputs, lambda grads: target.pre_backward(mod, infos), mode="any"
+                    )
 
         self._handles.append(sub.register_forward_pre_hook(pre_forward))
         self._handles.append(sub.register_forward_hook(post_forward))

@@ -10,6 +10,7 @@ before importing ds_patrickstar keeps the original function, so import ds_patric
 first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
 of the config (see [Note: accelerate's zero_stage]).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,13 +43,24 @@ def _load(config: Any) -> Any:
     if config is None or isinstance(config, dict):
         return config
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
     return load_ds_config(config)
 
 
-def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=None, model_parameters=None,
-                            training_data=None, lr_scheduler=None,
-                            distributed_port=deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
-                            dist_init_required=None, collate_fn=None, mesh_param=None):
+def _initialize_patrickstar(
+    user_config: dict,
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    mesh_param=None,
+):
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -61,16 +73,30 @@ def _initialize_patrickstar(user_config: dict, args=None, model=None, optimizer=
         raise ValueError("stage 'patrickstar' supports data parallelism only (no pipeline or mesh parallelism)")
     options, sanitized = split_config(user_config)
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters (requires_grad=True); stage 'patrickstar' has "
-                         "nothing to train")
-    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                          distributed_port=distributed_port, dist_init_required=dist_init_required)
+        raise ValueError(
+            "the model has no trainable parameters (requires_grad=True); stage 'patrickstar' has nothing to train"
+        )
+    dist.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=distributed_port,
+        dist_init_required=dist_init_required,
+    )
     _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
     config_class = DeepSpeedConfig(sanitized, mpu)
-    engine = PatrickStarEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                               training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                               dist_init_required=dist_init_required, collate_fn=collate_fn, config=sanitized,
-                               config_class=config_class, patrickstar_config=options)
+    engine = PatrickStarEngine(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=sanitized,
+        config_class=config_class,
+        patrickstar_config=options,
+    )
     engine.config = user_config  # Hugging Face and users read the config they wrote
     adapt_accelerate()  # see [Note: accelerate's zero_stage]
     engine._configure_python_gc()
@@ -82,13 +108,19 @@ def _warn_if_world_lost(world_size: int) -> None:
     CPU-only machine without being told to use the CPU; stock stage 3 behaves the same)."""
     launched = os.environ.get("WORLD_SIZE", "1")
     seen = accelerate_num_processes()
-    if not ((seen is not None and seen != world_size) or (launched.isdigit() and int(launched) > 1 and world_size == 1)):
+    if not (
+        (seen is not None and seen != world_size) or (launched.isdigit() and int(launched) > 1 and world_size == 1)
+    ):
         return
-    logger.warning("Hugging Face sees %s process(es) but DeepSpeed's data-parallel world size is %d (WORLD_SIZE=%s): "
-                   "batch sizes and data sharding are computed for the wrong world. On a CPU-only machine tell "
-                   "Hugging Face to use the CPU: TrainingArguments(use_cpu=True, ...) for the Trainer, "
-                   "PartialState(cpu=True) before Accelerator(...) for accelerate (see README, Hugging Face).",
-                   seen if seen is not None else 1, world_size, launched)
+    logger.warning(
+        "Hugging Face sees %s process(es) but DeepSpeed's data-parallel world size is %d (WORLD_SIZE=%s): "
+        "batch sizes and data sharding are computed for the wrong world. On a CPU-only machine tell "
+        "Hugging Face to use the CPU: TrainingArguments(use_cpu=True, ...) for the Trainer, "
+        "PartialState(cpu=True) before Accelerator(...) for accelerate (see README, Hugging Face).",
+        seen if seen is not None else 1,
+        world_size,
+        launched,
+    )
 
 
 def install() -> None:
@@ -98,21 +130,52 @@ def install() -> None:
         return
 
     @functools.wraps(original)
-    def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-                   lr_scheduler=None, distributed_port=deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
-                   dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
+    def initialize(
+        args=None,
+        model=None,
+        optimizer=None,
+        model_parameters=None,
+        training_data=None,
+        lr_scheduler=None,
+        distributed_port=deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT,
+        mpu=None,
+        dist_init_required=None,
+        collate_fn=None,
+        config=None,
+        mesh_param=None,
+        config_params=None,
+    ):
         loaded = _load(_resolve_config(args, config, config_params))
         if not (isinstance(loaded, dict) and is_patrickstar(loaded)):
-            return original(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                            training_data=training_data, lr_scheduler=lr_scheduler,
-                            distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                            collate_fn=collate_fn, config=config, mesh_param=mesh_param,
-                            config_params=config_params)
-        return _initialize_patrickstar(loaded, args=args, model=model, optimizer=optimizer,
-                                       model_parameters=model_parameters, training_data=training_data,
-                                       lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
-                                       dist_init_required=dist_init_required, collate_fn=collate_fn,
-                                       mesh_param=mesh_param)
+            return original(
+                args=args,
+                model=model,
+                optimizer=optimizer,
+                model_parameters=model_parameters,
+                training_data=training_data,
+                lr_scheduler=lr_scheduler,
+                distributed_port=distributed_port,
+                mpu=mpu,
+                dist_init_required=dist_init_required,
+                collate_fn=collate_fn,
+                config=config,
+                mesh_param=mesh_param,
+                config_params=config_params,
+            )
+        return _initialize_patrickstar(
+            loaded,
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            distributed_port=distributed_port,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            mesh_param=mesh_param,
+        )
 
     setattr(initialize, _MARK, True)
     deepspeed.initialize = initialize

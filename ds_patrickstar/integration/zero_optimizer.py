@@ -7,17 +7,18 @@ prologue/epilogue, ``step``, ``zero_grad``, ``overflow``, ``loss_scale``/``cur_s
 optimizer's own group dicts, so an LR scheduler (from the config or the client) that edits them
 is read at every step. The step itself is described in [Note: step].
 """
+
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from torch.distributed import ProcessGroup
-
 
 from ..io import checkpoint
 from ..io.init import DeferredModel
@@ -31,20 +32,39 @@ logger = logging.getLogger(__name__)
 class PatrickStarOptimizer(ZeROOptimizer):
     """Chunk-based mixed-precision Adam behind DeepSpeed's ZeRO-optimizer interface."""
 
-    def __init__(self, module: torch.nn.Module, basic_optimizer: torch.optim.Optimizer,
-                 options: PatrickStarConfig, *, device: torch.device, dtype: torch.dtype, clip_grad: float,
-                 gradient_accumulation_steps: int, static_loss_scale: float, dynamic_loss_scale: bool,
-                 dynamic_loss_args: dict | None, dp_group: ProcessGroup | None = None,
-                 deferred: DeferredModel | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        basic_optimizer: torch.optim.Optimizer,
+        options: PatrickStarConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        clip_grad: float,
+        gradient_accumulation_steps: int,
+        static_loss_scale: float,
+        dynamic_loss_scale: bool,
+        dynamic_loss_args: dict | None,
+        dp_group: ProcessGroup | None = None,
+        deferred: DeferredModel | None = None,
+    ) -> None:
         super().__init__()
         self.optimizer = basic_optimizer
         self.param_groups = basic_optimizer.param_groups
         self.options = options
         self.clip_grad = clip_grad
         self.dp_process_group = dp_group
-        parts = assemble(module, basic_optimizer, options, device=device, dtype=dtype,
-                         accumulate=gradient_accumulation_steps > 1, dp_group=dp_group, deferred=deferred,
-                         is_boundary=self.is_gradient_accumulation_boundary)
+        parts = assemble(
+            module,
+            basic_optimizer,
+            options,
+            device=device,
+            dtype=dtype,
+            accumulate=gradient_accumulation_steps > 1,
+            dp_group=dp_group,
+            deferred=deferred,
+            is_boundary=self.is_gradient_accumulation_boundary,
+        )
         self.parts = parts
         self.counters, self.accel, self.chunk_map = parts.counters, parts.accel, parts.chunk_map
         self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
@@ -52,11 +72,16 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.last_step_counters: dict[str, int] = self.counters.as_dict()  # all zero before the first step
         self.consecutive_skipped_steps = 0
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
-        self.fp16_groups = [[i.param for i in self.chunk_map.infos() if i.group_index == g]
-                            for g in range(len(self.param_groups))]
+        self.fp16_groups = [
+            [i.param for i in self.chunk_map.infos() if i.group_index == g] for g in range(len(self.param_groups))
+        ]
         self.bf16_groups = self.fp16_groups
-        self.loss_scaler = CreateLossScaler(dtype=dtype, static_loss_scale=static_loss_scale,
-                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
+        self.loss_scaler = CreateLossScaler(
+            dtype=dtype,
+            static_loss_scale=static_loss_scale,
+            dynamic_scaling=dynamic_loss_scale,
+            dynamic_loss_args=dynamic_loss_args,
+        )
         self.dynamic_loss_scale = self.loss_scaler.dynamic
         self.custom_loss_scaler = False
         self.torch_autocast_gradscaler = None
@@ -90,8 +115,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
         if closure is not None:
             raise ValueError("stage 'patrickstar' does not support an optimizer closure")
         if not self.manager.grads_ready():
-            raise RuntimeError("optimizer step() called before backward() reached the gradient accumulation "
-                               "boundary; call engine.backward(loss) (or loss.backward()) first")
+            raise RuntimeError(
+                "optimizer step() called before backward() reached the gradient accumulation "
+                "boundary; call engine.backward(loss) (or loss.backward()) first"
+            )
         if self.placement is not None:
             self.placement.begin_step(self.optim_states)
         loss_scale = self.loss_scale  # the scale the gradients were made with, before update_scale()
@@ -117,26 +144,38 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.optim_states.master_to_params()
         self.consecutive_skipped_steps += 1
         limit = self.options.max_consecutive_skipped_steps
-        logger.info("ds_patrickstar: non-finite gradients, step skipped (%d in a row); loss scale now %s",
-                    self.consecutive_skipped_steps, self.loss_scale)
+        logger.info(
+            "ds_patrickstar: non-finite gradients, step skipped (%d in a row); loss scale now %s",
+            self.consecutive_skipped_steps,
+            self.loss_scale,
+        )
         if self.consecutive_skipped_steps >= limit:
-            raise RuntimeError(f"{self.consecutive_skipped_steps} consecutive steps were skipped because the gradients "
-                               f"were not finite (inf/NaN loss or gradients; loss scale now {self.loss_scale}). "
-                               f"Check the data and the learning rate, or raise "
-                               f"zero_optimization.max_consecutive_skipped_steps (now {limit}).")
+            raise RuntimeError(
+                f"{self.consecutive_skipped_steps} consecutive steps were skipped because the gradients "
+                f"were not finite (inf/NaN loss or gradients; loss scale now {self.loss_scale}). "
+                f"Check the data and the learning rate, or raise "
+                f"zero_optimization.max_consecutive_skipped_steps (now {limit})."
+            )
 
     # ---- checkpoints (see [Note: checkpoint format]) ---------------------------------
     def state_dict(self) -> dict:
-        return checkpoint.optimizer_state(self.chunk_map, self.optim_states.states, self.adam.group_steps,
-                                          self.loss_scaler, self.param_groups)
+        return checkpoint.optimizer_state(
+            self.chunk_map, self.optim_states.states, self.adam.group_steps, self.loss_scaler, self.param_groups
+        )
 
-    def load_state_dict(self, state_dict_list: dict | Iterable[dict], load_optimizer_states: bool = True,
-                        load_from_fp32_weights: bool = True, **kwargs: Any) -> None:
+    def load_state_dict(
+        self,
+        state_dict_list: dict | Iterable[dict],
+        load_optimizer_states: bool = True,
+        load_from_fp32_weights: bool = True,
+        **kwargs: Any,
+    ) -> None:
         if isinstance(state_dict_list, dict):
             state_dict_list = [state_dict_list]
         if load_from_fp32_weights or load_optimizer_states:
-            saved = checkpoint.load_optimizer_states(self.chunk_map, self.optim_states.states, state_dict_list,
-                                                     load_optimizer_states)
+            saved = checkpoint.load_optimizer_states(
+                self.chunk_map, self.optim_states.states, state_dict_list, load_optimizer_states
+            )
             if load_optimizer_states:
                 self.adam.group_steps = list(saved["group_steps"])
                 self.loss_scaler = saved["loss_scaler"]

@@ -21,13 +21,15 @@ writes ``ds_patrickstar_complete.json`` (every file of the tag and its size) and
 refused on load with a message naming what is missing; ``latest`` only ever names a tag
 whose marker was written.
 """
+
 from __future__ import annotations
 
 import glob
 import json
 import math
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -55,8 +57,11 @@ def atomic_write_text(path: str, text: str) -> None:
 
 def write_marker(save_dir: str, tag: str) -> None:
     folder = os.path.join(save_dir, tag)
-    files = {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
-             if name != MARKER and os.path.isfile(os.path.join(folder, name)) and ".tmp" not in name}
+    files = {
+        name: os.path.getsize(os.path.join(folder, name))
+        for name in sorted(os.listdir(folder))
+        if name != MARKER and os.path.isfile(os.path.join(folder, name)) and ".tmp" not in name
+    }
     atomic_write_text(os.path.join(folder, MARKER), json.dumps({"format": FORMAT, "tag": tag, "files": files}))
 
 
@@ -65,8 +70,10 @@ def resolve_tag(load_dir: str, tag: str | None) -> str:
         return str(tag)
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
-        raise CheckpointError(f"no checkpoint tag given and no 'latest' file in {load_dir!r}; pass tag= "
-                              f"or point load_dir at a folder written by engine.save_checkpoint")
+        raise CheckpointError(
+            f"no checkpoint tag given and no 'latest' file in {load_dir!r}; pass tag= "
+            f"or point load_dir at a folder written by engine.save_checkpoint"
+        )
     with open(latest) as f:
         return f.read().strip()
 
@@ -78,9 +85,11 @@ def verify_complete(load_dir: str, tag: str) -> None:
         raise CheckpointError(f"checkpoint tag {tag!r} does not exist in {load_dir!r}")
     marker = os.path.join(folder, MARKER)
     if not os.path.isfile(marker):
-        raise CheckpointError(f"checkpoint {folder!r} is incomplete or not a ds_patrickstar checkpoint: it has no "
-                              f"{MARKER} (a save was interrupted, or it was written by another backend). "
-                              f"Load an earlier tag.")
+        raise CheckpointError(
+            f"checkpoint {folder!r} is incomplete or not a ds_patrickstar checkpoint: it has no "
+            f"{MARKER} (a save was interrupted, or it was written by another backend). "
+            f"Load an earlier tag."
+        )
     with open(marker) as f:
         files = json.load(f)["files"]
     for name, size in files.items():
@@ -88,8 +97,10 @@ def verify_complete(load_dir: str, tag: str) -> None:
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {folder!r} is missing {name}")
         if os.path.getsize(path) != size:
-            raise CheckpointError(f"checkpoint file {path!r} has {os.path.getsize(path)} bytes, {size} were "
-                                  f"written: it is truncated or was modified")
+            raise CheckpointError(
+                f"checkpoint file {path!r} has {os.path.getsize(path)} bytes, {size} were "
+                f"written: it is truncated or was modified"
+            )
 
 
 def check_model_file(chunk_map: ChunkMap, load_dir: str, tag: str) -> None:
@@ -104,17 +115,29 @@ def check_model_file(chunk_map: ChunkMap, load_dir: str, tag: str) -> None:
 
 
 # ---- optimizer state ----------------------------------------------------------------
-def optimizer_state(chunk_map: ChunkMap, states: dict, group_steps: list[int], loss_scaler,
-                    param_groups: list[dict]) -> dict[str, Any]:
+def optimizer_state(
+    chunk_map: ChunkMap, states: dict, group_steps: list[int], loss_scaler, param_groups: list[dict]
+) -> dict[str, Any]:
     """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
     the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory."""
-    layout = {info.name: (tuple(info.shape), [(p.chunk_id, p.offset, p.start, p.numel) for p in info.pieces])
-              for info in chunk_map.infos()}
-    chunks = {cid: {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
-              for cid, opt in states.items()}
-    return {"format": FORMAT, "rank": chunk_map.rank, "world_size": chunk_map.world_size,
-            "layout": layout, "chunks": chunks, "group_steps": list(group_steps), "loss_scaler": loss_scaler,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
+    layout = {
+        info.name: (tuple(info.shape), [(p.chunk_id, p.offset, p.start, p.numel) for p in info.pieces])
+        for info in chunk_map.infos()
+    }
+    chunks = {
+        cid: {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
+        for cid, opt in states.items()
+    }
+    return {
+        "format": FORMAT,
+        "rank": chunk_map.rank,
+        "world_size": chunk_map.world_size,
+        "layout": layout,
+        "chunks": chunks,
+        "group_steps": list(group_steps),
+        "loss_scaler": loss_scaler,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups],
+    }
 
 
 def _entry(entry: tuple) -> tuple[tuple, list[tuple[int, int, int, int]]]:
@@ -135,10 +158,14 @@ def check_same_shapes(chunk_map: ChunkMap, saved_shapes: dict[str, Any]) -> None
     ours = {info.name: tuple(info.shape) for info in chunk_map.infos()}
     theirs = {name: tuple(shape) for name, shape in saved_shapes.items()}
     problems = [f"{n} missing from the checkpoint" for n in sorted(ours.keys() - theirs.keys())]
-    problems += [f"{n} in the checkpoint is not a trainable parameter of this model"
-                 for n in sorted(theirs.keys() - ours.keys())]
-    problems += [f"{n} has shape {theirs[n]} in the checkpoint but {ours[n]} in the model"
-                 for n in sorted(ours.keys() & theirs.keys()) if ours[n] != theirs[n]]
+    problems += [
+        f"{n} in the checkpoint is not a trainable parameter of this model" for n in sorted(theirs.keys() - ours.keys())
+    ]
+    problems += [
+        f"{n} has shape {theirs[n]} in the checkpoint but {ours[n]} in the model"
+        for n in sorted(ours.keys() & theirs.keys())
+        if ours[n] != theirs[n]
+    ]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CheckpointError(f"the checkpoint is of another model: {shown}")
@@ -151,8 +178,12 @@ def _overlaps(ours, saved):
         for cid, offset, start, numel in saved:
             lo, hi = max(piece.start, start), min(piece.start + piece.numel, start + numel)
             if lo < hi:
-                yield piece, slice(piece.offset + lo - piece.start, piece.offset + hi - piece.start), \
-                    cid, slice(offset + lo - start, offset + hi - start)
+                yield (
+                    piece,
+                    slice(piece.offset + lo - piece.start, piece.offset + hi - piece.start),
+                    cid,
+                    slice(offset + lo - start, offset + hi - start),
+                )
 
 
 @torch.no_grad()
@@ -165,8 +196,10 @@ def load_optimizer_states(chunk_map: ChunkMap, states: dict, saved: Iterable[dic
     first = None
     for sd in saved:
         if not isinstance(sd, dict) or sd.get("format") not in _FORMATS:
-            raise CheckpointError("the optimizer state in this checkpoint was not written by ds_patrickstar "
-                                  f"(format {sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
+            raise CheckpointError(
+                "the optimizer state in this checkpoint was not written by ds_patrickstar "
+                f"(format {sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})"
+            )
         check_same_model(chunk_map, sd["layout"])
         first = first or sd
         for name, entry in sd["layout"].items():
@@ -212,11 +245,13 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
                 if cid in sd["chunks"]:
                     if name not in flat:
                         flat[name] = (torch.empty(math.prod(shape), dtype=torch.float32), shape)
-                    flat[name][0][start:start + numel] = sd["chunks"][cid]["master"][offset:offset + numel]
+                    flat[name][0][start : start + numel] = sd["chunks"][cid]["master"][offset : offset + numel]
                     covered[name] = covered.get(name, 0) + numel
     for name, (values, shape) in flat.items():
         if covered[name] != values.numel():
-            raise CheckpointError(f"{folder!r}: the optimizer files hold {covered[name]} of the {values.numel()} "
-                                  f"elements of {name}: a rank's file is missing")
+            raise CheckpointError(
+                f"{folder!r}: the optimizer files hold {covered[name]} of the {values.numel()} "
+                f"elements of {name}: a rank's file is missing"
+            )
         result[name] = values.view(shape)
     return result

@@ -14,14 +14,17 @@ one extra group, so models larger than the accelerator budget can be saved and e
 ``load_state_dict()`` needs no collective: each rank writes the values of the parameters
 it owns into its chunks (wherever they live) and into their fp32 masters (at the precision
 given), and takes those keys out of torch's own copy step. :func:`ds_patrickstar.load_pretrained`
-streams checkpoint files through the same :meth:`ChunkExport.write_value`. ``get_fp32_state_dict()`` streams the masters the same
-way. :func:`ds_patrickstar.gathered_parameters` points every parameter at a host copy for
+streams checkpoint files through the same :meth:`ChunkExport.write_value`. ``get_fp32_state_dict()``
+streams the masters the same way. :func:`ds_patrickstar.gathered_parameters` points every parameter at a host copy for
+
 the duration of a ``with`` block (for reading; writes are discarded).
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -44,7 +47,9 @@ class ChunkExport:
         self._consumed: list[str] = []
 
     # ---- streaming out ------------------------------------------------------------------
-    def _group_on_host(self, group: int, values_of: Callable[[Chunk], torch.Tensor], dtype: torch.dtype, what: str) -> list[torch.Tensor]:
+    def _group_on_host(
+        self, group: int, values_of: Callable[[Chunk], torch.Tensor], dtype: torch.dtype, what: str
+    ) -> list[torch.Tensor]:
         """Host copies of every member's values in ``group``; ``values_of(chunk)`` gives an owned
         chunk's (ready) tensor. A collective with data parallelism."""
         members = self.map.group_members(group)
@@ -66,8 +71,9 @@ class ChunkExport:
         for group in range(self.map.num_groups):
             members = self.map.group_members(group)
             if fp32_masters:
-                hosts = self._group_on_host(group, lambda c: self.optim_states.states[c.chunk_id].master,
-                                            torch.float32, "fp32 masters")
+                hosts = self._group_on_host(
+                    group, lambda c: self.optim_states.states[c.chunk_id].master, torch.float32, "fp32 masters"
+                )
             else:
                 hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
             yield members, hosts
@@ -84,8 +90,10 @@ class ChunkExport:
     def refuse_gradients(self, names: dict[TensorInfo, list[str]], action: str) -> None:
         for info in names:
             if info.state is TensorState.HOLD_AFTER_BWD:
-                raise RuntimeError(f"{action} was called between backward and step: the slot of {info.name} "
-                                   f"holds its gradient. Call it before backward or after engine.step().")
+                raise RuntimeError(
+                    f"{action} was called between backward and step: the slot of {info.name} "
+                    f"holds its gradient. Call it before backward or after engine.step()."
+                )
 
     def iter_host_values(self, fp32_masters: bool = False) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
         """``(tensor, its whole value as a new host tensor)`` for every chunk parameter, streamed one
@@ -122,8 +130,9 @@ class ChunkExport:
 
     # ---- streaming in -------------------------------------------------------------------
     @torch.no_grad()
-    def load_from_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str,
-                             error_msgs: list[str]) -> None:
+    def load_from_state_dict(
+        self, module: torch.nn.Module, state_dict: dict, prefix: str, error_msgs: list[str]
+    ) -> None:
         """Write the owned parameters' values into their chunks and take their keys out of torch's
         copy step (:meth:`finish_load` tells torch they were not missing)."""
         names = self.names(module, prefix)
@@ -141,8 +150,10 @@ class ChunkExport:
         """``value`` into the parameter's slot and its fp32 master (full precision), if this rank owns
         its chunk; a shape mismatch goes to ``error_msgs`` (torch's wording)."""
         if tuple(value.shape) != tuple(info.shape):
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
-                              f"from checkpoint, the shape in current model is {tuple(info.shape)}.")
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
+                f"from checkpoint, the shape in current model is {tuple(info.shape)}."
+            )
             return
         flat = value.reshape(-1)
         self.map.write_pieces(info, flat, lambda chunk: chunk.ready())

@@ -2,8 +2,10 @@
 
 [Note: deferred init]
 Inside :class:`Init` every parameter a module registers is replaced at once (torch's global
-parameter-registration hook, removed when the block closes) by a parameter on the ``meta`` device (shape, dtype and ``requires_grad`` only, no memory; buffers stay
+parameter-registration hook, removed when the block closes) by a parameter on the ``meta``
+device (shape, dtype and ``requires_grad`` only, no memory; buffers stay
 real, as ``accelerate.init_empty_weights(include_buffers=False)`` does), so a model of any
+
 size is built in no memory and in no time. A model built on the ``meta`` device by other
 means (``with torch.device("meta")``) is treated the same way, if its buffers are real.
 
@@ -30,14 +32,15 @@ draws every parameter from one RNG stream in construction order). Init code that
 ``named_parameters()`` after construction) acts on meta tensors and is lost: put it in
 ``_init_weights``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import logging
 import threading
-from typing import Any, Callable, cast
-
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -98,6 +101,7 @@ def _config_stage(config: Any) -> Any:
         return None
     if not isinstance(config, dict):
         from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
         config = load_ds_config(config)
     return config.get("zero_optimization", {}).get("stage", 0)
 
@@ -116,14 +120,16 @@ class Init(contextlib.ContextDecorator):
     def __init__(self, config: Any = None, enabled: bool = True, seed: int | None = None) -> None:
         stage = _config_stage(config)
         if stage is not None and stage != "patrickstar":
-            raise ValueError(f"ds_patrickstar.Init(config=...) got zero_optimization.stage={stage!r}; it builds "
-                             f"models for stage 'patrickstar' only (use deepspeed.zero.Init for stage 3)")
+            raise ValueError(
+                f"ds_patrickstar.Init(config=...) got zero_optimization.stage={stage!r}; it builds "
+                f"models for stage 'patrickstar' only (use deepspeed.zero.Init for stage 3)"
+            )
         if seed is not None and not isinstance(seed, int):
             raise ValueError(f"ds_patrickstar.Init(seed={seed!r}): the seed must be an integer")
         self.enabled = enabled
         self.seed = seed
 
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Init:
         if not self.enabled:
             return self
         depth = _depth()
@@ -162,9 +168,11 @@ class DeferredModel:
         self.seeds: dict[nn.Parameter, int] = {}  # storage-less -> base seed
         for name, buf in module.named_buffers():
             if buf.is_meta:
-                raise ValueError(f"buffer {name} is on the meta device, so its values are lost; build the model "
-                                 f"under ds_patrickstar.Init (which keeps buffers real) instead of torch.device"
-                                 f"('meta'), or materialize the buffers before deepspeed.initialize")
+                raise ValueError(
+                    f"buffer {name} is on the meta device, so its values are lost; build the model "
+                    f"under ds_patrickstar.Init (which keeps buffers real) instead of torch.device"
+                    f"('meta'), or materialize the buffers before deepspeed.initialize"
+                )
         default_seed = torch.initial_seed()
         for mod in module.modules():
             for key, param in mod._parameters.items():
@@ -192,8 +200,12 @@ class DeferredModel:
         out = []
         for item in params:
             if isinstance(item, dict):
-                item = {**item, "params": self.remap([item["params"]] if isinstance(item["params"], torch.Tensor)
-                                                     else item["params"])}
+                item = {
+                    **item,
+                    "params": self.remap(
+                        [item["params"]] if isinstance(item["params"], torch.Tensor) else item["params"]
+                    ),
+                }
             elif isinstance(item, torch.Tensor):
                 item = self.swapped.get(item, item)
             out.append(item)
@@ -217,8 +229,11 @@ class DeferredModel:
                     owner.setdefault(param, (mod_name, key))
         root_init = getattr(self.module, "_init_weights", None)
         for mod_name, mod in self.module.named_modules():
-            mine = [(key, p) for key, p in mod._parameters.items()
-                    if p is not None and owner.get(p) == (mod_name, key) and self._wanted(p, chunk_map)]
+            mine = [
+                (key, p)
+                for key, p in mod._parameters.items()
+                if p is not None and owner.get(p) == (mod_name, key) and self._wanted(p, chunk_map)
+            ]
             if mine:
                 self._init_module(mod, mod_name, mine, root_init, chunk_map)
         self.seeds.clear()
@@ -230,8 +245,11 @@ class DeferredModel:
 
     def _init_module(self, mod: nn.Module, mod_name: str, mine: list, root_init: Any, chunk_map: ChunkMap) -> None:
         originals = dict(mod._parameters)
-        scratch = {key: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
-                   for key, p in originals.items() if p is not None and p in self.seeds}
+        scratch = {
+            key: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+            for key, p in originals.items()
+            if p is not None and p in self.seeds
+        }
         base = self.seeds[mine[0][1]]
         try:
             mod._parameters.update(scratch)
@@ -241,7 +259,6 @@ class DeferredModel:
                 if callable(reset):
                     reset()
                 if root_init is not None:
-
                     root_init(mod)
         finally:
             mod._parameters.update(originals)

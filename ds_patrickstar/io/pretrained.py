@@ -12,13 +12,14 @@ and the fp32 master (at the checkpoint's precision), through
 takes too. Buffers and parameters that are not in a chunk (frozen) are copied whole on every
 rank. No collective: every rank reads the files itself.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -108,8 +109,10 @@ def load_pretrained(engine, path: str, strict: bool = True) -> LoadResult:
             elif key in whole:
                 target = whole[key]
                 if tuple(target.shape) != tuple(value.shape):
-                    errors.append(f"size mismatch for {key}: {tuple(value.shape)} in the checkpoint, "
-                                  f"{tuple(target.shape)} in the model")
+                    errors.append(
+                        f"size mismatch for {key}: {tuple(value.shape)} in the checkpoint, "
+                        f"{tuple(target.shape)} in the model"
+                    )
                 else:
                     target.copy_(value)
                     loaded.add(key)
@@ -121,6 +124,8 @@ def load_pretrained(engine, path: str, strict: bool = True) -> LoadResult:
     if errors:
         raise ValueError("load_pretrained: " + "; ".join(errors))
     if strict and (result.missing_keys or result.unexpected_keys):
-        raise ValueError(f"load_pretrained({path!r}): missing keys {result.missing_keys}, unexpected keys "
-                         f"{result.unexpected_keys}; pass strict=False to load what matches")
+        raise ValueError(
+            f"load_pretrained({path!r}): missing keys {result.missing_keys}, unexpected keys "
+            f"{result.unexpected_keys}; pass strict=False to load what matches"
+        )
     return result

@@ -11,10 +11,11 @@ host may run ahead of the copy stream), so the budget counts it; when room is ne
 such frees are in flight, placement waits on the oldest copies first. The emulated
 accelerator completes its copies only when waited on, so the same code is exercised on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -110,7 +111,7 @@ class Accelerator:
         using ``dst``, and do not touch ``src`` until then."""
         raise NotImplementedError
 
-    def collective_stream(self, *tensors: torch.Tensor) -> ContextManager:
+    def collective_stream(self, *tensors: torch.Tensor) -> AbstractContextManager[None]:
         """Where a collective is issued (see [Note: asynchronous collectives] in dist/comm.py): the
         calling thread on the host; a stream of its own on CUDA."""
         return contextlib.nullcontext()

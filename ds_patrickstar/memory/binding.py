@@ -6,10 +6,11 @@ chunks, see [Note: straddling tensors]) after their values were copied into the 
 and what this rank does not keep is let go before the next group. So initialize holds one
 group's payloads beside the model at most and never doubles model memory (see [Note: storage resize]).
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -21,21 +22,27 @@ from .store import ChunkStore
 logger = logging.getLogger(__name__)
 
 
-def build_chunk_map(specs: list[ChunkSpec], world_size: int, rank: int, store: ChunkStore,
-                    has_values: Callable[[torch.nn.Parameter], bool]) -> ChunkMap:
+def build_chunk_map(
+    specs: list[ChunkSpec],
+    world_size: int,
+    rank: int,
+    store: ChunkStore,
+    has_values: Callable[[torch.nn.Parameter], bool],
+) -> ChunkMap:
     """The chunk map of ``specs`` with every parameter bound to it. ``has_values(param)`` is False
     for a parameter built without values (``ds_patrickstar.Init``, see [Note: deferred init])."""
     chunk_map = ChunkMap(world_size, rank)
     for first in range(0, len(specs), world_size):
-        members, infos = chunk_map.add_group(specs[first:first + world_size])
+        members, infos = chunk_map.add_group(specs[first : first + world_size])
         for chunk in members:
             store.create(chunk, chunk_map.is_owned(chunk))
         for info in infos:
             _bind(chunk_map, store, info, has_values(info.param))
         for chunk in members:
             store.settle(chunk, chunk_map.is_owned(chunk))
-    logger.info("ds_patrickstar: %d params in %d chunks (%d rank(s))", len(chunk_map.infos()),
-                len(chunk_map.chunks), world_size)
+    logger.info(
+        "ds_patrickstar: %d params in %d chunks (%d rank(s))", len(chunk_map.infos()), len(chunk_map.chunks), world_size
+    )
     return chunk_map
 
 
@@ -46,8 +53,10 @@ def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: 
     ``has_values``, and its own storage is dropped."""
     chunk = chunk_map.chunk_of(info)
     if info.param.dtype != chunk.dtype:
-        raise ValueError(f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
-                         f"hold {chunk.dtype}; put parameters of different dtypes in different param groups")
+        raise ValueError(
+            f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
+            f"hold {chunk.dtype}; put parameters of different dtypes in different param groups"
+        )
     if has_values:
         chunk_map.write_pieces(info, info.param.data.reshape(-1), lambda c: c.ready())
     if info.straddles:

@@ -6,6 +6,7 @@ already queued on the compute stream, and records an event; waiting is
 one on the host. Pinned host buffers are protected by torch's host allocator, which records
 the copy's event.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -19,6 +19,7 @@
 
 The CUDA counterpart is :mod:`~ds_patrickstar.memory.cuda`.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -33,7 +34,7 @@ class CopyHazard(RuntimeError):
 
 
 class _EmulatedCopy(Pending):
-    def __init__(self, stream: "EmulatedAccelerator", dst: torch.Tensor, src: torch.Tensor) -> None:
+    def __init__(self, stream: EmulatedAccelerator, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.stream = stream
         self.dst, self.src = dst, src
         self.src_version = src._version
@@ -50,12 +51,16 @@ class _EmulatedCopy(Pending):
     def run(self) -> None:
         storage = self.src.untyped_storage()
         if storage.nbytes() != self.src_bytes or storage.data_ptr() != self.src_ptr:
-            raise CopyHazard(f"emulated accelerator: the source of a pending copy ({self.src.numel()} elements, "
-                             f"{self.src.dtype}) was freed before the copy completed; free it with "
-                             f"Accelerator.free(..., after=pending)")
+            raise CopyHazard(
+                f"emulated accelerator: the source of a pending copy ({self.src.numel()} elements, "
+                f"{self.src.dtype}) was freed before the copy completed; free it with "
+                f"Accelerator.free(..., after=pending)"
+            )
         if self.src._version != self.src_version:
-            raise CopyHazard(f"emulated accelerator: the source of a pending copy ({self.src.numel()} elements, "
-                             f"{self.src.dtype}) was overwritten before the copy completed; wait on the copy first")
+            raise CopyHazard(
+                f"emulated accelerator: the source of a pending copy ({self.src.numel()} elements, "
+                f"{self.src.dtype}) was overwritten before the copy completed; wait on the copy first"
+            )
         self.dst.copy_(self.src)
         self.completed = True
 

@@ -1,4 +1,5 @@
 """The device ledger: running totals of the bytes the backend holds on the accelerator, under a budget."""
+
 from __future__ import annotations
 
 
@@ -25,7 +26,8 @@ class DeviceLedger:
                 f"allocating {what} ({nbytes:,} B, {kind}) on the accelerator would exceed its budget of "
                 f"{self.budget:,} B: the backend holds {self.total:,} B ({self._kinds()}) next to "
                 f"{self.non_model:,} B of non-model memory. Raise zero_optimization.device_budget or lower "
-                f"chunk_size.")
+                f"chunk_size."
+            )
         self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
         self.total += nbytes
         self.peak = max(self.peak, self.total)

@@ -15,6 +15,7 @@ used by ``deepspeed.initialize``, by ``python -m ds_patrickstar.plan`` (the same
 parameter count, a GPT shape or a Hugging Face config.json built on ``meta``) and by the tests
 that compare it with a real run's counters.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ class ModelDataPlan:
         return self.owned_elements * self.bytes_per_owned_element + acc
 
 
-def plan_for_rank(capacities: list[int], owners: list[int], rank: int, lp_bytes: int,
-                  accumulate: bool) -> ModelDataPlan:
+def plan_for_rank(
+    capacities: list[int], owners: list[int], rank: int, lp_bytes: int, accumulate: bool
+) -> ModelDataPlan:
     owned = sum(c for c, o in zip(capacities, owners) if o == rank)
     return ModelDataPlan(owned, sum(capacities), lp_bytes, accumulate)
 
@@ -60,9 +62,11 @@ def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size
     if need <= available:
         return
     fits = largest_fitting_params(plan, available, world_size)
-    raise ValueError(f"the model data needs {need / 2**30:.2f} GiB on this rank ({plan.bytes_per_owned_element} "
-                     f"bytes per owned parameter x {plan.owned_elements:,} owned elements"
-                     f"{', + 4 bytes per parameter for gradient accumulation' if plan.accumulate else ''}) but the "
-                     f"accelerator budget ({budget / 2**30:.2f} GiB) plus free host memory give "
-                     f"{available / 2**30:.2f} GiB; the largest model that would fit has about "
-                     f"{fits / 1e6:,.0f}M parameters at this world size")
+    raise ValueError(
+        f"the model data needs {need / 2**30:.2f} GiB on this rank ({plan.bytes_per_owned_element} "
+        f"bytes per owned parameter x {plan.owned_elements:,} owned elements"
+        f"{', + 4 bytes per parameter for gradient accumulation' if plan.accumulate else ''}) but the "
+        f"accelerator budget ({budget / 2**30:.2f} GiB) plus free host memory give "
+        f"{available / 2**30:.2f} GiB; the largest model that would fit has about "
+        f"{fits / 1e6:,.0f}M parameters at this world size"
+    )

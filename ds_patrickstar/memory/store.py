@@ -14,6 +14,7 @@ the accelerator while the chunk is there, on the host otherwise.
 Every move is an asynchronous copy (:mod:`ds_patrickstar.memory.accelerator`): evictions and
 prefetches run on the copy stream, and the consumer waits through :meth:`Chunk.ready`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -117,14 +118,14 @@ class ChunkStore:
             if chunk.on_host or not chunk.is_materialized:
                 chunk.acc_host = self._host_zeros(chunk.capacity, torch.float32)
             else:
-                chunk.acc = self.accel.empty(chunk.capacity, torch.float32, "grad_acc",
-                                             f"the gradient accumulator of chunk {chunk.chunk_id}")
+                chunk.acc = self.accel.empty(
+                    chunk.capacity, torch.float32, "grad_acc", f"the gradient accumulator of chunk {chunk.chunk_id}"
+                )
                 chunk.acc.zero_()
         acc = chunk.ready_acc()
         if acc is None:
             raise RuntimeError(f"chunk {chunk.chunk_id}: its gradient accumulator was not created")
         return acc
-
 
     def drop_accumulator(self, chunk: Chunk) -> None:
         chunk.wait_pending()
@@ -148,8 +149,9 @@ class ChunkStore:
     def _acc_to_device(self, chunk: Chunk) -> None:
         if chunk.acc_host is None:
             return
-        acc = self.accel.empty(chunk.capacity, torch.float32, "grad_acc",
-                               f"the gradient accumulator of chunk {chunk.chunk_id}")
+        acc = self.accel.empty(
+            chunk.capacity, torch.float32, "grad_acc", f"the gradient accumulator of chunk {chunk.chunk_id}"
+        )
         chunk.pending.append(self.accel.copy(acc, chunk.acc_host))
         self._drop_host(chunk.acc_host)
         chunk.acc, chunk.acc_host = acc, None

@@ -17,11 +17,12 @@ the kernels are tested against (at float64 when the tests pass float64 tensors).
 The arithmetic follows ``torch.optim.Adam``/``AdamW`` (L2 or decoupled weight
 decay, bias correction), which is also what DeepSpeed's FusedAdam computes.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -42,11 +43,17 @@ class AdamHyper:
     bias_correction: bool = True
 
     @classmethod
-    def from_group(cls, group: dict, adamw: bool) -> "AdamHyper":
+    def from_group(cls, group: dict, adamw: bool) -> AdamHyper:
         beta1, beta2 = group["betas"]
-        return cls(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                   weight_decay=float(group.get("weight_decay", 0.0)), adamw=adamw,
-                   bias_correction=bool(group.get("bias_correction", True)))
+        return cls(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group.get("weight_decay", 0.0)),
+            adamw=adamw,
+            bias_correction=bool(group.get("bias_correction", True)),
+        )
 
 
 def bias_corrections(hyper: AdamHyper, step: int) -> tuple[float, float]:
@@ -57,8 +64,16 @@ def bias_corrections(hyper: AdamHyper, step: int) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def adam_step_reference(param_lp: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
-                        exp_avg_sq: torch.Tensor, *, step: int, hyper: AdamHyper, grad_scale: float) -> None:
+def adam_step_reference(
+    param_lp: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    hyper: AdamHyper,
+    grad_scale: float,
+) -> None:
     """One Adam/AdamW step on a flat slice; see [Note: one Adam, several backends]."""
     if step < 1:
         raise ValueError(f"Adam step count must be >= 1, got {step}")

@@ -13,6 +13,7 @@ A chunk is updated where its optimizer states live (hybrid Adam, see
 [Note: optimizer-state placement]): on the accelerator by the CUDA kernel, on the host by the
 CPU kernel (:mod:`~ds_patrickstar.optim.kernels`), with the pure-torch reference as the fallback.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,12 +38,13 @@ def adamw_mode(optimizer: torch.optim.Optimizer) -> bool:
         group = optimizer.param_groups[0] if optimizer.param_groups else {}
         for flag in _UNSUPPORTED_FLAGS:
             if any(g.get(flag) for g in optimizer.param_groups):
-                raise ValueError(f"{name}({flag}=True) is not supported by stage 'patrickstar'; "
-                                 f"set {flag}=False")
+                raise ValueError(f"{name}({flag}=True) is not supported by stage 'patrickstar'; set {flag}=False")
         return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    raise ValueError(f"stage 'patrickstar' updates parameters with its own fused Adam and supports "
-                     f"Adam and AdamW only, got optimizer {name}. Use \"type\": \"Adam\" or \"AdamW\" in the "
-                     f"optimizer block, or pass torch.optim.Adam / torch.optim.AdamW.")
+    raise ValueError(
+        f"stage 'patrickstar' updates parameters with its own fused Adam and supports "
+        f'Adam and AdamW only, got optimizer {name}. Use "type": "Adam" or "AdamW" in the '
+        f"optimizer block, or pass torch.optim.Adam / torch.optim.AdamW."
+    )
 
 
 def adam_backend(device: torch.device) -> AdamStep:
@@ -67,9 +69,16 @@ def combined_scale(scaled_norm: float, loss_scale: float, clip_grad: float) -> f
 class ChunkAdam:
     """Runs the Adam update of every owned chunk; see [Note: step]."""
 
-    def __init__(self, chunks: list[Chunk], states: OptimizerStates, param_groups: list[dict[str, Any]],
-                 adamw: bool, placement: PlacementRuntime | None, counters: StepCounters,
-                 stepped_groups: set[int]) -> None:
+    def __init__(
+        self,
+        chunks: list[Chunk],
+        states: OptimizerStates,
+        param_groups: list[dict[str, Any]],
+        adamw: bool,
+        placement: PlacementRuntime | None,
+        counters: StepCounters,
+        stepped_groups: set[int],
+    ) -> None:
         self._chunks = chunks  # the owned chunks
         self._stepped_groups = stepped_groups  # param groups with chunks on any rank: their step counts advance
         self._states = states
@@ -93,10 +102,17 @@ class ChunkAdam:
                 continue
             state = self._states.states[chunk.chunk_id]
             hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
-            data = self._chunk_values(chunk)[:chunk.used]
+            data = self._chunk_values(chunk)[: chunk.used]
             used = chunk.used
-            adam_backend(data.device)(data, state.master[:used], state.exp_avg[:used], state.exp_avg_sq[:used],
-                                      step=self.group_steps[chunk.group_index], hyper=hyper, grad_scale=grad_scale)
+            adam_backend(data.device)(
+                data,
+                state.master[:used],
+                state.exp_avg[:used],
+                state.exp_avg_sq[:used],
+                step=self.group_steps[chunk.group_index],
+                hyper=hyper,
+                grad_scale=grad_scale,
+            )
 
     def _chunk_values(self, chunk: Chunk) -> torch.Tensor:
         """Hybrid Adam: a chunk is updated where its optimizer state lives (see

@@ -16,6 +16,7 @@ The CPU build's SIMD flags are chosen by inspecting the build machine
 chosen ISA is part of the extension name, so a shared cache never mixes them.
 ``DS_PATRICKSTAR_CPU_ISA=avx512|avx2|scalar`` overrides the detection.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ import os
 import platform
 import shutil
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -114,8 +116,9 @@ def _build_guard(name: str) -> Iterator[None]:
         try:
             lock = build_dir / "lock"
             if lock.exists():
-                logger.warning("ds_patrickstar: removing %s, left by a build or load of %s whose process died",
-                               lock, name)
+                logger.warning(
+                    "ds_patrickstar: removing %s, left by a build or load of %s whose process died", lock, name
+                )
                 lock.unlink(missing_ok=True)
             yield
         finally:
@@ -170,27 +173,55 @@ def _load_extension(device_type: str) -> Any | None:
             reason = " ".join(str(exc).split())
             if len(reason) > 1500:
                 reason = reason[:700] + " ... " + reason[-700:]
-            fix = ("install a C++17 compiler with OpenMP (g++ >= 9) and ninja (`pip install ninja`)"
-                   if device_type == "cpu" else
-                   "install a CUDA toolkit whose nvcc matches torch.version.cuda and set CUDA_HOME")
+            fix = (
+                "install a C++17 compiler with OpenMP (g++ >= 9) and ninja (`pip install ninja`)"
+                if device_type == "cpu"
+                else "install a CUDA toolkit whose nvcc matches torch.version.cuda and set CUDA_HOME"
+            )
             logger.warning(
                 "ds_patrickstar: could not build the fused %s Adam kernel, falling back to the pure-torch "
                 "reference Adam (correct but several times slower). Reason: %s. To fix: %s; the build is "
                 "cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Set %s=1 to use the "
-                "reference deliberately.", device_type.upper(), reason, fix, FORCE_TORCH_ENV)
+                "reference deliberately.",
+                device_type.upper(),
+                reason,
+                fix,
+                FORCE_TORCH_ENV,
+            )
             ext = None
         _extensions[device_type] = ext
         return ext
 
 
 def _wrap(ext_step: Callable[..., None], name: str) -> AdamStep:
-    def fused_adam_step(param_lp: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
-                        exp_avg_sq: torch.Tensor, *, step: int, hyper: AdamHyper, grad_scale: float) -> None:
+    def fused_adam_step(
+        param_lp: torch.Tensor,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        *,
+        step: int,
+        hyper: AdamHyper,
+        grad_scale: float,
+    ) -> None:
         if step < 1:
             raise ValueError(f"Adam step count must be >= 1, got {step}")
         bc1, bc2_sqrt = bias_corrections(hyper, step)
-        ext_step(param_lp, master, exp_avg, exp_avg_sq, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-                 hyper.weight_decay, hyper.adamw, bc1, bc2_sqrt, float(grad_scale))
+        ext_step(
+            param_lp,
+            master,
+            exp_avg,
+            exp_avg_sq,
+            hyper.lr,
+            hyper.beta1,
+            hyper.beta2,
+            hyper.eps,
+            hyper.weight_decay,
+            hyper.adamw,
+            bc1,
+            bc2_sqrt,
+            float(grad_scale),
+        )
 
     fused_adam_step.__name__ = fused_adam_step.__qualname__ = f"{name}_adam_step"
     fused_adam_step.__doc__ = adam_step_reference.__doc__
@@ -226,4 +257,3 @@ def cpu_simd_name() -> str | None:
     """SIMD path compiled into the CPU kernel (``avx512``/``avx2``/``scalar``), None if not built."""
     ext = None if _force_torch() else _load_extension("cpu")
     return None if ext is None else ext.simd()
-

@@ -10,6 +10,7 @@ tide sends states back to the host, a lower one brings more in. A chunk is updat
 Adam where its states live; the others are updated on the host by the CPU kernel, and
 their chunks are not brought to the accelerator for the step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..chunks.chunk import Chunk
 from ..memory.accelerator import Accelerator
 from ..memory.ledger import DeviceBudgetExceeded
-from ..chunks.chunk import Chunk
 from ..placement.policy import optimizer_chunks_on_device
 from ..placement.tracer import Trace
 
@@ -59,8 +60,12 @@ class OptimizerStates:
     def _create(self, chunk: Chunk, on_device: bool) -> OptimizerChunk:
         values = chunk.ready()
         if on_device:
-            tensors = [self.accel.empty(chunk.capacity, torch.float32, "optim",
-                                        f"the optimizer states of chunk {chunk.chunk_id}") for _ in range(3)]
+            tensors = [
+                self.accel.empty(
+                    chunk.capacity, torch.float32, "optim", f"the optimizer states of chunk {chunk.chunk_id}"
+                )
+                for _ in range(3)
+            ]
         else:
             tensors = [torch.empty(chunk.capacity, dtype=torch.float32) for _ in range(3)]
         tensors[0].copy_(values)
@@ -89,8 +94,11 @@ class OptimizerStates:
             except DeviceBudgetExceeded as err:  # the tide is higher now than traced: keep the rest on the host
                 logger.info("ds_patrickstar: optimizer states stay on the host from chunk %d on (%s)", chunk_id, err)
                 break
-        logger.info("ds_patrickstar: optimizer states of %d of %d chunks on the accelerator",
-                    len(self.on_device), len(capacities))
+        logger.info(
+            "ds_patrickstar: optimizer states of %d of %d chunks on the accelerator",
+            len(self.on_device),
+            len(capacities),
+        )
 
     def all_to_host(self) -> None:
         """Before a (re-)trace: every state on the host, so the new tide is measured without them."""
@@ -102,8 +110,10 @@ class OptimizerStates:
         old = self.states[chunk_id]
         numel = old.master.numel()
         if to_device:
-            new = [self.accel.empty(numel, torch.float32, "optim", f"the optimizer states of chunk {chunk_id}")
-                   for _ in range(3)]
+            new = [
+                self.accel.empty(numel, torch.float32, "optim", f"the optimizer states of chunk {chunk_id}")
+                for _ in range(3)
+            ]
         else:
             new = [self.accel.host_empty(numel, torch.float32) for _ in range(3)]
         copies = [self.accel.copy(dst, src) for dst, src in zip(new, old.tensors())]
@@ -123,14 +133,14 @@ class OptimizerStates:
         """After the parameters were overwritten (a module state_dict load): masters follow them."""
         for chunk_id, state in self.states.items():
             chunk = self.chunks[chunk_id]
-            state.master[:chunk.used].copy_(chunk.ready()[:chunk.used])
+            state.master[: chunk.used].copy_(chunk.ready()[: chunk.used])
 
     @torch.no_grad()
     def master_to_params(self) -> None:
         """After the masters were loaded (or an overflow): the owned slots get their values."""
         for chunk_id, state in self.states.items():
             chunk = self.chunks[chunk_id]
-            chunk.ready()[:chunk.used].copy_(state.master[:chunk.used])
+            chunk.ready()[: chunk.used].copy_(state.master[: chunk.used])
 
     def bytes_on_host(self) -> int:
         return sum(s.nbytes for c, s in self.states.items() if c not in self.on_device)

@@ -26,10 +26,11 @@ The ``static`` policy, for comparison, keeps a fixed fraction of the chunks on t
 accelerator for good (like ZeRO-3 offload's static partition), fetches the others on use
 and evicts them the moment after, and updates every chunk's optimizer state on the host.
 """
+
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
@@ -48,8 +49,9 @@ def belady_victims(resident: dict[int, int], need: int, next_use: Callable[[int]
         chosen.append(chunk)
         freed += resident[chunk]
     if freed < need:
-        raise DeviceBudgetExceeded(f"cannot free {need} bytes on the accelerator: only {freed} bytes of "
-                                   f"movable chunks are resident")
+        raise DeviceBudgetExceeded(
+            f"cannot free {need} bytes on the accelerator: only {freed} bytes of movable chunks are resident"
+        )
     return chosen
 
 
@@ -111,8 +113,9 @@ class EvictionQueue:
         for entry in kept:
             heapq.heappush(self._heap, entry)
         if freed < need:
-            raise DeviceBudgetExceeded(f"cannot free {need} bytes on the accelerator: only {freed} bytes of "
-                                       f"movable chunks are resident")
+            raise DeviceBudgetExceeded(
+                f"cannot free {need} bytes on the accelerator: only {freed} bytes of movable chunks are resident"
+            )
         return chosen
 
     def clear(self) -> None:

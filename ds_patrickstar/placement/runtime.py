@@ -4,10 +4,12 @@ It is the one object the layers above talk to about placement (see [Note: placem
 ``policy.py``): a moment begins and ends, a chunk is brought or evicted, room is made, a kept or
 prefetched group is allowed or not; the step is a moment too (see [Note: optimizer-state placement]).
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -45,8 +47,15 @@ class StatePlacement(Protocol):
 class PlacementRuntime:
     """Carries out the placer's decisions at every moment; see [Note: placement]."""
 
-    def __init__(self, placer: Placer, tracer: MemoryTracer, store: ChunkStore, counters: StepCounters,
-                 chunks: list[Chunk], reductions: InFlightReductions) -> None:
+    def __init__(
+        self,
+        placer: Placer,
+        tracer: MemoryTracer,
+        store: ChunkStore,
+        counters: StepCounters,
+        chunks: list[Chunk],
+        reductions: InFlightReductions,
+    ) -> None:
         self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
         self.ledger = store.accel.ledger
         self.chunks = chunks
@@ -127,12 +136,12 @@ class PlacementRuntime:
                     f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
                     f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
                     f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
-                    f"Raise zero_optimization.device_budget or lower chunk_size.") from None
+                    f"Raise zero_optimization.device_budget or lower chunk_size."
+                ) from None
             for victim in victims:
                 self.evict(self.chunks[victim])
                 self.counters.evictions += 1
         accel.reclaim(need_below=headroom - need)
-
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
         """``chunk`` on the accelerator (room made for it), its copy waited on."""
@@ -146,8 +155,10 @@ class PlacementRuntime:
         self.make_room(0, in_use)
         model, non_model = self.ledger.total, self._non_model()
         if model + non_model > self.placer.budget:
-            raise DeviceBudgetExceeded(f"model data {model:,} B + non-model {non_model:,} B exceed the accelerator "
-                                       f"budget of {self.placer.budget:,} B at moment {self.moment}")
+            raise DeviceBudgetExceeded(
+                f"model data {model:,} B + non-model {non_model:,} B exceed the accelerator "
+                f"budget of {self.placer.budget:,} B at moment {self.moment}"
+            )
         if self.recording:
             self.tide.append((self.moment, model, non_model))
         self.note_peaks(non_model)
@@ -178,7 +189,7 @@ class PlacementRuntime:
         trace = self.tracer.current_trace()
         if trace is None:
             return False
-        tide = max([self._non_model()] + [m.non_model for m in trace.moments[self.moment + 1:]])
+        tide = max([self._non_model()] + [m.non_model for m in trace.moments[self.moment + 1 :]])
         return self.ledger.total + nbytes + reserve <= self.placer.budget - tide - self.store.accel.fragmentation()
 
     def _fits(self, nbytes: int, trace) -> bool:

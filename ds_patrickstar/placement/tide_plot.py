@@ -1,5 +1,6 @@
 """The tide plot: model and non-model accelerator memory at every moment, with the budget line
 (like Figure 2 of the PatrickStar paper). matplotlib is an optional dependency (``.[plot]``)."""
+
 from __future__ import annotations
 
 
@@ -7,8 +8,9 @@ def plot_tide(tide: list[tuple[int, int, int]], budget: int, path: str, title: s
     try:
         import matplotlib
     except ImportError as err:
-        raise RuntimeError("the tide plot needs matplotlib: pip install matplotlib "
-                           "(or pip install 'ds_patrickstar[plot]')") from err
+        raise RuntimeError(
+            "the tide plot needs matplotlib: pip install matplotlib (or pip install 'ds_patrickstar[plot]')"
+        ) from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -16,8 +18,14 @@ def plot_tide(tide: list[tuple[int, int, int]], budget: int, path: str, title: s
     model = [b / 2**20 for _, b, _ in tide]
     non_model = [b / 2**20 for _, _, b in tide]
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.stackplot(moments, non_model, model, labels=["non-model (activations)", "model data (chunks)"],
-                 colors=["#f4a261", "#2a9d8f"], step="post")
+    ax.stackplot(
+        moments,
+        non_model,
+        model,
+        labels=["non-model (activations)", "model data (chunks)"],
+        colors=["#f4a261", "#2a9d8f"],
+        step="post",
+    )
     ax.axhline(budget / 2**20, color="#e63946", linestyle="--", label="budget")
     ax.set_xlabel("moment (module pre-forward / pre-backward, optimizer step)")
     ax.set_ylabel("accelerator memory (MiB)")

@@ -23,20 +23,19 @@ highest allocation since the previous moment is known from the growth of the
 process-wide peak, else the current allocation stands in (see
 :meth:`~ds_patrickstar.memory.cuda.CudaAccelerator.memory_in_use`).
 """
+
 from __future__ import annotations
 
 import bisect
 import logging
 import weakref
-from typing import Callable
-
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..memory.accelerator import Accelerator
 from ..memory.ledger import DeviceLedger
-
 
 logger = logging.getLogger(__name__)
 
@@ -182,10 +181,11 @@ class MemoryTracer:
         if trace is not None:
             expected = trace.moments[self.moment] if self.moment < len(trace) else None
             if expected is None or expected.label != label:
-                logger.info("ds_patrickstar: iteration differs from the trace at moment %d (%s); re-tracing",
-                            self.moment, label)
+                logger.info(
+                    "ds_patrickstar: iteration differs from the trace at moment %d (%s); re-tracing", self.moment, label
+                )
                 self._recording = Trace()
-                for moment in trace.moments[:self.moment]:
+                for moment in trace.moments[: self.moment]:
                     self._recording.add(moment)
                 self.tracing = True
         if self.tracing:
