@@ -28,12 +28,15 @@ import glob
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 
+from ..chunks.chunk import Piece
 from ..chunks.chunk_map import ChunkMap
+from ..optim.states import OptimizerChunk
 
 FORMAT = "ds_patrickstar/2"
 _FORMATS = (FORMAT, "ds_patrickstar/1")
@@ -116,7 +119,11 @@ def check_model_file(chunk_map: ChunkMap, load_dir: str, tag: str) -> None:
 
 # ---- optimizer state ----------------------------------------------------------------
 def optimizer_state(
-    chunk_map: ChunkMap, states: dict, group_steps: list[int], loss_scaler, param_groups: list[dict]
+    chunk_map: ChunkMap,
+    states: dict[int, OptimizerChunk],
+    group_steps: list[int],
+    loss_scaler: LossScalerBase,
+    param_groups: list[dict],
 ) -> dict[str, Any]:
     """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
     the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory."""
@@ -171,7 +178,7 @@ def check_same_shapes(chunk_map: ChunkMap, saved_shapes: dict[str, Any]) -> None
         raise CheckpointError(f"the checkpoint is of another model: {shown}")
 
 
-def _overlaps(ours, saved):
+def _overlaps(ours: list[Piece], saved: list[tuple[int, int, int, int]]) -> Iterator[tuple[Piece, slice, int, slice]]:
     """``(our slice, saved slice)`` for every element range one of ``ours`` (pieces) shares with
     one of ``saved`` (``(chunk, offset, start, numel)``), with the saved piece's chunk id."""
     for piece in ours:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..chunks.chunk_map import ChunkMap
 
@@ -88,7 +89,7 @@ def _whole_targets(module: torch.nn.Module, chunk_map: ChunkMap) -> dict[str, to
 
 
 @torch.no_grad()
-def load_pretrained(engine, path: str, strict: bool = True) -> LoadResult:
+def load_pretrained(engine: DeepSpeedEngine, path: str, strict: bool = True) -> LoadResult:
     """Stream the weights at ``path`` into ``engine``'s chunks (call it on every rank); see
     [Note: pretrained loading]. ``strict``: raise ``ValueError`` on missing or unexpected keys."""
     export = engine.optimizer.export

@@ -192,7 +192,8 @@ class PlacementRuntime:
         tide = max([self._non_model()] + [m.non_model for m in trace.moments[self.moment + 1 :]])
         return self.ledger.total + nbytes + reserve <= self.placer.budget - tide - self.store.accel.fragmentation()
 
-    def _fits(self, nbytes: int, trace) -> bool:
+    def _fits(self, nbytes: int, trace: Trace | None) -> bool:
+
         headroom = self.placer.headroom(trace, self.moment + 1, self._non_model())
         return self.ledger.total + nbytes <= headroom - self.store.accel.fragmentation()
 
