@@ -93,21 +93,41 @@ def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> lis
     return groups
 
 
+DEVICE_RESERVE = 1 << 30
+"""Bytes of free GPU memory the default budget leaves alone: NCCL's buffers (made at the first
+collective), cuBLAS workspaces and the caching allocator's rounding come after initialize."""
+
+
 def resolve_budget(device_budget: int | float | None, device: torch.device, emulate: bool) -> int:
-    """The accelerator budget in bytes: a byte count, or a fraction of the device's memory
-    (of the host's memory on the emulated accelerator)."""
+    """The accelerator budget in bytes: a byte count, or a fraction of the device's total memory
+    (of the host's memory on the emulated accelerator); by default on CUDA, the free memory now
+    less :data:`DEVICE_RESERVE`."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
+        free, total = torch.cuda.mem_get_info(device)
     else:
-        total = psutil.virtual_memory().total
+        free, total = 0, psutil.virtual_memory().total
     if device_budget is None:
-        if emulate:
+        if emulate or device.type != "cuda":
             raise ValueError(
                 "zero_optimization.emulate_accelerator=true needs zero_optimization.device_budget: "
                 "the emulated accelerator's size in bytes (an integer) or a fraction of host memory"
             )
-        device_budget = 0.9
+        return max(0, free - DEVICE_RESERVE)
     return int(total * device_budget) if isinstance(device_budget, float) else int(device_budget)
+
+
+def _warn_ineffective(options: PatrickStarConfig, placement_runs: bool) -> None:
+    """A setting that does nothing says so."""
+    idle = options.ineffective_keys(placement_runs)
+    if not idle:
+        return
+    why = (
+        "placement runs on a CUDA device or with zero_optimization.emulate_accelerator=true, and this run "
+        "has neither: model data stays in host memory"
+        if not placement_runs
+        else 'static_fraction is the share of chunks placement "static" keeps on the accelerator'
+    )
+    logger.warning("zero_optimization keys %s do nothing in this run (%s); remove them", idle, why)
 
 
 def make_accelerator(
@@ -120,8 +140,11 @@ def make_accelerator(
 ) -> Accelerator:
     """The accelerator of this run, after the pre-flight check (see [Note: pre-flight])."""
     emulate = options.emulate_accelerator
-    if device.type != "cuda" and not emulate:
+    placement_runs = device.type == "cuda" or emulate
+    _warn_ineffective(options, placement_runs)
+    if not placement_runs:
         return HostAccelerator()
+
     budget = resolve_budget(options.device_budget, device, emulate)
     plan = plan_for_rank(
         [s.capacity for s in specs],

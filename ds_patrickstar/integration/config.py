@@ -94,8 +94,11 @@ class PatrickStarConfig(BaseModel):
 
     device_budget: int | float | None = None
     """Accelerator memory ds_patrickstar may use for model data plus activations: bytes (an
-    integer) or a fraction of the device's memory (a number in (0, 1]). Default: 0.9 of the GPU.
-    Required with emulate_accelerator (a fraction then means of the host's memory)."""
+    integer) or a fraction of the device's total memory (a number in (0, 1]). Default: the GPU's
+    free memory at initialize (``torch.cuda.mem_get_info``: the CUDA context and other processes
+    already taken out) less a 1 GiB reserve for what comes later (NCCL's buffers, cuBLAS
+    workspaces, allocator rounding). Required with emulate_accelerator (a fraction then means of
+    the host's memory)."""
 
     static_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """With placement "static": the fraction of chunks that always stays on the accelerator."""
@@ -103,6 +106,15 @@ class PatrickStarConfig(BaseModel):
     emulate_accelerator: bool = False
     """On a CPU-only machine, run the placement machinery against an emulated accelerator of
     device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""
+
+    def ineffective_keys(self, placement_runs: bool) -> list[str]:
+        """The keys the user set that do nothing in a run with (or without) placement: placement runs
+        on a CUDA device or with ``emulate_accelerator``; ``static_fraction`` only with ``placement:
+        "static"``."""
+        set_keys = self.model_fields_set
+        if not placement_runs:
+            return [k for k in ("placement", "static_fraction", "device_budget") if k in set_keys]
+        return ["static_fraction"] if self.placement == "auto" and "static_fraction" in set_keys else []
 
     @field_validator("device_budget")
     @classmethod
