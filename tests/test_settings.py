@@ -60,3 +60,69 @@ def test_a_placement_key_on_a_cpu_run_warns_and_names_it(caplog):
     assert "emulate_accelerator=true" in warnings[0]
     assert engine.optimizer.placement is None  # and the run goes on without placement
     engine.destroy()
+
+
+# ---- gradient reduction (issue 18, item 8) ---------------------------------------------------
+def _initialize(top_level: dict, dtype: str = "bf16"):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    harness.ensure_distributed()
+    config = make_config("patrickstar", dtype, chunk_size=1024)
+    config.update(top_level)
+    model = torch.nn.Linear(8, 4)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine
+
+
+@pytest.mark.parametrize(
+    "top_level,message",
+    [
+        ({"prescale_gradients": True}, r"prescale_gradients=true is not supported .* Remove the key\."),
+        ({"gradient_predivide_factor": 2.0}, r"gradient_predivide_factor=2\.0 is not supported .* set it to 1\.0\."),
+        ({"communication_data_type": "fp32"}, r"communication_data_type='fp32' is not supported .*\(bf16\)"),
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, r"data_types\.grad_accum_dtype='bf16' is not supported"),
+    ],
+)
+def test_a_reduction_setting_that_would_be_ignored_is_refused(top_level, message):
+    with pytest.raises(ValueError, match=message):
+        _initialize(top_level)
+
+
+def test_reduction_settings_that_say_what_we_do_are_accepted():
+    engine = _initialize({"communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "fp32"},
+                          "gradient_predivide_factor": 1.0, "prescale_gradients": False})
+    assert engine.optimizer is not None
+    engine.destroy()
+
+
+def _fp16_gradient_near_the_top(rank, world_size):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    config = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, "loss_scale": 1.0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": "patrickstar", "chunk_size": 1024}}
+    with harness.allow_fp16_on_cpu():
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    loss = engine(torch.full((1, 1), 40000.0, dtype=torch.float16)).float().sum()  # d loss / d w = 40000
+
+    engine.backward(loss)
+    engine.step()
+    return {"skipped": engine.skipped_steps, "weight": engine.get_fp32_state_dict()["weight"].item()}
+
+
+def test_gradients_are_divided_before_the_sum():
+    """Each rank's fp16 gradient is 40,000: their sum (80,000) overflows fp16 (max 65,504), their
+    mean does not. Divided after the sum (as before), the step was skipped as an overflow; divided
+    before, as ZeRO-3's reduce-scatter does, it is applied."""
+    from multiproc import run_ranks
+
+    for result in run_ranks(_fp16_gradient_near_the_top, 2):
+        assert result["skipped"] == 0, result
+        assert result["weight"] < 1.0, result  # AdamW moved it by about the learning rate

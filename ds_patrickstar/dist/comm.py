@@ -5,9 +5,10 @@ With ``W`` data-parallel ranks, each param group's chunks come in groups of ``W`
 [Note: balanced chunk groups]); chunk ``g*W + r`` of group ``g`` is owned by rank ``r``. A
 rank keeps its owned chunk's payload and the fp32 master/momentum/variance of that chunk
 only. Before use, a group is all-gathered (every rank receives every chunk of the group);
-after the last gradient of the group is in its slots, the group is reduce-scattered (summed,
-then divided by ``W``) so the owner holds the averaged gradient, and the other ranks release
-their copies. With ``W == 1`` every collective is a no-op and the same code paths run. The
+after the last gradient of the group is in its slots, the group is reduce-scattered (each
+slot divided by ``W``, then summed, as ZeRO-3's reduce-scatter pre-divides: a sum of fp16
+gradients that would overflow before the division does not) so the owner holds the averaged
+gradient, and the other ranks release their copies. With ``W == 1`` every collective is a no-op and the same code paths run. The
 ranks are DeepSpeed's data-parallel group, whatever the nodes: nothing here assumes one node.
 
 [Note: asynchronous collectives]
@@ -20,9 +21,9 @@ member is input and output, so no buffer is allocated or copied). On the strict 
 accelerator it receives into a side buffer of the emulator instead (not charged to the
 ledger: it stands for the payloads a GPU would write) and copies the pieces into the
 payloads when waited on; the payloads hold NaN from the issue until then, so a read before
-the wait changes the numbers. A reduce-scatter sums the members' gradient slots into the owned
-member's slot in place (no buffer), divides by ``W`` when waited on, then runs its ``after``
-action (the manager releases the other ranks' chunks).
+the wait changes the numbers. A reduce-scatter divides the members' gradient slots by ``W`` and
+sums them into the owned member's slot in place (no buffer), then, when waited on, runs its
+``after`` action (the manager releases the other ranks' chunks).
 On CUDA the collectives are issued on their own
 stream after the work queued on the compute stream (``Accelerator.collective_stream``); the
 wait makes the compute stream wait for the collective, and what follows runs there. On CPU
@@ -129,22 +130,21 @@ class ChunkComm:
     def reduce_scatter_mean_async(self, payloads: list[torch.Tensor],
                                   after: Callable[[], None] = lambda: None) -> PendingCollective:
         """Average ``payloads[r]`` over ranks into rank r's own ``payloads[r]`` when waited on; then
-        ``after()``. No payload may change or be freed until then."""
+        ``after()``. No payload may change or be freed until then. Every payload is divided by the
+        world size before the sum (see [Note: chunk groups])."""
         if self.world_size == 1:
             return PendingCollective(None, after)
         mine = payloads[self.rank]
+        with torch.no_grad():
+            for payload in payloads:
+                payload.div_(self.world_size)
         with self.accel.collective_stream(*payloads):
             # in place: the output is our own input piece (gloo and NCCL read the inputs first)
             work = dist.reduce_scatter(mine, payloads, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-
-        def finish() -> None:
-            with torch.no_grad():
-                mine.div_(self.world_size)
-            after()
-
         self.counters.reduce_scatters += 1
         self.counters.bytes_reduce_scattered += (self.world_size - 1) * mine.numel() * mine.element_size()
-        return PendingCollective(work, finish)
+        return PendingCollective(work, after)
+
 
     def agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank: a decision taken from a rank's own memory (placement)

@@ -256,6 +256,48 @@ def torch_adam_from_block(kind: str, params: dict[str, Any] | None) -> tuple[typ
     return (torch.optim.AdamW if adamw else torch.optim.Adam), kwargs, group_keys
 
 
+def check_reduction_settings(
+    *,
+    model_dtype: Any,
+    communication_data_type: Any,
+    prescale_gradients: bool,
+    gradient_predivide_factor: float,
+    grad_accum_dtype: Any,
+) -> None:
+    """DeepSpeed's top-level gradient-reduction keys, as DeepSpeed parsed them: accepted where they
+    say what stage 'patrickstar' does (gradients divided by the world size, then reduce-scattered in
+    place in the chunks, in the training dtype; accumulated in fp32), refused with the key where
+    they ask for something else (ZeRO-3 refuses the first two as well)."""
+    import torch
+
+    dtype_names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if prescale_gradients:
+        raise ValueError(
+            "prescale_gradients=true is not supported by stage 'patrickstar' (nor by ZeRO-3): gradients are "
+            "divided by the data-parallel world size before they are summed. Remove the key."
+        )
+    if gradient_predivide_factor != 1.0:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor!r} is not supported by stage 'patrickstar' "
+            "(nor by ZeRO-3): gradients are divided by the data-parallel world size before they are summed. "
+            "Remove the key or set it to 1.0."
+        )
+    if communication_data_type is not None and communication_data_type != model_dtype:
+        name = dtype_names.get(communication_data_type, str(communication_data_type))
+        raise ValueError(
+            f"communication_data_type={name!r} is not supported by stage 'patrickstar': gradients are "
+            f"reduce-scattered in place in the chunks, in the training dtype "
+            f"({dtype_names.get(model_dtype, str(model_dtype))}). Remove the key."
+        )
+    if grad_accum_dtype is not None and grad_accum_dtype != torch.float32:
+        name = dtype_names.get(grad_accum_dtype, str(grad_accum_dtype))
+        raise ValueError(
+            f"data_types.grad_accum_dtype={name!r} is not supported by stage 'patrickstar', which "
+            "accumulates gradients in fp32 (see gradient_accumulation_steps in the README). Remove the key or "
+            'set it to "fp32".'
+        )
+
+
 def split_config(config: dict[str, Any]) -> tuple[PatrickStarConfig, dict[str, Any]]:
     """Return our options and the sanitized dict DeepSpeed sees; see [Note: config split]."""
     options = parse_patrickstar_options(config["zero_optimization"])

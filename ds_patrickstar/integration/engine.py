@@ -29,7 +29,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ..io import checkpoint
 from ..io.export import host_parameters
 from ..io.init import DeferredModel, swap_deferred
-from .config import PatrickStarConfig, torch_adam_from_block
+from .config import PatrickStarConfig, check_reduction_settings, torch_adam_from_block
 from .zero_optimizer import PatrickStarOptimizer
 
 
@@ -82,6 +82,14 @@ class PatrickStarEngine(DeepSpeedEngine):
         return self._deferred
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        model_dtype, grad_accum_dtype = self.get_data_types()
+        check_reduction_settings(
+            model_dtype=model_dtype,
+            communication_data_type=self._config.communication_data_type,
+            prescale_gradients=self._config.prescale_gradients,
+            gradient_predivide_factor=self._config.gradient_predivide_factor,
+            grad_accum_dtype=None if self._config.grad_accum_dtype is None else grad_accum_dtype,
+        )
         deferred = self._deferred_model()
         model_parameters = deferred.remap(model_parameters)
         if isinstance(client_optimizer, torch.optim.Optimizer):
