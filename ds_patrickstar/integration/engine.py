@@ -183,7 +183,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         paths = sorted(glob.glob(os.path.join(load_dir, tag, checkpoint.OPTIM_GLOB)))
         if not paths:
             raise checkpoint.CheckpointError(f"checkpoint {os.path.join(load_dir, tag)!r} has no optimizer files")
-        saved = (self.checkpoint_engine.load(p, map_location="cpu")["optimizer_state_dict"] for p in paths)
+        saved = (checkpoint.load_file(p)["optimizer_state_dict"] for p in paths)  # see [Note: loading without pickle]
+
         self.optimizer.load_state_dict(
             saved,
             load_optimizer_states=load_optimizer_states,

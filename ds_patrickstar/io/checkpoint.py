@@ -20,6 +20,16 @@ writes ``ds_patrickstar_complete.json`` (every file of the tag and its size) and
 ``latest``, each by write-to-temporary + ``os.replace``. A tag without a valid marker is
 refused on load with a message naming what is missing; ``latest`` only ever names a tag
 whose marker was written.
+
+[Note: loading without pickle]
+Our files are read weights-only (:func:`load_file`): tensors, containers, numbers and strings,
+plus DeepSpeed's two loss-scaler classes (the optimizer state holds the scaler), and nothing
+that runs code while it is read, so a checkpoint from elsewhere cannot execute anything through
+``engine.load_checkpoint``'s optimizer files or ``python -m ds_patrickstar.zero_to_fp32``. A file
+holding anything else is refused with a :class:`CheckpointError` naming it. The model-states file
+also carries ``client_state`` (any objects the user saved); ``engine.load_checkpoint`` leaves that
+file to DeepSpeed, which unpickles it as for every stage, and checks its parameter shapes first
+when they can be read weights-only.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import glob
 import json
 import math
 import os
+import pickle
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -111,10 +122,31 @@ def check_model_file(chunk_map: ChunkMap, load_dir: str, tag: str) -> None:
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {os.path.join(load_dir, tag)!r} has no mp_rank_00_model_states.pt")
+    try:
+        saved = load_file(path)
+    except CheckpointError:
+        return  # client_state objects: DeepSpeed unpickles the file next; the optimizer files' layouts are checked
     shapes = {}
-    for group in torch.load(path, map_location="cpu", weights_only=False).get("param_shapes") or []:
+    for group in saved.get("param_shapes") or []:
         shapes.update(group)
     check_same_shapes(chunk_map, shapes)
+
+
+def load_file(path: str) -> Any:
+    """One of our checkpoint files, weights-only; see [Note: loading without pickle]."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler]):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            detail = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), "")
+            raise CheckpointError(
+                f"{path!r} holds objects other than tensors, containers, numbers and DeepSpeed's loss scaler "
+                f"({detail or err}); ds_patrickstar reads checkpoint files weights-only, so that a file from "
+                f"elsewhere cannot run code. Load it only if you trust its source, with torch.load(..., "
+                f"weights_only=False)."
+            ) from None
 
 
 # ---- optimizer state ----------------------------------------------------------------
@@ -237,13 +269,13 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
     folder = os.path.join(checkpoint_dir, tag)
     result: dict[str, torch.Tensor] = {}
     for path in sorted(glob.glob(os.path.join(folder, "*model_states.pt"))):
-        module = torch.load(path, map_location="cpu", weights_only=False).get("module", {})
+        module = load_file(path).get("module", {})
         for name, value in module.items():
             result[name] = value.float() if value.is_floating_point() else value
     flat: dict[str, tuple[torch.Tensor, tuple]] = {}
     covered: dict[str, int] = {}
     for path in sorted(glob.glob(os.path.join(folder, OPTIM_GLOB))):
-        sd = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        sd = load_file(path)["optimizer_state_dict"]
         if sd.get("format") not in _FORMATS:
             raise CheckpointError(f"{path} was not written by ds_patrickstar")
         for name, entry in sd["layout"].items():

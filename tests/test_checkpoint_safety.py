@@ -1,0 +1,74 @@
+"""Our checkpoint files are read without pickle (issue 18, item 12; [Note: loading without pickle]):
+a file carrying code is refused before the code runs, while a user's client_state objects still
+come back through engine.load_checkpoint as DeepSpeed loads them for every stage. In-process."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import pathlib
+
+import pytest
+import torch
+
+import harness
+from harness import make_config
+
+
+@dataclasses.dataclass
+class Note:
+    """A user object in client_state (not a tensor, container or number)."""
+
+    text: str
+
+
+class _Touch:
+    """Unpickling it creates ``path``: stands for any code a crafted checkpoint would run."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.path,))
+
+
+def _engine_with_a_checkpoint(save_dir: pathlib.Path, client_state: dict | None = None):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    harness.ensure_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    engine, *_ = deepspeed.initialize(model=model, config=make_config("patrickstar", "bf16", chunk_size=1024),
+                                      model_parameters=model.parameters())
+    engine.backward(engine(torch.randn(8, 8, dtype=torch.bfloat16)).float().sum())
+    engine.step()
+    engine.save_checkpoint(str(save_dir), tag="t", client_state=client_state or {})
+    return engine
+
+
+def test_a_checkpoint_file_that_carries_code_is_refused_before_it_runs(tmp_path):
+    from ds_patrickstar import consolidate_fp32_state_dict
+    from ds_patrickstar.io.checkpoint import CheckpointError, write_marker
+
+    engine = _engine_with_a_checkpoint(tmp_path)
+    ran = tmp_path / "code_ran"
+    (optim,) = glob.glob(os.path.join(tmp_path, "t", "*optim_states.pt"))
+    saved = torch.load(optim, weights_only=False)  # trusted: this test wrote it
+    saved["optimizer_state_dict"]["extra"] = _Touch(ran)
+    torch.save(saved, optim)
+    write_marker(str(tmp_path), "t")  # sizes match again: what refuses the file is the loader
+    with pytest.raises(CheckpointError, match=r"optim_states\.pt' holds objects .* weights-only"):
+        engine.load_checkpoint(str(tmp_path), tag="t")
+    with pytest.raises(CheckpointError, match="weights-only"):
+        consolidate_fp32_state_dict(str(tmp_path), "t")
+    assert not ran.exists()
+    engine.destroy()
+
+
+def test_client_state_objects_still_come_back(tmp_path):
+    engine = _engine_with_a_checkpoint(tmp_path, client_state={"note": Note("kept"), "step": 7})
+    _, client_state = engine.load_checkpoint(str(tmp_path), tag="t")
+    assert client_state["note"] == Note("kept") and client_state["step"] == 7
+    engine.destroy()
