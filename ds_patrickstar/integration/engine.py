@@ -179,11 +179,11 @@ class PatrickStarEngine(DeepSpeedEngine):
         """DeepSpeed's zero_to_fp32.py cannot read our format; ours is python -m ds_patrickstar.zero_to_fp32."""
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
-        """Every saved rank's file, one at a time: any world size can load (resharding)."""
+        """The saved ranks' files this rank needs, one at a time: any world size can load (resharding)."""
         paths = sorted(glob.glob(os.path.join(load_dir, tag, checkpoint.OPTIM_GLOB)))
         if not paths:
             raise checkpoint.CheckpointError(f"checkpoint {os.path.join(load_dir, tag)!r} has no optimizer files")
-        saved = (checkpoint.load_file(p)["optimizer_state_dict"] for p in paths)  # see [Note: loading without pickle]
+        saved = checkpoint.owned_optimizer_files(self.optimizer.chunk_map, paths)
 
         self.optimizer.load_state_dict(
             saved,

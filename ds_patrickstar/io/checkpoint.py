@@ -10,8 +10,8 @@ parameter name to ``(shape, pieces)``, a piece being ``(chunk, offset, start, nu
 elements ``start ..`` of the flattened parameter at ``offset`` in ``chunk`` (see
 [Note: straddling tensors]; format 1 had one whole piece per parameter and still loads).
 Because the layout is per parameter, a checkpoint can be loaded into any world size or
-chunk size: each rank reads every saved rank's file and copies the elements of the pieces
-it now owns from whichever saved pieces cover them.
+chunk size: each rank reads the saved files whose chunks cover the pieces it now owns (at an
+unchanged world size, only its own: :func:`owned_optimizer_files`) and copies those elements.
 
 [Note: crash-safe save]
 DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a partial
@@ -39,6 +39,7 @@ import json
 import math
 import os
 import pickle
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -46,7 +47,7 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 
 from ..chunks.chunk import Piece
-from ..chunks.chunk_map import ChunkMap
+from ..chunks.chunk_map import ChunkMap, owner_of
 from ..optim.states import OptimizerChunk
 
 FORMAT = "ds_patrickstar/2"
@@ -226,6 +227,41 @@ def _overlaps(ours: list[Piece], saved: list[tuple[int, int, int, int]]) -> Iter
 
 
 @torch.no_grad()
+def _saved_rank(path: str) -> int:
+    match = re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path))
+    return int(match.group(1)) if match else -1
+
+
+def owned_optimizer_files(chunk_map: ChunkMap, paths: list[str]) -> Iterator[dict]:
+    """The optimizer state dicts this rank needs, read once each: the file of its own rank number
+    first (at an unchanged world size the only one), then the saved ranks whose chunks hold
+    elements this rank owns now, found from the first file's layout (the same in every file)
+    and the saved world size (saved chunk ``c`` was owned by rank ``c % W``). Every rank reads at
+    most the files it needs, not all ``W`` of them (see [Note: checkpoint format])."""
+    by_rank = {_saved_rank(p): p for p in paths}
+    first_path = by_rank.get(chunk_map.rank, paths[0])
+    first = load_file(first_path)["optimizer_state_dict"]
+    yield first
+    world = first.get("world_size") if isinstance(first, dict) else None
+    if not isinstance(world, int) or len(by_rank) != len(paths):
+        needed = set(paths)  # no usable rank numbers: read them all
+    else:
+        needed = {by_rank.get(owner_of(cid, world), "") for cid in _overlapping_saved_chunks(chunk_map, first)}
+    for path in paths:
+        if path in needed and path != first_path:
+            yield load_file(path)["optimizer_state_dict"]
+
+
+def _overlapping_saved_chunks(chunk_map: ChunkMap, saved: dict) -> set[int]:
+    """Saved chunk ids holding elements of the pieces this rank owns now."""
+    chunks = set()
+    for info in chunk_map.infos():
+        ours = [p for p in info.pieces if chunk_map.is_owned(chunk_map.chunks[p.chunk_id])]
+        if ours and info.name in saved.get("layout", {}):
+            chunks |= {cid for _, _, cid, _ in _overlaps(ours, _entry(saved["layout"][info.name])[1])}
+    return chunks
+
+
 def load_optimizer_states(chunk_map: ChunkMap, states: dict, saved: Iterable[dict], load_moments: bool) -> dict:
     """Copy the elements of every owned piece from whichever saved rank held them; returns one saved dict."""
     owned = {info.name: [p for p in info.pieces if p.chunk_id in states] for info in chunk_map.infos()}
