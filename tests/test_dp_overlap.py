@@ -107,7 +107,7 @@ def _unwaited(rank, world_size):
 def test_a_read_before_the_all_gather_completed_changes_the_numbers():
     import math
 
-    ours = run_ranks(_unwaited, 2)
+    ours = run_ranks(_unwaited, 2, fresh=True)  # the patch must not outlive the test in a kept process
     # the rank whose first layer lives in the other rank's chunk reads its poisoned (NaN) payload
     # (the other rank's first read is its own chunk, and its next access waits through placement)
     assert any(math.isnan(r.losses[0]) for r in ours), [r.losses for r in ours]
@@ -136,4 +136,4 @@ def _dies_mid_collective(rank, world_size):
 
 def test_a_rank_failing_mid_collective_ends_the_run_with_its_error():
     with pytest.raises(WorkerError, match="rank 1 failed(.|\n)*injected failure on rank 1"):
-        run_ranks(_dies_mid_collective, 2, timeout=120)
+        run_ranks(_dies_mid_collective, 2, timeout=120, fresh=True)  # patches a class on rank 1
