@@ -71,7 +71,7 @@ def _quirk(rank, world_size, model, dtype, stage, gas=1, extra_zero=None):
 def test_quirk_models_match_zero3(model, world_size, dtype, gas):
     from test_vs_zero3 import check
 
-    ref = run_ranks(_quirk, world_size, model, dtype, 3, gas)
+    ref = run_ranks(_quirk, world_size, model, dtype, 3, gas, memo=True)
     ours = run_ranks(_quirk, world_size, model, dtype, "patrickstar", gas)
     for rank in range(world_size):
         check(ours[rank], ref[rank], dtype)
@@ -87,7 +87,7 @@ def test_with_placement_prefetch_and_kept_groups_stay_in_budget():
     from test_vs_zero3 import check
 
     extra = {"emulate_accelerator": True, "device_budget": _budget("tied", "fp32", 1)}
-    ref = run_ranks(_quirk, 2, "tied", "fp32", 3)
+    ref = run_ranks(_quirk, 2, "tied", "fp32", 3, 1, memo=True)
     ours = run_ranks(_quirk, 2, "tied", "fp32", "patrickstar", 1, extra)
     for rank in range(2):
         check(ours[rank], ref[rank], "fp32")
