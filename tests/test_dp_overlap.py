@@ -1,6 +1,6 @@
 """Data parallel with prefetched, asynchronous collectives and kept groups (see [Note: asynchronous
 collectives], [Note: gather order], [Note: kept groups]): parity with stock ZeRO-3 on quirk models
-at 2 and 3 ranks, a missing wait that changes the numbers, and a rank failing mid-collective.
+at 2 ranks and the GPT at 2 and 3, a missing wait that changes the numbers, and a rank failing mid-collective.
 
 The quirk models are small enough to be one chunk group (kept from forward to backward); a GPT
 with tied embedding/LM head and 1024-element chunks has several groups, so groups are also
@@ -63,10 +63,13 @@ def _quirk(rank, world_size, model, dtype, stage, gas=1, extra_zero=None):
     return run_training(models[name], config, STEPS, SEED)
 
 
+# One 3-rank case (the GPT: several groups, kept and prefetched, with gradient accumulation); the
+# other quirks at 2 ranks: on a 2-core machine a third rank only adds time. Their stock ZeRO-3
+# runs are shared with tests/test_tied_backward.py and tests/test_strict_parity.py.
 @pytest.mark.parametrize("model,world_size,dtype,gas", [
-    ("tied", 2, "fp32", 1), ("frozen", 3, "fp32", 1), ("unused", 2, "fp32", 1), ("reused", 3, "bf16", 1),
-    ("tied", 3, "fp32", 2), ("unused", 3, "bf16", 2),
-    ("gpt", 2, "fp32", 1), ("gpt", 3, "fp32", 1), ("gpt", 3, "fp32", 2),
+    ("tied", 2, "fp32", 1), ("frozen", 2, "fp32", 1), ("unused", 2, "fp32", 1), ("reused", 2, "bf16", 1),
+    ("tied", 2, "fp32", 2), ("unused", 2, "bf16", 2),
+    ("gpt", 2, "fp32", 1), ("gpt", 2, "fp32", 2), ("gpt", 3, "fp32", 2),
 ])
 def test_quirk_models_match_zero3(model, world_size, dtype, gas):
     from test_vs_zero3 import check
