@@ -105,12 +105,27 @@ def _fresh_state(env: dict, cwd: str, seed: int) -> None:
         unset_hf_deepspeed_config()
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the process that spawned it dies (a killed pytest must not
+    leave pool workers behind, also not ones blocked in a job). Elsewhere the job loop's check of
+    the parent pid, between jobs, is all there is."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import faulthandler
     import gc
 
+    parent = os.getppid()
+    _die_with_parent()
     try:
         import torch.distributed as dist
 
@@ -122,7 +137,12 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
         return
     env, cwd, seed = dict(os.environ), os.getcwd(), torch.initial_seed()
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session is gone (killed): so is the pool
+                break
+            continue
         if job is None:
             break
         job_id, payload = job
