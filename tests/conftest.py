@@ -44,6 +44,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    # The worker pools of multiproc.run_ranks live for the whole session: end them here (an
+    # atexit hook in multiproc does the same if this is skipped).
+    multiproc = sys.modules.get("multiproc")
+    if multiproc is not None:
+        multiproc.shutdown()
+
+
 @pytest.fixture(scope="session")
 def dist():
     """Initialize the single-rank gloo process group (once) and DeepSpeed comm on it."""

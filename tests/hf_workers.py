@@ -1,5 +1,7 @@
-"""Hugging Face runs for tests/test_hf.py, each in its own process (see multiproc.run_ranks):
-Trainer and accelerate keep process-wide state, so every run starts from a fresh interpreter.
+"""Hugging Face runs for tests/test_hf.py, each on real rank processes (see multiproc.run_ranks).
+Trainer and accelerate keep process-wide state (accelerate's AcceleratorState / PartialState /
+GradientState singletons, transformers' reference to the DeepSpeed config, environment
+variables): the kept workers of run_ranks reset it before every job, as a new process would have it.
 
 Tiny GPT-2 (tied embedding / LM head) and Llama (untied) models are built from a config,
 with synthetic token data: nothing is downloaded.

@@ -76,7 +76,7 @@ def _assert_same(ours, ref, rtol=RTOL, atol=ATOL):
 
 @pytest.mark.parametrize("world_size,gas", [(2, 1), (3, 1), (2, 2)])
 def test_matches_zero3(world_size, gas):
-    ref = run_ranks(_train, world_size, 3, gas)
+    ref = run_ranks(_train, world_size, 3, gas, memo=True)
     ours = run_ranks(_train, world_size, "patrickstar", gas)
     for rank in range(world_size):
         _assert_same(ours[rank], ref[rank])
@@ -89,7 +89,7 @@ def test_matches_zero3_on_the_strict_emulated_accelerator(world_size, gas):
     byte counted, under a budget that holds a chunk group and its accumulators but not the model
     data with its optimizer states."""
     budget = 12_288 + (12_288 if gas > 1 else 0) + 8_192
-    ref = run_ranks(_train, world_size, 3, gas)
+    ref = run_ranks(_train, world_size, 3, gas, memo=True)
     ours = run_ranks(_train, world_size, "patrickstar", gas, "fp32", None, None, budget)
     for rank in range(world_size):
         _assert_same(ours[rank], ref[rank])

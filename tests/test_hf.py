@@ -1,8 +1,8 @@
 """Hugging Face Trainer and accelerate with stage "patrickstar", against stock ZeRO-3, on 1 and 2 ranks.
 
-Needs the ``hf`` extra (``pip install -e ".[test,hf]"``); skipped without it. Every run is a
-fresh process (tests/hf_workers.py) on gloo; tiny models from config, synthetic data, fp32,
-no dropout, so the only differences to stage 3 are summation orders.
+Needs the ``hf`` extra (``pip install -e ".[test,hf]"``); skipped without it. Every run is on
+real rank processes (tests/hf_workers.py, multiproc.run_ranks) on gloo; tiny models from config,
+synthetic data, fp32, no dropout, so the only differences to stage 3 are summation orders.
 """
 import os
 

@@ -3,16 +3,17 @@
 
 Stage 3 gets the broader set (several quirk models, fp32 and bf16); stages 0, 1 and 2
 each run one small quirk model (tied weights, gradient accumulation, clipping, weight
-decay) for 4 steps in fp32 and in bf16, all in one subprocess pair to keep the added
-runtime small. All four stages run on DeepSpeed's CPU accelerator in both dtypes (with
+decay) for 4 steps in fp32 and in bf16. All runs of the module share one subprocess pair
+(one without the import, one with it) to keep the added runtime small. All four stages
+run on DeepSpeed's CPU accelerator in both dtypes (with
 DeepSpeed 0.19: stage 0 fp32 steps the bare optimizer and reports no global grad norm,
 so it records ``None``; stage 0 bf16 wraps it in ``FP16_Optimizer``; stages 1 and 2 in
 ``DeepSpeedZeroOptimizer``).
 
-Each run happens in a fresh subprocess (so nothing the import patches can leak into
-the "without" run), prints its per-micro-step losses, grad norms, LRs, the optimizer
-class DeepSpeed picked and a SHA-256 of the final fp32 master and module weights as
-JSON, and the two outputs must be equal. If ``import ds_patrickstar`` fails, the
+The runs happen in fresh subprocesses (so nothing the import patches can leak into
+the "without" runs); for each run they print its per-micro-step losses, grad norms, LRs,
+the optimizer class DeepSpeed picked and a SHA-256 of the final fp32 master and module
+weights as JSON, and the two outputs must be equal run by run. If ``import ds_patrickstar`` fails, the
 "with" subprocess fails and so does the test (intended: no skip).
 """
 from __future__ import annotations
@@ -105,12 +106,23 @@ def _run(import_ps: bool, runs) -> dict:
     return json.loads(lines[-1][len(MARKER):])
 
 
-def _assert_bit_identical(runs) -> None:
-    without = _run(False, runs)
-    with_ps = _run(True, runs)
+ALL_RUNS = RUNS["fp32"] + RUNS["bf16"] + RUNS_STAGES_012
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    """Every run of this module in one subprocess without and one with the import (the same runs
+    in the same order on both sides): two interpreter start-ups instead of six."""
+    without = _run(False, ALL_RUNS)
+    with_ps = _run(True, ALL_RUNS)
     assert without.pop("ds_patrickstar_loaded") is False
     assert with_ps.pop("ds_patrickstar_loaded") is True
-    assert sorted(without) == sorted(r[0] for r in runs)
+    assert sorted(without) == sorted(with_ps) == sorted(r[0] for r in ALL_RUNS)
+    return without, with_ps
+
+
+def _assert_bit_identical(outputs, runs) -> None:
+    without, with_ps = outputs
     for label, _, stage, _, _ in runs:
         assert with_ps[label] == without[label], (
             f"{label}: stock ZeRO stage {stage} changed by `import ds_patrickstar`:\n"
@@ -119,10 +131,10 @@ def _assert_bit_identical(runs) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_import_leaves_stock_stage3_bit_identical(dtype):
-    _assert_bit_identical(RUNS[dtype])
+def test_import_leaves_stock_stage3_bit_identical(outputs, dtype):
+    _assert_bit_identical(outputs, RUNS[dtype])
 
 
-def test_import_leaves_stock_stages_0_1_2_bit_identical():
-    """Stages 0, 1 and 2, fp32 and bf16 each: one subprocess pair for all six runs."""
-    _assert_bit_identical(RUNS_STAGES_012)
+def test_import_leaves_stock_stages_0_1_2_bit_identical(outputs):
+    """Stages 0, 1 and 2, fp32 and bf16 each."""
+    _assert_bit_identical(outputs, RUNS_STAGES_012)
