@@ -478,91 +478,6 @@ def reference_run(model_fn: Callable[[int], Any], config: dict, steps: int, seed
     return copy.deepcopy(_REFERENCE_RUNS[key])
 
 
-def run_torch_reference(
-    model_fn: Callable[[int], Any],
-    steps: int,
-    seed: int,
-    *,
-    dtype: str = "fp32",
-    gas: int = 1,
-    clip: float = 0.0,
-    lr: float = 1e-3,
-    weight_decay: float = 0.0,
-    adamw: bool = True,
-    loss_scale: float = 256.0,
-    zero_grads_for_unused: bool = True,
-    accumulate_in_lp: bool = False,
-) -> RunResult:
-    """Plain-torch mixed-precision training with the same math as stock ZeRO on one rank.
-
-    An independent implementation used to measure the noise floor between two
-    correct-but-different implementations: low-precision model (bf16/fp16) for
-    forward/backward, fp32 master copies initialised from the *rounded* module
-    weights (as DeepSpeed does), loss divided by ``gas`` before backward (fp16: also
-    multiplied by a static ``loss_scale``, unscaled in fp32), grads accumulated in
-    fp32, global-norm clipping, ``torch.optim.AdamW``/``Adam`` (foreach) on the
-    masters, masters copied back into the module. ``zero_grads_for_unused`` gives
-    params that received no gradient a zero gradient (ZeRO-3 does, see the report in
-    test_vs_zero3.py), so weight decay and the Adam step count apply to them too.
-    ``accumulate_in_lp`` instead lets autograd sum the micro-batch grads in the
-    low-precision ``.grad`` and converts to fp32 only at the boundary (to measure
-    what a backend that keeps gradients in the 2-byte slot would deviate by).
-    """
-    setup_single_process_env()
-    lp_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    seed_everything(seed)
-    model, batch_fn = model_fn(seed)
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    init_weights = {n: _to_cpu(p, torch.float32) for n, p in model.named_parameters()}
-    model.to(lp_dtype)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    masters = [p.detach().float().clone() for _, p in named]
-    opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = opt_cls(masters, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, foreach=True)
-    scale = loss_scale if lp_dtype == torch.float16 else 1.0
-    seed_everything(seed + 1)
-    losses, grad_norms = [], []
-    acc = [torch.zeros_like(m) for m in masters]
-    for micro in range(steps * gas):
-        loss = extract_loss(model(*_cast_inputs(batch_fn(micro), lp_dtype)))
-        losses.append(float(loss.detach().float().item()))
-        ((loss / gas) * scale).backward()
-        boundary = (micro + 1) % gas == 0
-        if boundary or not accumulate_in_lp:
-            for a, (_, p) in zip(acc, named):
-                if p.grad is not None:
-                    a.add_(p.grad.float())
-                    p.grad = None
-        if not boundary:
-            continue
-        grads = [a / scale for a in acc]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
-        grad_norms.append(norm)
-        if clip > 0 and norm > clip:
-            coef = clip / (norm + 1e-6)
-            grads = [g * coef for g in grads]
-        for m, g, a in zip(masters, grads, acc):
-            used = bool(a.abs().sum() > 0)
-            m.grad = g if (used or zero_grads_for_unused) else None
-        opt.step()
-        for m in masters:
-            m.grad = None
-        acc = [torch.zeros_like(m) for m in masters]
-        with torch.no_grad():
-            for m, (_, p) in zip(masters, named):
-                p.copy_(m)
-    fp32 = {n: m.clone() for (n, _), m in zip(named, masters)}
-    lp = {n: _to_cpu(p) for n, p in model.named_parameters()}
-    for n in frozen:
-        fp32[n] = _to_cpu(lp[n], torch.float32)
-    fp32 = {n: fp32[n] for n, _ in model.named_parameters()}  # named_parameters order
-    return RunResult(
-        losses=losses, fp32_weights=fp32, lp_weights=lp, grad_norms=grad_norms,
-        stage="torch", dtype=dtype, frozen=frozen, init_weights=init_weights,
-        optimizer_class=opt_cls.__name__,
-    )
-
-
 # --------------------------------------------------------------------------------------
 # Comparing
 # --------------------------------------------------------------------------------------
@@ -597,45 +512,6 @@ def update_errors(ours: RunResult, ref: RunResult) -> Dict[str, tuple]:
             continue
         out[n] = ((d_ours - d_ref).norm().item(), d_ref.norm().item())
     return out
-
-
-def diff_report(ours: RunResult, ref: RunResult) -> dict:
-    """Max abs/rel differences between two runs (for measuring noise floors)."""
-    la = torch.tensor(ours.losses, dtype=torch.float64)
-    lb = torch.tensor(ref.losses, dtype=torch.float64)
-    loss_abs = (la - lb).abs().max().item() if len(la) == len(lb) else math.inf
-    loss_rel = ((la - lb).abs() / lb.abs().clamp_min(1e-12)).max().item() if len(la) == len(lb) else math.inf
-
-    def wdiff(wa, wb):
-        worst_abs, worst_rel, worst_name = 0.0, 0.0, None
-        for n in wb:
-            if n not in wa:
-                continue
-            a, r, _ = _err(wa[n].float(), wb[n].float())
-            if a > worst_abs:
-                worst_abs, worst_name = a, n
-            worst_rel = max(worst_rel, r)
-        return worst_abs, worst_rel, worst_name
-
-    fa, fr, fn = wdiff(ours.fp32_weights, ref.fp32_weights)
-    pa, pr, pn = wdiff(ours.lp_weights, ref.lp_weights)
-    upd_rel, upd_name = 0.0, None
-    for n, (e, r) in update_errors(ours, ref).items():
-        rel = e / r if r > 0 else (0.0 if e == 0 else math.inf)
-        if rel > upd_rel:
-            upd_rel, upd_name = rel, n
-    return {
-        "update_max_rel": upd_rel,
-        "update_worst_param": upd_name,
-        "loss_max_abs": loss_abs,
-        "loss_max_rel": loss_rel,
-        "fp32_max_abs": fa,
-        "fp32_max_rel": fr,
-        "fp32_worst_param": fn,
-        "lp_max_abs": pa,
-        "lp_max_rel": pr,
-        "lp_worst_param": pn,
-    }
 
 
 def compare(

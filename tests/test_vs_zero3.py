@@ -12,7 +12,8 @@ Tolerances, and the noise floors they were chosen from
 -------------------------------------------------------
 Measured on this CPU (torch 2.13, DeepSpeed 0.19.8, 8 steps, lr 1e-3) between stock
 ZeRO-3 and an independent plain-torch implementation of the same math
-(``harness.run_torch_reference``: torch.optim.AdamW foreach on fp32 masters, loss/GA,
+(``run_torch_reference``, removed from tests/harness.py as unused after this measurement: it
+is in the git history before issue 17; torch.optim.AdamW foreach on fp32 masters, loss/GA,
 fp32 global-norm clipping), over mlp/tied/unused/groups/ckpt x {GA 2, clip 0.1, wd 0.1}:
 
 * fp32: losses rel <= 2.6e-7; weights abs <= 3.0e-7; update-norm rel <= 3.5e-5
