@@ -72,6 +72,7 @@ def test_two_ranks_match_the_closed_form(keep_gathered, gathers):
         assert res["layout"]["capacities"] == [866, 866], res["layout"]
         assert res["layout"]["used"] == [866, 866], res["layout"]
         assert res["before"]["bytes_all_gathered"] == 0 and res["before"]["bytes_reduce_scattered"] == 0
+        assert res["samples"] == STEPS * 4 * 2  # micro-batch 4 on 2 ranks, GA 1: what the monitor rows count
         for step, counters in enumerate(res["per_step"]):
             # per step, not cumulative: the same numbers every step
             assert counters["all_gathers"] == gathers, (rank, step, counters)
