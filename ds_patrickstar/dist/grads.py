@@ -1,0 +1,165 @@
+"""The gradient sink: gradients into the chunk slots, their reduce-scatters, the backward epilogue
+and the gradient norm.
+
+[Note: gradient accumulation]
+With GA = 1 a gradient goes straight into its parameter slot
+(see [Note: gradient in the param slot]). With GA > 1 the parameters must survive until
+the last micro-step, so every micro-step adds its gradient into an fp32 accumulator
+(one per chunk that received a gradient, on every rank) instead; on the boundary
+micro-step the accumulated sum is written into the slot, rounded to the param dtype
+once (the precision a GA = 1 gradient has). Accumulators exist only from a chunk's first
+non-boundary gradient to the end of the step, and follow their chunk between the
+accelerator and the host (see [Note: chunk locations]). Cost: 4 more bytes per parameter
+(18 instead of 14 in fp16/bf16) during accumulation, paid only when GA > 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..chunks.chunk import TensorInfo
+from ..chunks.chunk_map import ChunkMap
+from ..chunks.state import TensorState
+from ..memory.store import ChunkStore
+from ..placement.runtime import PlacementRuntime
+from .comm import ChunkComm
+from .groups import GroupResidency
+from .keep import KeepPolicy
+from .reductions import InFlightReductions
+
+_NORM_SLICE = 1 << 22
+_S = TensorState
+
+
+class GradientSink:
+    """Where gradients go; see [Note: gradient in the param slot] and [Note: gradient accumulation]."""
+
+    def __init__(
+        self,
+        chunk_map: ChunkMap,
+        comm: ChunkComm,
+        store: ChunkStore,
+        residency: GroupResidency,
+        keep: KeepPolicy,
+        reductions: InFlightReductions,
+        placement: PlacementRuntime | None,
+        accumulate: bool,
+    ) -> None:
+        self._map, self._comm, self._store = chunk_map, comm, store
+        self._residency, self._keep, self._reductions = residency, keep, reductions
+        self._placement = placement
+        self.accumulate = accumulate
+        self.reduced: set[int] = set()  # groups whose reduce-scatter was issued this step
+        self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
+
+    def _group_sizes(self) -> list[int]:
+        return [len(self._map.group_tensors(g)) for g in range(self._map.num_groups)]
+
+    @torch.no_grad()
+    def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
+        """Consume ``param.grad`` into the tensor's pieces on the accelerator."""
+        if not self.accumulate and not boundary:
+            raise RuntimeError("a non-boundary micro-step without gradient accumulation")
+        flat = grad.reshape(-1)
+        keep = set(info.chunk_ids)
+        group = self._map.group_of_info(info)
+        if self._comm.world_size > 1 and group not in self._residency.present:  # see ChunkManager.grads_only
+            self._residency.gather(group, fill=False)
+        for piece in info.pieces:
+            chunk = self._map.chunks[piece.chunk_id]
+            if self._placement is not None:
+                self._placement.bring(chunk, keep)  # a gradient is never written through a host round trip
+            part = flat[piece.in_param]
+            if self.accumulate:
+                if chunk.acc is None and chunk.acc_host is None and self._placement is not None:
+                    self._placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, keep)
+                acc_slot = self._store.accumulator(chunk)[piece.in_chunk]
+                acc_slot.add_(part.to(acc_slot.dtype))
+                part = acc_slot
+            if boundary:
+                chunk.ready()[piece.in_chunk].copy_(part)
+        if not boundary:
+            info.settle()
+            return
+        info.grad_written()
+        self._pending[group] -= 1
+        if self._pending[group] == 0:  # the group's last gradient: O(1) per parameter, not a scan
+            self._reduce_group(group)
+
+    def _reduce_group(self, group: int) -> None:
+        """Launch the reduce-scatter of ``group``'s gradients; the other ranks' chunks are released
+        once it completes (see [Note: asynchronous collectives])."""
+        members = self._map.group_members(group)
+        self.reduced.add(group)
+        self._residency.kept.pop(group, None)
+        if self._comm.world_size == 1:
+            return
+        keep = {c.chunk_id for c in members}
+        if self._placement is not None:
+            for chunk in members:
+                if self._map.is_owned(chunk):
+                    self._placement.bring(chunk, keep)
+        pending = self._comm.reduce_scatter_mean_async(
+            [c.ready() for c in members], after=lambda: self._residency.release(group)
+        )
+        for chunk in members:
+            chunk.pending.append(pending)
+        self._reductions.add(pending)
+
+    @torch.no_grad()
+    def end_backward(self, boundary: bool) -> None:
+        """Backward epilogue: at the boundary every group gets its gradients and is reduced; before
+        it, the gathered groups are kept for the next micro-step (see [Note: kept groups])."""
+        if not boundary:
+            for info in self._map.infos():
+                if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
+                    info.settle()
+            for group in sorted(self._residency.present, reverse=True):  # the first groups of the forward stay longest
+                self._keep.keep(group)
+            return
+        for group in range(self._map.num_groups):
+            if group in self.reduced:
+                continue
+            if group not in self._residency.present:
+                self._residency.gather(group, fill=False)  # every slot is about to be overwritten
+            self._fill_missing_grads(group)
+            self._reduce_group(group)
+        self._reductions.drain()
+
+    def _fill_missing_grads(self, group: int) -> None:
+        """Tensors of ``group`` that got no gradient this step get zero (or what they accumulated)."""
+        for info in self._map.group_tensors(group):
+            if info.state is _S.HOLD_AFTER_BWD:
+                continue
+            for piece in info.pieces:
+                chunk = self._map.chunks[piece.chunk_id]
+                data, acc = chunk.ready(), chunk.ready_acc()
+                if acc is None:
+                    data[piece.in_chunk].zero_()
+                else:
+                    data[piece.in_chunk].copy_(acc[piece.in_chunk])
+            info.grad_written()
+            self._pending[group] -= 1
+
+    def grads_ready(self) -> bool:
+        return len(self.reduced) == self._map.num_groups
+
+    def next_step(self) -> None:
+        """No group has gradients any more."""
+        self.reduced.clear()
+        self._pending = self._group_sizes()
+
+    def owned_grad_norm_sq(self, comm_device: torch.device) -> torch.Tensor:
+        """Sum over ranks of the squared norms of the owned gradient slots (fp32), each read where
+        it lives (accelerator or host) through :meth:`Chunk.ready`."""
+        partial: dict[torch.device, torch.Tensor] = {}
+        for chunk in self._map.owned_chunks():
+            data = chunk.ready()[: chunk.used]
+            sq = partial.setdefault(data.device, torch.zeros((), dtype=torch.float32, device=data.device))
+            # in slices: the fp32 upcast of a whole large chunk would be a large temporary
+            for part in data.split(_NORM_SLICE):
+                sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+        total = torch.zeros((), dtype=torch.float32, device=comm_device)
+        for sq in partial.values():
+            total += sq.to(comm_device)
+        return self._comm.all_reduce_sum(total)

@@ -1,0 +1,147 @@
+"""Which chunk groups this rank holds gathered, and the collectives that change it.
+
+A group is gathered (all-gathered asynchronously, see [Note: asynchronous collectives]) at its
+use or ahead of it (``prefetch_groups``, in the order of [Note: gather order]), and released
+after its use, after its reduce-scatter, or at the step. Whether a group is present is decided
+from tensor states, which every rank moves identically, so every rank enters the same
+collectives in the same order. Which of the present groups stay *kept* is the
+:class:`~ds_patrickstar.dist.keep.KeepPolicy`'s decision; this class holds the record.
+"""
+
+from __future__ import annotations
+
+from ..chunks.chunk import Chunk
+from ..chunks.chunk_map import ChunkMap
+from ..chunks.state import TensorState
+from ..memory.store import ChunkStore
+from ..placement.runtime import PlacementRuntime
+from .comm import ChunkComm
+from .gather_order import GatherOrder
+from .straddle import JoinedBuffers
+
+
+class GroupResidency:
+    """Gathers, releases and prefetches chunk groups; see the module docstring."""
+
+    def __init__(
+        self,
+        chunk_map: ChunkMap,
+        comm: ChunkComm,
+        store: ChunkStore,
+        joined: JoinedBuffers,
+        placement: PlacementRuntime | None,
+        prefetch_groups: int,
+    ) -> None:
+        self._map, self._comm, self._store = chunk_map, comm, store
+        self.joined = joined
+        self._placement = placement
+        self.prefetch_groups = prefetch_groups
+        self.present = {
+            g for g in range(chunk_map.num_groups) if all(c.is_materialized for c in chunk_map.group_members(g))
+        }
+        self.kept: dict[int, int] = {}  # kept group -> bytes of its other ranks' chunks, oldest first
+        self._fresh: set[int] = set()  # gathered (maybe still in flight) and not used since
+        self._prefetched: set[int] = set()  # gathered ahead of use and not used since
+        self.order = GatherOrder()
+
+    def _bring(self, chunk: Chunk, keep: set[int]) -> None:
+        if self._placement is not None:
+            self._placement.bring(chunk, keep)
+
+    # ---- gather and release ---------------------------------------------------------
+    def gather_bytes(self, group: int) -> int:
+        """Accelerator bytes gathering ``group`` takes now: its chunks not there yet."""
+        chunks = sum(
+            c.nbytes + c.acc_nbytes for c in self._map.group_members(group) if not c.is_materialized or c.on_host
+        )
+        return chunks + self.joined.missing_bytes(group)
+
+    def gather(self, group: int, fill: bool = True, keep: frozenset[int] = frozenset()) -> None:
+        """Issue the all-gather of ``group``: its result is on every member's pending list, and
+        waited on by whoever uses a member. ``fill=False``: no all-gather, the other ranks' slots
+        are zeroed (every slot is about to receive a gradient)."""
+        members = self._map.group_members(group)
+        needed = set(keep) | {c.chunk_id for c in members}
+        if self._placement is not None:  # room for the whole group at once: the owned chunk and the others
+            self._placement.make_room(self.gather_bytes(group), needed)
+        for chunk in members:
+            if self._map.is_owned(chunk):
+                self._bring(chunk, needed)
+            self._store.materialize(chunk)
+        payloads = [c.ready() for c in members]
+        if fill:
+            pending = self._comm.all_gather_async(payloads)
+            for chunk in members:
+                chunk.pending.append(pending)
+            self.joined.charge_gathered(group)  # filled at first use (see JoinedBuffers.join)
+        else:
+            for chunk, payload in zip(members, payloads):
+                if not self._map.is_owned(chunk):
+                    payload.zero_()
+        self.present.add(group)
+        self._fresh.add(group)
+
+    def release(self, group: int) -> None:
+        if self._comm.world_size == 1 or group not in self.present:
+            return
+        self.joined.drop(group)
+        for chunk in self._map.group_members(group):
+            if not self._map.is_owned(chunk):
+                self._store.release(chunk)  # waits for a collective still using the chunk
+                continue
+            # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
+            # gathered again; ours must read the same, or a later "all used in this forward" test
+            # (after_forward) would differ between ranks and so would the collectives.
+            for info in chunk.tensors:
+                if info.state is TensorState.HOLD_AFTER_FWD:
+                    info.settle()
+        self.present.discard(group)
+        self.kept.pop(group, None)
+        self._fresh.discard(group)
+        self._prefetched.discard(group)
+
+    def release_all(self) -> None:
+        for group in range(self._map.num_groups):
+            self.release(group)
+
+    # ---- use ------------------------------------------------------------------------
+    def use(self, chunk: Chunk, keep: frozenset[int], training: bool) -> None:
+        """``chunk`` is used now: its group gathered (or brought), counted, and waited on."""
+        counters = self._comm.counters
+        group = self._map.group_of(chunk)
+        if group not in self.present:
+            self.gather(group, keep=keep)
+        else:
+            self._bring(chunk, set(keep))
+            if group in self._prefetched:
+                self._prefetched.discard(group)
+                counters.prefetched_all_gather_hits += 1
+        if group in self._fresh:
+            self._fresh.discard(group)
+            if training:
+                self.order.used(group)
+        self.kept.pop(group, None)  # in use again: no longer a candidate for release
+        if chunk.prefetched:
+            chunk.prefetched = False
+            counters.prefetch_hits += 1
+        self._wait_for_use(chunk)
+
+    @staticmethod
+    def _wait_for_use(chunk: Chunk) -> None:
+        """The compute that follows reads the payload through the views: every copy and
+        collective into the chunk must be complete (see [Note: ready payload])."""
+        chunk.wait_pending()
+
+    def prefetch(self, in_use: frozenset[int], reduced: set[int]) -> None:
+        """Issue the all-gathers of the next groups in the gather order (see [Note: gather order]);
+        with placement only when every rank's budget holds them without evicting."""
+        for group in self.order.ahead(self.prefetch_groups):
+            if group in self.present or group in reduced:
+                continue
+            if self._placement is not None and not self._comm.agree(
+                self._placement.can_prefetch(self.gather_bytes(group))
+            ):
+                return
+            self.gather(group, keep=in_use)
+            self._prefetched.add(group)
+            self._comm.counters.prefetched_all_gathers += 1

@@ -1,0 +1,34 @@
+"""The reduce-scatters in flight: issued asynchronously, completed oldest first.
+
+Each reduce-scatter keeps its chunk group gathered until it completes (its ``after`` action
+releases the other ranks' chunks, see [Note: asynchronous collectives]), so at most
+:data:`LIMIT` are in flight; placement completes them all first when it is short of room
+(:meth:`InFlightReductions.drain`, see [Note: kept groups]).
+"""
+
+from __future__ import annotations
+
+from ..memory.accelerator import Pending
+
+LIMIT = 2
+
+
+class InFlightReductions:
+    """Reduce-scatters issued and not waited on yet, oldest first."""
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._queue: list[Pending] = []
+
+    def add(self, pending: Pending) -> None:
+        """A reduce-scatter was issued; the oldest are completed beyond the limit."""
+        self._queue.append(pending)
+        while len(self._queue) > self.limit:
+            self._queue.pop(0).wait()
+
+    def drain(self) -> int:
+        """Complete every reduce-scatter in flight; returns how many there were."""
+        count = len(self._queue)
+        while self._queue:
+            self._queue.pop(0).wait()
+        return count
