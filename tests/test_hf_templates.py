@@ -77,7 +77,7 @@ def test_optimizer_block_builds_a_torch_adam_and_no_deepspeed_op(dist, no_deepsp
     cfg["optimizer"]["params"] = {"lr": 3e-3, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.05, **extra}
     engine = _init(cfg)
     assert type(engine.basic_optimizer) is expected
-    assert engine.optimizer.adamw == (expected is torch.optim.AdamW)
+    assert engine.optimizer.adam.adamw == (expected is torch.optim.AdamW)
     group = engine.basic_optimizer.param_groups[0]
     assert (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"]) == (3e-3, (0.8, 0.99), 1e-6, 0.05)
     assert torch.isfinite(torch.tensor(_step(engine)))
