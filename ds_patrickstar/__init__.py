@@ -18,7 +18,9 @@ checks it):
   hooks, Hugging Face.
 
 ``counters`` (the per-step counters) and ``autograd_state`` (is a backward running?) are leaf
-modules every layer may import; ``plan`` and ``zero_to_fp32`` are the command-line entry points.
+modules every layer may import; ``plan``, ``zero_to_fp32`` and ``__main__`` (``python -m ds_patrickstar
+SCRIPT``) are the command-line entry points. ``ds_patrickstar_autoload`` (a top-level module, installed
+with a ``.pth`` file) imports this package when DeepSpeed is imported.
 """
 
 from .chunks.state import ChunkState, IllegalTransition, TensorState

@@ -29,15 +29,16 @@ stream after the work queued on the compute stream (``Accelerator.collective_str
 wait makes the compute stream wait for the collective, and what follows runs there. On CPU
 (gloo) the same code runs with gloo's work handles.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..memory.accelerator import Accelerator, HostAccelerator, Pending
 from ..counters import StepCounters
+from ..memory.accelerator import Accelerator, HostAccelerator, Pending
 
 
 class PendingCollective(Pending):
@@ -62,7 +63,6 @@ class PendingCollective(Pending):
         finish, self.work, self._finish = self._finish, None, None
         if finish is not None:
             finish()
-
 
     def done(self) -> bool:
         return self._done
@@ -103,7 +103,7 @@ class ChunkComm:
             staging = self._staging.setdefault((numel, mine.dtype), [])
             buf = staging.pop() if staging else torch.empty((self.world_size - 1) * numel, dtype=mine.dtype)
             pieces = list(buf.split(numel))
-            outputs = pieces[:self.rank] + [mine] + pieces[self.rank:]  # our own piece stays where it is
+            outputs = pieces[: self.rank] + [mine] + pieces[self.rank :]  # our own piece stays where it is
         else:  # straight into the members' payloads: no buffer, no copy
             outputs = payloads
         with self.accel.collective_stream(*payloads):
@@ -127,8 +127,9 @@ class ChunkComm:
     def all_gather(self, payloads: list[torch.Tensor]) -> None:
         self.all_gather_async(payloads).wait()
 
-    def reduce_scatter_mean_async(self, payloads: list[torch.Tensor],
-                                  after: Callable[[], None] = lambda: None) -> PendingCollective:
+    def reduce_scatter_mean_async(
+        self, payloads: list[torch.Tensor], after: Callable[[], None] = lambda: None
+    ) -> PendingCollective:
         """Average ``payloads[r]`` over ranks into rank r's own ``payloads[r]`` when waited on; then
         ``after()``. No payload may change or be freed until then. Every payload is divided by the
         world size before the sum (see [Note: chunk groups])."""

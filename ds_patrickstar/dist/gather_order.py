@@ -13,6 +13,7 @@ sequence, so every rank issues the same collectives in the same order. The
 prefetch is independent of placement's trace (it works without an accelerator), and
 placement still decides whether a prefetched group fits (``PlacementRuntime.can_prefetch``).
 """
+
 from __future__ import annotations
 
 _WINDOW = 64  # entries searched ahead for the group just used: linear, not quadratic
@@ -30,13 +31,13 @@ class GatherOrder:
     def used(self, group: int) -> None:
         """``group`` was just gathered and is used for the first time."""
         self.current.append(group)
-        window = self.previous[self.cursor:self.cursor + _WINDOW]
+        window = self.previous[self.cursor : self.cursor + _WINDOW]
         if group in window:
             self.cursor += window.index(group) + 1
 
     def ahead(self, count: int) -> list[int]:
         """The next ``count`` groups the previous step gathered after this point."""
-        return self.previous[self.cursor:self.cursor + count]
+        return self.previous[self.cursor : self.cursor + count]
 
     def next_step(self) -> None:
         if self.current:

@@ -7,6 +7,7 @@ from tensor states, which every rank moves identically, so every rank enters the
 collectives in the same order. Which of the present groups stay *kept* is the
 :class:`~ds_patrickstar.dist.keep.KeepPolicy`'s decision; this class holds the record.
 """
+
 from __future__ import annotations
 
 from ..chunks.chunk import Chunk
@@ -22,14 +23,22 @@ from .straddle import JoinedBuffers
 class GroupResidency:
     """Gathers, releases and prefetches chunk groups; see the module docstring."""
 
-    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, store: ChunkStore, joined: JoinedBuffers,
-                 placement: PlacementRuntime | None, prefetch_groups: int) -> None:
+    def __init__(
+        self,
+        chunk_map: ChunkMap,
+        comm: ChunkComm,
+        store: ChunkStore,
+        joined: JoinedBuffers,
+        placement: PlacementRuntime | None,
+        prefetch_groups: int,
+    ) -> None:
         self._map, self._comm, self._store = chunk_map, comm, store
         self.joined = joined
         self._placement = placement
         self.prefetch_groups = prefetch_groups
-        self.present = {g for g in range(chunk_map.num_groups)
-                        if all(c.is_materialized for c in chunk_map.group_members(g))}
+        self.present = {
+            g for g in range(chunk_map.num_groups) if all(c.is_materialized for c in chunk_map.group_members(g))
+        }
         self.kept: dict[int, int] = {}  # kept group -> bytes of its other ranks' chunks, oldest first
         self._fresh: set[int] = set()  # gathered (maybe still in flight) and not used since
         self._prefetched: set[int] = set()  # gathered ahead of use and not used since
@@ -42,8 +51,9 @@ class GroupResidency:
     # ---- gather and release ---------------------------------------------------------
     def gather_bytes(self, group: int) -> int:
         """Accelerator bytes gathering ``group`` takes now: its chunks not there yet."""
-        chunks = sum(c.nbytes + c.acc_nbytes for c in self._map.group_members(group)
-                     if not c.is_materialized or c.on_host)
+        chunks = sum(
+            c.nbytes + c.acc_nbytes for c in self._map.group_members(group) if not c.is_materialized or c.on_host
+        )
         return chunks + self.joined.missing_bytes(group)
 
     def gather(self, group: int, fill: bool = True, keep: frozenset[int] = frozenset()) -> None:
@@ -129,7 +139,8 @@ class GroupResidency:
             if group in self.present or group in reduced:
                 continue
             if self._placement is not None and not self._comm.agree(
-                    self._placement.can_prefetch(self.gather_bytes(group))):
+                self._placement.can_prefetch(self.gather_bytes(group))
+            ):
                 return
             self.gather(group, keep=in_use)
             self._prefetched.add(group)

@@ -21,6 +21,7 @@ which release other ranks' chunks.
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
 """
+
 from __future__ import annotations
 
 from ..chunks.chunk_map import ChunkMap
@@ -32,8 +33,14 @@ from .groups import GroupResidency
 class KeepPolicy:
     """Keeps or releases a group after a use; see [Note: kept groups]."""
 
-    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, residency: GroupResidency,
-                 placement: PlacementRuntime | None, limit: int | None) -> None:
+    def __init__(
+        self,
+        chunk_map: ChunkMap,
+        comm: ChunkComm,
+        residency: GroupResidency,
+        placement: PlacementRuntime | None,
+        limit: int | None,
+    ) -> None:
         self._map, self._comm, self._residency = chunk_map, comm, residency
         self._placement = placement
         self.limit = limit  # bytes of kept groups; None: as many as memory holds
@@ -69,5 +76,5 @@ class KeepPolicy:
         if trace is None:
             return 1
         world = self._comm.world_size
-        ahead = trace.moments[placement.moment + 1:]
+        ahead = trace.moments[placement.moment + 1 :]
         return max([1] + [len({chunk_id // world for chunk_id in m.chunks}) for m in ahead])

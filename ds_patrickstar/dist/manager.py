@@ -24,6 +24,7 @@ instead (:meth:`GradientSink.take_grad`). With ``keep_gathered: 0`` the tied wei
 three times per step (embedding and LM head forward, LM head backward) and held gathered only
 while used.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,9 +48,18 @@ _S = TensorState
 class ChunkManager:
     """The moments hooks and the optimizer call; see the module docstring."""
 
-    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, store: ChunkStore, placement: PlacementRuntime | None,
-                 reductions: InFlightReductions, *, accumulate: bool, keep_gathered: int | None,
-                 prefetch_groups: int) -> None:
+    def __init__(
+        self,
+        chunk_map: ChunkMap,
+        comm: ChunkComm,
+        store: ChunkStore,
+        placement: PlacementRuntime | None,
+        reductions: InFlightReductions,
+        *,
+        accumulate: bool,
+        keep_gathered: int | None,
+        prefetch_groups: int,
+    ) -> None:
         self.map = chunk_map
         self.comm = comm
         self.store = store
@@ -57,8 +67,7 @@ class ChunkManager:
         self.joined = JoinedBuffers(chunk_map, store.accel)
         self.residency = GroupResidency(chunk_map, comm, store, self.joined, placement, prefetch_groups)
         self.keep = KeepPolicy(chunk_map, comm, self.residency, placement, keep_gathered)
-        self.grads = GradientSink(chunk_map, comm, store, self.residency, self.keep, reductions, placement,
-                                  accumulate)
+        self.grads = GradientSink(chunk_map, comm, store, self.residency, self.keep, reductions, placement, accumulate)
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
 
@@ -126,8 +135,9 @@ class ChunkManager:
         if self.comm.world_size == 1:
             return
         for group in sorted(groups):
-            if group in self.residency.present and all(t.state is _S.HOLD_AFTER_FWD
-                                                       for t in self.map.group_tensors(group)):
+            if group in self.residency.present and all(
+                t.state is _S.HOLD_AFTER_FWD for t in self.map.group_tensors(group)
+            ):
                 self.keep.keep(group)
 
     def grads_only(self, infos: list[TensorInfo]) -> bool:

@@ -5,6 +5,7 @@ releases the other ranks' chunks, see [Note: asynchronous collectives]), so at m
 :data:`LIMIT` are in flight; placement completes them all first when it is short of room
 (:meth:`InFlightReductions.drain`, see [Note: kept groups]).
 """
+
 from __future__ import annotations
 
 from ..memory.accelerator import Pending

@@ -17,6 +17,7 @@ saved views of the parameter stay valid across the free (its storage is resized,
 gradient is copied piece by piece into the slots, as any gradient is copied into its slot. At
 most ``W - 1`` tensors per group straddle, so the extra memory is a few tensors while gathered.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,10 +1,13 @@
 """The DeepSpeed glue: everything DeepSpeed, torch's module hooks and Hugging Face see.
 
-Owns the one registration point (``registration.py``), the config model and split
+Owns the one registration point (``registration.py``) with what it sets up for a run a user
+started without a launcher (``launch_env.py``), the config model and split
 (``config.py``), the engine subclass (``engine.py``), the ZeRO-optimizer adapter
 (``zero_optimizer.py``), the assembly that builds and wires every part of a run
 (``assembly.py``), the hook registry and the hook target (``hooks.py``, ``hook_target.py``) and
-the Hugging Face adaptations (``hf_compat.py``).
+the Hugging Face adaptations (``hf_compat.py``: accelerate's stage and process count;
+``hf_eval.py``: evaluation without training; ``save_compat.py``: tied weights through
+accelerate's copy of the state dict).
 May import: every other sub-package (the top layer); nothing imports it but the package root
 and the command-line modules.
 """

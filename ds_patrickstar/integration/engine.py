@@ -118,6 +118,15 @@ class PatrickStarEngine(DeepSpeedEngine):
             dp_group=self.seq_data_parallel_group,
             deferred=self._deferred,
         )
+        self._configure_legacy_compression()
+
+    def _configure_legacy_compression(self) -> None:
+        """DeepSpeed < 0.19.8 sets these at the end of its ``_configure_optimizer`` and reads them in
+        forward and step; 0.19.8 has neither."""
+        if hasattr(self, "_configure_compression_scheduler"):
+            self.compression_scheduler = self._configure_compression_scheduler()
+        if hasattr(self, "_configure_quantization"):
+            self.quantizer = self._configure_quantization()
 
     def _torch_adam(self, model_parameters) -> torch.optim.Optimizer:
         """A plain torch Adam/AdamW holding the param groups and hyper-parameters of the config's

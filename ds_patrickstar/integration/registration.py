@@ -8,7 +8,8 @@ wrapper resolves the config exactly as DeepSpeed does (``config``, ``config_para
 the original arguments, untouched. Code that did ``from deepspeed import initialize``
 before importing ds_patrickstar keeps the original function, so import ds_patrickstar
 first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
-of the config (see [Note: accelerate's zero_stage]).
+of the config (see [Note: accelerate's zero_stage]). A single process started without a
+launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import deepspeed
 
 from .config import is_patrickstar, split_config
 from .hf_compat import accelerate_num_processes, adapt_accelerate
+from .hf_eval import guard_eval_only
+from .launch_env import fill_single_process_env
+from .save_compat import keep_host_copies
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,8 @@ def _initialize_patrickstar(
         raise ValueError(
             "the model has no trainable parameters (requires_grad=True); stage 'patrickstar' has nothing to train"
         )
+    if not dist.is_initialized():
+        fill_single_process_env()  # see [Note: no launcher]
     dist.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,
@@ -99,7 +105,9 @@ def _initialize_patrickstar(
     )
     engine.config = user_config  # Hugging Face and users read the config they wrote
     adapt_accelerate()  # see [Note: accelerate's zero_stage]
-    engine._configure_python_gc()
+    configure_gc = getattr(engine, "_configure_python_gc", None)  # DeepSpeed >= 0.19.8 (disable_python_gc)
+    if configure_gc is not None:
+        configure_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -115,8 +123,8 @@ def _warn_if_world_lost(world_size: int) -> None:
     logger.warning(
         "Hugging Face sees %s process(es) but DeepSpeed's data-parallel world size is %d (WORLD_SIZE=%s): "
         "batch sizes and data sharding are computed for the wrong world. On a CPU-only machine tell "
-        "Hugging Face to use the CPU: TrainingArguments(use_cpu=True, ...) for the Trainer, "
-        "PartialState(cpu=True) before Accelerator(...) for accelerate (see README, Hugging Face).",
+        "Hugging Face to use the CPU: pass --use_cpu to a Trainer script (TrainingArguments(use_cpu=True, ...) "
+        "in code); for accelerate, call PartialState(cpu=True) before Accelerator(...) (see README, Hugging Face).",
         seen if seen is not None else 1,
         world_size,
         launched,
@@ -125,6 +133,8 @@ def _warn_if_world_lost(world_size: int) -> None:
 
 def install() -> None:
     """Wrap ``deepspeed.initialize`` once; see [Note: registration]."""
+    keep_host_copies()  # see [Note: tied weights saved once]
+    guard_eval_only()  # see [Note: evaluation without training]
     original = deepspeed.initialize
     if getattr(original, _MARK, False):
         return

@@ -16,8 +16,18 @@ it owns into its chunks (wherever they live) and into their fp32 masters (at the
 given), and takes those keys out of torch's own copy step. :func:`ds_patrickstar.load_pretrained`
 streams checkpoint files through the same :meth:`ChunkExport.write_value`. ``get_fp32_state_dict()``
 streams the masters the same way. :func:`ds_patrickstar.gathered_parameters` points every parameter at a host copy for
-
 the duration of a ``with`` block (for reading; writes are discarded).
+
+[Note: tied weights saved once]
+Every name of a tied parameter (GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) gets
+the *same* host tensor object in ``state_dict()``, so ``torch.save``, safetensors' ``save_model``
+and Hugging Face's ``save_pretrained`` (which drops aliases by storage pointer) store it once, as
+they do for a plain model. accelerate's ``get_state_dict`` for a DeepSpeed engine that is not
+stage 3 passes the state dict through DeepSpeed's ``clone_tensors_for_torch_save``, which clones
+every entry and so separates the aliases (29 tensors for a GPT-2 instead of 28). The values
+``fill_state_dict`` returns are already private host copies, so they are marked
+(:func:`is_host_copy`) and ``integration/save_compat.py`` lets that clone return them as they are:
+the aliases survive and the model is not copied a second time.
 """
 
 from __future__ import annotations
@@ -34,6 +44,13 @@ from ..chunks.state import TensorState
 from ..dist.comm import ChunkComm
 from ..memory.accelerator import Accelerator
 from ..optim.states import OptimizerStates
+
+_HOST_COPY = "_ds_patrickstar_host_copy"
+
+
+def is_host_copy(value: object) -> bool:
+    """Is ``value`` a host copy ``state_dict()`` made, which nothing else holds? See [Note: tied weights saved once]."""
+    return isinstance(value, torch.Tensor) and getattr(value, _HOST_COPY, False) is True
 
 
 class ChunkExport:
@@ -110,9 +127,10 @@ class ChunkExport:
         names = self.names(module, prefix)
         self.refuse_gradients(names, "state_dict()")
         for info, value in self.iter_host_values():
+            setattr(value, _HOST_COPY, True)  # see [Note: tied weights saved once]
             for key in names.get(info, ()):
                 if key in state_dict:
-                    state_dict[key] = value
+                    state_dict[key] = value  # one object for every name of a tied parameter
 
     @torch.no_grad()
     def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:

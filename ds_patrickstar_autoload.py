@@ -1,0 +1,87 @@
+"""Registers stage "patrickstar" when DeepSpeed is imported, without ``import ds_patrickstar``.
+
+Installed with the package as ``ds_patrickstar_autoload.pth`` in site-packages, whose one line
+runs :func:`install` at interpreter start-up. [Note: autoload]
+:func:`install` only puts a finder at the front of ``sys.meta_path`` (standard library only:
+nothing is imported, no torch, no DeepSpeed). The finder ignores every import but the
+top-level ``deepspeed``; for that one it lets the other finders find it and wraps its loader,
+so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar`` is imported, which
+wraps ``deepspeed.initialize`` (see [Note: registration] in ds_patrickstar/integration/
+registration.py). The finder then removes itself and the module gets its own loader back.
+A process that never imports DeepSpeed never imports ds_patrickstar.
+
+``DS_PATRICKSTAR_AUTOLOAD=0`` in the environment turns it off (the stage then needs
+``import ds_patrickstar`` or ``python -m ds_patrickstar``). If ds_patrickstar cannot be
+imported, DeepSpeed's import goes on and a warning says why.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+import warnings
+
+ENV = "DS_PATRICKSTAR_AUTOLOAD"
+
+
+def _register() -> None:
+    try:
+        import ds_patrickstar  # noqa: F401  (wraps deepspeed.initialize)
+    except Exception as err:  # DeepSpeed must still import
+        warnings.warn(
+            f"ds_patrickstar could not register stage 'patrickstar' when DeepSpeed was imported: {err!r} "
+            f"(set {ENV}=0 to skip this)",
+            stacklevel=2,
+        )
+
+
+class _Loader:
+    """DeepSpeed's own loader, then :func:`_register`."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        try:
+            self.inner.exec_module(module)
+        finally:
+            module.__loader__ = self.inner
+            if module.__spec__ is not None:
+                module.__spec__.loader = self.inner
+        _register()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _Finder:
+    """A ``sys.meta_path`` finder (duck-typed: importing importlib.abc would cost start-up time)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "deepspeed":
+            return None
+        uninstall()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def uninstall() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+
+
+def install() -> None:
+    """Register on DeepSpeed's import, unless ``DS_PATRICKSTAR_AUTOLOAD=0``; see [Note: autoload]."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if "deepspeed" in sys.modules:
+        _register()
+        return
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
