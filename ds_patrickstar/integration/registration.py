@@ -10,6 +10,13 @@ before importing ds_patrickstar keeps the original function, so import ds_patric
 first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
 of the config (see [Note: accelerate's zero_stage]). A single process started without a
 launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]).
+
+The same call installs the only other two wrappers ds_patrickstar puts on another library,
+each a no-op for every other stage: DeepSpeed's ``clone_tensors_for_torch_save`` returns our
+``state_dict`` host copies as they are, so tied weights stay one tensor through accelerate's
+save path (see [Note: tied weights saved once]); Hugging Face's ``deepspeed_init`` refuses an
+evaluation-only run of a "patrickstar" config with what to do instead (see
+[Note: evaluation without training]).
 """
 
 from __future__ import annotations
