@@ -11,7 +11,9 @@ so it records ``None``; stage 0 bf16 wraps it in ``FP16_Optimizer``; stages 1 an
 ``DeepSpeedZeroOptimizer``).
 
 The runs happen in fresh subprocesses (so nothing the import patches can leak into
-the "without" runs); for each run they print its per-micro-step losses, grad norms, LRs,
+the "without" runs; the "without" one sets ``DS_PATRICKSTAR_AUTOLOAD=0``, since an installed
+package otherwise registers itself when DeepSpeed is imported); for each run they print its
+per-micro-step losses, grad norms, LRs,
 the optimizer class DeepSpeed picked and a SHA-256 of the final fp32 master and module
 weights as JSON, and the two outputs must be equal run by run. If ``import ds_patrickstar`` fails, the
 "with" subprocess fails and so does the test (intended: no skip).
@@ -89,6 +91,9 @@ def _run(import_ps: bool, runs) -> dict:
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     # a fresh port per child (conftest set one for this process); the group itself uses a file store
     env.pop("MASTER_PORT", None)
+    # An installed package also registers itself when DeepSpeed is imported (ds_patrickstar_autoload.pth);
+    # the baseline process turns that off, and its ds_patrickstar_loaded check shows the switch works.
+    env["DS_PATRICKSTAR_AUTOLOAD"] = "0" if not import_ps else env.get("DS_PATRICKSTAR_AUTOLOAD", "1")
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, "1" if import_ps else "0", TESTS_DIR, json.dumps(runs)],
         cwd=REPO_ROOT,
