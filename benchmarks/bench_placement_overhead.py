@@ -10,7 +10,7 @@ What it measures
     eviction, prefetch, and the emulated accelerator's copy queue. The accelerator budget holds
     only some of the chunks, so nearly every chunk brought in evicts one.
 
-    One simulated iteration, as the hooks would drive it (see ds_patrickstar/flow.py):
+    One simulated iteration, as the hooks would drive it (see ds_patrickstar/integration/hook_target.py):
       * ``tracer.start_iteration(())``;
       * forward: moments ``fwd:m`` over the model in order, each ``manager.access`` of
         ``--per-moment`` consecutive chunks followed by ``manager.after_forward``;
