@@ -9,7 +9,7 @@ new bf16 params. Paths, all on the same master/exp_avg/exp_avg_sq buffers:
   ds_cpu_adam     DeepSpeedCPUAdam (CPU) incl. bf16->fp32 grad copy and fp32->bf16 param copy
   torch_fused_e2e torch AdamW(fused=True) incl. the same two copies
   torch_fused_fp32 torch AdamW(fused=True) alone (grads already fp32, no copies)
-  reference       ds_patrickstar.adam_math.adam_step_reference (pure torch)
+  reference       ds_patrickstar.optim.adam_math.adam_step_reference (pure torch)
   bandwidth       CPU: triad a = b + s*c (STREAM convention, 12 B/elem counted; a separate
                   output array also costs a write-allocate read, so real traffic is 16 B) and the
                   in-place update a += s*c (12 B/elem, read-modify-write like every buffer of
