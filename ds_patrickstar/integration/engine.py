@@ -94,7 +94,6 @@ class PatrickStarEngine(DeepSpeedEngine):
         model_parameters = deferred.remap(model_parameters)
         if isinstance(client_optimizer, torch.optim.Optimizer):
             deferred.remap_optimizer(client_optimizer)
-
         if client_optimizer is None:
             basic = self._torch_adam(model_parameters)
         elif isinstance(client_optimizer, torch.optim.Optimizer):
@@ -103,13 +102,12 @@ class PatrickStarEngine(DeepSpeedEngine):
             basic = client_optimizer(model_parameters)
         basic.param_groups[:] = [g for g in basic.param_groups if len(g["params"]) != 0]
         self.basic_optimizer = basic
-        dtype, _ = self.get_data_types()
         self.optimizer = PatrickStarOptimizer(
             self.module,
             basic,
             self._patrickstar_config,
             device=torch.device(self.device),
-            dtype=dtype,
+            dtype=model_dtype,
             clip_grad=self.gradient_clipping(),
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             static_loss_scale=self.loss_scale(),
