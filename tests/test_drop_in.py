@@ -89,6 +89,9 @@ def test_installed_stage_registers_when_deepspeed_is_imported_and_can_be_turned_
                 "MASTER_PORT": str(free_port())}  # turned off, no-launcher help is off too: DeepSpeed's error
     off = _run([sys.executable, "forgot.py", str(site_dir)], cwd=tmp_path, DS_PATRICKSTAR_AUTOLOAD="0", **launched)
     assert off.returncode != 0 and "chunk_size" in off.stderr and "Extra inputs are not permitted" in off.stderr, off.stderr[-2000:]
+    # a .pth left behind by a moved or removed checkout: start-up stays silent (no traceback per process)
+    orphan = _run([sys.executable, "-I", "-S", "-c", f"import site; site.addsitedir({str(site_dir)!r})"], cwd=tmp_path)
+    assert orphan.returncode == 0 and orphan.stderr == "", orphan.stderr
 
 
 def test_wheel_ships_the_autoload_hook_into_site_packages(tmp_path):
