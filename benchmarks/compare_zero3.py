@@ -4,6 +4,7 @@
     python benchmarks/compare_zero3.py --model gpt2-medium --batch 2 --seq-len 256 --dtype bf16
     python benchmarks/compare_zero3.py --offload ...   # ZeRO-3 with offload_param + offload_optimizer
     python benchmarks/compare_zero3.py --world-size 2 --model small --seq-lens 256,16   # compute- and comm-bound
+    python benchmarks/compare_zero3.py --world-size 2 --grad-accum 2 --backends zero3,zero3-tuned,patrickstar
 
 The machine's load average is recorded before and after each backend; a busy machine (load above
 half the cores before a backend starts) is warned about, since a neighbour's work slows torch's
@@ -39,13 +40,15 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--batch", type=int, default=8, help="micro-batch size")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (all backends)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seq-lens", default=None,
                    help="comma-separated sequence lengths, one table each (e.g. 256,16: a long sequence where "
                         "compute dominates and a short one where communication matters); overrides --seq-len")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backends", default="zero3,patrickstar",
-                   help="comma-separated: zero3, patrickstar, patrickstar-static (static placement policy)")
+                   help="comma-separated: zero3, zero3-tuned (ZeRO-3 with its memory knobs turned down, "
+                        "bench_utils.ZERO3_MEMORY_TUNED), patrickstar, patrickstar-static (static placement policy)")
     p.add_argument("--device-budget", type=float, default=None,
                    help="patrickstar backends: accelerator budget, bytes (> 1) or a fraction of the GPU; on a "
                         "CPU-only machine this turns on the emulated accelerator")
@@ -63,7 +66,7 @@ def backend_config(backend, offload):
     cuda = torch.cuda.is_available()
     if backend in ("patrickstar", "patrickstar-static"):
         return bu.CONFIG_DIR / ("patrickstar_gpu.json" if cuda else "patrickstar_cpu.json")
-    if backend == "zero3":
+    if backend in ("zero3", "zero3-tuned"):
         return bu.CONFIG_DIR / ("zero3_offload_gpu.json" if offload else "zero3_cpu.json")
     raise ValueError(f"unknown backend {backend!r}")
 
@@ -85,12 +88,13 @@ def child_config(args, backend, workdir):
     """The backend's config file; with data parallelism stock ZeRO-3 also gets DeepSpeed's comms
     logger, which measures its all-gather / reduce-scatter bytes (ours come from our counters)."""
     path = backend_config(backend, args.offload)
-    placement = placement_overrides(args, backend)
-    if (args.world_size == 1 or backend != BASELINE) and not placement:
+    stock = backend.startswith(BASELINE)
+    overrides = bu.ZERO3_MEMORY_TUNED if backend == "zero3-tuned" else placement_overrides(args, backend)
+    if (args.world_size == 1 or not stock) and not overrides:
         return path
     config = bu.load_config(path)
-    config["zero_optimization"].update(placement)
-    if args.world_size > 1 and backend == BASELINE:
+    config["zero_optimization"].update(overrides)
+    if args.world_size > 1 and stock:
         config["comms_logger"] = {"enabled": True, "verbose": False}
     out = Path(workdir) / f"{backend}_config.json"
     out.write_text(json.dumps(config, indent=1))
@@ -110,6 +114,7 @@ def child_command(args, backend, json_path, out_dir, config=None):
     cmd = launcher_prefix(args) + [str(TRAIN_SCRIPT), "--config", str(config),
            "--model", args.model, "--steps", str(steps), "--batch", str(args.batch),
            "--seq-len", str(args.seq_len), "--dtype", args.dtype, "--seed", str(args.seed),
+           "--grad-accum", str(args.grad_accum),
            "--log-every", str(max(steps, 1)), "--eval-batches", "0", "--no-progress",
            "--json", str(json_path), "--out", str(out_dir)]
     return cmd + (["--activation-checkpointing"] if args.activation_checkpointing else [])
@@ -226,8 +231,8 @@ def active_columns(results):
             and (comm or c[1] not in ("bytes_all_gathered", "bytes_reduce_scattered", "comm_source"))]
 
 
-def ratios(results, columns):
-    base, other = results.get(BASELINE), results.get("patrickstar")
+def ratios(results, columns, baseline=BASELINE):
+    base, other = results.get(baseline), results.get("patrickstar")
     if not base or not other or "error" in base or "error" in other:
         return {}
     out = {}
@@ -247,8 +252,11 @@ def format_table(results, columns):
         res = dict(res, load=f"{res.get('load_before') or 0:.2f}/{res.get('load_after') or 0:.2f}")
         rows.append([name] + [("n/a" if res.get(key) is None else fmt(res[key])) for _, key, fmt, _ in columns])
     rat = ratios(results, columns)
-    if rat:
-        rows.append(["patrickstar/zero3"] + [(f"{rat[key]:.2f}x" if key in rat else "") for _, key, _, _ in columns])
+    for baseline in (BASELINE, "zero3-tuned"):  # one ratio row per ZeRO-3 configuration that ran
+        versus = ratios(results, columns, baseline)
+        if versus:
+            rows.append([f"patrickstar/{baseline}"]
+                        + [(f"{versus[key]:.2f}x" if key in versus else "") for _, key, _, _ in columns])
     widths = [max(len(str(r[i])) for r in [header] + rows if i < len(r)) for i in range(len(header))]
     lines = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths))]
     lines.append("-+-".join("-" * w for w in widths))
@@ -259,7 +267,8 @@ def format_table(results, columns):
 def describe(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     zero3 = "ZeRO-3 offload_param+offload_optimizer" if args.offload else "ZeRO-3"
-    return (f"model {args.model}, batch {args.batch}, seq {args.seq_len}, {args.dtype}, {device} x {args.world_size}, "
+    return (f"model {args.model}, batch {args.batch} x GA {args.grad_accum}, seq {args.seq_len}, {args.dtype}, "
+            f"{device} x {args.world_size}, "
             f"{args.warmup} warm-up + {args.steps} timed steps (median), seed {args.seed}; zero3 = {zero3}; "
             f"{os.cpu_count()} cores")
 

@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="override the config")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="override gradient_accumulation_steps: micro-batches per optimizer step")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches scored at the end")
@@ -70,6 +72,9 @@ def prepare_config(args):
         config.pop("train_batch_size", None)
     if args.dtype:
         bu.set_dtype(config, args.dtype)
+    if args.grad_accum:
+        config["gradient_accumulation_steps"] = args.grad_accum
+        config.pop("train_batch_size", None)
     sched = config.get("scheduler", {})
     params = sched.get("params", {})
     if sched.get("type") == "WarmupDecayLR":
@@ -127,14 +132,20 @@ def make_progress(args, rank):
 
 
 def train_step(engine, sampler, device):
-    x, y = sampler.next(device)
+    """One optimizer step: ``gradient_accumulation_steps`` micro-batches (DeepSpeed steps the
+    optimizer at the boundary); returns the mean micro-batch loss and the wall time."""
+    micro = engine.gradient_accumulation_steps()
+    batches = [sampler.next(device) for _ in range(micro)]
     start = time.perf_counter()
-    loss = lm_loss(engine, x, y)
-    engine.backward(loss)
-    engine.step()
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return loss.item(), time.perf_counter() - start
+    return torch.stack(losses).mean().item(), time.perf_counter() - start
 
 
 def current_lr(engine):
@@ -184,7 +195,8 @@ class TrainLoop:
     def __init__(self, args, engine, sampler, rank):
         self.args, self.engine, self.sampler, self.rank = args, engine, sampler, rank
         self.device = device_name()
-        self.tokens = sampler.batch_size * sampler.seq_len * int(os.environ.get("WORLD_SIZE", 1))
+        self.tokens = (sampler.batch_size * sampler.seq_len * engine.gradient_accumulation_steps()
+                       * int(os.environ.get("WORLD_SIZE", 1)))
         self.bar = make_progress(args, rank)
 
     def run(self):
@@ -240,6 +252,7 @@ def summarize(args, engine, records, val_loss, config, counts, comm_volume=None)
     return {
         "model": args.model, "params": n_params, "zero_stage": bu.zero_stage(config),
         "batch": config["train_micro_batch_size_per_gpu"], "seq_len": args.seq_len, "steps": len(records),
+        "grad_accum": engine.gradient_accumulation_steps(),
         "loss_first": window_mean(losses, window), "loss_last": window_mean(losses[::-1], window),
         "loss_window": window, "val_loss": val_loss,
         "step_time_median_s": median_s, "tokens_per_s": tokens_per_s,
