@@ -21,11 +21,13 @@ import importlib.machinery
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from types import ModuleType
 
 ENV = "DS_PATRICKSTAR_AUTOLOAD"
 
 
-def _register() -> None:
+def _register(_deepspeed: ModuleType | None = None) -> None:
     try:
         import ds_patrickstar  # noqa: F401  (wraps deepspeed.initialize)
     except Exception as err:  # DeepSpeed must still import
@@ -37,10 +39,11 @@ def _register() -> None:
 
 
 class _Loader:
-    """DeepSpeed's own loader, then :func:`_register`."""
+    """The module's own loader, then the callback; the module gets its own loader back."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, callback: Callable[[ModuleType], None]) -> None:
         self.inner = inner
+        self.callback = callback
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
@@ -52,36 +55,45 @@ class _Loader:
             module.__loader__ = self.inner
             if module.__spec__ is not None:
                 module.__spec__.loader = self.inner
-        _register()
+        self.callback(module)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
 class _Finder:
-    """A ``sys.meta_path`` finder (duck-typed: importing importlib.abc would cost start-up time)."""
+    """A ``sys.meta_path`` finder for one module name (duck-typed: importing importlib.abc would
+    cost start-up time). It removes itself on that module's import, lets the other finders find
+    it, and wraps its loader."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "deepspeed":
+        if fullname != self.name:
             return None
-        uninstall()
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _Loader(spec.loader)
+        spec.loader = _Loader(spec.loader, self.callback)  # type: ignore[assignment]  # duck-typed Loader
         return spec
 
 
-def uninstall() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Run ``callback(module)`` right after module ``name`` is first imported, or now if it already
+    was; once per callback (a second call with the same pair while waiting does nothing). The one
+    import hook of the project: DeepSpeed's registration here and Hugging Face's evaluation guard
+    (ds_patrickstar/integration/hf_eval.py) both use it."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+    elif not any(isinstance(f, _Finder) and f.name == name and f.callback == callback for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder(name, callback))
 
 
 def install() -> None:
     """Register on DeepSpeed's import, unless ``DS_PATRICKSTAR_AUTOLOAD=0``; see [Note: autoload]."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return
-    if "deepspeed" in sys.modules:
-        _register()
-        return
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    after_import("deepspeed", _register)

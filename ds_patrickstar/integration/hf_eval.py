@@ -8,16 +8,17 @@ config"): that sends a "patrickstar" user to change the stage. Stage "patricksta
 inference-only engine, so for a "patrickstar" config the same refusal says what works instead.
 :func:`guard_eval_only` wraps ``deepspeed_init`` in ``transformers.trainer`` (which imported the
 name) as soon as that module is imported (a finder at the front of ``sys.meta_path`` that
-removes itself), or at once if it already was. Other configs and training go to Hugging Face's
+removes itself: ``ds_patrickstar_autoload.after_import``, the project's one import hook), or at
+once if it already was. Other configs and training go to Hugging Face's
 function unchanged.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.machinery
-import sys
 from typing import Any
+
+from ds_patrickstar_autoload import after_import
 
 from .config import is_patrickstar
 
@@ -50,40 +51,6 @@ def _wrap(module: Any) -> None:
     module.deepspeed_init = deepspeed_init
 
 
-class _Loader:
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        try:
-            self.inner.exec_module(module)
-        finally:
-            module.__loader__ = self.inner
-            if module.__spec__ is not None:
-                module.__spec__.loader = self.inner
-        _wrap(module)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-class _Finder:
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != TRAINER:
-            return None
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)  # type: ignore[assignment]  # duck-typed Loader
-        return spec
-
-
 def guard_eval_only() -> None:
     """See [Note: evaluation without training]."""
-    if TRAINER in sys.modules:
-        _wrap(sys.modules[TRAINER])
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    after_import(TRAINER, _wrap)
