@@ -62,7 +62,7 @@ class OptimizerStates:
         if on_device:
             tensors = self._device_tensors(chunk.chunk_id, chunk.capacity)
         else:
-            tensors = [torch.empty(chunk.capacity, dtype=torch.float32) for _ in range(3)]
+            tensors = [self.accel.host_empty(chunk.capacity, torch.float32) for _ in range(3)]
         tensors[0].copy_(values)
         tensors[1].zero_()
         tensors[2].zero_()
@@ -111,11 +111,14 @@ class OptimizerStates:
         copies = [self.accel.copy(dst, src) for dst, src in zip(new, old.tensors())]
         for pending in copies:
             pending.wait()
+        for tensor, pending in zip(old.tensors(), copies):
+            if to_device:
+                self.accel.host_free(tensor, after=pending)
+            else:
+                self.accel.free(tensor, "optim", after=pending)
         if to_device:
             self.on_device.add(chunk_id)
         else:
-            for tensor, pending in zip(old.tensors(), copies):
-                self.accel.free(tensor, "optim", after=pending)
             self.on_device.discard(chunk_id)
         self.states[chunk_id] = OptimizerChunk(*new)
 
