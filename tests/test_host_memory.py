@@ -57,6 +57,23 @@ def test_pool_cache_is_bounded_and_frees_what_it_cannot_keep():
         accel.host_free(torch.empty(4))
 
 
+def test_a_pool_going_away_unpins_what_it_holds():
+    import gc
+
+    from ds_patrickstar.memory import emulated
+
+    accel = EmulatedAccelerator(1 << 20)
+    accel.host_pool.cache_at_least(1 << 20)
+    kept = accel.host_empty(1000, torch.float32)  # still in use by someone when the pool goes
+    accel.host_free(accel.host_empty(2000, torch.float32))  # cached
+    pinned = set(accel._pinned)
+    assert len(pinned) == 2 and pinned <= set(emulated._PINNED)
+    del accel
+    gc.collect()
+    assert not pinned & set(emulated._PINNED)  # else a later buffer at that address could not be pinned
+    assert kept.fill_(1.0).sum().item() == 1000  # the memory itself lives on with its last user
+
+
 # ---- a training run: host bytes allocated == host bytes counted -----------------------------
 def _host_bytes(rank, world_size, budget, runs):
     import deepspeed

@@ -17,7 +17,8 @@
   with a name; one past the budget raises
   :class:`~ds_patrickstar.memory.ledger.DeviceBudgetExceeded` naming it.
 * **Every pinned host byte is counted.** A host buffer the pool pins is recorded at its
-  exact size (pinning twice or unpinning what was not pinned raises); the host side of a
+  exact size, in one registry for the process as the driver keeps it (pinning an address
+  pinned already, or unpinning one that is not, raises); the host side of a
   copy that did not come from the pool is what torch's caching host allocator would have
   pinned: its block rounded up to the next power of two, and cached once the buffer dies
   for a later buffer of that block size (never returned). :meth:`host_bytes_allocated`
@@ -72,6 +73,9 @@ class _EmulatedCopy(Pending):
         self.completed = True
 
 
+_PINNED: dict[int, int] = {}  # address -> bytes pinned by any emulated accelerator of the process
+
+
 class TorchPinnedModel:
     """The bytes torch's caching host allocator would hold for host buffers pinned its way: each
     block rounded up to the next power of two; a freed block is cached for a later request of
@@ -107,7 +111,7 @@ class EmulatedAccelerator(Accelerator):
         self.device = torch.device("cpu")
         self._queue: deque[_EmulatedCopy] = deque()
         self._device_storages: set[int] = set()  # data_ptr of every backed accelerator allocation
-        self._pinned: dict[int, int] = {}  # address -> bytes pinned by the host pool
+        self._pinned: dict[int, int] = {}  # address -> bytes pinned by this accelerator's host pool
         self.torch_pinned = TorchPinnedModel()
 
     # ---- which memory a buffer is in ----------------------------------------------------
@@ -125,13 +129,14 @@ class EmulatedAccelerator(Accelerator):
         super()._free_now(tensor, nbytes, kind)
 
     def _pin_host(self, address: int, nbytes: int) -> None:
-        if address in self._pinned:
+        if address in _PINNED:
             raise RuntimeError(f"emulated accelerator: host memory at {address:#x} is pinned already")
-        self._pinned[address] = nbytes
+        _PINNED[address] = self._pinned[address] = nbytes
 
     def _unpin_host(self, address: int) -> None:
         if self._pinned.pop(address, None) is None:
             raise RuntimeError(f"emulated accelerator: unpinning host memory at {address:#x} that is not pinned")
+        del _PINNED[address]
 
     def host_bytes_allocated(self) -> int:
         """Pinned host bytes a GPU run would hold: the pool's buffers plus torch's blocks."""

@@ -21,9 +21,12 @@ bytes would cost nearly twice its size on the host, and every move would pin ane
   of that size reuses it without pinning again;
 * the free list holds at most ``cache_limit`` bytes (the host buffers of one chunk, set by
   the chunk store): past that, the oldest cached buffers are unpinned and freed, so the
-  pool never holds more than one chunk's worth beyond the model data it hands out;
+  pool holds at most one chunk's worth beyond what it hands out and what copies still use;
 * :attr:`HostPool.allocated` counts every byte the pool holds (in use, waiting on a copy,
-  cached): pinned bytes are counted as allocated, not as requested.
+  cached): pinned bytes are counted as allocated, not as requested;
+* when the pool goes away (its accelerator with it) it unpins every buffer it still holds
+  before the memory can be freed: memory freed while registered would leave a registration
+  behind that a later buffer at the same address collides with.
 
 The strict emulated accelerator records each pinning and models torch's rounding and caching
 for any host buffer of a copy that did not come from the pool, so a CPU test sees the host
@@ -32,6 +35,7 @@ bytes really allocated (see :mod:`~ds_patrickstar.memory.emulated`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,7 +89,7 @@ class HostPool:
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer of ``numel`` elements of ``dtype`` (contents undefined), pinned."""
         nbytes = numel * dtype.itemsize
-        length = -(-nbytes // self.alignment) * self.alignment
+        length = max(-(-nbytes // self.alignment) * self.alignment, self.alignment)
         self.reclaim()
         cached = self._free.get(length)
         if cached:
@@ -165,6 +169,17 @@ class HostPool:
         self._unpin(buffer.pinned_ptr)
         self.allocated -= buffer.nbytes
         self._storages.discard(buffer.raw.untyped_storage().data_ptr())
+
+    def close(self) -> None:
+        """Unpin and let go of every buffer (in use or not): the pool's owner is going away."""
+        held = [*self._in_use.values(), *(b for _, b in self._deferred), *self._free_order]
+        self._in_use, self._deferred, self._free, self._free_order = {}, [], {}, []
+        for buffer in held:
+            self._drop(buffer)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the accelerator may be gone already
+            self.close()
 
     def cache_at_least(self, nbytes: int) -> None:
         """Let the free list hold ``nbytes`` (the chunk store raises it to one chunk's host buffers)."""
