@@ -43,6 +43,9 @@ class StepCounters:
     """model data on the accelerator at the end of the step (chunks, accumulators, optimizer states)"""
     model_bytes_host: int = 0
     """model data on the host at the end of the step (chunks, accumulators, optimizer states)"""
+    host_bytes_allocated: int = 0
+    """host bytes the host pool holds at the end of the step: ``model_bytes_host`` as allocated
+    (pinned on a GPU) plus at most one chunk's cached buffers (see [Note: pinned host memory])"""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:

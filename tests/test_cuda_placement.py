@@ -75,3 +75,27 @@ def test_cuda_placement_matches_zero3(budget_layers):
     else:
         assert last["adam_chunks_host"] == 0 and last["adam_chunks_device"] >= LAYERS and last["evictions"] == 0
     assert all(v.device.type == "cpu" for v in state.values())
+
+
+def test_host_pool_buffers_are_registered_exact_and_unregistered_when_freed():
+    """[Note: pinned host memory] on CUDA: a pool buffer is page-locked by cudaHostRegister (so its
+    copies are asynchronous), spans whole pages of its own, and is unregistered when the pool frees it."""
+    from ds_patrickstar.memory.cuda import CudaAccelerator
+
+    accel = CudaAccelerator(torch.device("cuda", torch.cuda.current_device()), 1 << 30)
+    pool = accel.host_pool
+    pool.cache_at_least(1 << 20)
+    buf = accel.host_empty(300_000, torch.bfloat16)  # 600,000 B: torch's allocator would pin 1 MiB
+    assert buf.is_pinned() and buf.data_ptr() % 4096 == 0
+    assert pool.allocated == -(-600_000 // 4096) * 4096 + 4096 - 64  # the pages it spans + alignment slack
+    device = accel.empty(300_000, torch.bfloat16, "chunk", "payload")
+    buf.fill_(1.5)
+    pending = accel.copy(device, buf)
+    accel.host_free(buf, after=pending)
+    pending.wait_host()
+    again = accel.host_empty(300_000, torch.bfloat16)
+    assert again.data_ptr() == buf.data_ptr() and pool.pinnings == 1  # reused, not pinned again
+    assert torch.equal(device.cpu(), torch.full((300_000,), 1.5, dtype=torch.bfloat16))
+    accel.host_free(again)
+    pool.close()
+    assert not again.is_pinned()

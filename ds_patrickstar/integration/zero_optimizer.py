@@ -193,6 +193,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         optimizer step, applied or skipped (see ``PatrickStarEngine._take_model_step``)."""
         device, host = self.model_data_bytes_split()
         self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
+        self.counters.host_bytes_allocated = self.accel.host_pool.allocated
         self.last_step_counters = self.counters.as_dict()
         self.counters.reset()
         self.accel.ledger.reset_peak()

@@ -3,7 +3,8 @@
 Owns the accelerator primitives (``accelerator.py``: allocate, free, copy, wait; the host
 accelerator of a plain CPU run), the CUDA accelerator (``cuda.py``) and its strict CPU twin
 (``emulated.py``), the device ledger that counts every accelerator byte under the budget
-(``ledger.py``), the chunk store that creates and moves chunk buffers (``store.py``), binding
+(``ledger.py``), the host pool that hands out every pinned host buffer of model data
+(``host_pool.py``), the chunk store that creates and moves chunk buffers (``store.py``), binding
 parameters to their chunks (``binding.py``) and the pre-flight arithmetic (``preflight.py``).
 May import: ``chunks`` and the leaf modules ``counters``/``autograd_state``.
 """

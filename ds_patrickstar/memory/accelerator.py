@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from .host_pool import HostPool
 from .ledger import DeviceLedger
 
 
@@ -46,11 +47,12 @@ class Accelerator:
     """Primitives shared by both kinds; see [Note: strict emulated accelerator]."""
 
     device: torch.device
-    pin_host: bool = False
+    host_alignment = 64  # pinned host buffers start and end on multiples of this (see host_pool.py)
 
     def __init__(self, budget: int) -> None:
         self.ledger = DeviceLedger(budget)
         self._deferred: list[tuple[Pending, torch.Tensor, int, str]] = []  # frees waiting on a copy
+        self.host_pool = HostPool(self._pin_host, self._unpin_host, self.host_alignment)
 
     # ---- memory -------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
@@ -86,7 +88,9 @@ class Accelerator:
 
     def reclaim(self, need_below: int | None = None) -> None:
         """Free the buffers whose copies have completed; with ``need_below``, also wait on the
-        oldest copies until the ledger's total is at most that (or nothing is left in flight)."""
+        oldest copies until the ledger's total is at most that (or nothing is left in flight).
+        Host buffers released behind a completed copy go back to the host pool."""
+        self.host_pool.reclaim()
         still = []
         for entry in self._deferred:
             if entry[0].done():
@@ -103,7 +107,23 @@ class Accelerator:
         return sum(entry[2] for entry in self._deferred)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin_host)
+        """A host buffer for model data, pinned where copies need it (release it with
+        :meth:`host_free`): the one accessor, see [Note: pinned host memory]."""
+        return self.host_pool.acquire(numel, dtype)
+
+    def host_free(self, tensor: torch.Tensor, after: Pending | None = None) -> None:
+        """Give back a buffer of :meth:`host_empty`; with ``after``, once that copy has completed."""
+        self.host_pool.release(tensor, after)
+
+    def _pin_host(self, address: int, nbytes: int) -> None:
+        """Pin a host range for asynchronous copies (nothing to do without an accelerator)."""
+
+    def _unpin_host(self, address: int) -> None:
+        """Undo :meth:`_pin_host`."""
+
+    def host_bytes_allocated(self) -> int:
+        """Pinned host bytes held (see [Note: pinned host memory])."""
+        return self.host_pool.allocated
 
     # ---- copies -------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:

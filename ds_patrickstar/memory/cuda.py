@@ -3,8 +3,9 @@
 On CUDA (:class:`CudaAccelerator`) a copy runs on a dedicated copy stream after the work
 already queued on the compute stream, and records an event; waiting is
 ``current_stream.wait_event`` for a consumer on the device and ``event.synchronize()`` for
-one on the host. Pinned host buffers are protected by torch's host allocator, which records
-the copy's event.
+one on the host. Host buffers come from the host pool, each registered once with
+``cudaHostRegister`` (page-aligned, exact size) and held by the pool until the copies that
+use them have completed (see [Note: pinned host memory]).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ class _CudaPending(Pending):
         return self.event.query()
 
 
+_PAGE = 4096  # cudaHostRegister pins whole pages: a buffer owns the pages it spans
+
+
 class CudaAccelerator(Accelerator):
-    pin_host = True
+    host_alignment = _PAGE
 
     def __init__(self, device: torch.device, budget: int) -> None:
         super().__init__(budget)
@@ -44,6 +48,12 @@ class CudaAccelerator(Accelerator):
         self.comm_stream = torch.cuda.Stream(device)
         stats = torch.cuda.memory_stats(device)
         self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
+
+    def _pin_host(self, address: int, nbytes: int) -> None:
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)))
+
+    def _unpin_host(self, address: int) -> None:
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(address)))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -16,13 +16,21 @@
   temporaries of ``state_dict`` and checkpoints) is charged to the :class:`DeviceLedger`
   with a name; one past the budget raises
   :class:`~ds_patrickstar.memory.ledger.DeviceBudgetExceeded` naming it.
+* **Every pinned host byte is counted.** A host buffer the pool pins is recorded at its
+  exact size, in one registry for the process as the driver keeps it (pinning an address
+  pinned already, or unpinning one that is not, raises); the host side of a
+  copy that did not come from the pool is what torch's caching host allocator would have
+  pinned: its block rounded up to the next power of two, and cached once the buffer dies
+  for a later buffer of that block size (never returned). :meth:`host_bytes_allocated`
+  is their sum, what a GPU run would hold on the host (see [Note: pinned host memory]).
 
 The CUDA counterpart is :mod:`~ds_patrickstar.memory.cuda`.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import weakref
+from collections import Counter, deque
 
 import torch
 
@@ -65,6 +73,36 @@ class _EmulatedCopy(Pending):
         self.completed = True
 
 
+_PINNED: dict[int, int] = {}  # address -> bytes pinned by any emulated accelerator of the process
+
+
+class TorchPinnedModel:
+    """The bytes torch's caching host allocator would hold for host buffers pinned its way: each
+    block rounded up to the next power of two; a freed block is cached for a later request of
+    the same block size and never returned (see [Note: pinned host memory])."""
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self._cached: Counter[int] = Counter()  # block size -> free blocks
+        self._live: dict[int, int] = {}  # storage data_ptr -> block size
+
+    def see(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was pinned the torch way (counted once, while it is alive)."""
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self._live or not storage.nbytes():
+            return
+        block = 1 << (storage.nbytes() - 1).bit_length()
+        if self._cached[block]:
+            self._cached[block] -= 1
+        else:
+            self.allocated += block
+        self._live[storage.data_ptr()] = block
+        weakref.finalize(tensor, self._freed, storage.data_ptr())
+
+    def _freed(self, ptr: int) -> None:
+        self._cached[self._live.pop(ptr)] += 1
+
+
 class EmulatedAccelerator(Accelerator):
     """The accelerator's CPU twin; see [Note: strict emulated accelerator]."""
 
@@ -72,8 +110,43 @@ class EmulatedAccelerator(Accelerator):
         super().__init__(budget)
         self.device = torch.device("cpu")
         self._queue: deque[_EmulatedCopy] = deque()
+        self._device_storages: set[int] = set()  # data_ptr of every backed accelerator allocation
+        self._pinned: dict[int, int] = {}  # address -> bytes pinned by this accelerator's host pool
+        self.torch_pinned = TorchPinnedModel()
 
+    # ---- which memory a buffer is in ----------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
+        tensor = super().empty(numel, dtype, kind, what)
+        self._device_storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
+        super().materialize(tensor, kind, what)
+        self._device_storages.add(tensor.untyped_storage().data_ptr())
+
+    def _free_now(self, tensor: torch.Tensor, nbytes: int, kind: str) -> None:
+        self._device_storages.discard(tensor.untyped_storage().data_ptr())
+        super()._free_now(tensor, nbytes, kind)
+
+    def _pin_host(self, address: int, nbytes: int) -> None:
+        if address in _PINNED:
+            raise RuntimeError(f"emulated accelerator: host memory at {address:#x} is pinned already")
+        _PINNED[address] = self._pinned[address] = nbytes
+
+    def _unpin_host(self, address: int) -> None:
+        if self._pinned.pop(address, None) is None:
+            raise RuntimeError(f"emulated accelerator: unpinning host memory at {address:#x} that is not pinned")
+        del _PINNED[address]
+
+    def host_bytes_allocated(self) -> int:
+        """Pinned host bytes a GPU run would hold: the pool's buffers plus torch's blocks."""
+        return sum(self._pinned.values()) + self.torch_pinned.allocated
+
+    # ---- copies ---------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        for operand in (dst, src):
+            if operand.untyped_storage().data_ptr() not in self._device_storages and not self.host_pool.owns(operand):
+                self.torch_pinned.see(operand)  # host memory the pool did not pin
         pending = _EmulatedCopy(self, dst, src)
         with torch.no_grad():
             if dst.is_floating_point():

@@ -3,8 +3,9 @@
 [Note: chunk locations]
 A parameter is always a view of its chunk's accelerator payload. An owned chunk is in one
 place at a time: on the accelerator (payload backed, no host buffer) or on the host
-(values in a host buffer, pinned on CUDA; payload storage resized to zero so the views
-stay valid and come back to life when the chunk returns, see [Note: storage resize]).
+(values in a buffer of the host pool, see [Note: pinned host memory]; payload storage
+resized to zero so the views stay valid and come back to life when the chunk returns,
+see [Note: storage resize]).
 Model data therefore costs 14 bytes per parameter over device and host together. Chunks
 are built on the host (initialize never needs the model on the accelerator) and placement
 brings them in when used. A chunk owned by another rank exists only while its group is
@@ -23,7 +24,7 @@ import torch
 
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
-from .accelerator import Accelerator
+from .accelerator import Accelerator, Pending
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class ChunkStore:
         """Give ``chunk`` its payload, backed for now so that parameter views can be made of it
         (:meth:`settle` follows). An owned chunk's values go to the host with placement."""
         chunk.payload = self.accel.empty(chunk.capacity, chunk.dtype, "chunk", f"chunk {chunk.chunk_id}")
+        # the pool may cache one chunk's host buffers: payload, accumulator, three optimizer states
+        self.accel.host_pool.cache_at_least(chunk.capacity * (chunk.dtype.itemsize + 16))
         if owned and self.movable:
             chunk.host = self._host_zeros(chunk.capacity, chunk.dtype)
             chunk.on_host = True
@@ -61,8 +64,10 @@ class ChunkStore:
         self.host_bytes += buf.numel() * buf.element_size()
         return buf
 
-    def _drop_host(self, buf: torch.Tensor) -> None:
+    def _drop_host(self, buf: torch.Tensor, after: Pending | None = None) -> None:
+        """Give ``buf`` back to the host pool (once ``after``, a copy reading it, has completed)."""
         self.host_bytes -= buf.numel() * buf.element_size()
+        self.accel.host_free(buf, after)
 
     # ---- another rank's chunks: present while gathered -----------------------------
     def materialize(self, chunk: Chunk) -> None:
@@ -106,7 +111,7 @@ class ChunkStore:
         self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
         host = chunk.host_buffer()
         pending = self.accel.copy(chunk.payload, host)
-        self._drop_host(host)
+        self._drop_host(host, after=pending)
         chunk.host, chunk.on_host, chunk.pending = None, False, [pending]
         self._acc_to_device(chunk)
         self.counters.bytes_to_device += chunk.nbytes
@@ -152,6 +157,7 @@ class ChunkStore:
         acc = self.accel.empty(
             chunk.capacity, torch.float32, "grad_acc", f"the gradient accumulator of chunk {chunk.chunk_id}"
         )
-        chunk.pending.append(self.accel.copy(acc, chunk.acc_host))
-        self._drop_host(chunk.acc_host)
+        pending = self.accel.copy(acc, chunk.acc_host)
+        chunk.pending.append(pending)
+        self._drop_host(chunk.acc_host, after=pending)
         chunk.acc, chunk.acc_host = acc, None

@@ -60,14 +60,9 @@ class OptimizerStates:
     def _create(self, chunk: Chunk, on_device: bool) -> OptimizerChunk:
         values = chunk.ready()
         if on_device:
-            tensors = [
-                self.accel.empty(
-                    chunk.capacity, torch.float32, "optim", f"the optimizer states of chunk {chunk.chunk_id}"
-                )
-                for _ in range(3)
-            ]
+            tensors = self._device_tensors(chunk.chunk_id, chunk.capacity)
         else:
-            tensors = [torch.empty(chunk.capacity, dtype=torch.float32) for _ in range(3)]
+            tensors = [self.accel.host_empty(chunk.capacity, torch.float32) for _ in range(3)]
         tensors[0].copy_(values)
         tensors[1].zero_()
         tensors[2].zero_()
@@ -110,22 +105,37 @@ class OptimizerStates:
         old = self.states[chunk_id]
         numel = old.master.numel()
         if to_device:
-            new = [
-                self.accel.empty(numel, torch.float32, "optim", f"the optimizer states of chunk {chunk_id}")
-                for _ in range(3)
-            ]
+            new = self._device_tensors(chunk_id, numel)
         else:
             new = [self.accel.host_empty(numel, torch.float32) for _ in range(3)]
         copies = [self.accel.copy(dst, src) for dst, src in zip(new, old.tensors())]
         for pending in copies:
             pending.wait()
+        for tensor, pending in zip(old.tensors(), copies):
+            if to_device:
+                self.accel.host_free(tensor, after=pending)
+            else:
+                self.accel.free(tensor, "optim", after=pending)
         if to_device:
             self.on_device.add(chunk_id)
         else:
-            for tensor, pending in zip(old.tensors(), copies):
-                self.accel.free(tensor, "optim", after=pending)
             self.on_device.discard(chunk_id)
         self.states[chunk_id] = OptimizerChunk(*new)
+
+    def _device_tensors(self, chunk_id: int, numel: int) -> list[torch.Tensor]:
+        """Three charged fp32 tensors on the accelerator, or none: when the budget runs out part
+        way, the ones already allocated are released before the error goes on (else their bytes
+        would stay charged while the states live on the host: counted twice)."""
+        tensors: list[torch.Tensor] = []
+        try:
+            for _ in range(3):
+                what = f"the optimizer states of chunk {chunk_id}"
+                tensors.append(self.accel.empty(numel, torch.float32, "optim", what))
+        except DeviceBudgetExceeded:
+            for tensor in tensors:
+                self.accel.free(tensor, "optim")
+            raise
+        return tensors
 
     # ---- values -----------------------------------------------------------------------
     @torch.no_grad()
