@@ -43,6 +43,7 @@ from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
 from .comm import ChunkComm
+from .gather_plan import GatherPlan
 from .grads import GradientSink
 from .groups import GroupResidency
 from .keep import KeepPolicy
@@ -72,8 +73,11 @@ class ChunkManager:
         self.store = store
         self.placement = placement
         self.joined = JoinedBuffers(chunk_map, store.accel)
-        self.residency = GroupResidency(chunk_map, comm, store, self.joined, placement, prefetch_groups)
-        self.keep = KeepPolicy(chunk_map, comm, self.residency, placement, keep_gathered)
+        self.plan = GatherPlan(chunk_map, comm, placement) if placement is not None else None
+        self.residency = GroupResidency(
+            chunk_map, comm, store, self.joined, placement, self.plan, prefetch_groups, accumulate
+        )
+        self.keep = KeepPolicy(chunk_map, comm, self.residency, self.plan, keep_gathered)
         self.grads = GradientSink(chunk_map, comm, store, self.residency, self.keep, reductions, placement, accumulate)
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
@@ -187,6 +191,8 @@ class ChunkManager:
         self.residency.release_all()
         self.comm.trim()
         self.residency.order.next_step()
+        if self.plan is not None:
+            self.plan.agree()  # see [Note: agreed gather plan]
         for chunk in self.map.chunks:
             self.store.drop_accumulator(chunk)
         for info in self.map.infos():
