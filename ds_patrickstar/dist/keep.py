@@ -7,10 +7,11 @@ gathered (its tensors stay ``HOLD_AFTER_FWD``) while the kept bytes (other ranks
 stay within ``keep_gathered``; over the limit the oldest kept group is released, so the
 groups kept are the last ones of the forward pass, which are the first ones backward needs.
 Between gradient-accumulation micro-steps the gathered groups are kept the same way for the
-next forward. Without a limit (the default) every group is gathered once per micro-step, as
+next forward. Without a limit every group is gathered once per micro-step, as
 in ZeRO-3 with its default ``stage3_max_live_parameters``/``stage3_max_reuse_distance``,
-and each rank holds the whole low-precision model during the step. With placement, the
-kept chunks are charged to the device ledger like any gathered chunk, and a group is kept only
+and each rank holds the whole low-precision model during the step (without placement the default
+limit follows the host memory the ranks share, see [Note: default kept groups from host memory]).
+With placement, the kept chunks are charged to the device ledger like any gathered chunk, and a group is kept only
 when the gathered groups fit the room the budget leaves beside the highest tide the trace plans
 for the rest of the iteration and the groups used later, on *every* rank: which groups are
 gathered decides which collectives run, so the decision must be the same everywhere, and a kept
