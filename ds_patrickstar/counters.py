@@ -19,6 +19,8 @@ class StepCounters:
     """all-gathers issued ahead of use (data parallel, see [Note: gather order])"""
     prefetched_all_gather_hits: int = 0
     """prefetched all-gathers whose group was then used"""
+    agreements: int = 0
+    """all-reduces agreeing the gather plan across ranks (placement, see [Note: agreed gather plan])"""
     peak_kept_gathered_bytes: int = 0
     """highest bytes of other ranks' chunks kept gathered between uses (see [Note: kept groups])"""
     bytes_to_device: int = 0

@@ -140,3 +140,46 @@ def _dies_mid_collective(rank, world_size):
 def test_a_rank_failing_mid_collective_ends_the_run_with_its_error():
     with pytest.raises(WorkerError, match="rank 1 failed(.|\n)*injected failure on rank 1"):
         run_ranks(_dies_mid_collective, 2, timeout=120, fresh=True)  # patches a class on rank 1
+
+
+def _agreements_per_step(rank, world_size):
+    """The GPT with placement; per step: how many times ``ChunkComm.agree`` ran (counted by a wrapper:
+    a kept process must not keep it, so the job runs fresh) and whether groups were still kept and
+    prefetched."""
+    import deepspeed
+    from harness import ensure_distributed, make_config
+
+    from ds_patrickstar.dist.comm import ChunkComm
+
+    calls = {"n": 0}
+    real = ChunkComm.agree
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return real(self, *args, **kwargs)
+
+    ChunkComm.agree = counting
+    ensure_distributed()
+    model, batch_fn = build_gpt(0)
+    config = make_config("patrickstar", "fp32", lr=1e-3, chunk_size=1024,
+                         extra_zero={"emulate_accelerator": True, "device_budget": 1 << 26})
+    config.pop("train_batch_size", None)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    steps = []
+    for step in range(5):
+        before = calls["n"]
+        engine.backward(engine(*batch_fn(step)))
+        during = calls["n"] - before
+        engine.step()
+        counters = engine.get_patrickstar_counters()
+        steps.append((during, calls["n"] - before, counters["peak_kept_gathered_bytes"],
+                      counters["prefetched_all_gathers"]))
+    return steps
+
+
+def test_placement_agrees_once_per_step_not_per_decision():
+    for steps in run_ranks(_agreements_per_step, 2, fresh=True):
+        for during, total, kept, prefetched in steps[2:]:  # traced, planned: steady state
+            assert during == 0, f"{during} agreements during forward and backward: {steps}"
+            assert total <= 1, steps
+            assert kept > 0 and prefetched > 0, f"the plan keeps and prefetches nothing: {steps}"

@@ -22,6 +22,15 @@ A parameter is a view into its chunk's payload for its whole life (or into its j
 buffer, see [Note: straddling tensors]). Releasing a chunk
 resizes the payload's untyped storage to zero bytes and materializing it resizes it back,
 so the views (and the views autograd saved for backward) stay valid, as in FSDP2.
+
+[Note: pieces released one by one]
+A tensor straddling the chunks of a group (see [Note: straddling tensors]) has a piece in
+chunks that are released separately: after the reduce-scatter this rank releases the other
+ranks' chunks, while its own piece holds the tensor's averaged gradient until the step. So a
+tensor's state is the state of the pieces this rank still holds: it goes ``FREE`` only once
+the chunk of its last piece is released (:attr:`TensorInfo.released` records which are), and
+until then keeps the state its present pieces are in (``HOLD_AFTER_BWD`` from the
+reduce-scatter to the step: ``state_dict`` and ``load_state_dict`` refuse to run there).
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ class TensorInfo:
     group_index: int
     state: TensorState = TensorState.HOLD
     joined: torch.Tensor | None = None  # the parameter's own buffer when it straddles chunks
+    released: set[int] = field(default_factory=set)  # chunks of its pieces released on this rank
 
     @property
     def straddles(self) -> bool:
@@ -98,6 +108,19 @@ class TensorInfo:
     def settle(self) -> None:
         """Value present and unused (after a step, a restore or an accumulation)."""
         if self.state is not TensorState.HOLD:
+            self.transition(TensorState.HOLD)
+
+    def piece_released(self, chunk_id: int) -> None:
+        """The chunk holding one of its pieces was released: ``FREE`` once no piece is left (see
+        [Note: pieces released one by one])."""
+        self.released.add(chunk_id)
+        if self.state is not TensorState.FREE and self.released.issuperset(self.chunk_ids):
+            self.transition(TensorState.FREE)
+
+    def piece_present(self, chunk_id: int) -> None:
+        """The chunk holding one of its pieces has memory again: a ``FREE`` tensor is ``HOLD``."""
+        self.released.discard(chunk_id)
+        if self.state is TensorState.FREE:
             self.transition(TensorState.HOLD)
 
 
@@ -192,15 +215,14 @@ class Chunk:
         return self.payload[piece.in_chunk].view(info.shape)
 
     def mark_released(self) -> None:
-        """Every tensor ``FREE`` (the store frees the memory; see [Note: storage resize])."""
+        """Its tensors' pieces here are gone: a tensor with no piece left is ``FREE`` (the store frees
+        the memory; see [Note: storage resize] and [Note: pieces released one by one])."""
         if self.state is ChunkState.COMPUTE:
             raise IllegalTransition(f"chunk {self.chunk_id} is in use (COMPUTE) and cannot be released")
         for info in self.tensors:
-            if info.state is not TensorState.FREE:
-                info.transition(TensorState.FREE)
+            info.piece_released(self.chunk_id)
 
     def mark_present(self) -> None:
         """``FREE`` tensors are ``HOLD`` again once the payload has memory."""
         for info in self.tensors:
-            if info.state is TensorState.FREE:
-                info.transition(TensorState.HOLD)
+            info.piece_present(self.chunk_id)

@@ -3,7 +3,8 @@
 [Note: tensor states]
 Every trainable parameter has a :class:`TensorState`:
 
-* ``FREE``: its payload is not materialized (the chunk's storage is released);
+* ``FREE``: its payload is not materialized (the storage of the chunk of each of its pieces
+  is released, see [Note: pieces released one by one]);
 * ``HOLD``: its value is present and nobody is using it;
 * ``COMPUTE``: a module is using it (forward, backward or a recomputation);
 * ``HOLD_AFTER_FWD``: used in this forward and done for now;

@@ -147,14 +147,16 @@ class ChunkComm:
         return PendingCollective(work, after)
 
 
-    def agree(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank: a decision taken from a rank's own memory (placement)
-        that changes which collectives run must be the same everywhere."""
+    def agree(self, values: list[int]) -> list[int]:
+        """The elementwise minimum of ``values`` over the ranks (one all-reduce, one host sync): what
+        a decision taken from a rank's own memory (placement) that changes which collectives run
+        is taken from, so that it is the same everywhere (see [Note: agreed gather plan])."""
         if self.world_size == 1:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.accel.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(value.item())
+            return list(values)
+        self.counters.agreements += 1
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.accel.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return [int(v) for v in tensor.tolist()]
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -11,7 +11,7 @@ model's control flow changed) only means no prefetch until the sequence is found
 within a short window; it never changes what is computed. Every rank records the same
 sequence, so every rank issues the same collectives in the same order. The
 prefetch is independent of placement's trace (it works without an accelerator), and
-placement still decides whether a prefetched group fits (``PlacementRuntime.can_prefetch``).
+placement's agreed plan still decides whether a prefetched group fits (see [Note: agreed gather plan]).
 """
 
 from __future__ import annotations

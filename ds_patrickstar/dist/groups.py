@@ -17,6 +17,7 @@ from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
 from .comm import ChunkComm
 from .gather_order import GatherOrder
+from .gather_plan import GatherPlan
 from .straddle import JoinedBuffers
 
 
@@ -30,15 +31,24 @@ class GroupResidency:
         store: ChunkStore,
         joined: JoinedBuffers,
         placement: PlacementRuntime | None,
+        plan: GatherPlan | None,
         prefetch_groups: int,
+        accumulate: bool,
     ) -> None:
         self._map, self._comm, self._store = chunk_map, comm, store
         self.joined = joined
         self._placement = placement
+        self._plan = plan
         self.prefetch_groups = prefetch_groups
+        # what a gathered group takes on the accelerator, accumulators included (see [Note: agreed gather plan])
+        self._group_bytes = [
+            sum(c.nbytes + (4 * c.capacity if accumulate else 0) for c in chunk_map.group_members(g))
+            for g in range(chunk_map.num_groups)
+        ]
         self.present = {
             g for g in range(chunk_map.num_groups) if all(c.is_materialized for c in chunk_map.group_members(g))
         }
+        self.gathered_bytes = sum(self._group_bytes[g] for g in self.present)  # of the present groups
         self.kept: dict[int, int] = {}  # kept group -> bytes of its other ranks' chunks, oldest first
         self._fresh: set[int] = set()  # gathered (maybe still in flight) and not used since
         self._prefetched: set[int] = set()  # gathered ahead of use and not used since
@@ -78,7 +88,9 @@ class GroupResidency:
             for chunk, payload in zip(members, payloads):
                 if not self._map.is_owned(chunk):
                     payload.zero_()
-        self.present.add(group)
+        if group not in self.present:
+            self.present.add(group)
+            self.gathered_bytes += self._group_bytes[group]
         self._fresh.add(group)
 
     def release(self, group: int) -> None:
@@ -96,6 +108,7 @@ class GroupResidency:
                 if info.state is TensorState.HOLD_AFTER_FWD:
                     info.settle()
         self.present.discard(group)
+        self.gathered_bytes -= self._group_bytes[group]
         self.kept.pop(group, None)
         self._fresh.discard(group)
         self._prefetched.discard(group)
@@ -134,13 +147,11 @@ class GroupResidency:
 
     def prefetch(self, in_use: frozenset[int], reduced: set[int]) -> None:
         """Issue the all-gathers of the next groups in the gather order (see [Note: gather order]);
-        with placement only when every rank's budget holds them without evicting."""
+        with placement only when the agreed plan holds them (see [Note: agreed gather plan])."""
         for group in self.order.ahead(self.prefetch_groups):
             if group in self.present or group in reduced:
                 continue
-            if self._placement is not None and not self._comm.agree(
-                self._placement.can_prefetch(self.gather_bytes(group))
-            ):
+            if self._plan is not None and not self._plan.allows_prefetch(self.gathered_bytes + self._group_bytes[group]):
                 return
             self.gather(group, keep=in_use)
             self._prefetched.add(group)

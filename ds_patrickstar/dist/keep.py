@@ -7,15 +7,16 @@ gathered (its tensors stay ``HOLD_AFTER_FWD``) while the kept bytes (other ranks
 stay within ``keep_gathered``; over the limit the oldest kept group is released, so the
 groups kept are the last ones of the forward pass, which are the first ones backward needs.
 Between gradient-accumulation micro-steps the gathered groups are kept the same way for the
-next forward. Without a limit (the default) every group is gathered once per micro-step, as
+next forward. Without a limit every group is gathered once per micro-step, as
 in ZeRO-3 with its default ``stage3_max_live_parameters``/``stage3_max_reuse_distance``,
-and each rank holds the whole low-precision model during the step. With placement, the
-kept chunks are charged to the device ledger like any gathered chunk, and a group is kept only
-when the budget holds it next to the highest tide the trace plans for the rest of the
-iteration and one more gathered group (``PlacementRuntime.can_keep``), on *every* rank
-(``ChunkComm.agree``, a one-integer all-reduce): which groups are gathered decides which
-collectives run, so the decision must be the same everywhere, and a kept group is never
-released on one rank alone. The same holds for a prefetch under placement. Under pressure,
+and each rank holds the whole low-precision model during the step (without placement the default
+limit follows the host memory the ranks share, see [Note: default kept groups from host memory]).
+With placement, the kept chunks are charged to the device ledger like any gathered chunk, and a group is kept only
+when the gathered groups fit the room the budget leaves beside the highest tide the trace plans
+for the rest of the iteration and the groups used later, on *every* rank: which groups are
+gathered decides which collectives run, so the decision must be the same everywhere, and a kept
+group is never released on one rank alone. The ranks agree on that room once per step, not per
+decision (see [Note: agreed gather plan]). The same holds for a prefetch under placement. Under pressure,
 placement first completes the reduce-scatters in flight (``PlacementRuntime.drain_reductions``),
 which release other ranks' chunks.
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
@@ -25,8 +26,8 @@ no other rank's chunk stays gathered (its values would be stale after the update
 from __future__ import annotations
 
 from ..chunks.chunk_map import ChunkMap
-from ..placement.runtime import PlacementRuntime
 from .comm import ChunkComm
+from .gather_plan import GatherPlan
 from .groups import GroupResidency
 
 
@@ -38,29 +39,26 @@ class KeepPolicy:
         chunk_map: ChunkMap,
         comm: ChunkComm,
         residency: GroupResidency,
-        placement: PlacementRuntime | None,
+        plan: GatherPlan | None,
         limit: int | None,
     ) -> None:
         self._map, self._comm, self._residency = chunk_map, comm, residency
-        self._placement = placement
+        self._plan = plan
         self.limit = limit  # bytes of kept groups; None: as many as memory holds
-        self._largest_group_bytes = chunk_map.largest_group_bytes()
 
     def _kept_bytes(self, group: int) -> int:
         return sum(c.nbytes for c in self._map.group_members(group) if not self._map.is_owned(c))
 
     def keep(self, group: int) -> None:
         """Keep ``group`` gathered for its next use, releasing the oldest kept groups over the limit;
-        with placement only when every rank's budget holds it for the rest of the iteration."""
+        with placement only when the agreed plan holds it for the rest of the iteration."""
         residency = self._residency
         if self.limit is not None and self._kept_bytes(group) > self.limit:
             residency.release(group)
             return
-        if self._placement is not None:
-            reserve = self._largest_group_bytes * self._groups_at_once_ahead(self._placement)
-            if not self._comm.agree(self._placement.can_keep(0, reserve)):
-                residency.release(group)
-                return
+        if self._plan is not None and not self._plan.allows_keep(residency.gathered_bytes):
+            residency.release(group)
+            return
         residency.kept[group] = self._kept_bytes(group)
         residency.joined.drop(group)  # a kept group keeps its pieces, not their joined copies
         while self.limit is not None and sum(residency.kept.values()) > self.limit:
@@ -68,13 +66,3 @@ class KeepPolicy:
         held = sum(residency.kept.values())
         counters = self._comm.counters
         counters.peak_kept_gathered_bytes = max(counters.peak_kept_gathered_bytes, held)
-
-    def _groups_at_once_ahead(self, placement: PlacementRuntime) -> int:
-        """The most chunk groups one moment of the rest of the trace uses at once (room for them
-        must stay beside the kept groups); 1 while tracing."""
-        trace = placement.tracer.current_trace()
-        if trace is None:
-            return 1
-        world = self._comm.world_size
-        ahead = trace.moments[placement.moment + 1 :]
-        return max([1] + [len({chunk_id // world for chunk_id in m.chunks}) for m in ahead])

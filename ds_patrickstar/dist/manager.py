@@ -23,6 +23,13 @@ that holds only its tensors is not gathered, the gradient's arrival giving it ze
 instead (:meth:`GradientSink.take_grad`). With ``keep_gathered: 0`` the tied weight is gathered
 three times per step (embedding and LM head forward, LM head backward) and held gathered only
 while used.
+
+[Note: nested forward uses]
+A parameter may belong to a module and to a module nested inside it (the outer one reads the
+inner one's weight after calling it): the inner module's forward ends while the outer one's
+use goes on. Forward uses are therefore counted like backward uses (each pre-forward adds
+one, each post-forward takes one away), and a tensor is ``HOLD_AFTER_FWD``, its group free to
+be released or evicted, only when its last forward use is over.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
 from .comm import ChunkComm
+from .gather_plan import GatherPlan
 from .grads import GradientSink
 from .groups import GroupResidency
 from .keep import KeepPolicy
@@ -65,11 +73,15 @@ class ChunkManager:
         self.store = store
         self.placement = placement
         self.joined = JoinedBuffers(chunk_map, store.accel)
-        self.residency = GroupResidency(chunk_map, comm, store, self.joined, placement, prefetch_groups)
-        self.keep = KeepPolicy(chunk_map, comm, self.residency, placement, keep_gathered)
+        self.plan = GatherPlan(chunk_map, comm, placement) if placement is not None else None
+        self.residency = GroupResidency(
+            chunk_map, comm, store, self.joined, placement, self.plan, prefetch_groups, accumulate
+        )
+        self.keep = KeepPolicy(chunk_map, comm, self.residency, self.plan, keep_gathered)
         self.grads = GradientSink(chunk_map, comm, store, self.residency, self.keep, reductions, placement, accumulate)
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
+        self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
 
     def _training(self) -> bool:
         return self.comm.world_size > 1 and (torch.is_grad_enabled() or inside_backward())
@@ -93,16 +105,22 @@ class ChunkManager:
             self.joined.rejoin(info)
             self.joined.join(info)
             info.start_compute()
-            if backward:
-                self._backward_users[info] = self._backward_users.get(info, 0) + 1
+            users = self._backward_users if backward else self._forward_users
+            users[info] = users.get(info, 0) + 1
         if training:
             self.residency.prefetch(keep, self.grads.reduced)
         if self.placement is not None:
             self.placement.end_moment(set(keep))
 
     def after_forward(self, infos: list[TensorInfo]) -> None:
+        """A module's forward is over: its tensors that no enclosing module still uses are done for
+        now (see [Note: nested forward uses]), and a group whose tensors are all done may go."""
         groups = set()
         for info in infos:
+            users = self._forward_users.pop(info, 1) - 1
+            if users > 0:
+                self._forward_users[info] = users
+                continue
             if info.state is _S.COMPUTE:
                 info.end_forward()
             groups.add(self.map.group_of_info(info))
@@ -157,6 +175,7 @@ class ChunkManager:
 
     def end_backward(self, boundary: bool) -> None:
         self._backward_users.clear()
+        self._forward_users.clear()
         self.grads.end_backward(boundary)
 
     def grads_ready(self) -> bool:
@@ -172,6 +191,8 @@ class ChunkManager:
         self.residency.release_all()
         self.comm.trim()
         self.residency.order.next_step()
+        if self.plan is not None:
+            self.plan.agree()  # see [Note: agreed gather plan]
         for chunk in self.map.chunks:
             self.store.drop_accumulator(chunk)
         for info in self.map.infos():

@@ -2,7 +2,8 @@
 
 Order matters (see [Note: pre-flight]): the check runs on the chunk plan before any chunk or
 optimizer state is allocated, so a model that does not fit is refused before memory goes.
-Then: the accelerator, the chunk store, the chunk map (bound: parameters become views of their
+Then: the accelerator, the chunk store, the default ``keep_gathered`` (from the host memory
+before any chunk exists), the chunk map (bound: parameters become views of their
 chunks), placement (on CUDA or the emulated accelerator), the chunk manager, deferred values
 (``ds_patrickstar.Init``), optimizer states, Adam, the streaming export, the hook target and the
 hooks; finally every Adam kernel the run can use is built, so no step waits on a compiler.
@@ -40,6 +41,7 @@ from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from .config import PatrickStarConfig
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
+from .host_share import default_keep_gathered
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +205,11 @@ def assemble(
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
     movable = not isinstance(accel, HostAccelerator)  # chunks have a host home: placement
     store = ChunkStore(accel, counters, movable=movable)
+    keep_gathered = options.keep_gathered
+    if keep_gathered is None and not movable:  # before the chunks: see [Note: default kept groups from host memory]
+        owners = [owner_of(i, comm.world_size) for i in range(len(specs))]
+        rank_plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
+        keep_gathered = default_keep_gathered(module, rank_plan, comm)
     chunk_map = build_chunk_map(
         specs, comm.world_size, comm.rank, store, has_values=lambda p: not (deferred and deferred.is_deferred(p))
     )
@@ -215,7 +222,7 @@ def assemble(
         placement,
         reductions,
         accumulate=accumulate,
-        keep_gathered=options.keep_gathered,
+        keep_gathered=keep_gathered,
         prefetch_groups=options.prefetch_groups,
     )
     if deferred:  # values from each module's own init, into the owned chunks only (see io/init.py)

@@ -68,13 +68,19 @@ class PatrickStarConfig(BaseModel):
     keep_gathered: int | None = Field(default=None, ge=0)
     """Data parallel: bytes of other ranks' chunks that may stay gathered after a chunk group's
     forward use, until its backward use (and between gradient-accumulation micro-steps), instead
-    of being released and all-gathered again. None (default): as much as the memory holds: every
-    group on a run without placement (as ZeRO-3's defaults keep every parameter of a model under
-    1e9 elements gathered: one all-gather per group and step, the full low-precision model on
-    each rank); with placement, as many as the device budget holds beside the tide (placement
-    releases the oldest kept groups before it would fail for lack of room). 0: release after the
-    forward use (least memory, about twice the all-gather volume). The groups kept are the last
-    ones of the forward pass, the first ones backward needs."""
+    of being released and all-gathered again. None (default): as much as the memory holds. On a
+    run without placement that is decided from the host memory the ranks of this host share: each
+    rank's share is the available memory at initialize divided by the ranks on the host
+    (LOCAL_WORLD_SIZE / LOCAL_SIZE), and half of what the planner's model data per rank leaves of
+    it may stay gathered; when that covers every group, every group stays (as ZeRO-3's defaults
+    keep every parameter of a model under 1e9 elements gathered: one all-gather per group and
+    step, the full low-precision model on each rank), else the kept bytes are limited to it (the
+    same limit on every rank; see [Note: default kept groups from host memory]). With placement,
+    as many as the device budget holds beside the tide, agreed by the ranks once per step
+    (placement releases the oldest kept groups before it would fail for lack of room). 0: release
+    after the forward use (least memory, about twice the all-gather volume). An explicit value
+    always wins. The groups kept are the last ones of the forward pass, the first ones backward
+    needs."""
 
     prefetch_groups: int = Field(default=1, ge=0, le=8)
     """Data parallel: chunk groups all-gathered ahead of use, asynchronously, in the order the

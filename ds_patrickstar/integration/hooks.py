@@ -3,7 +3,8 @@
 [Note: which hook drives which state]
 * module forward pre-hook: the module's own trainable params -> ``COMPUTE``
   (the chunk is materialized first);
-* module forward post-hook: those params -> ``HOLD_AFTER_FWD``; and a multi-grad hook on
+* module forward post-hook: those params -> ``HOLD_AFTER_FWD`` once no enclosing module still
+  uses them (see [Note: nested forward uses]); and a multi-grad hook on
   the module's outputs (tensors found inside tuples, lists, dicts and dataclasses) that
   fires when backward reaches the module: its params -> ``COMPUTE`` again;
 * module post-backward (only on modules holding a parameter another module holds too, a

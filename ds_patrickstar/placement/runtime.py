@@ -62,6 +62,7 @@ class PlacementRuntime:
         self.reductions = reductions
         self._chunk_bytes = {c.chunk_id: c.nbytes for c in chunks}  # fixed: the step's plan reads it
         self.moment = -1
+        self.label = ""  # the label of the current moment
         self.recording = False
         self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
         self._step_since_forward = True  # the next training forward starts an iteration
@@ -106,6 +107,7 @@ class PlacementRuntime:
         self.recording = torch.is_grad_enabled() or inside_backward() or label == "step"
         if self.recording:
             self.moment = self.tracer.record(label, chunk_ids, self.ledger)
+            self.label = label
             if self.moment == 0:
                 self.tide = []
         new_iteration = self.recording and self.moment == 0
@@ -176,21 +178,21 @@ class PlacementRuntime:
         counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
         counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
 
-    def can_prefetch(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more (a group gathered ahead of use) fit beside the tide planned for
-        this moment and the next without evicting anything; never while tracing."""
-        trace = self.tracer.current_trace()
-        return trace is not None and self._fits(nbytes, trace)
-
-    def can_keep(self, nbytes: int, reserve: int) -> bool:
-        """Whether ``nbytes`` more can stay on the accelerator for the rest of the iteration, next
-        to ``reserve`` bytes (a chunk group gathered later) and the highest tide the trace plans
-        from here on; never while tracing."""
-        trace = self.tracer.current_trace()
-        if trace is None:
-            return False
-        tide = max([self._non_model()] + [m.non_model for m in trace.moments[self.moment + 1 :]])
-        return self.ledger.total + nbytes + reserve <= self.placer.budget - tide - self.store.accel.fragmentation()
+    def gathered_rooms(self, trace: Trace, reserve: Callable[[int], int]) -> tuple[list[int], list[int]]:
+        """Per moment of ``trace``: the accelerator bytes gathered chunk groups may take on this rank,
+        ``(kept for the rest of the iteration, gathered ahead of the next moments)``: the budget less
+        what cannot move (optimizer states on the accelerator, fragmentation), less the highest tide
+        the trace plans from that moment to the end of the iteration and ``reserve(moment)`` (the
+        groups used later), resp. less the tide of that moment and the next two (see
+        [Note: agreed gather plan])."""
+        base = self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
+        tides = [m.non_model for m in trace.moments]
+        keep, highest = [0] * len(tides), 0
+        for index in range(len(tides) - 1, -1, -1):
+            highest = max(highest, tides[index])
+            keep[index] = base - highest - reserve(index)
+        ahead = [base - max(tides[index : index + 3]) for index in range(len(tides))]
+        return keep, ahead
 
     def _fits(self, nbytes: int, trace: Trace | None) -> bool:
 

@@ -162,6 +162,12 @@ class MemoryTracer:
         """The trace to plan from, or None while an iteration is being traced."""
         return None if self.tracing else self.trace
 
+    def last_iteration(self) -> Trace | None:
+        """The moments of the iteration that has just ended (at its step): the one being traced, or
+        the trace it followed; None before any."""
+        trace = self._recording if self.tracing else self.trace
+        return trace if trace is not None and len(trace) else None
+
     def start_iteration(self, signature: tuple = ()) -> None:
         """Called at the first forward after an optimizer step, with the shapes of the inputs."""
         if self.tracing and len(self._recording):

@@ -1,0 +1,83 @@
+"""The gather plan: how many bytes of gathered chunk groups every rank's budget holds at each
+moment, agreed across the ranks once per step.
+
+[Note: agreed gather plan]
+Whether a group stays gathered after a use (see [Note: kept groups]) and whether a group is
+all-gathered ahead of use (see [Note: gather order]) decides which collectives run, so every
+rank must decide the same; with placement the decision depends on each rank's memory. Rather
+than an all-reduce per decision (a host sync in the middle of forward and backward, two per
+chunk group per iteration), the ranks agree on a *plan* at the step, where the gradient norm
+has already synchronized the host: per moment of the iteration just traced, the bytes of
+gathered groups each rank's budget holds next to its tide
+(:meth:`~ds_patrickstar.placement.runtime.PlacementRuntime.gathered_rooms`), the minimum over
+the ranks, in one all-reduce (:meth:`ChunkComm.agree`) with the number of moments and a
+checksum of their labels. During the next iteration a decision compares that room with the
+bytes of the groups gathered then (their whole groups, owned chunks included), a figure every
+rank has alike, so the decisions agree with no collective. A rank's own chunks of groups not
+gathered can always go to the host, so they do not count. Moments are counted the same way on
+every rank (the model runs the same modules everywhere, as the collectives already require),
+also while a rank re-traces for other input shapes; where the moments differ from the plan's
+(its length or its labels, or a moment beyond it), nothing is kept or prefetched until the next
+step agrees a new plan. Before the first step there is no plan: nothing is kept or prefetched,
+as while tracing.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+from ..chunks.chunk_map import ChunkMap
+from ..placement.runtime import PlacementRuntime
+from ..placement.tracer import Trace
+from .comm import ChunkComm
+
+
+class GatherPlan:
+    """The room for gathered groups at each moment, agreed by every rank; see [Note: agreed gather plan]."""
+
+    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, placement: PlacementRuntime) -> None:
+        self._map, self._comm, self._placement = chunk_map, comm, placement
+        self._largest_group_bytes = chunk_map.largest_group_bytes()
+        self._labels: list[str] = []
+        self._keep: list[int] = []
+        self._ahead: list[int] = []
+
+    def agree(self) -> None:
+        """At the step, on every rank: agree the plan for the next iteration from the one just done."""
+        trace = self._placement.tracer.last_iteration()
+        labels = [m.label for m in trace.moments] if trace is not None else []
+        keep, ahead = self._placement.gathered_rooms(trace, self._reserve(trace)) if trace is not None else ([], [])
+        count, checksum = len(labels), zlib.crc32("\n".join(labels).encode())
+        agreed = self._comm.agree([count, -count, checksum, -checksum, *keep, *ahead])
+        if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:  # the ranks' iterations differ: no plan
+            self._labels, self._keep, self._ahead = [], [], []
+            return
+        self._labels, self._keep, self._ahead = labels, agreed[4 : 4 + count], agreed[4 + count :]
+
+    def _reserve(self, trace: Trace) -> Callable[[int], int]:
+        """Per moment, room for the most groups one later moment uses at once (at least one)."""
+        world = self._comm.world_size
+        at_once = [len({chunk_id // world for chunk_id in m.chunks}) for m in trace.moments]
+        later = [1] * len(at_once)
+        for index in range(len(at_once) - 2, -1, -1):
+            later[index] = max(later[index + 1], at_once[index + 1])
+        return lambda index: self._largest_group_bytes * later[index]
+
+    def _moment(self) -> int | None:
+        """The index of the current moment in the plan, None when the iteration differs from it."""
+        placement = self._placement
+        moment = placement.moment
+        if not placement.recording or not 0 <= moment < len(self._labels):
+            return None
+        return moment if self._labels[moment] == placement.label else None
+
+    def allows_keep(self, gathered: int) -> bool:
+        """Whether ``gathered`` bytes of gathered groups may stay for the rest of the iteration."""
+        moment = self._moment()
+        return moment is not None and gathered <= self._keep[moment]
+
+    def allows_prefetch(self, gathered: int) -> bool:
+        """Whether ``gathered`` bytes of gathered groups (one more gathered ahead of use) fit now."""
+        moment = self._moment()
+        return moment is not None and gathered <= self._ahead[moment]
