@@ -23,7 +23,9 @@ ledger: it stands for the payloads a GPU would write) and copies the pieces into
 payloads when waited on; the payloads hold NaN from the issue until then, so a read before
 the wait changes the numbers. A reduce-scatter divides the members' gradient slots by ``W`` and
 sums them into the owned member's slot in place (no buffer), then, when waited on, runs its
-``after`` action (the manager releases the other ranks' chunks).
+``after`` action (the manager releases the other ranks' chunks). A gradient-accumulation
+micro-step's reduce-scatter works on one flat buffer of the group instead
+(:meth:`ChunkComm.reduce_scatter_mean_single_async`, see [Note: gradient accumulation]).
 On CUDA the collectives are issued on their own
 stream after the work queued on the compute stream (``Accelerator.collective_stream``); the
 wait makes the compute stream wait for the collective, and what follows runs there. On CPU
@@ -39,6 +41,9 @@ import torch.distributed as dist
 
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator, HostAccelerator, Pending
+
+# the names of torch >= 2.13 (gloo and NCCL); the older names before
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class PendingCollective(Pending):
@@ -146,6 +151,23 @@ class ChunkComm:
         self.counters.bytes_reduce_scattered += (self.world_size - 1) * mine.numel() * mine.element_size()
         return PendingCollective(work, after)
 
+    def reduce_scatter_mean_single_async(
+        self, flat: torch.Tensor, after: Callable[[], None] = lambda: None
+    ) -> PendingCollective:
+        """Average the ``W`` equal pieces of ``flat`` over ranks into this rank's piece, in place
+        (``reduce_scatter_single``: no list, no flattening temporary), when waited on; then
+        ``after()``. ``flat`` may not change or be freed until then."""
+        if self.world_size == 1:
+            return PendingCollective(None, after)
+        numel = flat.numel() // self.world_size
+        mine = flat[self.rank * numel : (self.rank + 1) * numel]
+        with torch.no_grad():
+            flat.div_(self.world_size)
+        with self.accel.collective_stream(flat):
+            work = _reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.counters.reduce_scatters += 1
+        self.counters.bytes_reduce_scattered += (self.world_size - 1) * numel * flat.element_size()
+        return PendingCollective(work, after)
 
     def agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank: a decision taken from a rank's own memory (placement)
