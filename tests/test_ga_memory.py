@@ -9,6 +9,7 @@ states), GA 2 against GA 1.
 import os
 import sys
 
+import pytest
 import torch
 
 from multiproc import run_ranks
@@ -67,8 +68,8 @@ def test_accumulation_keeps_fp32_accumulators_for_owned_chunks_only():
         assert two["scattered"] == 2 * one["scattered"], (one, two)
 
 
-def _collectives_worker(rank, world_size):
-    """Counts the reduce-scatters on lists and on one flat tensor during a GA 2 step on the strict
+def _collectives_worker(rank, world_size, gas):
+    """Counts the reduce-scatters on lists and on one flat tensor during a step on the strict
     emulated accelerator, and checks that each flat input is charged to the device ledger."""
     import deepspeed
     import torch.distributed as dist
@@ -77,7 +78,7 @@ def _collectives_worker(rank, world_size):
     from ds_patrickstar.dist import comm
 
     model = _gpt()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
            "zero_optimization": {"stage": "patrickstar", "chunk_size": CHUNK, "emulate_accelerator": True,
                                  "device_budget": 1 << 26},
            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -93,14 +94,14 @@ def _collectives_worker(rank, world_size):
 
     def counted_single(output, flat, **kwargs):
         calls["single"] += 1
-        if ledger.by_kind.get("grad_acc", 0) < flat.numel() * flat.element_size():
+        if ledger.by_kind.get("grad_buffer", 0) < flat.numel() * flat.element_size():
             calls["uncharged"] += 1
         return single(output, flat, **kwargs)
 
     dist.reduce_scatter = counted_list
     comm._reduce_scatter_single = counted_single
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(2):
+    for _ in range(gas):
         tokens = torch.randint(0, 256, (2, 17), generator=gen)
         logits = engine(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), tokens[:, 1:].reshape(-1))
@@ -109,11 +110,12 @@ def _collectives_worker(rank, world_size):
     return {**calls, "groups": engine.optimizer.chunk_map.num_groups}
 
 
-def test_micro_step_reduce_scatters_run_on_one_flat_buffer_in_the_ledger():
-    """Before the boundary, a group's gradients are reduce-scattered from one flat buffer charged to
-    the ledger (reduce_scatter_single, in place): no list for the process group to flatten into a
-    temporary of its own. The boundary's reduce-scatter of the slots is still on a list."""
-    for rank in run_ranks(_collectives_worker, 2, fresh=True):
-        assert rank["single"] == rank["groups"], rank
-        assert rank["list"] == rank["groups"], rank
+@pytest.mark.parametrize("gas", [1, 2])
+def test_reduce_scatters_run_on_one_flat_buffer_in_the_ledger(gas):
+    """Every micro-step reduce-scatters each group's gradients from one flat buffer charged to the
+    ledger (reduce_scatter_single, in place; see [Note: flat group buffers]): never a list, which
+    the process group would flatten into a temporary of its own, outside the budget."""
+    for rank in run_ranks(_collectives_worker, 2, gas, fresh=True):
+        assert rank["single"] == gas * rank["groups"], rank
+        assert rank["list"] == 0, rank
         assert rank["uncharged"] == 0, rank

@@ -10,12 +10,14 @@ from ..chunks.chunk_map import ChunkMap
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
 from .comm import ChunkComm
+from .flat import FlatBuffers
 from .reductions import InFlightReductions
 
 
 class ScatteredAccumulation:
     """Before the boundary micro-step (``W > 1``): a chunk group's gradients go into one flat
-    buffer of the group (``W`` chunks, param dtype, zeroed, in the ledger), which is
+    buffer of the group (``W`` chunks, param dtype, zeroed, in the ledger, see
+    [Note: flat group buffers]), which is
     reduce-scattered in place once the group's last gradient of the micro-step is in; the owner
     adds its piece into its chunk's fp32 accumulator and the buffer is freed. At the boundary the
     gradients go into the slots as with GA = 1 and :meth:`fold` adds the accumulator after their
@@ -28,9 +30,10 @@ class ScatteredAccumulation:
         store: ChunkStore,
         placement: PlacementRuntime | None,
         reductions: InFlightReductions,
+        flat: FlatBuffers,
     ) -> None:
         self._map, self._comm, self._store = chunk_map, comm, store
-        self._placement, self._reductions = placement, reductions
+        self._placement, self._reductions, self._flat = placement, reductions, flat
         self._buffers: dict[int, torch.Tensor] = {}  # group -> its gradient buffer this micro-step
 
     def _member_index(self, chunk: Chunk) -> int:
@@ -42,14 +45,7 @@ class ScatteredAccumulation:
     def _buffer(self, group: int, keep: set[int]) -> torch.Tensor:
         buf = self._buffers.get(group)
         if buf is None:
-            owned = self._owned(group)
-            numel = owned.capacity * self._comm.world_size
-            if self._placement is not None:
-                self._placement.make_room(numel * owned.dtype.itemsize, keep)
-            accel = self._store.accel
-            buf = accel.empty(numel, owned.dtype, "grad_acc", f"the gradient buffer of chunk group {group}")
-            buf.zero_()
-            self._buffers[group] = buf
+            buf = self._buffers[group] = self._flat.zeros(self._map.group_members(group), keep, group)
         return buf
 
     @torch.no_grad()
@@ -86,7 +82,7 @@ class ScatteredAccumulation:
             raise RuntimeError(f"chunk {owned.chunk_id}: its gradient accumulator went before its reduce-scatter")
         rank = self._comm.rank
         acc.add_(buf[rank * owned.capacity : (rank + 1) * owned.capacity])
-        self._store.accel.free(buf, "grad_acc")
+        self._flat.free(buf)
 
     @torch.no_grad()
     def fold(self, owned: Chunk) -> None:
@@ -102,5 +98,5 @@ class ScatteredAccumulation:
     def discard(self) -> None:
         """Buffers of a micro-step that did not finish (none after a complete backward) go."""
         for buf in self._buffers.values():
-            self._store.accel.free(buf, "grad_acc")
+            self._flat.free(buf)
         self._buffers.clear()

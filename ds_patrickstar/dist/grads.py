@@ -40,13 +40,14 @@ from collections.abc import Callable
 
 import torch
 
-from ..chunks.chunk import TensorInfo
+from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
 from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
+from .flat import FlatBuffers
 from .groups import GroupResidency
 from .keep import KeepPolicy
 from .reductions import InFlightReductions
@@ -73,9 +74,10 @@ class GradientSink:
         self._residency, self._keep, self._reductions = residency, keep, reductions
         self._placement = placement
         self.accumulate = accumulate
+        self._flat = FlatBuffers(store, placement)
         # GA > 1: a local fp32 accumulator per chunk with one rank, else reduce-scatters per micro-step
         self._scattered = (
-            ScatteredAccumulation(chunk_map, comm, store, placement, reductions)
+            ScatteredAccumulation(chunk_map, comm, store, placement, reductions, self._flat)
             if accumulate and comm.world_size > 1
             else None
         )
@@ -135,30 +137,37 @@ class GradientSink:
             self._keep.keep(group)
 
     def _reduce_group(self, group: int) -> None:
-        """Launch the reduce-scatter of ``group``'s gradients; the other ranks' chunks are released
-        once it completes (see [Note: asynchronous collectives])."""
+        """Launch the reduce-scatter of ``group``'s gradients from a flat buffer; the other ranks'
+        chunks are released at once, and the owned slot gets its piece when it completes (see
+        [Note: flat group buffers] and [Note: asynchronous collectives])."""
         members = self._map.group_members(group)
         self.reduced.add(group)
         self._residency.kept.pop(group, None)
         if self._comm.world_size == 1:
             return
         keep = {c.chunk_id for c in members}
-        if self._placement is not None:
-            for chunk in members:
-                if self._map.is_owned(chunk):
-                    self._placement.bring(chunk, keep)
         owned = members[self._comm.rank]
-        scattered = self._scattered
-
-        def after() -> None:
-            if scattered is not None:
-                scattered.fold(owned)
-            self._residency.release(group)
-
-        pending = self._comm.reduce_scatter_mean_async([c.ready() for c in members], after=after)
+        if self._placement is not None:
+            self._placement.bring(owned, keep)
+        buf = self._flat.empty(members, keep, group)
+        start = 0
         for chunk in members:
-            chunk.pending.append(pending)
+            buf[start : start + chunk.capacity].copy_(chunk.ready())
+            start += chunk.capacity
+        self._residency.release(group)
+        pending = self._comm.reduce_scatter_mean_single_async(buf, after=lambda: self._into_slot(owned, buf))
+        owned.pending.append(pending)  # the owned chunk stays until its slot has the result
         self._reductions.add(pending)
+
+    @torch.no_grad()
+    def _into_slot(self, owned: Chunk, buf: torch.Tensor) -> None:
+        """The reduce-scatter completed: the owner's piece of the buffer into its slot (plus what it
+        accumulated before the boundary, see [Note: gradient accumulation])."""
+        rank = self._comm.rank
+        owned.ready().copy_(buf[rank * owned.capacity : (rank + 1) * owned.capacity])
+        self._flat.free(buf)
+        if self._scattered is not None:
+            self._scattered.fold(owned)
 
     @torch.no_grad()
     def end_backward(self, boundary: bool) -> None:
