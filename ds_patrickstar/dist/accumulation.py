@@ -16,12 +16,11 @@ from .reductions import InFlightReductions
 
 class ScatteredAccumulation:
     """Before the boundary micro-step (``W > 1``): a chunk group's gradients go into one flat
-    buffer of the group (``W`` chunks, param dtype, zeroed, in the ledger, see
-    [Note: flat group buffers]), which is
-    reduce-scattered in place once the group's last gradient of the micro-step is in; the owner
-    adds its piece into its chunk's fp32 accumulator and the buffer is freed. At the boundary the
-    gradients go into the slots as with GA = 1 and :meth:`fold` adds the accumulator after their
-    reduce-scatter."""
+    buffer of the group (``W`` chunks, param dtype, zeroed, in the ledger, see [Note: flat group
+    buffers]), which is reduce-scattered in place once the group's last gradient of the
+    micro-step is in; the owner adds its piece into its chunk's fp32 accumulator and the buffer
+    is freed. At the boundary the gradients go into the slots as with GA = 1 and :meth:`fold`
+    adds the accumulator after their reduce-scatter."""
 
     def __init__(
         self,
