@@ -21,9 +21,9 @@ member is input and output, so no buffer is allocated or copied). On the strict 
 accelerator it receives into a side buffer of the emulator instead (not charged to the
 ledger: it stands for the payloads a GPU would write) and copies the pieces into the
 payloads when waited on; the payloads hold NaN from the issue until then, so a read before
-the wait changes the numbers. A reduce-scatter divides the members' gradient slots by ``W`` and
-sums them into the owned member's slot in place (no buffer), then, when waited on, runs its
-``after`` action (the manager releases the other ranks' chunks).
+the wait changes the numbers. A reduce-scatter divides a flat buffer of the group's gradients
+by ``W`` and sums it into this rank's piece in place (see [Note: flat group buffers]), then, when
+waited on, runs its ``after`` action (the gradient sink puts the piece where it belongs).
 On CUDA the collectives are issued on their own
 stream after the work queued on the compute stream (``Accelerator.collective_stream``); the
 wait makes the compute stream wait for the collective, and what follows runs there. On CPU
@@ -40,6 +40,9 @@ import torch.distributed as dist
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator, HostAccelerator, Pending
 
+# the names of torch >= 2.13 (gloo and NCCL); the older names before
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class PendingCollective(Pending):
     """A collective in flight; :meth:`wait` completes it and delivers its result (idempotent)."""
@@ -47,8 +50,8 @@ class PendingCollective(Pending):
     collective = True
 
     # A completed collective drops its work handle and finish action at once: the handle holds
-    # the process group's buffers (gloo flattens a reduce-scatter's whole input into one), and
-    # a member chunk's pending list may keep this object until that chunk is next read.
+    # the process group's buffers (NCCL and gloo flatten an all-gather's list of outputs into
+    # one), and a member chunk's pending list may keep this object until that chunk is next read.
     def __init__(self, work: dist.Work | None, finish: Callable[[], None]) -> None:
         self.work = work
         self._finish: Callable[[], None] | None = finish
@@ -127,23 +130,22 @@ class ChunkComm:
     def all_gather(self, payloads: list[torch.Tensor]) -> None:
         self.all_gather_async(payloads).wait()
 
-    def reduce_scatter_mean_async(
-        self, payloads: list[torch.Tensor], after: Callable[[], None] = lambda: None
+    def reduce_scatter_mean_single_async(
+        self, flat: torch.Tensor, after: Callable[[], None] = lambda: None
     ) -> PendingCollective:
-        """Average ``payloads[r]`` over ranks into rank r's own ``payloads[r]`` when waited on; then
-        ``after()``. No payload may change or be freed until then. Every payload is divided by the
-        world size before the sum (see [Note: chunk groups])."""
+        """Average the ``W`` equal pieces of ``flat`` over ranks into this rank's piece, in place
+        (``reduce_scatter_single``: no list, no flattening temporary), when waited on; then
+        ``after()``. ``flat`` may not change or be freed until then."""
         if self.world_size == 1:
             return PendingCollective(None, after)
-        mine = payloads[self.rank]
+        numel = flat.numel() // self.world_size
+        mine = flat[self.rank * numel : (self.rank + 1) * numel]
         with torch.no_grad():
-            for payload in payloads:
-                payload.div_(self.world_size)
-        with self.accel.collective_stream(*payloads):
-            # in place: the output is our own input piece (gloo and NCCL read the inputs first)
-            work = dist.reduce_scatter(mine, payloads, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            flat.div_(self.world_size)
+        with self.accel.collective_stream(flat):
+            work = _reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.counters.reduce_scatters += 1
-        self.counters.bytes_reduce_scattered += (self.world_size - 1) * mine.numel() * mine.element_size()
+        self.counters.bytes_reduce_scattered += (self.world_size - 1) * numel * flat.element_size()
         return PendingCollective(work, after)
 
 

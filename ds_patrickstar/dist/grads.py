@@ -4,25 +4,50 @@ and the gradient norm.
 [Note: gradient accumulation]
 With GA = 1 a gradient goes straight into its parameter slot
 (see [Note: gradient in the param slot]). With GA > 1 the parameters must survive until
-the last micro-step, so every micro-step adds its gradient into an fp32 accumulator
-(one per chunk that received a gradient, on every rank) instead; on the boundary
-micro-step the accumulated sum is written into the slot, rounded to the param dtype
-once (the precision a GA = 1 gradient has). Accumulators exist only from a chunk's first
-non-boundary gradient to the end of the step, and follow their chunk between the
-accelerator and the host (see [Note: chunk locations]). Cost: 4 more bytes per parameter
-(18 instead of 14 in fp16/bf16) during accumulation, paid only when GA > 1.
+the last micro-step, and the micro-steps' gradients are summed in fp32 accumulators, which
+exist only from a chunk's first micro-step to the end of the step and follow their chunk
+between the accelerator and the host (see [Note: chunk locations]).
+
+With one rank every micro-step adds its gradient into the accumulator of its chunk; on the
+boundary micro-step the sum is written into the slot, rounded to the param dtype once.
+Cost: 4 more bytes per parameter (18 instead of 14 in fp16/bf16) during accumulation.
+
+With ``W`` ranks a rank keeps accumulators for its *owned* chunks only
+(:class:`~ds_patrickstar.dist.accumulation.ScatteredAccumulation`), as FSDP2 keeps its sharded
+fp32 gradients: before the boundary, a micro-step's gradients go into one flat buffer per chunk
+group (param dtype, zeroed, charged to the ledger; the slots keep the parameters), which is
+reduce-scattered in place (pre-divided by ``W``, see [Note: chunk groups]) once the group's
+last gradient of the micro-step is in; the owner adds its piece to its accumulator and the
+buffer is freed. At the end of every backward each group not reduced yet is (every rank reduces
+every group once per micro-step, so the collectives match). On the boundary micro-step the
+gradients go into the slots as with GA = 1, and after the slots' reduce-scatter the owner
+adds its accumulator and writes the sum into its slot, rounded once: the optimizer reads the
+slot as always. Cost per rank: 4 / ``W`` bytes per parameter during accumulation, plus the
+buffers of the groups being filled or reduced (a few groups: backward completes them in
+order, and the reduce-scatters in flight are bounded, see :mod:`~ds_patrickstar.dist.reductions`);
+a group whose gradients are all in is kept or released at once (its joined copies go, see
+[Note: kept groups]). Communication: every micro-step reduce-scatters the whole model, so the
+reduce-scatter volume per step is GA times that of GA = 1, as in ZeRO-3, which reduce-scatters
+at every micro-step too; all-gather volume is unchanged (groups are kept between micro-steps).
+The alternative, local fp32 accumulators for every chunk a rank touches and one reduce-scatter
+at the boundary, sends GA times less but costs 4 B/param instead of 4 / ``W`` (measured: 5.7
+against 2.1 B/param more than GA = 1 at 2 ranks on a small bf16 GPT, tests/test_ga_memory.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ..chunks.chunk import TensorInfo
+from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
+from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
+from .flat import FlatBuffers
 from .groups import GroupResidency
 from .keep import KeepPolicy
 from .reductions import InFlightReductions
@@ -49,6 +74,13 @@ class GradientSink:
         self._residency, self._keep, self._reductions = residency, keep, reductions
         self._placement = placement
         self.accumulate = accumulate
+        self._flat = FlatBuffers(store, placement)
+        # GA > 1: a local fp32 accumulator per chunk with one rank, else reduce-scatters per micro-step
+        self._scattered = (
+            ScatteredAccumulation(chunk_map, comm, store, placement, reductions, self._flat)
+            if accumulate and comm.world_size > 1
+            else None
+        )
         self.reduced: set[int] = set()  # groups whose reduce-scatter was issued this step
         self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
 
@@ -63,6 +95,11 @@ class GradientSink:
         flat = grad.reshape(-1)
         keep = set(info.chunk_ids)
         group = self._map.group_of_info(info)
+        if self._scattered is not None and not boundary:
+            self._scattered.add(info, flat)
+            info.settle()
+            self._count(group, self._reduce_micro_step)
+            return
         if self._comm.world_size > 1 and group not in self._residency.present:  # see ChunkManager.grads_only
             self._residency.gather(group, fill=False)
         for piece in info.pieces:
@@ -70,7 +107,7 @@ class GradientSink:
             if self._placement is not None:
                 self._placement.bring(chunk, keep)  # a gradient is never written through a host round trip
             part = flat[piece.in_param]
-            if self.accumulate:
+            if self.accumulate and self._scattered is None:
                 if chunk.acc is None and chunk.acc_host is None and self._placement is not None:
                     self._placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, keep)
                 acc_slot = self._store.accumulator(chunk)[piece.in_chunk]
@@ -82,35 +119,68 @@ class GradientSink:
             info.settle()
             return
         info.grad_written()
+        self._count(group, self._reduce_group)
+
+    def _count(self, group: int, reduce: Callable[[int], None]) -> None:
         self._pending[group] -= 1
         if self._pending[group] == 0:  # the group's last gradient: O(1) per parameter, not a scan
-            self._reduce_group(group)
+            self.reduced.add(group)
+            reduce(group)
+
+    def _reduce_micro_step(self, group: int) -> None:
+        """Before the boundary: reduce-scatter ``group``'s gradient buffer; the group's backward use
+        is over, so it is kept for the next forward (or released) now, its joined buffers dropped."""
+        if self._scattered is None:
+            raise RuntimeError("a micro-step reduce-scatter without data-parallel gradient accumulation")
+        self._scattered.reduce(group)
+        if group in self._residency.present:
+            self._keep.keep(group)
 
     def _reduce_group(self, group: int) -> None:
-        """Launch the reduce-scatter of ``group``'s gradients; the other ranks' chunks are released
-        once it completes (see [Note: asynchronous collectives])."""
+        """Launch the reduce-scatter of ``group``'s gradients from a flat buffer; the other ranks'
+        chunks are released at once, and the owned slot gets its piece when it completes (see
+        [Note: flat group buffers] and [Note: asynchronous collectives])."""
         members = self._map.group_members(group)
         self.reduced.add(group)
         self._residency.kept.pop(group, None)
         if self._comm.world_size == 1:
             return
         keep = {c.chunk_id for c in members}
+        owned = members[self._comm.rank]
         if self._placement is not None:
-            for chunk in members:
-                if self._map.is_owned(chunk):
-                    self._placement.bring(chunk, keep)
-        pending = self._comm.reduce_scatter_mean_async(
-            [c.ready() for c in members], after=lambda: self._residency.release(group)
-        )
+            self._placement.bring(owned, keep)
+        buf = self._flat.empty(members, keep, group)
+        start = 0
         for chunk in members:
-            chunk.pending.append(pending)
+            buf[start : start + chunk.capacity].copy_(chunk.ready())
+            start += chunk.capacity
+        self._residency.release(group)
+        pending = self._comm.reduce_scatter_mean_single_async(buf, after=lambda: self._into_slot(owned, buf))
+        owned.pending.append(pending)  # the owned chunk stays until its slot has the result
         self._reductions.add(pending)
+
+    @torch.no_grad()
+    def _into_slot(self, owned: Chunk, buf: torch.Tensor) -> None:
+        """The reduce-scatter completed: the owner's piece of the buffer into its slot (plus what it
+        accumulated before the boundary, see [Note: gradient accumulation])."""
+        rank = self._comm.rank
+        owned.ready().copy_(buf[rank * owned.capacity : (rank + 1) * owned.capacity])
+        self._flat.free(buf)
+        if self._scattered is not None:
+            self._scattered.fold(owned)
 
     @torch.no_grad()
     def end_backward(self, boundary: bool) -> None:
         """Backward epilogue: at the boundary every group gets its gradients and is reduced; before
         it, the gathered groups are kept for the next micro-step (see [Note: kept groups])."""
         if not boundary:
+            if self._scattered is not None:  # every group is reduced once per micro-step
+                for group in range(self._map.num_groups):
+                    if group not in self.reduced:
+                        self.reduced.add(group)
+                        self._scattered.reduce(group)  # kept below, with the other present groups
+                self._reductions.drain()
+                self.next_step()
             for info in self._map.infos():
                 if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
                     info.settle()
@@ -133,7 +203,8 @@ class GradientSink:
                 continue
             for piece in info.pieces:
                 chunk = self._map.chunks[piece.chunk_id]
-                data, acc = chunk.ready(), chunk.ready_acc()
+                data = chunk.ready()
+                acc = chunk.ready_acc() if self._scattered is None else None  # else added after the reduction
                 if acc is None:
                     data[piece.in_chunk].zero_()
                 else:
@@ -146,6 +217,8 @@ class GradientSink:
 
     def next_step(self) -> None:
         """No group has gradients any more."""
+        if self._scattered is not None:
+            self._scattered.discard()
         self.reduced.clear()
         self._pending = self._group_sizes()
 

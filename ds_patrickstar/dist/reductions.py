@@ -1,9 +1,9 @@
 """The reduce-scatters in flight: issued asynchronously, completed oldest first.
 
-Each reduce-scatter keeps its chunk group gathered until it completes (its ``after`` action
-releases the other ranks' chunks, see [Note: asynchronous collectives]), so at most
-:data:`LIMIT` are in flight; placement completes them all first when it is short of room
-(:meth:`InFlightReductions.drain`, see [Note: kept groups]).
+Each reduce-scatter holds its group's flat gradient buffer until it completes (its ``after``
+action puts the owner's piece where it belongs and frees the buffer, see
+[Note: flat group buffers]), so at most :data:`LIMIT` are in flight; placement completes them
+all first when it is short of room (:meth:`InFlightReductions.drain`, see [Note: kept groups]).
 """
 
 from __future__ import annotations

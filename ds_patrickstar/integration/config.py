@@ -292,7 +292,7 @@ def check_reduction_settings(
         name = dtype_names.get(communication_data_type, str(communication_data_type))
         raise ValueError(
             f"communication_data_type={name!r} is not supported by stage 'patrickstar': gradients are "
-            f"reduce-scattered in place in the chunks, in the training dtype "
+            f"reduce-scattered in place in a flat buffer of their chunk group, in the training dtype "
             f"({dtype_names.get(model_dtype, str(model_dtype))}). Remove the key."
         )
     if grad_accum_dtype is not None and grad_accum_dtype != torch.float32:

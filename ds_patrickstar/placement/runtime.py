@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class InFlightReductions(Protocol):
-    """The data-parallel reduce-scatters in flight (``dist/reductions.py``): completing them releases
-    other ranks' chunks, which placement does first when it is short of room (see [Note: kept groups])."""
+    """The data-parallel reduce-scatters in flight (``dist/reductions.py``): completing them frees
+    their flat gradient buffers, which placement does first when it is short of room (see
+    [Note: kept groups])."""
 
     def drain(self) -> int:
         """Wait on every reduce-scatter in flight; returns how many there were."""
@@ -124,7 +125,7 @@ class PlacementRuntime:
         over = self.ledger.total + need - headroom
         if over <= 0:
             return
-        if self.reductions.drain():  # reduce-scatters in flight hold other ranks' chunks: done first
+        if self.reductions.drain():  # reduce-scatters in flight hold gradient buffers: done first
             accel.reclaim()
             over = self.ledger.total + need - headroom
             if over <= 0:
