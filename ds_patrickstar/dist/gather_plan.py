@@ -19,7 +19,10 @@ every rank (the model runs the same modules everywhere, as the collectives alrea
 also while a rank re-traces for other input shapes; where the moments differ from the plan's
 (its length or its labels, or a moment beyond it), nothing is kept or prefetched until the next
 step agrees a new plan. Before the first step there is no plan: nothing is kept or prefetched,
-as while tracing.
+as while tracing. Until the iteration's last backward moment the rooms also leave one group's
+bytes for the flat gradient buffer a reduce-scatter takes beside the group it reduces (see
+[Note: flat group buffers]): without it a kept or prefetched group left no room for that buffer
+and a tight budget failed in backward.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class GatherPlan:
         trace = self._placement.tracer.last_iteration()
         labels = [m.label for m in trace.moments] if trace is not None else []
         keep, ahead = self._placement.gathered_rooms(trace, self._reserve(trace)) if trace is not None else ([], [])
+        if trace is not None:  # a group gathered ahead in backward sits beside a flat gradient buffer
+            last_backward = _last_backward(trace)
+            ahead = [room - self._largest_group_bytes * int(i <= last_backward) for i, room in enumerate(ahead)]
         count, checksum = len(labels), zlib.crc32("\n".join(labels).encode())
         agreed = self._comm.agree([count, -count, checksum, -checksum, *keep, *ahead])
         if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:  # the ranks' iterations differ: no plan
@@ -56,12 +62,16 @@ class GatherPlan:
         self._labels, self._keep, self._ahead = labels, agreed[4 : 4 + count], agreed[4 + count :]
 
     def _reserve(self, trace: Trace) -> Callable[[int], int]:
-        """Per moment, room for the most groups one later moment uses at once (at least one)."""
+        """Per moment, room for the most groups one later moment uses at once (at least one), and,
+        while a backward moment is still ahead, for one flat gradient buffer (a group's size, taken
+        beside the group it reduces; see [Note: flat group buffers])."""
         world = self._comm.world_size
         at_once = [len({chunk_id // world for chunk_id in m.chunks}) for m in trace.moments]
+        last_backward = _last_backward(trace)
         later = [1] * len(at_once)
         for index in range(len(at_once) - 2, -1, -1):
-            later[index] = max(later[index + 1], at_once[index + 1])
+            buffer = int(index < last_backward)
+            later[index] = max(later[index + 1], at_once[index + 1] + buffer)
         return lambda index: self._largest_group_bytes * later[index]
 
     def _moment(self) -> int | None:
@@ -81,3 +91,9 @@ class GatherPlan:
         """Whether ``gathered`` bytes of gathered groups (one more gathered ahead of use) fit now."""
         moment = self._moment()
         return moment is not None and gathered <= self._ahead[moment]
+
+
+def _last_backward(trace: Trace) -> int:
+    """The index of the trace's last backward moment (-1 if none): until then a flat gradient
+    buffer may be taken (see [Note: flat group buffers])."""
+    return max((i for i, m in enumerate(trace.moments) if m.label.startswith("bwd")), default=-1)
