@@ -148,7 +148,6 @@ class ChunkComm:
         self.counters.bytes_reduce_scattered += (self.world_size - 1) * numel * flat.element_size()
         return PendingCollective(work, after)
 
-
     def agree(self, values: list[int]) -> list[int]:
         """The elementwise minimum of ``values`` over the ranks (one all-reduce, one host sync): what
         a decision taken from a rank's own memory (placement) that changes which collectives run
