@@ -22,7 +22,7 @@ class StepCounters:
     agreements: int = 0
     """all-reduces agreeing the gather plan across ranks (placement, see [Note: agreed gather plan])"""
     peak_kept_gathered_bytes: int = 0
-    """highest bytes of other ranks' chunks kept gathered between uses (see [Note: kept groups])"""
+    """highest bytes of chunk-group storage kept gathered between uses (see [Note: kept groups])"""
     bytes_to_device: int = 0
     """chunk bytes copied host -> accelerator (placement)"""
     bytes_to_host: int = 0

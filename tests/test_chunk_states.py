@@ -38,12 +38,25 @@ def _store():
     return ChunkStore(HostAccelerator(), StepCounters(), movable=False)
 
 
-STORE = _store()
+_GROUPS: dict[int, tuple] = {}  # id of a chunk -> (its store, the members of its group, the owned one)
+
+
+def _release(chunk):
+    store, members, owner = _GROUPS[id(chunk)]
+    store.release_group(members, owner)
+
+
+def _materialize(chunk):
+    store, members, owner = _GROUPS[id(chunk)]
+    store.materialize_group(members, owner)
 
 
 def _chunk_with_two_tensors():
-    chunk = Chunk(0, 64, torch.float32, 0)
-    STORE.create(chunk, owned=True)
+    """Another rank's chunk of a two-chunk group, gathered (a view of the group's storage)."""
+    chunk, owner = Chunk(0, 64, torch.float32, 0), Chunk(1, 64, torch.float32, 0)
+    store = _store()
+    store.create_group([chunk, owner], owner)
+    _GROUPS[id(chunk)] = (store, [chunk, owner], owner)
     params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(8))]
     infos = []
     offset = 0
@@ -72,9 +85,9 @@ def test_chunk_state_is_derived_from_tensors():
     a.start_compute()
     assert chunk.state is ChunkState.COMPUTE and not chunk.movable
     with pytest.raises(IllegalTransition, match="in use"):
-        STORE.release(chunk)
+        _release(chunk)
     a.end_forward()
-    STORE.release(chunk)
+    _release(chunk)
     assert chunk.state is ChunkState.RELEASED and not chunk.is_materialized
     assert {a.state, b.state} == {S.FREE}
 
@@ -83,9 +96,9 @@ def test_release_keeps_views_valid():
     chunk, params, infos = _chunk_with_two_tensors()
     saved = params[0] * 1  # a view autograd would keep is the param itself
     before = params[0].detach().clone()
-    STORE.release(chunk)
+    _release(chunk)
     assert params[0].untyped_storage().nbytes() == 0
-    STORE.materialize(chunk)
+    _materialize(chunk)
     chunk.view_of(infos[0]).copy_(before)
     assert torch.equal(params[0].detach(), before)
     assert params[0].data_ptr() == chunk.payload.data_ptr()

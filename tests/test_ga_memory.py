@@ -69,8 +69,9 @@ def test_accumulation_keeps_fp32_accumulators_for_owned_chunks_only():
 
 
 def _collectives_worker(rank, world_size, gas):
-    """Counts the reduce-scatters on lists and on one flat tensor during a step on the strict
-    emulated accelerator, and checks that each flat input is charged to the device ledger."""
+    """Counts the collectives on lists and on one flat tensor during a step on the strict emulated
+    accelerator, and checks that each flat tensor is charged to the device ledger: a group's
+    storage (charged as ``chunk`` while gathered) or a micro-step's gradient buffer."""
     import deepspeed
     import torch.distributed as dist
 
@@ -83,10 +84,13 @@ def _collectives_worker(rank, world_size, gas):
                                  "device_budget": 1 << 26},
            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    ledger = engine.optimizer.accel.ledger
-    calls = {"list": 0, "single": 0, "uncharged": 0}
-    on_lists = dist.reduce_scatter
+    opt = engine.optimizer
+    ledger, chunk_map, store = opt.accel.ledger, opt.chunk_map, opt.parts.store
+    storages = [store.group_storage(chunk_map.group_members(g)) for g in range(chunk_map.num_groups)]
+    calls = {"list": 0, "single": 0, "uncharged": 0, "gather_list": 0, "gather_single": 0, "not_views": 0}
+    on_lists, gather_lists = dist.reduce_scatter, dist.all_gather
     single = getattr(comm, "_reduce_scatter_single", dist.reduce_scatter_single)
+    gather_single = comm._all_gather_single
 
     def counted_list(*args, **kwargs):
         calls["list"] += 1
@@ -94,12 +98,25 @@ def _collectives_worker(rank, world_size, gas):
 
     def counted_single(output, flat, **kwargs):
         calls["single"] += 1
-        if ledger.by_kind.get("grad_buffer", 0) < flat.numel() * flat.element_size():
+        group_storage = any(flat.untyped_storage().data_ptr() == s.untyped_storage().data_ptr() for s in storages)
+        if not group_storage and ledger.by_kind.get("grad_buffer", 0) < flat.numel() * flat.element_size():
             calls["uncharged"] += 1
         return single(output, flat, **kwargs)
 
-    dist.reduce_scatter = counted_list
-    comm._reduce_scatter_single = counted_single
+    def counted_gather_list(*args, **kwargs):
+        calls["gather_list"] += 1
+        return gather_lists(*args, **kwargs)
+
+    def counted_gather_single(output, mine, **kwargs):
+        calls["gather_single"] += 1
+        return gather_single(output, mine, **kwargs)
+
+    dist.reduce_scatter, dist.all_gather = counted_list, counted_gather_list
+    comm._reduce_scatter_single, comm._all_gather_single = counted_single, counted_gather_single
+    for group, storage in enumerate(storages):  # the other ranks' chunks are views of the group's storage
+        for chunk in chunk_map.group_members(group):
+            if not chunk_map.is_owned(chunk) and chunk.payload.untyped_storage()._cdata != storage.untyped_storage()._cdata:
+                calls["not_views"] += 1
     gen = torch.Generator().manual_seed(rank)
     for _ in range(gas):
         tokens = torch.randint(0, 256, (2, 17), generator=gen)
@@ -107,15 +124,18 @@ def _collectives_worker(rank, world_size, gas):
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), tokens[:, 1:].reshape(-1))
         engine.backward(loss)
         engine.step()
-    return {**calls, "groups": engine.optimizer.chunk_map.num_groups}
+    return {**calls, "groups": chunk_map.num_groups, "all_gathers": opt.last_step_counters["all_gathers"]}
 
 
 @pytest.mark.parametrize("gas", [1, 2])
-def test_reduce_scatters_run_on_one_flat_buffer_in_the_ledger(gas):
-    """Every micro-step reduce-scatters each group's gradients from one flat buffer charged to the
-    ledger (reduce_scatter_single, in place; see [Note: flat group buffers]): never a list, which
-    the process group would flatten into a temporary of its own, outside the budget."""
+def test_collectives_run_in_place_on_flat_tensors_in_the_ledger(gas):
+    """Every all-gather receives in place into its group's storage, of which the other ranks'
+    chunks are views (all_gather_single; see [Note: gathered group storage]), and every micro-step
+    reduce-scatters each group's gradients from one flat tensor charged to the ledger
+    (reduce_scatter_single, in place; see [Note: flat group buffers]): never a list, which the
+    process group would flatten into a temporary of its own, outside the budget."""
     for rank in run_ranks(_collectives_worker, 2, gas, fresh=True):
         assert rank["single"] == gas * rank["groups"], rank
-        assert rank["list"] == 0, rank
-        assert rank["uncharged"] == 0, rank
+        assert rank["list"] == 0 and rank["gather_list"] == 0, rank
+        assert rank["uncharged"] == 0 and rank["not_views"] == 0, rank
+        assert rank["gather_single"] >= rank["groups"], rank

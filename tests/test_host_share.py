@@ -51,7 +51,10 @@ def test_the_rule():
     from ds_patrickstar.memory.preflight import ModelDataPlan
 
     plan = ModelDataPlan(owned_elements=500, total_elements=1000, lp_bytes=2, accumulate=False)  # 7000 B
-    assert keep_limit(plan, 2 * (7000 + 2 * 1000), 2) is None  # room 1000 B covers the other 500 elements
+    # room 2000 B covers every group's storage: the 1000 elements in bf16 (the other ranks' and the
+    # place of this rank's among them, see [Note: gathered group storage]); 1999 B does not
+    assert keep_limit(plan, 2 * (7000 + 2 * 2000), 2) is None
+    assert keep_limit(plan, 2 * (7000 + 2 * 1999), 2) == 1999
     assert keep_limit(plan, 2 * (7000 + 2 * 400), 2) == 400
     assert keep_limit(plan, 1000, 2) == 0
     assert local_world_size(8) in range(1, 9)

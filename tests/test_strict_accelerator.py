@@ -86,7 +86,7 @@ def test_an_owned_chunk_lives_in_one_place_at_a_time():
     chunk = Chunk(0, 256, torch.bfloat16, 0)
     store.create(chunk, owned=True)
     chunk.ready().copy_(torch.arange(256, dtype=torch.bfloat16))
-    store.settle(chunk, owned=True)
+    store.settle(chunk)
     assert accel.ledger.total == 0 and store.host_bytes == 512
     store.to_device(chunk)
     assert chunk.host is None and store.host_bytes == 0 and accel.ledger.total == 512

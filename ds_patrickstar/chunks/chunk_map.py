@@ -101,8 +101,34 @@ class ChunkMap:
         """The tensors of ``group`` with pieces in several chunks (see [Note: straddling tensors])."""
         return [info for info in self.group_tensors(group) if info.straddles]
 
+    def group_bytes(self, group: int, accumulate: bool) -> int:
+        """Accelerator bytes of ``group`` gathered: with ``W > 1`` its storage of ``W`` chunks beside
+        this rank's own chunk (see [Note: gathered group storage] in memory/store.py) and the joined
+        buffers of its straddling tensors (see [Note: straddling tensors] in dist/straddle.py); with
+        ``accumulate``, the own chunk's fp32 accumulator (the only one, see
+        [Note: gradient accumulation] in dist/grads.py)."""
+        members = self.group_members(group)
+        own = members[self.rank]
+        storage = 0
+        if self.world_size > 1:
+            storage = sum(c.nbytes for c in members) + sum(i.numel for i in self.straddling(group)) * own.dtype.itemsize
+        return storage + own.nbytes + (4 * own.capacity if accumulate else 0)
+
+    def moment_bytes(self, chunk_ids: tuple[int, ...], accumulate: bool) -> int:
+        """Accelerator bytes a moment using ``chunk_ids`` takes: each of their groups gathered (see
+        :meth:`group_bytes`), and with gradient accumulation and ``W > 1`` a micro-step's gradient
+        buffer of a group beside them (see [Note: flat group buffers] in dist/flat.py)."""
+        if self.world_size == 1:
+            return sum(self.chunks[c].nbytes + (4 * self.chunks[c].capacity if accumulate else 0) for c in chunk_ids)
+        groups = {c // self.world_size for c in chunk_ids}
+        gathered = sum(self.group_bytes(g, accumulate) for g in groups)
+        buffer = max((self.group_bytes(g, False) for g in groups), default=0) if accumulate else 0
+        return gathered + buffer
+
     def largest_group_bytes(self) -> int:
-        return max([0] + [c.nbytes for c in self.chunks]) * self.world_size
+        """The most a gathered group takes (storage and own chunk, see :meth:`group_bytes`)."""
+        largest = max([0] + [c.nbytes for c in self.chunks])
+        return largest * (self.world_size + 1 if self.world_size > 1 else 1)
 
     def model_storages(self) -> set[int]:
         """The storages model data lives in on the accelerator (payloads and joined buffers)."""

@@ -16,14 +16,15 @@ Every collective is issued with ``async_op=True`` and returns a :class:`PendingC
 that the chunk manager puts on the ``pending`` list of every member chunk of the group, so
 whoever reads or writes a member's values waits through :meth:`Chunk.ready` (the one
 accessor, see [Note: ready payload]), and nothing moves or frees a member before the
-collective is over. An all-gather receives straight into the members' payloads (the own
-member is input and output, so no buffer is allocated or copied). On the strict emulated
-accelerator it receives into a side buffer of the emulator instead (not charged to the
-ledger: it stands for the payloads a GPU would write) and copies the pieces into the
-payloads when waited on; the payloads hold NaN from the issue until then, so a read before
-the wait changes the numbers. A reduce-scatter divides a flat buffer of the group's gradients
-by ``W`` and sums it into this rank's piece in place (see [Note: flat group buffers]), then, when
-waited on, runs its ``after`` action (the gradient sink puts the piece where it belongs).
+collective is over. An all-gather receives in place into the group's flat storage (see
+[Note: gathered group storage]: no list, no temporary). On the strict emulated accelerator it
+receives into a side buffer of the emulator instead (not charged to the ledger: it stands for
+the storage a GPU would write) and copies it into the storage when waited on; the other ranks'
+pieces hold NaN from the issue until then, so a read before the wait changes the numbers. A
+reduce-scatter divides a flat buffer of the group's gradients (the group's storage, or a
+micro-step's gradient buffer, see [Note: flat group buffers]) by ``W`` and sums it into this
+rank's piece in place, then, when waited on, runs its ``after`` action (the gradient sink puts
+the piece where it belongs).
 On CUDA the collectives are issued on their own
 stream after the work queued on the compute stream (``Accelerator.collective_stream``); the
 wait makes the compute stream wait for the collective, and what follows runs there. On CPU
@@ -42,6 +43,7 @@ from ..memory.accelerator import Accelerator, HostAccelerator, Pending
 
 # the names of torch >= 2.13 (gloo and NCCL); the older names before
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class PendingCollective(Pending):
@@ -95,40 +97,34 @@ class ChunkComm:
         self._staging.clear()
 
     # ---- collectives --------------------------------------------------------------
-    def all_gather_async(self, payloads: list[torch.Tensor]) -> PendingCollective:
-        """``payloads[r]`` is rank r's chunk of the group (all of one size); once the result is
-        waited on, every rank has them all. ``payloads[rank]`` must not change until then."""
+    def all_gather_async(self, flat: torch.Tensor, mine: torch.Tensor) -> PendingCollective:
+        """Every rank's ``mine`` into its piece of ``flat`` (the group's storage: ``W`` pieces of
+        ``mine``'s size, see [Note: gathered group storage]), in place, once waited on. ``mine``
+        must not change until then."""
         if self.world_size == 1:
             return PendingCollective(None, lambda: None)
-        mine, numel = payloads[self.rank], payloads[self.rank].numel()
-        others = [p for r, p in enumerate(payloads) if r != self.rank]
+        numel = mine.numel()
+        others = [piece for r, piece in enumerate(flat.split(numel)) if r != self.rank]
+        output = flat
         if self.poison:  # strict emulation: received into a side buffer, visible only once waited on
-            staging = self._staging.setdefault((numel, mine.dtype), [])
-            buf = staging.pop() if staging else torch.empty((self.world_size - 1) * numel, dtype=mine.dtype)
-            pieces = list(buf.split(numel))
-            outputs = pieces[: self.rank] + [mine] + pieces[self.rank :]  # our own piece stays where it is
-        else:  # straight into the members' payloads: no buffer, no copy
-            outputs = payloads
-        with self.accel.collective_stream(*payloads):
-            work = dist.all_gather(outputs, mine, group=self.group, async_op=True)
+            staging = self._staging.setdefault((flat.numel(), mine.dtype), [])
+            output = staging.pop() if staging else torch.empty_like(flat)
+        with self.accel.collective_stream(flat, mine):
+            work = _all_gather_single(output, mine, group=self.group, async_op=True)
 
         def finish() -> None:
-            if self.poison:
+            if output is not flat:
                 with torch.no_grad():
-                    for payload, piece in zip(others, pieces):
-                        payload.copy_(piece)
-                staging.append(buf)
+                    flat.copy_(output)
+                staging.append(output)
 
         if self.poison:
             with torch.no_grad():
-                for payload in others:
-                    payload.fill_(float("nan"))
+                for piece in others:
+                    piece.fill_(float("nan"))
         self.counters.all_gathers += 1
         self.counters.bytes_all_gathered += (self.world_size - 1) * numel * mine.element_size()
         return PendingCollective(work, finish)
-
-    def all_gather(self, payloads: list[torch.Tensor]) -> None:
-        self.all_gather_async(payloads).wait()
 
     def reduce_scatter_mean_single_async(
         self, flat: torch.Tensor, after: Callable[[], None] = lambda: None

@@ -19,10 +19,13 @@ every rank (the model runs the same modules everywhere, as the collectives alrea
 also while a rank re-traces for other input shapes; where the moments differ from the plan's
 (its length or its labels, or a moment beyond it), nothing is kept or prefetched until the next
 step agrees a new plan. Before the first step there is no plan: nothing is kept or prefetched,
-as while tracing. Until the iteration's last backward moment the rooms also leave one group's
-bytes for the flat gradient buffer a reduce-scatter takes beside the group it reduces (see
+as while tracing. A gathered group counts with its whole storage and this rank's own chunk (see
+[Note: gathered group storage] in memory/store.py). With gradient accumulation, until the
+iteration's last backward moment the rooms also leave one group's bytes for the flat gradient
+buffer a micro-step's reduce-scatter takes beside the group it reduces (see
 [Note: flat group buffers]): without it a kept or prefetched group left no room for that buffer
-and a tight budget failed in backward.
+and a tight budget failed in backward. The boundary's reduce-scatter runs in the group's own
+storage and needs no room of its own.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from .comm import ChunkComm
 class GatherPlan:
     """The room for gathered groups at each moment, agreed by every rank; see [Note: agreed gather plan]."""
 
-    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, placement: PlacementRuntime) -> None:
+    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, placement: PlacementRuntime, accumulate: bool) -> None:
         self._map, self._comm, self._placement = chunk_map, comm, placement
         self._largest_group_bytes = chunk_map.largest_group_bytes()
+        # a micro-step's gradient buffer (see [Note: flat group buffers]); the boundary reduces in place
+        self._buffer_bytes = chunk_map.largest_group_bytes() if accumulate else 0
         self._labels: list[str] = []
         self._keep: list[int] = []
         self._ahead: list[int] = []
@@ -53,7 +58,7 @@ class GatherPlan:
         keep, ahead = self._placement.gathered_rooms(trace, self._reserve(trace)) if trace is not None else ([], [])
         if trace is not None:  # a group gathered ahead in backward sits beside a flat gradient buffer
             last_backward = _last_backward(trace)
-            ahead = [room - self._largest_group_bytes * int(i <= last_backward) for i, room in enumerate(ahead)]
+            ahead = [room - self._buffer_bytes * int(i <= last_backward) for i, room in enumerate(ahead)]
         count, checksum = len(labels), zlib.crc32("\n".join(labels).encode())
         agreed = self._comm.agree([count, -count, checksum, -checksum, *keep, *ahead])
         if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:  # the ranks' iterations differ: no plan
@@ -63,16 +68,16 @@ class GatherPlan:
 
     def _reserve(self, trace: Trace) -> Callable[[int], int]:
         """Per moment, room for the most groups one later moment uses at once (at least one), and,
-        while a backward moment is still ahead, for one flat gradient buffer (a group's size, taken
-        beside the group it reduces; see [Note: flat group buffers])."""
+        with gradient accumulation while a backward moment is still ahead, for one flat gradient
+        buffer (taken beside the group it reduces; see [Note: flat group buffers])."""
         world = self._comm.world_size
         at_once = [len({chunk_id // world for chunk_id in m.chunks}) for m in trace.moments]
         last_backward = _last_backward(trace)
-        later = [1] * len(at_once)
+        group, buffer = self._largest_group_bytes, self._buffer_bytes
+        later = [group] * len(at_once)
         for index in range(len(at_once) - 2, -1, -1):
-            buffer = int(index < last_backward)
-            later[index] = max(later[index + 1], at_once[index + 1] + buffer)
-        return lambda index: self._largest_group_bytes * later[index]
+            later[index] = max(later[index + 1], group * at_once[index + 1] + buffer * int(index < last_backward))
+        return lambda index: later[index]
 
     def _moment(self) -> int | None:
         """The index of the current moment in the plan, None when the iteration differs from it."""

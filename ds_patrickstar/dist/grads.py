@@ -137,35 +137,37 @@ class GradientSink:
             self._keep.keep(group)
 
     def _reduce_group(self, group: int) -> None:
-        """Launch the reduce-scatter of ``group``'s gradients from a flat buffer; the other ranks'
-        chunks are released at once, and the owned slot gets its piece when it completes (see
-        [Note: flat group buffers] and [Note: asynchronous collectives])."""
+        """Launch the reduce-scatter of ``group``'s gradients in place in its storage (the owned
+        slot copied into its landing slot first); the group is released, its storage freed and the
+        owned slot given its piece when it completes (see [Note: gathered group storage] and
+        [Note: asynchronous collectives])."""
         members = self._map.group_members(group)
         self.reduced.add(group)
         self._residency.kept.pop(group, None)
         if self._comm.world_size == 1:
             return
-        keep = {c.chunk_id for c in members}
         owned = members[self._comm.rank]
         if self._placement is not None:
-            self._placement.bring(owned, keep)
-        buf = self._flat.empty(members, keep, group)
-        start = 0
-        for chunk in members:
-            buf[start : start + chunk.capacity].copy_(chunk.ready())
-            start += chunk.capacity
-        self._residency.release(group)
-        pending = self._comm.reduce_scatter_mean_single_async(buf, after=lambda: self._into_slot(owned, buf))
+            self._placement.bring(owned, {c.chunk_id for c in members})
+        flat = self._store.group_storage(members)
+        landing = flat[self._comm.rank * owned.capacity : (self._comm.rank + 1) * owned.capacity]
+        for chunk in members:  # the all-gather into the storage completed
+            chunk.wait_pending()
+        with torch.no_grad():
+            landing.copy_(owned.ready())
+        pending = self._comm.reduce_scatter_mean_single_async(
+            flat, after=lambda: self._into_slot(owned, landing, members)
+        )
+        self._residency.release(group, until=pending)
         owned.pending.append(pending)  # the owned chunk stays until its slot has the result
         self._reductions.add(pending)
 
     @torch.no_grad()
-    def _into_slot(self, owned: Chunk, buf: torch.Tensor) -> None:
-        """The reduce-scatter completed: the owner's piece of the buffer into its slot (plus what it
-        accumulated before the boundary, see [Note: gradient accumulation])."""
-        rank = self._comm.rank
-        owned.ready().copy_(buf[rank * owned.capacity : (rank + 1) * owned.capacity])
-        self._flat.free(buf)
+    def _into_slot(self, owned: Chunk, landing: torch.Tensor, members: list[Chunk]) -> None:
+        """The reduce-scatter completed: the owner's piece into its slot (plus what it accumulated
+        before the boundary, see [Note: gradient accumulation]); the group's storage goes."""
+        owned.ready().copy_(landing)
+        self._store.free_group(members)
         if self._scattered is not None:
             self._scattered.fold(owned)
 

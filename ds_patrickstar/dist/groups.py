@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
+from ..memory.accelerator import Pending
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
 from .comm import ChunkComm
@@ -41,15 +42,12 @@ class GroupResidency:
         self._plan = plan
         self.prefetch_groups = prefetch_groups
         # what a gathered group takes on the accelerator, accumulators included (see [Note: agreed gather plan])
-        self._group_bytes = [
-            sum(c.nbytes + (4 * c.capacity if accumulate else 0) for c in chunk_map.group_members(g))
-            for g in range(chunk_map.num_groups)
-        ]
+        self._group_bytes = [chunk_map.group_bytes(g, accumulate) for g in range(chunk_map.num_groups)]
         self.present = {
             g for g in range(chunk_map.num_groups) if all(c.is_materialized for c in chunk_map.group_members(g))
         }
         self.gathered_bytes = sum(self._group_bytes[g] for g in self.present)  # of the present groups
-        self.kept: dict[int, int] = {}  # kept group -> bytes of its other ranks' chunks, oldest first
+        self.kept: dict[int, int] = {}  # kept group -> bytes of its gathered storage, oldest first
         self._fresh: set[int] = set()  # gathered (maybe still in flight) and not used since
         self._prefetched: set[int] = set()  # gathered ahead of use and not used since
         self.order = GatherOrder()
@@ -60,53 +58,61 @@ class GroupResidency:
 
     # ---- gather and release ---------------------------------------------------------
     def gather_bytes(self, group: int) -> int:
-        """Accelerator bytes gathering ``group`` takes now: its chunks not there yet."""
-        chunks = sum(
-            c.nbytes + c.acc_nbytes for c in self._map.group_members(group) if not c.is_materialized or c.on_host
-        )
-        return chunks + self.joined.missing_bytes(group)
+        """Accelerator bytes gathering ``group`` takes now: its storage (see [Note: gathered group
+        storage]) and the owned chunk, where not there yet."""
+        members = self._map.group_members(group)
+        owned = self._owned(members)
+        missing = owned.nbytes + owned.acc_nbytes if not owned.is_materialized or owned.on_host else 0
+        if self._comm.world_size > 1 and not self._store.group_storage(members).untyped_storage().nbytes():
+            missing += sum(c.nbytes for c in members)
+        return missing + self.joined.missing_bytes(group)
+
+    def _owned(self, members: list[Chunk]) -> Chunk:
+        return members[self._comm.rank]
 
     def gather(self, group: int, fill: bool = True, keep: frozenset[int] = frozenset()) -> None:
-        """Issue the all-gather of ``group``: its result is on every member's pending list, and
-        waited on by whoever uses a member. ``fill=False``: no all-gather, the other ranks' slots
-        are zeroed (every slot is about to receive a gradient)."""
+        """Issue the all-gather of ``group`` into its storage: its result is on every member's
+        pending list, and waited on by whoever uses a member. ``fill=False``: no all-gather, the
+        other ranks' slots are zeroed (every slot is about to receive a gradient)."""
         members = self._map.group_members(group)
+        owned = self._owned(members)
         needed = set(keep) | {c.chunk_id for c in members}
-        if self._placement is not None:  # room for the whole group at once: the owned chunk and the others
+        if self._placement is not None:  # room for the whole group at once: the owned chunk and the storage
             self._placement.make_room(self.gather_bytes(group), needed)
-        for chunk in members:
-            if self._map.is_owned(chunk):
-                self._bring(chunk, needed)
-            self._store.materialize(chunk)
-        payloads = [c.ready() for c in members]
-        if fill:
-            pending = self._comm.all_gather_async(payloads)
-            for chunk in members:
-                chunk.pending.append(pending)
-            self.joined.charge_gathered(group)  # filled at first use (see JoinedBuffers.join)
-        else:
-            for chunk, payload in zip(members, payloads):
-                if not self._map.is_owned(chunk):
-                    payload.zero_()
+        self._bring(owned, needed)
+        self._store.materialize(owned)
+        if self._comm.world_size > 1:
+            self._store.materialize_group(members, owned)
+            flat = self._store.group_storage(members)
+            if fill:
+                pending = self._comm.all_gather_async(flat, owned.ready())
+                for chunk in members:
+                    chunk.pending.append(pending)
+                self.joined.charge_gathered(group)  # filled at first use (see JoinedBuffers.join)
+            else:
+                for chunk in members:
+                    if chunk is not owned:
+                        chunk.ready().zero_()
         if group not in self.present:
             self.present.add(group)
             self.gathered_bytes += self._group_bytes[group]
         self._fresh.add(group)
 
-    def release(self, group: int) -> None:
+    def release(self, group: int, until: Pending | None = None) -> None:
+        """The other ranks' chunks of ``group`` go (its storage: now, once the collectives on it
+        completed, or with ``until``, a reduce-scatter reading it, when that completes)."""
         if self._comm.world_size == 1 or group not in self.present:
             return
         self.joined.drop(group)
-        for chunk in self._map.group_members(group):
-            if not self._map.is_owned(chunk):
-                self._store.release(chunk)  # waits for a collective still using the chunk
-                continue
-            # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
-            # gathered again; ours must read the same, or a later "all used in this forward" test
-            # (after_forward) would differ between ranks and so would the collectives.
-            for info in chunk.tensors:
-                if info.state is TensorState.HOLD_AFTER_FWD:
-                    info.settle()
+        members = self._map.group_members(group)
+        owned = self._owned(members)
+        self._store.release_group(members, owned, until)
+        # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
+        # gathered again; ours must read the same, or a later "all used in this forward" test
+        # (after_forward) would differ between ranks and so would the collectives.
+        for info in owned.tensors:
+            if info.state is TensorState.HOLD_AFTER_FWD:
+                info.settle()
         self.present.discard(group)
         self.gathered_bytes -= self._group_bytes[group]
         self.kept.pop(group, None)

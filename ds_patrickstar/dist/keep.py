@@ -3,7 +3,7 @@
 [Note: kept groups]
 Releasing a chunk group after its last forward use and gathering it again for backward
 doubles the all-gather volume. A group whose forward use is over is therefore *kept*
-gathered (its tensors stay ``HOLD_AFTER_FWD``) while the kept bytes (other ranks' chunks)
+gathered (its tensors stay ``HOLD_AFTER_FWD``) while the kept bytes (gathered group storage)
 stay within ``keep_gathered``; over the limit the oldest kept group is released, so the
 groups kept are the last ones of the forward pass, which are the first ones backward needs.
 Between gradient-accumulation micro-steps the gathered groups are kept the same way for the
@@ -47,7 +47,9 @@ class KeepPolicy:
         self.limit = limit  # bytes of kept groups; None: as many as memory holds
 
     def _kept_bytes(self, group: int) -> int:
-        return sum(c.nbytes for c in self._map.group_members(group) if not self._map.is_owned(c))
+        """The group's gathered storage: the other ranks' chunks and this rank's landing slot (see
+        [Note: gathered group storage] in memory/store.py)."""
+        return sum(c.nbytes for c in self._map.group_members(group))
 
     def keep(self, group: int) -> None:
         """Keep ``group`` gathered for its next use, releasing the oldest kept groups over the limit;

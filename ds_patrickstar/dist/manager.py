@@ -73,7 +73,7 @@ class ChunkManager:
         self.store = store
         self.placement = placement
         self.joined = JoinedBuffers(chunk_map, store.accel)
-        self.plan = GatherPlan(chunk_map, comm, placement) if placement is not None else None
+        self.plan = GatherPlan(chunk_map, comm, placement, accumulate) if placement is not None else None
         self.residency = GroupResidency(
             chunk_map, comm, store, self.joined, placement, self.plan, prefetch_groups, accumulate
         )

@@ -166,6 +166,7 @@ def make_placement(
     counters: StepCounters,
     chunk_map: ChunkMap,
     reductions: InFlightReductions,
+    accumulate: bool,
 ) -> PlacementRuntime:
     """Tide-aware (or static) placement on CUDA or the emulated accelerator; see [Note: placement]."""
     meter = None
@@ -174,7 +175,15 @@ def make_placement(
         meter = SavedTensorMeter(lambda s: s._cdata in model_storages)
     owned = {c.chunk_id for c in chunk_map.owned_chunks()}
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
-    runtime = PlacementRuntime(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions)
+    runtime = PlacementRuntime(
+        placer,
+        MemoryTracer(accel, meter),
+        store,
+        counters,
+        chunk_map.chunks,
+        reductions,
+        lambda chunk_ids: chunk_map.moment_bytes(chunk_ids, accumulate),
+    )
     logger.info(
         "ds_patrickstar: %s placement, accelerator budget %.3f GiB%s",
         options.placement,
@@ -214,7 +223,7 @@ def assemble(
         specs, comm.world_size, comm.rank, store, has_values=lambda p: not (deferred and deferred.is_deferred(p))
     )
     reductions = InFlightReductions()
-    placement = make_placement(options, accel, store, counters, chunk_map, reductions) if movable else None
+    placement = make_placement(options, accel, store, counters, chunk_map, reductions, accumulate) if movable else None
     manager = ChunkManager(
         chunk_map,
         comm,

@@ -66,7 +66,8 @@ class PatrickStarConfig(BaseModel):
     finely. 1M-64M is the useful range."""
 
     keep_gathered: int | None = Field(default=None, ge=0)
-    """Data parallel: bytes of other ranks' chunks that may stay gathered after a chunk group's
+    """Data parallel: bytes of gathered chunk-group storage (the other ranks' chunks and the place
+    this rank's chunk takes among them) that may stay gathered after a chunk group's
     forward use, until its backward use (and between gradient-accumulation micro-steps), instead
     of being released and all-gathered again. None (default): as much as the memory holds. On a
     run without placement that is decided from the host memory the ranks of this host share: each

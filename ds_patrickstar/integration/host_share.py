@@ -4,7 +4,8 @@ the ranks of this host share.
 [Note: default kept groups from host memory]
 Without placement every rank keeps its model data in host memory, and the groups it keeps gathered
 between uses (see [Note: kept groups]) come on top: with every group kept, a rank also holds the
-other ranks' low-precision chunks, the whole model in bf16/fp16. The ranks on one host share its
+gathered storage of every group, the whole model in bf16/fp16 (see [Note: gathered group
+storage] in memory/store.py). The ranks on one host share its
 memory, so ``keep_gathered: None`` (the default) is decided at initialize from
 
 * the host's available memory now, plus the trainable parameters' own bytes (they are freed once the
@@ -45,10 +46,16 @@ def local_world_size(world_size: int) -> int:
     return world_size
 
 
+def every_group_bytes(plan: ModelDataPlan) -> int:
+    """The storage of every chunk group gathered: the whole low-precision model (see
+    [Note: gathered group storage] in memory/store.py)."""
+    return plan.total_elements * plan.lp_bytes
+
+
 def keep_limit(plan: ModelDataPlan, host_available: int, local_ranks: int) -> int | None:
-    """Bytes of other ranks' chunks a rank may keep gathered (None: every group); see
+    """Bytes of gathered group storage a rank may keep (None: every group); see
     [Note: default kept groups from host memory]."""
-    every_group = (plan.total_elements - plan.owned_elements) * plan.lp_bytes
+    every_group = every_group_bytes(plan)
     room = (host_available // local_ranks - plan.model_data_bytes) // 2
     return None if room >= every_group else max(0, room)
 
@@ -60,12 +67,12 @@ def default_keep_gathered(module: torch.nn.Module, plan: ModelDataPlan, comm: Ch
     own = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad and not p.is_meta)
     local_ranks = local_world_size(comm.world_size)
     limit = keep_limit(plan, psutil.virtual_memory().available + own, local_ranks)
-    every_group = (plan.total_elements - plan.owned_elements) * plan.lp_bytes
+    every_group = every_group_bytes(plan)
     (agreed,) = comm.agree([every_group if limit is None else limit])
     if agreed >= every_group:
         return None
     logger.info(
-        "ds_patrickstar: %d ranks share this host's memory: at most %.3f GiB of other ranks' chunks stay "
+        "ds_patrickstar: %d ranks share this host's memory: at most %.3f GiB of gathered group storage stays "
         "gathered between uses (of %.3f GiB); set zero_optimization.keep_gathered to choose",
         local_ranks,
         agreed / 2**30,

@@ -72,16 +72,15 @@ class ChunkExport:
         members = self.map.group_members(group)
         if self.comm.world_size == 1:
             return [values_of(members[0]).to("cpu", copy=True)]
-        capacity = members[0].capacity
-        bufs = [self.accel.empty(capacity, dtype, "gather", f"{what} of chunk group {group}") for _ in members]
+        capacity, rank = members[0].capacity, self.comm.rank
+        flat = self.accel.empty(capacity * len(members), dtype, "gather", f"{what} of chunk group {group}")
         try:
-            own = members[self.comm.rank]
-            bufs[self.comm.rank].copy_(values_of(own))
-            self.comm.all_gather(bufs)
-            return [b.to("cpu", copy=True) for b in bufs]
+            mine = flat[rank * capacity : (rank + 1) * capacity]
+            mine.copy_(values_of(members[rank]))
+            self.comm.all_gather_async(flat, mine).wait()  # in place, as a group is gathered
+            return list(flat.to("cpu", copy=True).split(capacity))
         finally:
-            for buf in bufs:
-                self.accel.free(buf, "gather")
+            self.accel.free(flat, "gather")
 
     def iter_host_groups(self, fp32_masters: bool = False) -> Iterator[tuple[list[Chunk], list[torch.Tensor]]]:
         """``(members, host values)`` per chunk group: the low-precision values, or the fp32 masters."""

@@ -34,12 +34,16 @@ def build_chunk_map(
     chunk_map = ChunkMap(world_size, rank)
     for first in range(0, len(specs), world_size):
         members, infos = chunk_map.add_group(specs[first : first + world_size])
-        for chunk in members:
-            store.create(chunk, chunk_map.is_owned(chunk))
+        owned = members[rank]
+        if world_size > 1:  # see [Note: gathered group storage]
+            store.create_group(members, owned)
+        else:
+            store.create(owned, True)
         for info in infos:
             _bind(chunk_map, store, info, has_values(info.param))
-        for chunk in members:
-            store.settle(chunk, chunk_map.is_owned(chunk))
+        store.settle(owned)
+        if world_size > 1:
+            store.release_group(members, owned)
     logger.info(
         "ds_patrickstar: %d params in %d chunks (%d rank(s))", len(chunk_map.infos()), len(chunk_map.chunks), world_size
     )

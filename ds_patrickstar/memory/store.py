@@ -9,8 +9,26 @@ see [Note: storage resize]).
 Model data therefore costs 14 bytes per parameter over device and host together. Chunks
 are built on the host (initialize never needs the model on the accelerator) and placement
 brings them in when used. A chunk owned by another rank exists only while its group is
-gathered. With gradient accumulation a chunk's fp32 accumulator follows the payload: on
-the accelerator while the chunk is there, on the host otherwise.
+gathered: with ``W`` ranks the other ranks' chunks of a group are views of one flat storage
+of the whole group (see [Note: gathered group storage]). With gradient accumulation a chunk's
+fp32 accumulator follows the payload: on the accelerator while the chunk is there, on the host
+otherwise.
+
+[Note: gathered group storage]
+A collective on a list of tensors is not what the process group runs: NCCL and gloo flatten
+the list into a temporary of the whole group and copy in and out, memory no budget sees. So
+with ``W > 1`` ranks each chunk group has one flat storage of its ``W`` chunks (one allocation,
+charged to the ledger as ``chunk`` while it has memory, resized to zero bytes otherwise), and
+the other ranks' members are views of it: the all-gather receives into it in place
+(``all_gather_into_tensor``), and the reduce-scatter reduces it in place
+(``reduce_scatter_single``, see dist/comm.py). This rank's own chunk has its own storage, since
+it lives on while the group is released and moves to the host and back; its place in the
+flat storage is a *landing slot*: the all-gather writes this rank's values there too, and the
+boundary reduce-scatter copies the owned gradient slot into it and the reduced piece back out.
+A gathered group therefore takes ``W + 1`` chunks (the owned chunk beside the ``W`` of the
+flat storage), as FSDP2 (sharded and unsharded parameters) and ZeRO-3 (partition and full
+parameter) do, against ``2 W`` at the moment of a list collective; and the whole of it is
+counted.
 
 Every move is an asynchronous copy (:mod:`ds_patrickstar.memory.accelerator`): evictions and
 prefetches run on the copy stream, and the consumer waits through :meth:`Chunk.ready`.
@@ -37,6 +55,8 @@ class ChunkStore:
         self.counters = counters
         self.movable = movable  # chunks have a host home (placement); else they stay put
         self.host_bytes = 0  # model data on the host: host buffers and accumulators
+        self._flats: dict[int, torch.Tensor] = {}  # a group's first chunk id -> its flat storage
+        self._freeing: dict[int, Pending] = {}  # flat storages freed when that reduce-scatter completes
 
     # ---- creation -----------------------------------------------------------------
     def create(self, chunk: Chunk, owned: bool) -> None:
@@ -51,12 +71,10 @@ class ChunkStore:
         elif owned:
             chunk.payload.zero_()
 
-    def settle(self, chunk: Chunk, owned: bool) -> None:
-        """After the views were made: the payload keeps memory only if the chunk lives there."""
-        if chunk.on_host or not owned:
+    def settle(self, chunk: Chunk) -> None:
+        """After the views were made: an owned chunk's payload keeps memory only if it lives there."""
+        if chunk.on_host:
             self.accel.free(chunk.payload, "chunk")
-        if not owned:
-            chunk.mark_released()
 
     def _host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self.accel.host_empty(numel, dtype)
@@ -69,19 +87,67 @@ class ChunkStore:
         self.host_bytes -= buf.numel() * buf.element_size()
         self.accel.host_free(buf, after)
 
-    # ---- another rank's chunks: present while gathered -----------------------------
+    # ---- gathered groups: one flat storage (see [Note: gathered group storage]) -------
+    def create_group(self, members: list[Chunk], owned: Chunk) -> None:
+        """Give ``members`` (a group of ``W > 1`` equal chunks) their payloads: the owned chunk its
+        own, the others views of the group's flat storage (backed for now, see :meth:`settle`)."""
+        capacity, dtype = members[0].capacity, members[0].dtype
+        flat = self.accel.empty(
+            capacity * len(members), dtype, "chunk", f"the gathered group of chunk {members[0].chunk_id}"
+        )
+        self._flats[members[0].chunk_id] = flat
+        for index, chunk in enumerate(members):
+            if chunk is owned:
+                self.create(chunk, True)
+            else:
+                chunk.payload = flat[index * capacity : (index + 1) * capacity]
+
+    def group_storage(self, members: list[Chunk]) -> torch.Tensor:
+        """The flat storage of the group of ``members`` (views of it are the other ranks' payloads)."""
+        return self._flats[members[0].chunk_id]
+
+    def materialize_group(self, members: list[Chunk], owned: Chunk) -> None:
+        """The group's flat storage gets memory (its values come from the all-gather); a free still
+        waiting on a reduce-scatter of the same group completes first."""
+        key = members[0].chunk_id
+        if key in self._freeing:
+            self._freeing.pop(key).wait()
+        flat = self._flats[key]
+        if flat.untyped_storage().nbytes() == 0:
+            self.accel.materialize(flat, "chunk", f"the gathered group of chunk {key}")
+        for chunk in members:
+            if chunk is not owned:
+                chunk.mark_present()
+
+    def release_group(self, members: list[Chunk], owned: Chunk, until: Pending | None = None) -> None:
+        """The other ranks' members are released; the flat storage goes now (once the collectives on
+        it completed) or, with ``until``, when :meth:`free_group` is called as that completes."""
+        others = [c for c in members if c is not owned]
+        for chunk in others:
+            chunk.mark_released()
+        flat = self._flats[members[0].chunk_id]
+        if flat.untyped_storage().nbytes() == 0:
+            return
+        if until is not None:
+            self._freeing[members[0].chunk_id] = until
+            return
+        for chunk in others:
+            chunk.wait_pending()
+        self.accel.free(flat, "chunk")
+
+    def free_group(self, members: list[Chunk]) -> None:
+        """The reduce-scatter that :meth:`release_group` waited for completed: the flat storage goes."""
+        self._freeing.pop(members[0].chunk_id, None)
+        flat = self._flats[members[0].chunk_id]
+        if flat.untyped_storage().nbytes():
+            self.accel.free(flat, "chunk")
+
+    # ---- this rank's chunk: present with a gathered group (W == 1) -------------------
     def materialize(self, chunk: Chunk) -> None:
         if not chunk.is_materialized:
             self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
             self._acc_to_device(chunk)
         chunk.mark_present()
-
-    def release(self, chunk: Chunk) -> None:
-        chunk.mark_released()
-        if chunk.is_materialized:
-            chunk.wait_pending()
-            self._acc_to_host(chunk)
-            self.accel.free(chunk.payload, "chunk")
 
     # ---- owned chunks: between the accelerator and the host -------------------------
     @staticmethod

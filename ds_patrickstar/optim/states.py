@@ -14,6 +14,7 @@ their chunks are not brought to the accelerator for the step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,16 +70,19 @@ class OptimizerStates:
         return OptimizerChunk(*tensors)
 
     # ---- placement ------------------------------------------------------------------
-    def plan(self, trace: Trace, budget: int, policy: str, chunk_bytes: dict[int, int]) -> None:
+    def plan(
+        self, trace: Trace, budget: int, policy: str, moment_bytes: Callable[[tuple[int, ...]], int], chunk: int
+    ) -> None:
         """Re-decide from ``trace`` which chunks' states live on the accelerator and move them:
-        what the tide leaves at its highest, less the busiest moment's chunks and room for two
-        chunks in flight."""
+        what the tide leaves at its highest, less the busiest moment's chunks (``moment_bytes``:
+        their groups gathered, with what gradient accumulation adds) and room for two chunks of
+        ``chunk`` bytes in flight."""
         if trace is self.trace_planned:
             return
         self.trace_planned = trace
         peak_non_model = max(m.non_model for m in trace.moments)
-        busiest = max(sum(chunk_bytes[c] for c in m.chunks) for m in trace.moments)
-        free = budget - peak_non_model - busiest - 2 * max(chunk_bytes.values())
+        busiest = max(moment_bytes(m.chunks) for m in trace.moments)
+        free = budget - peak_non_model - busiest - 2 * chunk
         capacities = {cid: chunk.capacity for cid, chunk in self.chunks.items()}
         wanted = optimizer_chunks_on_device(free, capacities, policy)
         for chunk_id in sorted(self.on_device - wanted):

@@ -40,7 +40,9 @@ class StatePlacement(Protocol):
     on_device: set[int]
     trace_planned: Trace | None
 
-    def plan(self, trace: Trace, budget: int, policy: str, chunk_bytes: dict[int, int]) -> None: ...
+    def plan(
+        self, trace: Trace, budget: int, policy: str, moment_bytes: Callable[[tuple[int, ...]], int], chunk: int
+    ) -> None: ...
 
     def all_to_host(self) -> None: ...
 
@@ -56,12 +58,14 @@ class PlacementRuntime:
         counters: StepCounters,
         chunks: list[Chunk],
         reductions: InFlightReductions,
+        moment_bytes: Callable[[tuple[int, ...]], int],
     ) -> None:
         self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
         self.ledger = store.accel.ledger
         self.chunks = chunks
         self.reductions = reductions
-        self._chunk_bytes = {c.chunk_id: c.nbytes for c in chunks}  # fixed: the step's plan reads it
+        self._largest_chunk = max((c.nbytes for c in chunks), default=0)
+        self._moment_bytes = moment_bytes  # what a traced moment's chunks take (their groups), for the step's plan
         self.moment = -1
         self.label = ""  # the label of the current moment
         self.recording = False
@@ -222,7 +226,7 @@ class PlacementRuntime:
         self._step_since_forward = True
         trace = self.tracer.current_trace()
         if trace is not None and trace is not states.trace_planned:
-            states.plan(trace, self.placer.budget, self.placer.policy, self._chunk_bytes)
+            states.plan(trace, self.placer.budget, self.placer.policy, self._moment_bytes, self._largest_chunk)
             step_moment = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
             if step_moment is not None:
                 trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
