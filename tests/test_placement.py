@@ -157,6 +157,13 @@ def test_budget_is_enforced():
         _run(_config("patrickstar", emulate_accelerator=True, device_budget=120_000), steps=1)
 
 
+def test_a_budget_below_one_chunk_group_is_refused_at_initialize():
+    """The pre-flight check: a budget that cannot hold the largest chunk group a moment gathers (here
+    one fp32 chunk of ~103 KB) fails at initialize with the key and the bytes, not in the first step."""
+    with pytest.raises(ValueError, match=r"device_budget=100,000 B cannot hold the largest chunk group .*10[0-9],[0-9]{3} B"):
+        _run(_config("patrickstar", emulate_accelerator=True, device_budget=100_000), steps=1)
+
+
 def test_shape_change_retraces(caplog):
     caplog.set_level("INFO", logger="ds_patrickstar.placement.tracer")
     engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET * 2), steps=5,

@@ -67,8 +67,9 @@ def test_largest_fitting_model_and_the_preflight_message_agree():
     with pytest.raises(ValueError, match="the largest model that would fit has about 4M parameters"):
         check_fits(plan, 0, 14 * 2 * 10**6, 2)
     with_acc = plan_for_rank([1 << 20] * 8, [0, 1] * 4, 0, 2, True)
-    assert with_acc.model_data_bytes == 4 * (1 << 20) * 14 + 8 * (1 << 20) * 4
-    assert largest_fitting_params(with_acc, 22 * 1000, 2) == 2000
+    # an fp32 accumulator per owned element: a rank of two accumulates only what it owns
+    assert with_acc.model_data_bytes == 4 * (1 << 20) * (14 + 4)
+    assert largest_fitting_params(with_acc, 18 * 1000, 2) == 2000
 
 
 def test_cli_on_a_parameter_count(capsys):

@@ -31,7 +31,7 @@ from ..memory.accelerator import Accelerator, HostAccelerator
 from ..memory.binding import build_chunk_map
 from ..memory.cuda import CudaAccelerator
 from ..memory.emulated import EmulatedAccelerator
-from ..memory.preflight import check_fits, plan_for_rank
+from ..memory.preflight import check_budget_holds, check_fits, group_bytes, plan_for_rank
 from ..memory.store import ChunkStore
 from ..optim.chunk_adam import ChunkAdam, adamw_mode
 from ..optim.states import OptimizerStates
@@ -156,6 +156,8 @@ def make_accelerator(
         accumulate,
     )
     check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size)
+    largest = max((s.capacity for s in specs), default=0)
+    check_budget_holds(budget, group_bytes(largest, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
     return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)
 
 

@@ -6,11 +6,14 @@ gives each rank's owned elements. Model data per rank is
 
 * low-precision parameters (their gradients reuse the slots): ``lp_bytes`` per owned element;
 * fp32 master, momentum and variance: 12 bytes per owned element;
-* with gradient accumulation, an fp32 accumulator for *every* chunk the rank computes
-  gradients for (all of them): 4 bytes per element of the whole model.
+* with gradient accumulation, an fp32 accumulator per owned element: 4 bytes (with one rank every
+  element is owned; with ``W`` ranks a rank accumulates only what it owns, see
+  [Note: gradient accumulation] in dist/grads.py).
 
 With placement these bytes may live on the accelerator (up to its budget) or on the host,
-so the run fits when they are at most budget + available host memory. One implementation,
+so the run fits when they are at most budget + available host memory; and the budget must hold
+the most one moment needs at once, a gathered chunk group (:func:`check_budget_holds`), or the
+first step would fail. One implementation,
 used by ``deepspeed.initialize``, by ``python -m ds_patrickstar.plan`` (the same functions on a
 parameter count, a GPT shape or a Hugging Face config.json built on ``meta``) and by the tests
 that compare it with a real run's counters.
@@ -38,8 +41,8 @@ class ModelDataPlan:
     @property
     def model_data_bytes(self) -> int:
         """Model data on this rank, device and host together."""
-        acc = ACC_BYTES_PER_ELEMENT * self.total_elements if self.accumulate else 0
-        return self.owned_elements * self.bytes_per_owned_element + acc
+        acc = ACC_BYTES_PER_ELEMENT if self.accumulate else 0
+        return self.owned_elements * (self.bytes_per_owned_element + acc)
 
 
 def plan_for_rank(
@@ -51,7 +54,7 @@ def plan_for_rank(
 
 def largest_fitting_params(plan: ModelDataPlan, available: int, world_size: int) -> int:
     """The most parameters whose model data fits ``available`` bytes per rank at this world size."""
-    per_param = plan.bytes_per_owned_element + (ACC_BYTES_PER_ELEMENT * world_size if plan.accumulate else 0)
+    per_param = plan.bytes_per_owned_element + (ACC_BYTES_PER_ELEMENT if plan.accumulate else 0)
     return available // per_param * world_size
 
 
@@ -65,8 +68,33 @@ def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size
     raise ValueError(
         f"the model data needs {need / 2**30:.2f} GiB on this rank ({plan.bytes_per_owned_element} "
         f"bytes per owned parameter x {plan.owned_elements:,} owned elements"
-        f"{', + 4 bytes per parameter for gradient accumulation' if plan.accumulate else ''}) but the "
+        f"{', + 4 bytes per owned parameter for gradient accumulation' if plan.accumulate else ''}) but the "
         f"accelerator budget ({budget / 2**30:.2f} GiB) plus free host memory give "
         f"{available / 2**30:.2f} GiB; the largest model that would fit has about "
         f"{fits / 1e6:,.0f}M parameters at this world size"
+    )
+
+
+def group_bytes(capacity: int, lp_bytes: int, world_size: int, accumulate: bool) -> int:
+    """Accelerator bytes a moment using one chunk group of ``capacity``-element chunks takes: with
+    ``W > 1`` its storage of ``W`` chunks beside the owned chunk (see [Note: gathered group storage]
+    in memory/store.py), the owned fp32 accumulator with gradient accumulation, and with ``W > 1``
+    a micro-step's gradient buffer; ``ChunkMap.moment_bytes`` counts the same from the built map
+    (and the joined buffers of straddling tensors)."""
+    chunk = capacity * lp_bytes
+    storage = world_size * chunk if world_size > 1 else 0
+    extra = ACC_BYTES_PER_ELEMENT * capacity + storage if accumulate else 0
+    return storage + chunk + extra
+
+
+def check_budget_holds(budget: int, need: int, world_size: int) -> None:
+    """Raise ``ValueError`` when the accelerator budget cannot hold ``need`` bytes, the largest chunk
+    group a moment gathers (:func:`group_bytes`), before any activation."""
+    if need <= budget:
+        return
+    what = "its storage of all ranks' chunks beside this rank's chunk" if world_size > 1 else "one chunk"
+    raise ValueError(
+        f"zero_optimization.device_budget={budget:,} B cannot hold the largest chunk group a moment uses "
+        f"({need:,} B: {what}, with what gradient accumulation adds), let alone activations; "
+        f"raise device_budget well above {need:,} B or lower chunk_size"
     )
