@@ -132,6 +132,9 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         import deepspeed  # noqa: F401  (imported once, for every job)
+
+        gc.collect()
+        gc.freeze()  # the imports live as long as the worker: kept out of every later collection
     except BaseException:  # noqa: BLE001 - the traceback travels to the parent
         results.put((None, rank, False, traceback.format_exc()))
         return
