@@ -120,7 +120,8 @@ def _die_with_parent() -> None:
 
 def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS="1")  # also for jobs that run harness's set-up (see there)
     import faulthandler
     import gc
 
