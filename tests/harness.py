@@ -29,7 +29,10 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-NUM_THREADS = 2
+# One thread: these models' ops are too small to gain from a second one, and on this 2-core
+# machine a second thread mostly spins (tests/test_vs_zero3.py -k quirk_fp32: 43 s user CPU with
+# two, 17 s with one). tests/test_kernels.py runs on two (and checks 1, 2 and 3 threads alike).
+NUM_THREADS = 1
 MICRO_BATCH = 8  # the batch size every quirk model's batch_fn produces
 
 _ENV_READY = False
