@@ -29,7 +29,10 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-NUM_THREADS = 2
+# One thread: these models' ops are too small to gain from a second one, and on this 2-core
+# machine a second thread mostly spins (tests/test_vs_zero3.py -k quirk_fp32: 43 s user CPU with
+# two, 17 s with one). tests/test_kernels.py runs on two (and checks 1, 2 and 3 threads alike).
+NUM_THREADS = 1
 MICRO_BATCH = 8  # the batch size every quirk model's batch_fn produces
 
 _ENV_READY = False
@@ -46,7 +49,12 @@ def _free_port() -> int:
 
 
 def setup_single_process_env(num_threads: int = NUM_THREADS) -> None:
-    """Env for a single-rank DeepSpeed world + fixed threads. Idempotent."""
+    """Env for a single-rank DeepSpeed world + fixed threads. Idempotent.
+
+    The thread count is ``OMP_NUM_THREADS`` where the environment sets one: a rank of
+    tests/multiproc's pools runs on one thread (ranks sharing this machine's cores with two
+    threads each spent most of their CPU time in idle threads' spinning: 5x the CPU time, 5x
+    the wall time of a 2-rank run of the GPT in tests/test_dp_overlap.py)."""
     global _ENV_READY
     if _ENV_READY:
         return
@@ -56,7 +64,7 @@ def setup_single_process_env(num_threads: int = NUM_THREADS) -> None:
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    num_threads = int(os.environ.setdefault("OMP_NUM_THREADS", str(num_threads)))
     torch.set_num_threads(num_threads)
     torch.use_deterministic_algorithms(False)
     _ENV_READY = True

@@ -7,10 +7,12 @@ each job a worker puts back what a fresh process would have (its environment, wo
 directory, torch's default seed, one thread, grad mode, DeepSpeed's comms logger, accelerate's
 singletons) and after it collects the garbage the job left.
 
-Failures are contained by throwing the pool away: a rank raising, a rank dying (``os._exit``,
-SIGKILL) or a deadline passing terminates every process of that pool (the others may be blocked
-in a collective), and the next call with that world size spawns a fresh one. So one failing test
-cannot poison later ones.
+Failures are contained by throwing the pool away: a rank raising while another is still running,
+a rank dying (``os._exit``, SIGKILL) or a deadline passing terminates every process of that pool
+(the others may be blocked in a collective), and the next call with that world size spawns a fresh
+one. So one failing test cannot poison later ones. A job that raised on the last rank still running
+(every other rank had finished it; always so on one rank, as in a refused checkpoint load) leaves
+every worker waiting for its next job, with its exception caught: that pool is kept.
 
 ``fresh=True`` runs the call on a throwaway set of processes (spawned for it, ended after it),
 for jobs whose assertion depends on a process that did nothing before (peak resident memory) or
@@ -120,7 +122,8 @@ def _die_with_parent() -> None:
 
 def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS="1")  # also for jobs that run harness's set-up (see there)
     import faulthandler
     import gc
 
@@ -132,6 +135,9 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         import deepspeed  # noqa: F401  (imported once, for every job)
+
+        gc.collect()
+        gc.freeze()  # the imports live as long as the worker: kept out of every later collection
     except BaseException:  # noqa: BLE001 - the traceback travels to the parent
         results.put((None, rank, False, traceback.format_exc()))
         return
@@ -183,6 +189,7 @@ class _Pool:
                                                         self.results), daemon=True)
                       for r in range(world_size)]
         self._ids = itertools.count(1)
+        self.intact = True  # after a failed job: whether every rank is still waiting for jobs
         for p in self.procs:
             p.start()
 
@@ -190,6 +197,7 @@ class _Pool:
         """Every rank's result of one job, as the bytes it sent, in rank order; raises WorkerError."""
         payload = pickle.dumps((fn, args))
         job_id = next(self._ids)
+        self.intact = False
         for q in self.jobs:
             q.put((job_id, payload))
         deadline = time.monotonic() + timeout
@@ -209,9 +217,12 @@ class _Pool:
                 continue
             if got is None:
                 raise WorkerError(f"rank {rank} failed to start:\n{value}")
-            if got != job_id:  # pragma: no cover - a pool is thrown away after any failure
+            if got != job_id:  # pragma: no cover - a pool is thrown away after any failure with ranks still running
                 continue
             if not ok:
+                # every other rank finished its job: none is left blocked in a collective, and the
+                # failing one caught its exception and waits for the next job
+                self.intact = len(out) == self.world_size - 1
                 raise WorkerError(f"rank {rank} failed:\n{value}")
             out[rank] = value
         return [out[r] for r in range(self.world_size)]
@@ -255,7 +266,9 @@ def _call(fn, world_size: int, args: tuple, timeout: float, fresh: bool) -> list
         ok = True
         return raw
     finally:
-        if fresh or not ok:  # a failed pool may have ranks blocked in a collective or dead: all go
+        # a failed pool may have ranks blocked in a collective or dead: all go (not when the
+        # failing rank was the only one still running: a single rank raising, as in a refused load)
+        if fresh or not (ok or pool.intact):
             if not fresh:
                 del _pools[world_size]
             pool.close(graceful=ok)

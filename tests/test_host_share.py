@@ -36,13 +36,14 @@ def _limit(rank, world_size, available, keep_gathered):
     (0, 1 << 30, 1 << 30),  # an explicit value wins
 ])
 def test_default_keep_gathered_follows_the_shared_host_memory(available, keep_gathered, expected):
-    results = run_ranks(_limit, 2, available, keep_gathered, fresh=True)
+    results = run_ranks(_limit, 2, available, keep_gathered, fresh=True, memo=True)
     assert [limit for limit, _ in results] == [expected, expected]
 
 
 def test_a_released_default_gathers_more_than_the_kept_one():
-    kept = run_ranks(_limit, 2, 1 << 40, None, fresh=True)[0][1]
-    released = run_ranks(_limit, 2, 0, None, fresh=True)[0][1]
+    # the runs of the first two cases above (memo: the same deterministic runs, made once)
+    kept = run_ranks(_limit, 2, 1 << 40, None, fresh=True, memo=True)[0][1]
+    released = run_ranks(_limit, 2, 0, None, fresh=True, memo=True)[0][1]
     assert released > kept, (released, kept)
 
 

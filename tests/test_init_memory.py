@@ -101,13 +101,12 @@ def _load_sharded_peak(rank, world_size, folder):
     return {"before": before, "peak": peak, "missing": result.missing_keys, "first": first}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_load_pretrained_peak_extra_host_memory_is_one_shard(tmp_path, world_size):
-    """A 1.2 GB fp32 checkpoint in 6 shards (pytorch_model-0000k-of-00006.bin + index) streamed into
-    the chunks: the resident memory grows by at most the largest shard (+ 64 MiB) over what it was."""
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory):
+    """(folder, largest shard's bytes, the first weight): built and written once for both world sizes."""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak resident memory")
+    tmp_path = tmp_path_factory.mktemp("sharded")
     torch.manual_seed(1)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     names = list(model.state_dict())
@@ -120,8 +119,15 @@ def test_load_pretrained_peak_extra_host_memory_is_one_shard(tmp_path, world_siz
         largest = max(largest, os.path.getsize(tmp_path / file))
         weight_map.update({n: file for n in shard})
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    expected = model.state_dict()["0.weight"].clone()
-    del model
+    return tmp_path, largest, model.state_dict()["0.weight"].clone()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_pretrained_peak_extra_host_memory_is_one_shard(sharded_checkpoint, world_size):
+    """A 1.2 GB fp32 checkpoint in 6 shards (pytorch_model-0000k-of-00006.bin + index) streamed into
+    the chunks: the resident memory grows by at most the largest shard (+ 64 MiB) over what it was."""
+    tmp_path, largest, expected = sharded_checkpoint
     # fresh processes (not the kept pool): a process that ran earlier jobs has freed heap to reuse,
     # which would hide growth of the resident memory
     for rank, r in enumerate(run_ranks(_load_sharded_peak, world_size, str(tmp_path), timeout=600, fresh=True)):

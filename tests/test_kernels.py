@@ -32,6 +32,16 @@ RTOL, ATOL = 2e-6, 1e-7
 STEPS_RTOL, STEPS_ATOL = 1e-5, 2e-6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    """The kernel's tests run on two threads (the session runs on one, tests/harness.py), so its
+    parallel split is what they check."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def cpu_step():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
