@@ -92,6 +92,8 @@ def _two_ranks(rank, world_size, path, gas):
         engine.step()
         losses.append(loss.item())
     files = sorted(os.listdir(os.path.join(path, "ds_patrickstar_swap", f"rank{rank}"))) if path else []
+    if path:
+        engine.save_checkpoint(os.path.join(path, "ckpt"), tag="t")
     result = {"losses": losses, "weights": engine.get_fp32_state_dict(), "files": files,
               "spilled": sorted(engine.optimizer.optim_states.spilled)}
     engine.destroy()
@@ -107,6 +109,23 @@ def test_two_ranks_each_spill_their_own_chunks(tmp_path):
     for rank, result in enumerate(disk):
         assert result["spilled"] and all(c % 2 == rank for c in result["spilled"])
         assert result["files"] == sorted([f"chunk{c}.swap" for c in result["spilled"]] + ["manifest.json"])
+    from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
+
+    # both ranks' spilled states went into the tag folder as files of their own; zero_to_fp32 reads them
+    assert len(list((tmp_path / "ckpt" / "t").glob("*.states"))) == sum(len(r["spilled"]) for r in disk)
+    full = consolidate_fp32_state_dict(str(tmp_path / "ckpt"))
+    assert all(torch.equal(full[n], v) for n, v in disk[0]["weights"].items())
+
+
+def test_planner_puts_what_the_host_cannot_hold_on_disk():
+    from ds_patrickstar.memory.preflight import record_bytes
+    from ds_patrickstar.plan import plan_report
+
+    sizes = [4096] * 10
+    report = plan_report(sizes, 4096, 1, 2, False, 0, 10 * 4096 * 2 + 4 * 4096 * 12 + 4 * record_bytes(4096), 3)
+    assert report["spilled_chunks"] == 6  # 2 B/param of every chunk, the buffers, then the states of 4 chunks
+    assert report["on_disk_bytes"] == 6 * record_bytes(4096)
+    assert report["fits"] and report["largest_fitting_params_disk"] > report["largest_fitting_params"]
 
 
 # ---- bad input ------------------------------------------------------------------------
