@@ -54,8 +54,12 @@ class DiskPending(Pending):
     def __init__(self, io: DiskIO, futures: list[Future[float]], finish: object = None) -> None:
         self._io, self._futures, self._finish = io, futures, finish
         self._waited = False
+        self._error: BaseException | None = None
 
     def wait(self) -> None:
+        """Return once the request completed; raise its error (again at every later wait)."""
+        if self._error is not None:
+            raise self._error
         if self._waited:
             return
         start = time.perf_counter()
@@ -67,6 +71,7 @@ class DiskPending(Pending):
                 except OSError as err:
                     errors.append(err)
             if errors:
+                self._error = errors[0]
                 raise errors[0]
             if callable(self._finish):
                 self._finish()
