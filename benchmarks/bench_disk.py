@@ -4,7 +4,8 @@
     python benchmarks/bench_disk.py --dir /nvme/tmp --raw-gib 8 --states-gib 6
 
 1. The disk: a preallocated file of ``--raw-gib`` is rewritten in place (O_DIRECT, requests of
-   ``--block-mib`` from ``--threads`` threads: the tier's own I/O code, ThreadDiskIO), then read,
+   ``--block-mib`` from ``--raw-threads`` threads, a deep queue: the tier's own I/O code,
+   ThreadDiskIO), then read,
    then read and rewritten at once (two halves, the mixed load of an optimizer step).
 2. The tier: ``--states-gib`` of optimizer states in swap files (chunks of ``--chunk-elements``),
    streamed through ``--buffers`` aligned buffers while the fused CPU Adam updates each chunk
@@ -109,6 +110,7 @@ def main():
     parser.add_argument("--buffers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--block-mib", type=int, default=8)
+    parser.add_argument("--raw-threads", type=int, default=16, help="threads of the disk's own test (a deep queue)")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -118,7 +120,7 @@ def main():
         sys.exit(f"{args.dir}: {need:,} bytes needed, {free:,} free; lower --raw-gib / --states-gib")
     block = args.block_mib * 2**20
     try:
-        raw = raw_bandwidth(args.dir, int(args.raw_gib * 2**30) // block * block, block, args.threads)
+        raw = raw_bandwidth(args.dir, int(args.raw_gib * 2**30) // block * block, block, args.raw_threads)
         tier = tier_bandwidth(args.dir, int(args.states_gib * 2**30), args.chunk_elements, args.buffers, block,
                               args.threads, args.steps)
     finally:
@@ -130,7 +132,8 @@ def main():
     print(f"| {raw['write']:.2f} | {raw['read']:.2f} | {raw['mixed']:.2f} | {tier['achieved']:.2f} | "
           f"{ratio:.0%} | {tier['step_s']:.2f} | {tier['wait_s']:.2f} | {tier['adam_s']:.2f} |")
     print(f"({tier['chunks']} chunks of {args.chunk_elements:,} elements, {tier['bytes'] / GB:.2f} GB moved per step, "
-          f"{args.buffers} buffers, {args.threads} threads, {args.block_mib} MiB requests)")
+          f"{args.buffers} buffers, {args.threads} tier threads, {args.raw_threads} raw threads, "
+          f"{args.block_mib} MiB requests)")
 
 
 if __name__ == "__main__":
