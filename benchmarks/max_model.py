@@ -12,7 +12,8 @@ walks up or down by ``--grow`` until it brackets the largest depth that trains, 
 down to one layer.
 
 Backends (each as its users would run it): ``patrickstar`` (``ds_patrickstar.Init`` +
-stage "patrickstar"), ``zero3`` (stock ZeRO-3 with ``deepspeed.zero.Init``), ``zero3-tuned`` (the
+stage "patrickstar"), ``patrickstar-disk`` (the same with the disk tier, swap files under
+``--disk DIR``, whose free space bounds the depth searched; host_budget 60% of the cap), ``zero3`` (stock ZeRO-3 with ``deepspeed.zero.Init``), ``zero3-tuned`` (the
 same with DeepSpeed's memory knobs turned down, ``bench_utils.ZERO3_MEMORY_TUNED``), ``zero3-offload``
 (ZeRO-3 + ``offload_param`` + ``offload_optimizer`` to the CPU, CUDA only) and ``torch``
 (plain PyTorch AdamW on an fp32 model under bf16 autocast; world size 1 only). On CUDA the
@@ -38,8 +39,9 @@ import psutil
 HERE = Path(__file__).resolve().parent
 GIB = 1024 ** 3
 # bytes/param guesses for the first try only (the search corrects them)
-GUESS_BYTES_PER_PARAM = {"patrickstar": 15.0, "zero3": 25.0, "zero3-tuned": 24.0, "zero3-offload": 22.0, "torch": 17.0}
+GUESS_BYTES_PER_PARAM = {"patrickstar": 15.0, "patrickstar-disk": 4.0, "zero3": 25.0, "zero3-tuned": 24.0, "zero3-offload": 22.0, "torch": 17.0}
 BASELINE = "zero3"
+DISK_HOST_SHARE = 0.6  # patrickstar-disk: host_budget per rank = this share of the cap / world size
 
 
 def gpt_params(width, depth, vocab, seq_len):
@@ -48,13 +50,16 @@ def gpt_params(width, depth, vocab, seq_len):
 
 
 # ---------------------------------------------------------------- one try (a rank process)
-def _ds_config(backend, batch, keep_gathered=None, grad_accum=1):
+def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None):
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": grad_accum,
            "steps_per_print": 10 ** 9,
            "bf16": {"enabled": True}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
-    if backend == "patrickstar":
+    if backend in ("patrickstar", "patrickstar-disk"):
         cfg["zero_optimization"] = {"stage": "patrickstar"}
+        if backend == "patrickstar-disk":  # the disk tier: optimizer states past host_budget on disk
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": disk}
+            cfg["zero_optimization"]["host_budget"] = host_budget
         if keep_gathered is not None:
             cfg["zero_optimization"]["keep_gathered"] = keep_gathered
     elif backend == "zero3":
@@ -101,8 +106,9 @@ def run_try(args):
 
         import ds_patrickstar
 
-        ds_cfg = _ds_config(args.backend, args.batch, args.keep_gathered, args.grad_accum)
-        if args.backend == "patrickstar":
+        ds_cfg = _ds_config(args.backend, args.batch, args.keep_gathered, args.grad_accum, args.disk,
+                            args.host_budget)
+        if args.backend.startswith("patrickstar"):
             init = ds_patrickstar.Init(config=ds_cfg)
         else:
             deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
@@ -196,6 +202,8 @@ def attempt(args, backend, world_size, depth, log_dir):
                    "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
                    "--grad-accum", str(args.grad_accum),
                    *(["--keep-gathered", str(args.keep_gathered)] if args.keep_gathered is not None else []),
+                   *(["--disk", args.disk, "--host-budget", str(int(cap * DISK_HOST_SHARE / world_size))]
+                     if backend == "patrickstar-disk" else []),
                    "--result", result_path]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         start, peak, why = time.time(), 0, None
@@ -316,12 +324,34 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per try, split over ranks")
     p.add_argument("--logs", default=str(HERE.parent / "runs" / "max_model"))
     p.add_argument("--json", default=None, help="write every try and the table here")
+    p.add_argument("--disk", default=None, metavar="DIR",
+                   help="add backend patrickstar-disk: the disk tier with its swap files under DIR (its free "
+                        "space is checked first and bounds --max-depth)")
+    p.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
     # one try (internal)
     p.add_argument("--try", dest="is_try", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _bound_depth_by_disk(args):
+    """The disk tier needs 12 bytes per parameter (plus padding) under --disk: check before starting."""
+    import shutil
+
+    Path(args.disk).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.disk).free
+    depth = args.max_depth
+    while depth > 1 and 12.2 * gpt_params(args.width, depth, args.vocab, args.seq_len) > free:
+        depth -= 1
+    need = 12.2 * gpt_params(args.width, depth, args.vocab, args.seq_len)
+    if need > free:
+        raise SystemExit(f"--disk {args.disk}: {free / GIB:.1f} GiB free, too little for one layer of optimizer states")
+    if depth < args.max_depth:
+        print(f"--disk {args.disk}: {free / GIB:.1f} GiB free holds the optimizer states of depth {depth} at most; "
+              f"--max-depth lowered from {args.max_depth}", flush=True)
+        args.max_depth = depth
 
 
 def main(argv=None):
@@ -339,6 +369,9 @@ def main(argv=None):
             raise SystemExit(f"--backends: unknown backend {backend!r}; choose from {sorted(GUESS_BYTES_PER_PARAM)}")
         if backend == "zero3-offload" and not cuda:
             raise SystemExit("--backends: zero3-offload needs CUDA (offload is what moves data off the GPU)")
+    if args.disk:
+        backends = backends if "patrickstar-disk" in backends else [*backends, "patrickstar-disk"]
+        _bound_depth_by_disk(args)
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     print(f"max_model: width {args.width}, seq {args.seq_len}, batch {args.batch} x GA {args.grad_accum}, "
           f"{args.steps} steps per try, "

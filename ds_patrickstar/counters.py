@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class StepCounters:
-    """Reset at every optimizer step; every field is a count or bytes for the last step."""
+    """Reset at every optimizer step; every field is a count, bytes or seconds for the last step."""
 
     bytes_all_gathered: int = 0
     """bytes received by all-gathers of chunk groups (data parallel)"""
@@ -49,9 +49,22 @@ class StepCounters:
     """host bytes the host pool holds at the end of the step: ``model_bytes_host`` as allocated
     (pinned on a GPU) plus at most one chunk's cached buffers (see [Note: pinned host memory])"""
 
+    disk_bytes_read: int = 0
+    """bytes the disk tier read (spilled optimizer states, see [Note: disk tier])"""
+    disk_bytes_written: int = 0
+    """bytes the disk tier wrote"""
+    disk_io_seconds: float = 0.0
+    """seconds the disk tier's I/O threads spent in reads and writes (summed over threads)"""
+    disk_wait_seconds: float = 0.0
+    """seconds the training waited on the disk tier's reads and writes (the I/O not hidden)"""
+    model_bytes_disk: int = 0
+    """optimizer states in the disk tier's swap files at the end of the step"""
+    disk_buffer_bytes: int = 0
+    """host bytes of the disk tier's aligned buffers"""
+
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, 0)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float]:
         return asdict(self)

@@ -10,7 +10,16 @@ import torch
 
 from .chunks.chunk_map import owner_of
 from .chunks.layout import plan_chunks
-from .memory.preflight import largest_fitting_params, plan_for_rank
+from .memory.preflight import (
+    OPTIM_BYTES_PER_ELEMENT,
+    disk_buffer_bytes,
+    largest_fitting_params,
+    plan_for_rank,
+    record_bytes,
+    spilled_chunks,
+)
+
+ACC = 4  # bytes per parameter of a gradient accumulator
 
 __all__ = ["capacities_for", "main", "plan_report", "sizes_from_gpt", "sizes_from_hf_config"]
 
@@ -64,15 +73,35 @@ def plan_report(
     accumulate: bool,
     device_budget: int,
     host_bytes: int,
+    disk_buffers: int | None = None,
 ) -> dict:
-    """Rank 0's model data (the rank with the most), where it would live, and the largest model that fits."""
+    """Rank 0's model data (the rank with the most), where it would live, and the largest model that
+    fits; ``disk_buffers`` (the disk tier's ``buffer_count``): the states that do not fit the host go
+    to disk (see [Note: disk tier plan])."""
     capacities = capacities_for(sizes, chunk_size, world_size)
     owners = [owner_of(i, world_size) for i in range(len(capacities))]
     plans = [plan_for_rank(capacities, owners, r, lp_bytes, accumulate) for r in range(world_size)]
-    plan = max(plans, key=lambda p: p.model_data_bytes)
+    rank = max(range(world_size), key=lambda r: plans[r].model_data_bytes)
+    plan = plans[rank]
     need = plan.model_data_bytes
     on_device = min(need, device_budget)
     available = device_budget + host_bytes
+    disk: dict = {}
+    if disk_buffers is not None:
+        owned = {i: c for i, c in enumerate(capacities) if owners[i] == rank}
+        buffers = disk_buffer_bytes(list(owned.values()), disk_buffers)
+        other = need - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
+        spilled = spilled_chunks(owned, other, host_bytes + device_budget, buffers)
+        on_disk = sum(record_bytes(owned[c]) for c in spilled)
+        need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) + buffers
+        on_device = min(need, device_budget)
+        ram_per_param = plan.lp_bytes + (ACC if accumulate else 0) * world_size
+        disk = {
+            "on_disk_bytes": on_disk,
+            "disk_buffer_bytes": buffers,
+            "spilled_chunks": len(spilled),
+            "largest_fitting_params_disk": max(0, available - buffers) // ram_per_param * world_size,
+        }
     return {
         "parameters": sum(sizes),
         "chunks": len(capacities),
@@ -83,6 +112,7 @@ def plan_report(
         "fits": need <= available,
         "largest_fitting_params": largest_fitting_params(plan, available, world_size),
         "plan": plan,
+        **disk,
     }
 
 
@@ -128,6 +158,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--gradient-accumulation", action="store_true", help="gradient_accumulation_steps > 1")
+    parser.add_argument(
+        "--disk",
+        type=int,
+        nargs="?",
+        const=4,
+        default=None,
+        metavar="BUFFERS",
+        help="with the disk tier (offload_optimizer nvme; its buffer_count, default 4): states that do not "
+        "fit the host go to disk",
+    )
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"--world-size={args.world_size}: use an integer >= 1")
@@ -146,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.gradient_accumulation,
         _bytes(args.device_mem),
         _bytes(args.host_mem),
+        args.disk,
     )
     gib = 2**30
     print(
@@ -161,9 +202,17 @@ def main(argv: list[str] | None = None) -> dict:
         f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
         f"take), {report['on_host_bytes'] / gib:.2f} GiB or more on the host"
     )
+    if args.disk is not None:
+        print(
+            f"disk tier: optimizer states of {report['spilled_chunks']} chunks on disk, "
+            f"{report['on_disk_bytes'] / gib:.2f} GiB per rank; {report['disk_buffer_bytes'] / gib:.2f} GiB of "
+            f"host buffers ({args.disk} + 1 chunks' states); with every state on disk about "
+            f"{report['largest_fitting_params_disk'] / 1e6:,.0f}M parameters fit host and accelerator"
+        )
     print(
         f"fits: {'yes' if report['fits'] else 'NO'}; the largest model that fits: about "
         f"{report['largest_fitting_params'] / 1e6:,.0f}M parameters at this world size"
+        f"{' with every state in memory' if args.disk is not None else ''}"
     )
     return report
 

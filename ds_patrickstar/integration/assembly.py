@@ -39,6 +39,7 @@ from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from .config import PatrickStarConfig
+from .disk_tier import open_disk_states, plan_disk_tier
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
 from .host_share import default_keep_gathered
@@ -139,8 +140,10 @@ def make_accelerator(
     comm: ChunkComm,
     dtype: torch.dtype,
     accumulate: bool,
+    on_disk: int = 0,
 ) -> Accelerator:
-    """The accelerator of this run, after the pre-flight check (see [Note: pre-flight])."""
+    """The accelerator of this run, after the pre-flight check (see [Note: pre-flight]); ``on_disk``:
+    bytes of optimizer states the disk tier holds (see [Note: disk tier plan])."""
     emulate = options.emulate_accelerator
     placement_runs = device.type == "cuda" or emulate
     _warn_ineffective(options, placement_runs)
@@ -155,7 +158,7 @@ def make_accelerator(
         dtype.itemsize,
         accumulate,
     )
-    check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size)
+    check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size, on_disk)
     largest = max((s.capacity for s in specs), default=0)
     check_budget_holds(budget, group_bytes(largest, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
     return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)
@@ -212,7 +215,9 @@ def assemble(
     counters = StepCounters()
     comm = ChunkComm(dp_group, counters)
     specs = plan_chunks(named_param_groups(module, basic_optimizer.param_groups), options.chunk_size, comm.world_size)
-    accel = make_accelerator(options, device, specs, comm, dtype, accumulate)
+    spilled = plan_disk_tier(options, specs, comm, dtype, accumulate)
+    on_disk = 12 * sum(spilled.values())
+    accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
     movable = not isinstance(accel, HostAccelerator)  # chunks have a host home: placement
     store = ChunkStore(accel, counters, movable=movable)
@@ -240,7 +245,8 @@ def assemble(
         deferred.materialize(chunk_map)
     module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
     owned = chunk_map.owned_chunks()
-    optim_states = OptimizerStates(owned, accel, start_on_device=not movable)
+    disk = open_disk_states(options, spilled, comm.rank, poison=isinstance(accel, EmulatedAccelerator))
+    optim_states = OptimizerStates(owned, accel, start_on_device=not movable, disk=disk)
     adam = ChunkAdam(
         owned,
         optim_states,

@@ -19,6 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
+from .disk_config import NvmeOffload, means_nvme, parse_nvme
+
 logger = logging.getLogger(__name__)
 
 STAGE_NAME: Literal["patrickstar"] = "patrickstar"
@@ -28,7 +30,8 @@ DEFAULT_CHUNK_SIZE = 32 * 1024 * 1024
 # itself, so accepting them silently would mislead: they are errors.
 _CONFLICTING_ZERO_KEYS = {
     "offload_param": "parameter placement between CPU and GPU is automatic (tide-aware chunk placement)",
-    "offload_optimizer": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit)",
+    "offload_optimizer": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit); "
+    '"device": "nvme" turns on the disk tier for the states that do not fit host memory',
     "cpu_offload": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit)",
     "cpu_offload_param": "parameter placement between CPU and GPU is automatic",
     "zero_hpz_partition_size": "hierarchical partitioning is not implemented",
@@ -43,6 +46,7 @@ _CONFLICTING_ZERO_KEYS = {
 # Offload blocks that say "no offload", as Hugging Face's Trainer and accelerate templates
 # write them ({"device": "none"}, often with pin_memory): harmless, so only ignored.
 _OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
+_NVME = ("", ' or "nvme" (the disk tier)')
 
 
 def _means_no_offload(key: str, value: Any) -> bool:
@@ -110,6 +114,17 @@ class PatrickStarConfig(BaseModel):
     static_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """With placement "static": the fraction of chunks that always stays on the accelerator."""
 
+    host_budget: int | float | None = None
+    """With the disk tier (``offload_optimizer: {"device": "nvme"}``): host memory the model data may
+    keep in RAM, bytes (an integer) or a fraction of the host's total memory (a number in (0, 1]);
+    the optimizer states of the chunks that do not fit go to disk. Default: the host's available
+    memory at initialize less a margin of 10% of its total memory (at least 1 GiB) for activations,
+    the framework and the page cache, divided among the ranks on this host."""
+
+    offload_optimizer: NvmeOffload | None = None
+    """The disk tier, from DeepSpeed's ``offload_optimizer`` block with ``"device": "nvme"`` and its
+    ``aio`` block (see [Note: disk tier configuration]); None: no disk tier."""
+
     emulate_accelerator: bool = False
     """On a CPU-only machine, run the placement machinery against an emulated accelerator of
     device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""
@@ -119,17 +134,21 @@ class PatrickStarConfig(BaseModel):
         on a CUDA device or with ``emulate_accelerator``; ``static_fraction`` only with ``placement:
         "static"``."""
         set_keys = self.model_fields_set
+        idle = ["host_budget"] if self.offload_optimizer is None and "host_budget" in set_keys else []
+        return idle + self._idle_placement_keys(placement_runs, set_keys)
+
+    def _idle_placement_keys(self, placement_runs: bool, set_keys: set[str]) -> list[str]:
         if not placement_runs:
             return [k for k in ("placement", "static_fraction", "device_budget") if k in set_keys]
         return ["static_fraction"] if self.placement == "auto" and "static_fraction" in set_keys else []
 
-    @field_validator("device_budget")
+    @field_validator("device_budget", "host_budget")
     @classmethod
     def _budget(cls, value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError("expected bytes (an integer) or a fraction in (0, 1], not a boolean")
         if isinstance(value, float) and not 0.0 < value <= 1.0:
-            raise ValueError("a fraction of the device's memory must be in (0, 1]; for bytes write an integer")
+            raise ValueError("a fraction of the memory must be in (0, 1]; for bytes write an integer")
         if isinstance(value, int) and value < 2**12:
             raise ValueError("a budget in bytes must be at least 4 KiB (4096); for a fraction write e.g. 0.5")
         return value
@@ -163,17 +182,25 @@ def _describe(error: ErrorDetails) -> str:
     return f"zero_optimization.{key}={value!r} is invalid: {msg}{use} ({key}: {doc})"
 
 
-def parse_patrickstar_options(zero_block: dict[str, Any]) -> PatrickStarConfig:
-    """Validate our keys; conflicting stock keys raise, harmless stock keys warn."""
+def parse_patrickstar_options(zero_block: dict[str, Any], aio: dict[str, Any] | None = None) -> PatrickStarConfig:
+    """Validate our keys; conflicting stock keys raise, harmless stock keys warn; ``offload_optimizer``
+    with ``"device": "nvme"`` (and DeepSpeed's top-level ``aio`` block) set up the disk tier."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     stock_keys = set(DeepSpeedZeroConfig.model_fields)
     stock_keys |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
-    ours, ignored = {}, []
+    ours: dict[str, Any] = {}
+    ignored: list[str] = []
     for key, value in zero_block.items():
+        if key == "offload_optimizer" and means_nvme(value):
+            ours[key] = parse_nvme(value, aio)
+            continue
         if key in _CONFLICTING_ZERO_KEYS and not _means_no_offload(key, value):
             got = (
-                f'; got {value!r}, and only "device": "none" (no offload) is accepted' if key in _OFFLOAD_BLOCKS else ""
+                f'; got {value!r}, and only "device": "none" (no offload)'
+                f"{_NVME[key == 'offload_optimizer']} is accepted"
+                if key in _OFFLOAD_BLOCKS
+                else ""
             )
             raise ValueError(
                 f"zero_optimization.{key} cannot be used with stage 'patrickstar': "
@@ -307,7 +334,8 @@ def check_reduction_settings(
 
 def split_config(config: dict[str, Any]) -> tuple[PatrickStarConfig, dict[str, Any]]:
     """Return our options and the sanitized dict DeepSpeed sees; see [Note: config split]."""
-    options = parse_patrickstar_options(config["zero_optimization"])
+    aio = config.get("aio") if isinstance(config.get("aio"), dict) else None
+    options = parse_patrickstar_options(config["zero_optimization"], aio)
     check_optimizer_block(config)
     sanitized = copy.deepcopy(config)
     sanitized["zero_optimization"] = {"stage": 0}

@@ -153,7 +153,7 @@ class PatrickStarEngine(DeepSpeedEngine):
                 ]
             )
 
-    def get_patrickstar_counters(self) -> dict[str, int]:
+    def get_patrickstar_counters(self) -> dict[str, int | float]:
         """The last completed optimizer step's counters (all zero before the first step; bytes of
         this rank) plus ``model_data_bytes``, what this rank holds for the model now."""
         return {**self.optimizer.last_step_counters, "model_data_bytes": int(self.optimizer.model_data_bytes())}
@@ -161,13 +161,17 @@ class PatrickStarEngine(DeepSpeedEngine):
     # ---- checkpoints (see [Note: checkpoint format], [Note: crash-safe save]) --------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        saved = super().save_checkpoint(
-            save_dir,
-            tag,
-            client_state=client_state or {},
-            save_latest=False,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )
+        self.optimizer.checkpoint_folder = os.path.join(save_dir, tag)  # see [Note: disk tier checkpoints]
+        try:
+            saved = super().save_checkpoint(
+                save_dir,
+                tag,
+                client_state=client_state or {},
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        finally:
+            self.optimizer.checkpoint_folder = None
         dist.barrier()
         if self.global_rank == 0:
             checkpoint.write_marker(save_dir, tag)

@@ -69,7 +69,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.counters, self.accel, self.chunk_map = parts.counters, parts.accel, parts.chunk_map
         self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
         self.export, self.adam = parts.export, parts.adam
-        self.last_step_counters: dict[str, int] = self.counters.as_dict()  # all zero before the first step
+        self.last_step_counters: dict[str, int | float] = self.counters.as_dict()  # all zero before the first step
         self.consecutive_skipped_steps = 0
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
         self.fp16_groups = [
@@ -87,6 +87,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.torch_autocast_gradscaler = None
         self.overflow = False
         self._global_grad_norm = 0.0
+        self.checkpoint_folder: str | None = None  # during engine.save_checkpoint: the tag folder
         self._frozen_or_extra = [p for p in module.parameters() if self.chunk_map.info(p) is None]
 
     # ---- scaler interface -------------------------------------------------------
@@ -160,7 +161,12 @@ class PatrickStarOptimizer(ZeROOptimizer):
     # ---- checkpoints (see [Note: checkpoint format]) ---------------------------------
     def state_dict(self) -> dict:
         return checkpoint.optimizer_state(
-            self.chunk_map, self.optim_states.states, self.adam.group_steps, self.loss_scaler, self.param_groups
+            self.chunk_map,
+            self.optim_states,
+            self.adam.group_steps,
+            self.loss_scaler,
+            self.param_groups,
+            folder=self.checkpoint_folder,
         )
 
     def load_state_dict(
@@ -174,7 +180,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
             state_dict_list = [state_dict_list]
         if load_from_fp32_weights or load_optimizer_states:
             saved = checkpoint.load_optimizer_states(
-                self.chunk_map, self.optim_states.states, state_dict_list, load_optimizer_states
+                self.chunk_map, self.optim_states, state_dict_list, load_optimizer_states
             )
             if load_optimizer_states:
                 self.adam.group_steps = list(saved["group_steps"])
@@ -185,8 +191,13 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.optim_states.master_to_params()
         self.manager.finish_step()
 
+    def destroy(self) -> None:
+        """``engine.destroy()``: the disk tier's swap files are scratch and go now (see [Note: swap files])."""
+        if self.optim_states.disk is not None:
+            self.optim_states.disk.close()
+
     # ---- accounting -------------------------------------------------------------
-    def end_step_counters(self) -> dict[str, int]:
+    def end_step_counters(self) -> dict[str, int | float]:
         """Close the step: ``counters`` (everything counted since the previous step, including the
         collectives of a ``state_dict()``/``get_fp32_state_dict()`` in between) become
         ``last_step_counters`` and start again from zero. The engine calls this after every
@@ -194,6 +205,12 @@ class PatrickStarOptimizer(ZeROOptimizer):
         device, host = self.model_data_bytes_split()
         self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
         self.counters.host_bytes_allocated = self.accel.host_pool.allocated
+        disk = self.optim_states.disk
+        if disk is not None:
+            counts = disk.take_counts()
+            self.counters.disk_bytes_read, self.counters.disk_bytes_written = counts[0], counts[1]
+            self.counters.disk_io_seconds, self.counters.disk_wait_seconds = counts[2], counts[3]
+            self.counters.model_bytes_disk, self.counters.disk_buffer_bytes = disk.bytes_on_disk, disk.buffer_bytes
         self.last_step_counters = self.counters.as_dict()
         self.counters.reset()
         self.accel.ledger.reset_peak()

@@ -30,6 +30,16 @@ holding anything else is refused with a :class:`CheckpointError` naming it. The 
 also carries ``client_state`` (any objects the user saved); ``engine.load_checkpoint`` leaves that
 file to DeepSpeed, which unpickles it as for every stage, and checks its parameter shapes first
 when they can be read weights-only.
+
+[Note: disk tier checkpoints]
+A chunk whose states live in the disk tier is saved as a file of its own in the tag folder
+(``ds_patrickstar_optim_rank<r>_chunk<id>.states``: its swap record, master, momentum and variance
+each padded to 4 KiB), copied through the tier's one-chunk cache, so a save never holds more than
+one spilled chunk in RAM; the optimizer file names it (``{"file", "numel", "stride"}``) instead of
+holding tensors. The files are written (and fsynced) before DeepSpeed writes the optimizer file,
+so the completion marker lists them and checks their sizes like every other file. Loading (any
+world size) and ``zero_to_fp32`` read the slices they need from such a file on demand
+(:func:`saved_values`); a run with the disk tier loads them into its own tier chunk by chunk.
 """
 
 from __future__ import annotations
@@ -43,17 +53,20 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy
 import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 
 from ..chunks.chunk import Piece
 from ..chunks.chunk_map import ChunkMap, owner_of
-from ..optim.states import OptimizerChunk
+from ..memory.disk_io import align_up
+from ..optim.states import OptimizerStates
 
 FORMAT = "ds_patrickstar/2"
 _FORMATS = (FORMAT, "ds_patrickstar/1")
 MARKER = "ds_patrickstar_complete.json"
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
+FOLDER_KEY = "_folder"  # set on load: the tag folder a saved dict's states files are in
 
 
 class CheckpointError(ValueError):
@@ -153,21 +166,29 @@ def load_file(path: str) -> Any:
 # ---- optimizer state ----------------------------------------------------------------
 def optimizer_state(
     chunk_map: ChunkMap,
-    states: dict[int, OptimizerChunk],
+    states: OptimizerStates,
     group_steps: list[int],
     loss_scaler: LossScalerBase,
     param_groups: list[dict],
+    folder: str | None = None,
 ) -> dict[str, Any]:
     """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
-    the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory."""
+    the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory;
+    with ``folder`` (the tag folder of a save) spilled states go into files of their own there,
+    chunk by chunk (see [Note: disk tier checkpoints])."""
     layout = {
         info.name: (tuple(info.shape), [(p.chunk_id, p.offset, p.start, p.numel) for p in info.pieces])
         for info in chunk_map.infos()
     }
-    chunks = {
-        cid: {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
-        for cid, opt in states.items()
-    }
+    chunks: dict[int, dict[str, Any]] = {}
+    for cid in sorted(states.chunks):
+        if cid in states.spilled and folder is not None:
+            chunks[cid] = _write_states_file(states, cid, chunk_map.rank, folder)
+            continue
+        opt = states.state_of(cid)
+        chunks[cid] = {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
+        if cid in states.spilled:  # .cpu() of a host tensor is the cache itself: copy it out
+            chunks[cid] = {key: value.clone() for key, value in chunks[cid].items()}
     return {
         "format": FORMAT,
         "rank": chunk_map.rank,
@@ -178,6 +199,37 @@ def optimizer_state(
         "loss_scaler": loss_scaler,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups],
     }
+
+
+_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _write_states_file(states: OptimizerStates, cid: int, rank: int, folder: str) -> dict[str, Any]:
+    """A spilled chunk's swap record, copied into the tag folder; the entry that names it."""
+    disk = states.disk
+    if disk is None:
+        raise RuntimeError(f"chunk {cid} is spilled but the run has no disk tier")
+    name = f"ds_patrickstar_optim_rank{rank}_chunk{cid}.states"
+    record = disk.record_view(cid)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(memoryview(record.numpy()))  # type: ignore[arg-type]
+        f.flush()
+        os.fsync(f.fileno())
+    numel = disk.capacities[cid]
+    return {"file": name, "numel": numel, "stride": align_up(numel * 4)}
+
+
+def saved_values(sd: dict, cid: int, key: str) -> torch.Tensor:
+    """A saved chunk's ``key`` values: a tensor in the file, or a view of its own states file
+    (read on demand, see [Note: disk tier checkpoints])."""
+    entry = sd["chunks"][cid]
+    if "file" not in entry:
+        return entry[key]
+    path = os.path.join(sd[FOLDER_KEY], entry["file"])
+    offset = _KEYS.index(key) * entry["stride"]
+    values = numpy.memmap(path, dtype=numpy.float32, mode="c", offset=offset, shape=(entry["numel"],))
+    return torch.from_numpy(values)
 
 
 def _entry(entry: tuple) -> tuple[tuple, list[tuple[int, int, int, int]]]:
@@ -240,7 +292,7 @@ def owned_optimizer_files(chunk_map: ChunkMap, paths: list[str]) -> Iterator[dic
     most the files it needs, not all ``W`` of them (see [Note: checkpoint format])."""
     by_rank = {_saved_rank(p): p for p in paths}
     first_path = by_rank.get(chunk_map.rank, paths[0])
-    first = load_file(first_path)["optimizer_state_dict"]
+    first = _with_folder(load_file(first_path)["optimizer_state_dict"], first_path)
     yield first
     world = first.get("world_size") if isinstance(first, dict) else None
     if not isinstance(world, int) or len(by_rank) != len(paths):
@@ -249,7 +301,14 @@ def owned_optimizer_files(chunk_map: ChunkMap, paths: list[str]) -> Iterator[dic
         needed = {by_rank.get(owner_of(cid, world), "") for cid in _overlapping_saved_chunks(chunk_map, first)}
     for path in paths:
         if path in needed and path != first_path:
-            yield load_file(path)["optimizer_state_dict"]
+            yield _with_folder(load_file(path)["optimizer_state_dict"], path)
+
+
+def _with_folder(sd: Any, path: str) -> Any:
+    """``sd`` knowing the folder its states files are in (see [Note: disk tier checkpoints])."""
+    if isinstance(sd, dict):
+        sd[FOLDER_KEY] = os.path.dirname(path)
+    return sd
 
 
 def _overlapping_saved_chunks(chunk_map: ChunkMap, saved: dict) -> set[int]:
@@ -262,9 +321,12 @@ def _overlapping_saved_chunks(chunk_map: ChunkMap, saved: dict) -> set[int]:
     return chunks
 
 
-def load_optimizer_states(chunk_map: ChunkMap, states: dict, saved: Iterable[dict], load_moments: bool) -> dict:
-    """Copy the elements of every owned piece from whichever saved rank held them; returns one saved dict."""
-    owned = {info.name: [p for p in info.pieces if p.chunk_id in states] for info in chunk_map.infos()}
+def load_optimizer_states(
+    chunk_map: ChunkMap, states: OptimizerStates, saved: Iterable[dict], load_moments: bool
+) -> dict:
+    """Copy the elements of every owned piece from whichever saved rank held them into the states
+    (spilled ones through the disk tier's cache); returns one saved dict."""
+    owned = {info.name: [p for p in info.pieces if p.chunk_id in states.chunks] for info in chunk_map.infos()}
     owned = {name: pieces for name, pieces in owned.items() if pieces}
     covered = dict.fromkeys(owned, 0)
     keys = ("master", "exp_avg", "exp_avg_sq") if load_moments else ("master",)
@@ -283,8 +345,10 @@ def load_optimizer_states(chunk_map: ChunkMap, states: dict, saved: Iterable[dic
             pieces = [p for p in _entry(entry)[1] if p[0] in sd["chunks"]]
             for piece, ours, cid, theirs in _overlaps(owned[name], pieces):
                 for key in keys:
-                    getattr(states[piece.chunk_id], key)[ours].copy_(sd["chunks"][cid][key][theirs])
+                    target = getattr(states.state_of(piece.chunk_id, write=True), key)
+                    target[ours].copy_(saved_values(sd, cid, key)[theirs])
                 covered[name] += ours.stop - ours.start
+    states.flush()
     if first is None:
         raise CheckpointError("the checkpoint has no optimizer state files")
     missing = sorted(name for name, pieces in owned.items() if covered[name] != sum(p.numel for p in pieces))
@@ -311,7 +375,7 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
     flat: dict[str, tuple[torch.Tensor, tuple]] = {}
     covered: dict[str, int] = {}
     for path in sorted(glob.glob(os.path.join(folder, OPTIM_GLOB))):
-        sd = load_file(path)["optimizer_state_dict"]
+        sd = _with_folder(load_file(path)["optimizer_state_dict"], path)
         if sd.get("format") not in _FORMATS:
             raise CheckpointError(f"{path} was not written by ds_patrickstar")
         for name, entry in sd["layout"].items():
@@ -320,7 +384,7 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
                 if cid in sd["chunks"]:
                     if name not in flat:
                         flat[name] = (torch.empty(math.prod(shape), dtype=torch.float32), shape)
-                    flat[name][0][start : start + numel] = sd["chunks"][cid]["master"][offset : offset + numel]
+                    flat[name][0][start : start + numel] = saved_values(sd, cid, "master")[offset : offset + numel]
                     covered[name] = covered.get(name, 0) + numel
     for name, (values, shape) in flat.items():
         if covered[name] != values.numel():

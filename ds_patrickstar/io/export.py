@@ -88,7 +88,7 @@ class ChunkExport:
             members = self.map.group_members(group)
             if fp32_masters:
                 hosts = self._group_on_host(
-                    group, lambda c: self.optim_states.states[c.chunk_id].master, torch.float32, "fp32 masters"
+                    group, lambda c: self.optim_states.state_of(c.chunk_id).master, torch.float32, "fp32 masters"
                 )
             else:
                 hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
@@ -174,9 +174,10 @@ class ChunkExport:
             return
         flat = value.reshape(-1)
         self.map.write_pieces(info, flat, lambda chunk: chunk.ready())
-        self.map.write_pieces(info, flat, lambda chunk: self.optim_states.states[chunk.chunk_id].master)
+        self.map.write_pieces(info, flat, lambda chunk: self.optim_states.state_of(chunk.chunk_id, write=True).master)
 
     def finish_load(self, incompatible_keys: Any) -> None:
+        self.optim_states.flush()  # spilled masters written through the cache go back to disk
         consumed = set(self._consumed)
         incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in consumed]
         self._consumed = []

@@ -17,14 +17,50 @@ first step would fail. One implementation,
 used by ``deepspeed.initialize``, by ``python -m ds_patrickstar.plan`` (the same functions on a
 parameter count, a GPT shape or a Hugging Face config.json built on ``meta``) and by the tests
 that compare it with a real run's counters.
+
+[Note: disk tier plan]
+With the disk tier, the owned chunks' optimizer states fill what ``host_budget`` leaves after the
+rest of the model data (low-precision chunks, accumulators) and the tier's buffers
+(``buffer_count`` step buffers and a one-chunk cache, each one chunk's master/momentum/variance),
+in chunk order; the states of the remaining chunks are *spilled*: 12 bytes per element on disk
+(each of the three padded to 4 KiB), none in RAM. The run then fits when model data less the
+spilled states is at most budget + available host memory, and the swap folder has room for the
+spilled records (checked at initialize, naming the folder and the numbers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .disk_io import align_up
+
 OPTIM_BYTES_PER_ELEMENT = 12  # fp32 master + momentum + variance
 ACC_BYTES_PER_ELEMENT = 4
+MIN_DISK_BUFFERS = 3  # read-ahead, compute, write-behind
+
+
+def record_bytes(capacity: int) -> int:
+    """Bytes of one chunk's swap record: master, momentum and variance, each padded to the alignment."""
+    return 3 * align_up(capacity * 4)
+
+
+def disk_buffer_bytes(capacities: list[int], buffer_count: int) -> int:
+    """Host bytes of the disk tier's buffers: ``buffer_count`` step buffers and the one-chunk cache."""
+    return (max(buffer_count, MIN_DISK_BUFFERS) + 1) * max((record_bytes(c) for c in capacities), default=0)
+
+
+def spilled_chunks(owned: dict[int, int], other_bytes: int, host_budget: int, buffer_bytes: int) -> set[int]:
+    """The owned chunks (id -> capacity) whose states go to disk; see [Note: disk tier plan]."""
+    room = host_budget - other_bytes - buffer_bytes
+    spilled: set[int] = set()
+    used = 0
+    for chunk_id, capacity in sorted(owned.items()):
+        cost = capacity * OPTIM_BYTES_PER_ELEMENT
+        if spilled or used + cost > room:
+            spilled.add(chunk_id)
+        else:
+            used += cost
+    return spilled
 
 
 @dataclass(frozen=True)
@@ -58,9 +94,10 @@ def largest_fitting_params(plan: ModelDataPlan, available: int, world_size: int)
     return available // per_param * world_size
 
 
-def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size: int) -> None:
-    """Raise ``ValueError`` when the model data cannot fit accelerator budget plus free host memory."""
-    need = plan.model_data_bytes
+def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size: int, on_disk: int = 0) -> None:
+    """Raise ``ValueError`` when the model data (less ``on_disk``: the states of spilled chunks) cannot
+    fit accelerator budget plus free host memory."""
+    need = plan.model_data_bytes - on_disk
     available = budget + host_available
     if need <= available:
         return

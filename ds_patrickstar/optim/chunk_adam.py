@@ -24,7 +24,7 @@ from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..placement.runtime import PlacementRuntime
 from .adam_math import AdamHyper, AdamStep, adam_step_reference
-from .states import OptimizerStates
+from .states import OptimizerChunk, OptimizerStates
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -94,25 +94,37 @@ class ChunkAdam:
             adam_backend(device)
 
     def apply(self, grad_scale: float) -> None:
-        """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``."""
+        """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``; the spilled
+        chunks' reads start first and stream behind the others (see [Note: disk tier])."""
         for index in self._stepped_groups:
             self.group_steps[index] += 1
-        for chunk in self._chunks:
-            if chunk.used == 0:
-                continue
-            state = self._states.states[chunk.chunk_id]
-            hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
-            data = self._chunk_values(chunk)[: chunk.used]
-            used = chunk.used
-            adam_backend(data.device)(
-                data,
-                state.master[:used],
-                state.exp_avg[:used],
-                state.exp_avg_sq[:used],
-                step=self.group_steps[chunk.group_index],
-                hyper=hyper,
-                grad_scale=grad_scale,
-            )
+        chunks = [c for c in self._chunks if c.used]
+        spilled = [c for c in chunks if c.chunk_id in self._states.spilled]
+        disk = self._states.disk
+        stream = disk.stream([c.chunk_id for c in spilled]) if disk is not None and spilled else None
+        if stream is not None:
+            stream.start()
+        for chunk in chunks:
+            if chunk.chunk_id not in self._states.spilled:
+                self._update(chunk, self._states.states[chunk.chunk_id], grad_scale)
+        if stream is not None:
+            by_id = {c.chunk_id: c for c in spilled}
+            for chunk_id, state in stream:
+                self._update(by_id[chunk_id], state, grad_scale)
+
+    def _update(self, chunk: Chunk, state: OptimizerChunk, grad_scale: float) -> None:
+        hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
+        data = self._chunk_values(chunk)[: chunk.used]
+        used = chunk.used
+        adam_backend(data.device)(
+            data,
+            state.master[:used],
+            state.exp_avg[:used],
+            state.exp_avg_sq[:used],
+            step=self.group_steps[chunk.group_index],
+            hyper=hyper,
+            grad_scale=grad_scale,
+        )
 
     def _chunk_values(self, chunk: Chunk) -> torch.Tensor:
         """Hybrid Adam: a chunk is updated where its optimizer state lives (see

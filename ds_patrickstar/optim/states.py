@@ -8,7 +8,9 @@ the tide leaves at its highest decides which chunks' states live on the accelera
 in chunk order, and the states move to match the new decision: a re-trace with a higher
 tide sends states back to the host, a lower one brings more in. A chunk is updated by
 Adam where its states live; the others are updated on the host by the CPU kernel, and
-their chunks are not brought to the accelerator for the step.
+their chunks are not brought to the accelerator for the step. With the disk tier, the states of
+the *spilled* chunks live on disk instead (see [Note: disk tier]); they are updated on the host
+and never move to the accelerator.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +27,9 @@ from ..memory.accelerator import Accelerator
 from ..memory.ledger import DeviceBudgetExceeded
 from ..placement.policy import optimizer_chunks_on_device
 from ..placement.tracer import Trace
+
+if TYPE_CHECKING:
+    from .disk_states import DiskStates
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +53,19 @@ class OptimizerChunk:
 class OptimizerStates:
     """Creates the states of the owned chunks and moves them; see [Note: optimizer-state placement]."""
 
-    def __init__(self, chunks: list[Chunk], accel: Accelerator, start_on_device: bool) -> None:
+    def __init__(
+        self, chunks: list[Chunk], accel: Accelerator, start_on_device: bool, disk: DiskStates | None = None
+    ) -> None:
         self.accel = accel
         self.chunks = {c.chunk_id: c for c in chunks}
-        self.states: dict[int, OptimizerChunk] = {}
+        self.disk = disk
+        self.spilled: set[int] = set(disk.capacities) if disk is not None else set()
+        self.states: dict[int, OptimizerChunk] = {}  # the states in memory (host or accelerator)
         self.on_device: set[int] = set()
         for chunk in chunks:
+            if chunk.chunk_id in self.spilled and disk is not None:
+                disk.initialize(chunk.chunk_id, chunk.ready())
+                continue
             self.states[chunk.chunk_id] = self._create(chunk, start_on_device)
             if start_on_device:
                 self.on_device.add(chunk.chunk_id)
@@ -83,7 +96,7 @@ class OptimizerStates:
         peak_non_model = max(m.non_model for m in trace.moments)
         busiest = max(moment_bytes(m.chunks) for m in trace.moments)
         free = budget - peak_non_model - busiest - 2 * chunk
-        capacities = {cid: chunk.capacity for cid, chunk in self.chunks.items()}
+        capacities = {cid: c.capacity for cid, c in self.chunks.items() if cid not in self.spilled}
         wanted = optimizer_chunks_on_device(free, capacities, policy)
         for chunk_id in sorted(self.on_device - wanted):
             self._move(chunk_id, to_device=False)
@@ -142,19 +155,35 @@ class OptimizerStates:
         return tensors
 
     # ---- values -----------------------------------------------------------------------
+    def state_of(self, chunk_id: int, write: bool = False) -> OptimizerChunk:
+        """The states of an owned chunk wherever they live; a spilled chunk's through the disk tier's
+        one-chunk cache (``write``: changes are kept on :meth:`flush`)."""
+        if chunk_id in self.spilled and self.disk is not None:
+            return self.disk.cached(chunk_id, write)
+        return self.states[chunk_id]
+
+    def flush(self) -> None:
+        """Spilled states changed through :meth:`state_of` go back to disk."""
+        if self.disk is not None:
+            self.disk.flush()
+
     @torch.no_grad()
     def params_to_master(self) -> None:
         """After the parameters were overwritten (a module state_dict load): masters follow them."""
-        for chunk_id, state in self.states.items():
-            chunk = self.chunks[chunk_id]
-            state.master[: chunk.used].copy_(chunk.ready()[: chunk.used])
+        for chunk_id, chunk in self.chunks.items():
+            self.state_of(chunk_id, write=True).master[: chunk.used].copy_(chunk.ready()[: chunk.used])
+        self.flush()
 
     @torch.no_grad()
     def master_to_params(self) -> None:
         """After the masters were loaded (or an overflow): the owned slots get their values."""
-        for chunk_id, state in self.states.items():
-            chunk = self.chunks[chunk_id]
-            chunk.ready()[: chunk.used].copy_(state.master[: chunk.used])
+        for chunk_id, chunk in self.chunks.items():
+            chunk.ready()[: chunk.used].copy_(self.state_of(chunk_id).master[: chunk.used])
+        self.flush()
 
     def bytes_on_host(self) -> int:
+        """States in host memory (spilled states and the disk tier's buffers not included)."""
         return sum(s.nbytes for c, s in self.states.items() if c not in self.on_device)
+
+    def bytes_on_disk(self) -> int:
+        return self.disk.bytes_on_disk if self.disk is not None else 0

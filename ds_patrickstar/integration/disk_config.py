@@ -1,0 +1,103 @@
+"""The disk tier's configuration: DeepSpeed's ``offload_optimizer: {"device": "nvme"}`` and ``aio`` blocks.
+
+[Note: disk tier configuration]
+``zero_optimization.offload_optimizer`` with ``"device": "nvme"`` turns the disk tier on (see
+[Note: disk tier]); ``"device": "none"`` is no offload, ``"cpu"`` is refused (placement decides
+what lives on the host). Of DeepSpeed's keys, ``nvme_path`` is the folder of the swap files and
+``buffer_count`` the number of aligned host buffers the step streams through (at least 3:
+read-ahead, compute, write-behind); ``pipeline_read``/``pipeline_write`` are what the tier always
+does. The top-level ``aio`` block's ``intra_op_parallelism`` (``thread_count`` in older
+DeepSpeed) is the number of I/O threads and its ``block_size`` the piece each thread reads or
+writes at a time. Keys that mean nothing here are accepted with a warning naming them:
+``pin_memory`` (the buffers feed the CPU Adam, never a device copy), ``fast_init``, ``ratio``,
+``super_offload``, ``cpuadam_cores_perc`` and ``aio``'s ``queue_depth``, ``single_submit``,
+``overlap_events``, ``use_gds`` (settings of DeepSpeed's libaio backend, which is not used).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..memory.disk_io import DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
+
+logger = logging.getLogger(__name__)
+
+_IDLE_OFFLOAD_KEYS = {
+    "pin_memory": "the disk tier's buffers feed the CPU Adam, never a device copy",
+    "fast_init": "the swap files are written once at initialize",
+    "ratio": "host_budget decides which optimizer states go to disk",
+    "super_offload": "a ZeRO-3 offload feature",
+    "cpuadam_cores_perc": "the CPU Adam uses OpenMP's threads",
+}
+_PIPELINE_KEYS = ("pipeline_read", "pipeline_write")
+_IDLE_AIO_KEYS = ("queue_depth", "single_submit", "overlap_events", "use_gds")
+_AIO_THREAD_KEYS = ("intra_op_parallelism", "thread_count")
+
+
+class NvmeOffload(BaseModel):
+    """The disk tier's settings, from ``offload_optimizer`` and ``aio``; see [Note: disk tier configuration]."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    nvme_path: str
+    """The folder of the swap files (each rank uses ``ds_patrickstar_swap/rank<r>/`` under it)."""
+
+    buffer_count: int = Field(default=4, ge=3, le=64)
+    """Aligned host buffers of one chunk's states the step streams through (read-ahead, compute,
+    write-behind)."""
+
+    threads: int = Field(default=DEFAULT_THREADS, ge=1, le=64)
+    """I/O threads (``aio.intra_op_parallelism``)."""
+
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=4096, le=2**30)
+    """Bytes one thread reads or writes at a time (``aio.block_size``)."""
+
+
+def means_nvme(value: Any) -> bool:
+    return isinstance(value, dict) and str(value.get("device", "")).lower() == "nvme"
+
+
+def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None) -> NvmeOffload:
+    """The disk tier's settings; bad values raise ``ValueError`` naming the key, idle keys warn."""
+    if not isinstance(block.get("nvme_path"), str) or not block["nvme_path"]:
+        raise ValueError(
+            'zero_optimization.offload_optimizer: "device": "nvme" needs "nvme_path": the folder of the swap '
+            f"files (got {block.get('nvme_path')!r})"
+        )
+    idle = [f"offload_optimizer.{k}" for k in _IDLE_OFFLOAD_KEYS if k in block]
+    idle += [f"offload_optimizer.{k}" for k in _PIPELINE_KEYS if block.get(k) is False]
+    known = {"device", "nvme_path", "buffer_count", *_IDLE_OFFLOAD_KEYS, *_PIPELINE_KEYS}
+    unknown = sorted(set(block) - known)
+    if unknown:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.{unknown[0]} is not a key of DeepSpeed's offload_optimizer "
+            f"block; the keys are: {', '.join(sorted(known))}"
+        )
+    values: dict[str, Any] = {"nvme_path": block["nvme_path"]}
+    if "buffer_count" in block:
+        values["buffer_count"] = block["buffer_count"]
+    aio = aio or {}
+    for key in _AIO_THREAD_KEYS:
+        if key in aio:
+            values["threads"] = aio[key]
+            break
+    if "block_size" in aio:
+        values["block_size"] = aio["block_size"]
+    idle += [f"aio.{k}" for k in _IDLE_AIO_KEYS if k in aio]
+    if idle:
+        logger.warning(
+            "ds_patrickstar: keys %s do nothing for stage 'patrickstar''s disk tier (it uses threads calling "
+            "preadv/pwritev on host buffers that feed the CPU Adam); remove them",
+            idle,
+        )
+    try:
+        return NvmeOffload(**values)
+    except ValidationError as err:
+        names = {"threads": "aio.intra_op_parallelism", "block_size": "aio.block_size"}
+        error = err.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else "offload_optimizer"
+        key = names.get(field, f"zero_optimization.offload_optimizer.{field}")
+        raise ValueError(f"{key}={error.get('input')!r} is invalid: {error['msg']}") from None

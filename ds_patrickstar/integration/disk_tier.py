@@ -1,0 +1,80 @@
+"""Setting up the disk tier at initialize: the host budget, which chunks spill, the folder check, the files.
+
+See [Note: disk tier plan] for the arithmetic and [Note: disk tier] for what runs in a step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from ..chunks.chunk_map import owner_of
+from ..chunks.layout import ChunkSpec
+from ..dist.comm import ChunkComm
+from ..memory.disk_io import ThreadDiskIO
+from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, disk_buffer_bytes, plan_for_rank, record_bytes, spilled_chunks
+from ..memory.swap_files import PathProbe, SwapFiles, check_swap_path, rank_folder, stale_bytes
+from ..optim.disk_states import DiskStates
+from .config import PatrickStarConfig
+from .host_share import local_world_size
+
+logger = logging.getLogger(__name__)
+
+HOST_MARGIN_FRACTION = 0.10
+"""Of the host's total memory, left out of the default host budget (activations, the framework,
+the page cache), at least :data:`HOST_MARGIN_MIN` bytes."""
+HOST_MARGIN_MIN = 1 << 30
+
+
+def resolve_host_budget(host_budget: int | float | None, world_size: int) -> int:
+    """Bytes of model data this rank may keep in RAM: the option (a fraction: of total memory), or
+    the available memory less the margin, shared by the ranks on this host."""
+    memory = psutil.virtual_memory()
+    if isinstance(host_budget, float):
+        return int(memory.total * host_budget)
+    if isinstance(host_budget, int):
+        return host_budget
+    margin = max(HOST_MARGIN_MIN, int(memory.total * HOST_MARGIN_FRACTION))
+    return max(0, memory.available - margin) // local_world_size(world_size)
+
+
+def plan_disk_tier(
+    options: PatrickStarConfig, specs: list[ChunkSpec], comm: ChunkComm, dtype: torch.dtype, accumulate: bool
+) -> dict[int, int]:
+    """The spilled chunks of this rank (id -> capacity), after checking ``nvme_path`` has room for them."""
+    nvme = options.offload_optimizer
+    if nvme is None:
+        return {}
+    owners = [owner_of(i, comm.world_size) for i in range(len(specs))]
+    plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
+    owned = {i: s.capacity for i, s in enumerate(specs) if owners[i] == comm.rank}
+    budget = resolve_host_budget(options.host_budget, comm.world_size)
+    buffers = disk_buffer_bytes(list(owned.values()), nvme.buffer_count)
+    other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
+    spilled = {cid: owned[cid] for cid in sorted(spilled_chunks(owned, other, budget, buffers))}
+    needed = sum(record_bytes(c) for c in spilled.values())
+    folder = rank_folder(nvme.nvme_path, comm.rank)
+    check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder))
+    logger.info(
+        "ds_patrickstar: disk tier: host budget %.3f GiB; optimizer states of %d of %d owned chunks on disk "
+        "(%.3f GiB in %s), %.3f GiB of buffers",
+        budget / 2**30,
+        len(spilled),
+        len(owned),
+        needed / 2**30,
+        folder,
+        buffers / 2**30,
+    )
+    return spilled
+
+
+def open_disk_states(options: PatrickStarConfig, spilled: dict[int, int], rank: int, poison: bool) -> DiskStates | None:
+    """The swap files and the I/O of the spilled chunks (None when nothing spills)."""
+    nvme = options.offload_optimizer
+    if nvme is None or not spilled:
+        return None
+    files = SwapFiles(nvme.nvme_path, rank, {cid: record_bytes(c) for cid, c in spilled.items()})
+    io = ThreadDiskIO(nvme.threads, nvme.block_size, poison=poison)
+    return DiskStates(files, io, spilled, nvme.buffer_count)
