@@ -11,15 +11,13 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-import torch
-
-from ..autograd_state import inside_backward, iter_tensors
+from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.store import ChunkStore
 from .policy import Placer
-from .tracer import MemoryTracer, Trace
+from .tracer import RECOMPUTE, MemoryTracer, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +100,16 @@ class PlacementRuntime:
         return non_model
 
     # ---- moments ------------------------------------------------------------------
-    def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
-        """A training moment advances the trace; a no-grad forward (evaluation) is placed
-        greedily without touching the trace or the tide."""
-        self.recording = torch.is_grad_enabled() or inside_backward() or label == "step"
+    def begin_moment(self, label: str, chunk_ids: tuple[int, ...], training: bool = True) -> None:
+        """A moment of a training iteration (``training``: grad mode, backward with its recomputations,
+        or a no-grad region of a training forward) advances the trace; a forward outside one
+        (evaluation) is placed greedily without touching the trace or the tide."""
+        self.recording = training or label == "step"
         if self.recording:
             self.moment = self.tracer.record(label, chunk_ids, self.ledger)
             self.label = label
+            if label.startswith(RECOMPUTE):
+                self.counters.recompute_moments += 1
             if self.moment == 0:
                 self.tide = []
         new_iteration = self.recording and self.moment == 0
