@@ -42,6 +42,7 @@ from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
+from ..placement.tracer import RECOMPUTE
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink
@@ -98,8 +99,11 @@ class ChunkManager:
         """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
         ``COMPUTE``, and (with placement) check the budget and prefetch the next moment."""
         ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
+        in_iteration = self._in_iteration()
+        if in_iteration and label.startswith(RECOMPUTE):  # see [Note: recomputation in the trace]
+            self.comm.counters.recompute_moments += 1
         if self.placement is not None:
-            self.placement.begin_moment(label, ids, self._in_iteration())
+            self.placement.begin_moment(label, ids, in_iteration)
         keep = frozenset(ids)
         training = self._training()
         for chunk_id in ids:

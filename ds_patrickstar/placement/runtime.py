@@ -17,7 +17,7 @@ from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.store import ChunkStore
 from .policy import Placer
-from .tracer import RECOMPUTE, MemoryTracer, Trace
+from .tracer import MemoryTracer, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,6 @@ class PlacementRuntime:
         if self.recording:
             self.moment = self.tracer.record(label, chunk_ids, self.ledger)
             self.label = label
-            if label.startswith(RECOMPUTE):
-                self.counters.recompute_moments += 1
             if self.moment == 0:
                 self.tide = []
         new_iteration = self.recording and self.moment == 0
