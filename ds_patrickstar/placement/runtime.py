@@ -165,12 +165,30 @@ class PlacementRuntime:
             self.tide.append((self.moment, model, non_model))
         self.note_peaks(non_model)
         trace = self.tracer.current_trace()
-        for chunk_id in self.placer.prefetch(trace, self.moment):
+        ahead = self.placer.prefetch(trace, self.moment)
+        for chunk_id in ahead:
             chunk = self.chunks[chunk_id]
-            if chunk.on_host and self._fits(self._bytes(chunk), trace):
+            if chunk.on_host and self._room_for_prefetch(self._bytes(chunk), trace, in_use | set(ahead)):
                 self._to_device(chunk)
                 self.counters.prefetches += 1
                 chunk.prefetched = True
+
+    def _room_for_prefetch(self, nbytes: int, trace: Trace | None, keep: set[int]) -> bool:
+        """Whether ``nbytes`` fit at the next moment, after evicting chunks used only after it (see
+        [Note: placement]); nothing is evicted when that would not be enough."""
+        if self._fits(nbytes, trace):
+            return True
+        accel = self.store.accel
+        headroom = self.placer.headroom(trace, self.moment + 1, self._non_model()) - accel.fragmentation()
+        short = self.ledger.total + nbytes - headroom - accel.in_flight_bytes()
+        victims = self.placer.victims_used_after(short, self._evictable(keep), self.moment + 1) if short > 0 else []
+        if victims is None:
+            return False
+        for victim in victims:
+            self.evict(self.chunks[victim])
+            self.counters.evictions += 1
+        accel.reclaim(need_below=headroom - nbytes)
+        return True
 
     def note_peaks(self, non_model: int) -> None:
         counters, ledger = self.counters, self.ledger
