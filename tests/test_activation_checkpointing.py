@@ -169,6 +169,12 @@ def test_configure_with_a_patrickstar_config(dist, caplog):
             f.flush()
             deepspeed.checkpointing.configure(None, deepspeed_config=f.name)
         assert checkpointing.num_layers == 7 and not checkpointing.PARTITION_ACTIVATIONS
+        stock = make_config(3, "fp32")  # another stage: DeepSpeed's function as it is, no warning of ours
+        stock["activation_checkpointing"] = dict(DS_BLOCK)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ds_patrickstar"):
+            deepspeed.checkpointing.configure(None, deepspeed_config=stock)
+        assert checkpointing.num_layers == N_BLOCKS and "partition_activations" not in caplog.text
     finally:
         deepspeed.checkpointing.reset()
         deepspeed.checkpointing.configure(None)
