@@ -51,10 +51,12 @@ class TrainingFlow:
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
-        if inside_backward() or not torch.is_grad_enabled():
+        if inside_backward():
             return
-        self.manager.training_forward = True  # see [Note: recomputation in the trace]
-        if self.placement is None:
+        # see [Note: recomputation in the trace]; set at every root forward (a forward that raised
+        # never reached root_forward_end), so an evaluation forward after it is not a training one
+        self.manager.training_forward = torch.is_grad_enabled()
+        if self.placement is None or not torch.is_grad_enabled():
             return
         self.placement.start_forward(inputs, self.optim_states)
         meter = self.placement.tracer.meter
