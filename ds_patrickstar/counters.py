@@ -28,6 +28,9 @@ class StepCounters:
     bytes_to_host: int = 0
     """chunk bytes copied accelerator -> host (placement)"""
     evictions: int = 0
+    recompute_moments: int = 0
+    """moments of activation-checkpoint recomputation (a module's forward run again inside backward;
+    see [Note: recomputation in the trace])"""
     prefetches: int = 0
     prefetch_hits: int = 0
     adam_chunks_device: int = 0

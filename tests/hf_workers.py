@@ -162,3 +162,21 @@ def accelerate_run(rank, world_size, stage, out_dir, epochs=2, gas=2):
     return {"first": first, "after": after, "replay": replay, "zero_stage": repr(plugin.zero_stage),
             "state_dict": {k: v.clone() for k, v in (state_dict or {}).items()},
             "fp32": model.get_fp32_state_dict() if stage == "patrickstar" else None}
+
+
+def trainer_checkpointing_run(rank, world_size, kind, stage, out_dir, steps=3):
+    """Train with TrainingArguments(gradient_checkpointing=True) (the Trainer calls the model's
+    gradient_checkpointing_enable()); losses, and with "patrickstar" the trained fp32 master and the
+    recomputation moments of the last step."""
+    import transformers
+
+    import ds_patrickstar  # noqa: F401
+
+    trainer = transformers.Trainer(model=tiny_model(kind), train_dataset=TokenData(),
+                                   args=_args(out_dir, stage, steps, gradient_checkpointing=True))
+    trainer.train()
+    engine = trainer.model_wrapped
+    result = {"losses": _losses(trainer)}
+    if stage == "patrickstar":
+        result["recompute_moments"] = engine.get_patrickstar_counters()["recompute_moments"]
+    return result

@@ -48,6 +48,16 @@ def test_trainer_single_rank_matches_zero3_and_resumes(tmp_path):
     _assert_losses(resumed["losses"], ours["losses"])
 
 
+def test_trainer_gradient_checkpointing_matches_zero3(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): Hugging Face's checkpointing of each decoder layer,
+    recomputed in backward (two layers, recomputed every step), with the losses of stock ZeRO-3."""
+    ref = run_ranks(hf_workers.trainer_checkpointing_run, 1, "llama", 3, str(tmp_path / "zero3"), timeout=TIMEOUT)[0]
+    ours = run_ranks(hf_workers.trainer_checkpointing_run, 1, "llama", "patrickstar", str(tmp_path / "ps"),
+                     timeout=TIMEOUT)[0]
+    _assert_losses(ours["losses"], ref["losses"])
+    assert ours["recompute_moments"] >= 2, ours
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_trainer_two_ranks_trains_checkpoints_and_saves_exactly(kind, tmp_path):

@@ -42,6 +42,7 @@ from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
+from ..placement.tracer import RECOMPUTE
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink
@@ -82,17 +83,27 @@ class ChunkManager:
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
+        self.training_forward = False  # a training forward of the root module is running (set by the hooks)
 
     def _training(self) -> bool:
-        return self.comm.world_size > 1 and (torch.is_grad_enabled() or inside_backward())
+        return self.comm.world_size > 1 and self._in_iteration()
+
+    def _in_iteration(self) -> bool:
+        """A moment of a training iteration: grad mode, a backward pass (with its recomputations), or
+        a no-grad region inside a training forward (a reentrant checkpoint's first forward; see
+        [Note: recomputation in the trace])."""
+        return torch.is_grad_enabled() or inside_backward() or self.training_forward
 
     # ---- uses -----------------------------------------------------------------------
     def access(self, infos: list[TensorInfo], label: str = "") -> None:
         """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
         ``COMPUTE``, and (with placement) check the budget and prefetch the next moment."""
         ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
+        in_iteration = self._in_iteration()
+        if in_iteration and label.startswith(RECOMPUTE):  # see [Note: recomputation in the trace]
+            self.comm.counters.recompute_moments += 1
         if self.placement is not None:
-            self.placement.begin_moment(label, ids)
+            self.placement.begin_moment(label, ids, in_iteration)
         keep = frozenset(ids)
         training = self._training()
         for chunk_id in ids:

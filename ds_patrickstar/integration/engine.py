@@ -205,7 +205,8 @@ class PatrickStarEngine(DeepSpeedEngine):
 
     # ---- placement ----------------------------------------------------------------
     def tide_plot(self, path: str) -> str:
-        """Write a PNG of the last iteration's model vs non-model accelerator memory per moment."""
+        """Write a PNG of the last iteration's model vs non-model accelerator memory per moment, its
+        recomputation moments shaded (see [Note: recomputation in the trace])."""
         runtime = self.optimizer.placement
         if runtime is None or not runtime.tide:
             raise RuntimeError(
@@ -214,8 +215,13 @@ class PatrickStarEngine(DeepSpeedEngine):
             )
         from ..placement.tide_plot import plot_tide
 
+        trace = runtime.tracer.last_iteration()
         return plot_tide(
-            runtime.tide, runtime.placer.budget, path, f"ds_patrickstar tide ({runtime.placer.policy} placement)"
+            runtime.tide,
+            runtime.placer.budget,
+            path,
+            f"ds_patrickstar tide ({runtime.placer.policy} placement)",
+            trace.recomputations() if trace is not None else None,
         )
 
     # ---- model data access ------------------------------------------------------

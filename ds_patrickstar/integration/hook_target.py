@@ -51,7 +51,12 @@ class TrainingFlow:
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
-        if self.placement is None or inside_backward() or not torch.is_grad_enabled():
+        if inside_backward():
+            return
+        # see [Note: recomputation in the trace]; set at every root forward (a forward that raised
+        # never reached root_forward_end), so an evaluation forward after it is not a training one
+        self.manager.training_forward = torch.is_grad_enabled()
+        if self.placement is None or not torch.is_grad_enabled():
             return
         self.placement.start_forward(inputs, self.optim_states)
         meter = self.placement.tracer.meter
@@ -60,13 +65,17 @@ class TrainingFlow:
             self._meter_ctx.__enter__()
 
     def root_forward_end(self) -> None:
-        if self._meter_ctx is not None and not inside_backward():
+        if inside_backward():
+            return
+        self.manager.training_forward = False
+        if self._meter_ctx is not None:
             self._meter_ctx.__exit__(None, None, None)
             self._meter_ctx = None
 
     # ---- module moments -------------------------------------------------------------------
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.manager.access(infos, "fwd:" + self._module_names.get(module, "?"))
+        kind = "rec:" if inside_backward() else "fwd:"  # a forward inside backward: a recomputation
+        self.manager.access(infos, kind + self._module_names.get(module, "?"))
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         if inside_backward():

@@ -11,12 +11,14 @@ first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate
 of the config (see [Note: accelerate's zero_stage]). A single process started without a
 launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]).
 
-The same call installs the only other two wrappers ds_patrickstar puts on another library,
+The same call installs the only other three wrappers ds_patrickstar puts on another library,
 each a no-op for every other stage: DeepSpeed's ``clone_tensors_for_torch_save`` returns our
 ``state_dict`` host copies as they are, so tied weights stay one tensor through accelerate's
 save path (see [Note: tied weights saved once]); Hugging Face's ``deepspeed_init`` refuses an
 evaluation-only run of a "patrickstar" config with what to do instead (see
-[Note: evaluation without training]).
+[Note: evaluation without training]); ``deepspeed.checkpointing.configure`` reads the
+``activation_checkpointing`` block of a "patrickstar" config from its sanitized copy (see
+[Note: DeepSpeed's checkpointing configured from our config]).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import deepspeed
 
 from .config import is_patrickstar, split_config
+from .ds_checkpointing import configure_from_our_config
 from .hf_compat import accelerate_num_processes, adapt_accelerate
 from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
@@ -142,6 +145,7 @@ def install() -> None:
     """Wrap ``deepspeed.initialize`` once; see [Note: registration]."""
     keep_host_copies()  # see [Note: tied weights saved once]
     guard_eval_only()  # see [Note: evaluation without training]
+    configure_from_our_config()  # see [Note: DeepSpeed's checkpointing configured from our config]
     original = deepspeed.initialize
     if getattr(original, _MARK, False):
         return

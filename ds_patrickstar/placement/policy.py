@@ -7,7 +7,11 @@ accelerator; when one is not, room is made by evicting resident, movable chunks 
 of farthest next use in the trace (Belady's rule: optimal for a known sequence), and the
 budget left for model data is ``budget - non_model`` planned for this moment and the next
 one (the tide rises before the next moment is reached). After a moment, the chunks of the
-next moment are prefetched when they fit without evicting anything. During the warm-up
+next moment are prefetched when they fit, if need be after evicting resident chunks whose next
+use comes after that moment (Belady would evict them for it anyway: the same evictions, one
+moment earlier, and the copy in overlaps the compute in between; this is what brings a
+checkpointed block's chunks in before its recomputation, see [Note: recomputation in the
+trace]); never a chunk needed sooner. During the warm-up
 iteration there is no trace yet: room is made from the least recently used chunks and
 nothing is prefetched.
 
@@ -118,6 +122,30 @@ class EvictionQueue:
             )
         return chosen
 
+    def take_below(self, need: int, size_if_evictable: Callable[[int], int | None], limit: int) -> list[int] | None:
+        """Like :meth:`take`, but only chunks of priority below ``limit``; None, taking nothing, when
+        they do not cover ``need``."""
+        chosen, freed, popped = [], 0, []
+        while freed < need and self._heap and self._heap[0][0] < limit:
+            entry = heapq.heappop(self._heap)
+            if self._stamp.get(entry[1]) != entry[2]:
+                continue
+            popped.append(entry)
+            size = size_if_evictable(entry[1])
+            if size is not None:
+                chosen.append(entry[1])
+                freed += size
+        if freed < need:
+            for entry in popped:
+                heapq.heappush(self._heap, entry)
+            return None
+        for entry in popped:
+            if entry[1] in chosen:
+                self.drop(entry[1])
+            else:
+                heapq.heappush(self._heap, entry)
+        return chosen
+
     def clear(self) -> None:
         self._heap.clear()
         self._stamp.clear()
@@ -186,6 +214,15 @@ class Placer:
             pinned = self.pinned_static
             return self._queue.take(need, lambda c: None if c in pinned else size_if_evictable(c))
         return self._queue.take(need, size_if_evictable)
+
+    def victims_used_after(
+        self, need: int, size_if_evictable: Callable[[int], int | None], moment: int
+    ) -> list[int] | None:
+        """Room for a prefetch for ``moment``: chunks whose next use comes after it (Belady would evict
+        them at that moment anyway), farthest first; None when they do not cover ``need``."""
+        if self._trace is None or self.policy == "static":
+            return None
+        return self._queue.take_below(need, size_if_evictable, -(self._base + moment))
 
     def prefetch(self, trace: Trace | None, moment: int) -> tuple[int, ...]:
         if trace is None or self.policy == "static" or moment + 1 >= len(trace):

@@ -11,9 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-import torch
-
-from ..autograd_state import inside_backward, iter_tensors
+from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded
@@ -106,10 +104,11 @@ class PlacementRuntime:
         return non_model
 
     # ---- moments ------------------------------------------------------------------
-    def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
-        """A training moment advances the trace; a no-grad forward (evaluation) is placed
-        greedily without touching the trace or the tide."""
-        self.recording = torch.is_grad_enabled() or inside_backward() or label == "step"
+    def begin_moment(self, label: str, chunk_ids: tuple[int, ...], training: bool = True) -> None:
+        """A moment of a training iteration (``training``: grad mode, backward with its recomputations,
+        or a no-grad region of a training forward) advances the trace; a forward outside one
+        (evaluation) is placed greedily without touching the trace or the tide."""
+        self.recording = training or label == "step"
         if self.recording:
             self.moment = self.tracer.record(label, chunk_ids, self.ledger)
             self.label = label
@@ -170,12 +169,30 @@ class PlacementRuntime:
             self.tide.append((self.moment, model, non_model))
         self.note_peaks(non_model)
         trace = self.tracer.current_trace()
-        for chunk_id in self.placer.prefetch(trace, self.moment):
+        ahead = self.placer.prefetch(trace, self.moment)
+        for chunk_id in ahead:
             chunk = self.chunks[chunk_id]
-            if chunk.on_host and self._fits(self._bytes(chunk), trace):
+            if chunk.on_host and self._room_for_prefetch(self._bytes(chunk), trace, in_use | set(ahead)):
                 self._to_device(chunk)
                 self.counters.prefetches += 1
                 chunk.prefetched = True
+
+    def _room_for_prefetch(self, nbytes: int, trace: Trace | None, keep: set[int]) -> bool:
+        """Whether ``nbytes`` fit at the next moment, after evicting chunks used only after it (see
+        [Note: placement]); nothing is evicted when that would not be enough."""
+        if self._fits(nbytes, trace):
+            return True
+        accel = self.store.accel
+        headroom = self.placer.headroom(trace, self.moment + 1, self._non_model()) - accel.fragmentation()
+        short = self.ledger.total + nbytes - headroom - accel.in_flight_bytes()
+        victims = self.placer.victims_used_after(short, self._evictable(keep), self.moment + 1) if short > 0 else []
+        if victims is None:
+            return False
+        for victim in victims:
+            self.evict(self.chunks[victim])
+            self.counters.evictions += 1
+        accel.reclaim(need_below=headroom - nbytes)
+        return True
 
     def note_peaks(self, non_model: int) -> None:
         counters, ledger = self.counters, self.ledger

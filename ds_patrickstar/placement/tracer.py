@@ -17,6 +17,23 @@ traced anew and its trace replaces the old one, so a stale trace is never used s
 eviction, no prefetch). A new trace also re-plans where optimizer states live (see
 [Note: optimizer-state placement]).
 
+[Note: recomputation in the trace]
+Activation checkpointing (``torch.utils.checkpoint``, reentrant or not, ``deepspeed.checkpointing``,
+Hugging Face's ``gradient_checkpointing_enable``) runs a checkpointed block's forward again inside
+backward. Its module hooks fire there, and each such pre-forward is a moment like any other,
+labelled ``rec:<module>`` (:data:`RECOMPUTE`) instead of ``fwd:``: the trace holds, in backward, the
+block's recomputation just before (reentrant: before; non-reentrant: right after the block's
+pre-backward, when autograd unpacks what the block saved) the backward moments of its modules. So
+Belady's next use of a chunk a recomputation needs is that recomputation, and the prefetch of the
+moment before it brings the chunk in before the recomputation starts, not at its first use.
+A reentrant checkpoint's first forward runs under ``torch.no_grad()``: the hooks tell the chunk
+manager that a training forward of the root module is running, so those moments are part of the
+iteration (recorded, planned, kept gathered) and not taken for an evaluation forward. The counters
+report the recomputation moments per step (``recompute_moments``) and the tide plot shades them.
+On CUDA the recomputed activations are in the allocator's bytes the tracer reads, a second, short
+tide inside backward; the emulated accelerator's meter counts what autograd saves in the training
+forward only, not what a recomputation saves.
+
 On CUDA the tracer reads the allocator's statistics without ever resetting them (the
 user's peak statistics, and any "max allocated" a comparison reports, stay intact): the
 highest allocation since the previous moment is known from the growth of the
@@ -40,6 +57,8 @@ from ..memory.ledger import DeviceLedger
 logger = logging.getLogger(__name__)
 
 NEVER = 1 << 60
+RECOMPUTE = "rec:"
+"""Label prefix of a recomputation moment; see [Note: recomputation in the trace]."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,10 @@ class Trace:
         for chunk in chunks:
             bisect.insort(self._uses.setdefault(chunk, []), index)
         self.moments[index] = Moment(old.label, tuple(chunks), old.non_model)
+
+    def recomputations(self) -> list[int]:
+        """Indices of the recomputation moments; see [Note: recomputation in the trace]."""
+        return [i for i, m in enumerate(self.moments) if m.label.startswith(RECOMPUTE)]
 
     def __len__(self) -> int:
         return len(self.moments)
