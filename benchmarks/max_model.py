@@ -24,6 +24,7 @@ that try over its parameter count (bytes/param all-in: every process of the try,
 included), the median step time, and the ratios to ZeRO-3 at the same world size.
 """
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -50,6 +51,33 @@ def gpt_params(width, depth, vocab, seq_len):
 
 
 # ---------------------------------------------------------------- one try (a rank process)
+class PhaseClock:
+    """Seconds of forward, backward and optimizer step of one training step (synchronized on CUDA),
+    with the disk tier's I/O figures from the counters (``disk_wait_seconds``: the I/O not hidden)."""
+
+    DISK = ("disk_bytes_read", "disk_bytes_written", "disk_io_seconds", "disk_wait_seconds")
+
+    def __init__(self, cuda):
+        self.cuda, self.seconds = cuda, {}
+
+    @contextlib.contextmanager
+    def timed(self, phase):
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def take(self, engine):
+        out, self.seconds = self.seconds, {}
+        if engine is not None:
+            counters = engine.get_patrickstar_counters()
+            out.update({k: counters[k] for k in self.DISK if k in counters})
+        return out
+
+
 def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None):
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": grad_accum,
            "steps_per_print": 10 ** 9,
@@ -89,6 +117,7 @@ def run_try(args):
     if cuda:
         torch.cuda.set_device(device)
     model_data = None
+    phases = PhaseClock(cuda)
     if args.backend == "torch":
         model = GPT(cfg).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=False)
@@ -119,12 +148,15 @@ def run_try(args):
 
         def train_step(x):
             for micro in x.chunk(args.grad_accum):  # micro-batches of one optimizer step
-                _, loss = engine(micro, micro)
-                engine.backward(loss)
-                engine.step()
+                with phases.timed("forward"):
+                    _, loss = engine(micro, micro)
+                with phases.timed("backward"):
+                    engine.backward(loss)
+                with phases.timed("step"):
+                    engine.step()
             return loss
     gen = torch.Generator().manual_seed(int(os.environ.get("RANK", 0)))
-    times = []
+    times, breakdown = [], []
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (args.batch * args.grad_accum, args.seq_len), generator=gen).to(device)
         start = time.perf_counter()
@@ -132,12 +164,13 @@ def run_try(args):
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        breakdown.append(phases.take(engine if args.backend.startswith("patrickstar") else None))
         if not torch.isfinite(loss).item():
             raise RuntimeError(f"non-finite loss {loss.item()}")
     if args.backend == "patrickstar":
         model_data = engine.get_patrickstar_counters()["model_data_bytes"]
     if int(os.environ.get("RANK", 0)) == 0:
-        result = {"step_times": times, "model_data_bytes_rank0": model_data,
+        result = {"step_times": times, "breakdown": breakdown, "model_data_bytes_rank0": model_data,
                   "gpu_max_allocated": torch.cuda.max_memory_allocated() if cuda else None}
         Path(args.result).write_text(json.dumps(result))
 
@@ -294,6 +327,28 @@ def table(best, args):
     return "\n".join(rows)
 
 
+def breakdown_table(best):
+    """Per backend's largest model: the last step's forward, backward and optimizer step seconds
+    (rank 0), and for the disk tier the I/O it moved, its busy seconds and the seconds the step
+    waited on it; hidden I/O is the I/O threads' busy time the step did not wait for."""
+    rows = ["| backend | world size | largest model | forward | backward | step (Adam, I/O) | disk read+written "
+            "| I/O busy | I/O waited | I/O hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (backend, ws), r in best.items():
+        if not r or not r.get("breakdown"):
+            continue
+        last = r["breakdown"][-1]
+        disk = "disk_io_seconds" in last and last["disk_bytes_read"] + last["disk_bytes_written"] > 0
+        moved = f"{(last['disk_bytes_read'] + last['disk_bytes_written']) / GIB:.1f} GiB" if disk else "-"
+        busy = f"{last['disk_io_seconds']:.1f} s" if disk else "-"
+        waited = f"{last['disk_wait_seconds']:.1f} s" if disk else "-"
+        hidden = (f"{max(0.0, 1 - last['disk_wait_seconds'] / max(last['disk_io_seconds'], 1e-9)):.0%}"
+                  if disk else "-")
+        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | {last.get('forward', 0):.1f} s | "
+                    f"{last.get('backward', 0):.1f} s | {last.get('step', 0):.1f} s | {moved} | {busy} | {waited} "
+                    f"| {hidden} |")
+    return "\n".join(rows)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     total = psutil.virtual_memory().total / GIB
@@ -385,7 +440,7 @@ def main(argv=None):
             print(f"searching {backend} at world size {world_size}", flush=True)
             best[(backend, world_size)], tries = search(args, backend, world_size, args.logs)
             everything += tries
-    text = table(best, args)
+    text = table(best, args) + "\n\nStep-time breakdown (last step, rank 0):\n\n" + breakdown_table(best)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "tries": everything, "table": text}, indent=1))
