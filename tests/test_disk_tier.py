@@ -180,7 +180,7 @@ def test_two_ranks_each_spill_their_own_chunks(tmp_path):
     assert all(torch.equal(full[n], v) for n, v in disk[0]["weights"].items())
     [resharded] = run_ranks(_one_rank_resume, 1, str(ckpt), str(tmp_path / "swap1"))
     [in_ram] = run_ranks(_one_rank_resume, 1, str(tmp_path / "ram" / "ckpt"), None)
-    assert len(resharded["spilled"]) > len(disk[0]["spilled"]), "one rank spills every chunk it now owns"
+    assert any(c % 2 for c in resharded["spilled"]), "a chunk rank 1 owned is on rank 0's disk now"
     assert resharded["losses"] == in_ram["losses"]
     assert all(torch.equal(resharded["weights"][n], v) for n, v in in_ram["weights"].items())
 
