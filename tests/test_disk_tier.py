@@ -270,9 +270,11 @@ def test_io_backend_choice(caplog):
     """"auto" says which backend it took and why; "aio" where it cannot work names the key and the way out."""
     from ds_patrickstar.integration.disk_config import NvmeOffload
     from ds_patrickstar.integration.disk_tier import make_disk_io
-    from ds_patrickstar.memory.aio_disk_io import AioDiskIO, async_io_built, load_async_io
+    from ds_patrickstar.memory.aio_disk_io import AioDiskIO, async_io_built, load_async_io, lock_problem
     from ds_patrickstar.memory.disk_io import ThreadDiskIO
 
+    assert "raise `ulimit -l`" in lock_problem(2**30, limit=8 << 20, privileged=False)
+    assert lock_problem(2**30, limit=8 << 20, privileged=True) == lock_problem(4096, 8 << 20, False) == ""
     with pytest.raises(ValueError, match=r'io_backend="aio" cannot be used: .*O_DIRECT.* use "threads"'):
         make_disk_io(NvmeOffload(nvme_path="/dev/shm", io_backend="aio"), direct=False, poison=False)
     caplog.set_level("INFO")

@@ -9,9 +9,9 @@ read-ahead, compute, write-behind); ``pipeline_read``/``pipeline_write`` are wha
 does. ``io_backend`` (ours, beside them) picks the implementation of the tier's I/O:
 ``"threads"`` (threads calling ``preadv``/``pwritev``, no build step), ``"aio"`` (DeepSpeed's
 ``aio_handle``, the libaio engine of ZeRO-Infinity; needs ``libaio-dev`` to build and a file
-system that takes ``O_DIRECT``) or ``"auto"`` (the default: ``"aio"`` where it loads and the
-files take ``O_DIRECT``, else ``"threads"``, with a log line saying which and why; see
-[Note: aio disk I/O]). The top-level ``aio`` block's ``intra_op_parallelism`` (``thread_count``
+system that takes ``O_DIRECT`` and page-lockable buffers) or ``"auto"`` (the default: ``"aio"``
+where the op is built already and loads, the files take ``O_DIRECT`` and the buffers can be
+page-locked, else ``"threads"``, with a log line saying which and why; see [Note: aio disk I/O]). The top-level ``aio`` block's ``intra_op_parallelism`` (``thread_count``
 in older DeepSpeed) is the number of I/O threads and its ``block_size`` the piece each thread
 reads or writes at a time, for both backends; ``queue_depth``, ``single_submit`` and
 ``overlap_events`` are settings of the ``aio_handle`` (warned about with ``"threads"``). Keys

@@ -35,6 +35,7 @@ import functools
 import logging
 import os
 import queue
+import resource
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,6 +77,20 @@ def async_io_built() -> bool:
         return os.path.isfile(os.path.join(_get_build_directory("async_io", False), "async_io.so"))
     except Exception:  # a DeepSpeed or torch without these names: treat as not built
         return False
+
+
+def lock_problem(needed: int, limit: int | None = None, privileged: bool | None = None) -> str:
+    """Why this process cannot page-lock ``needed`` bytes for the op's buffers, or ``""`` (the op
+    aborts the process where a lock fails). ``limit``: ``ulimit -l`` in bytes (default: this
+    process's ``RLIMIT_MEMLOCK``); ``privileged``: root, whose locks the limit does not bound."""
+    privileged = os.geteuid() == 0 if privileged is None else privileged
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] if limit is None else limit
+    if privileged or limit == resource.RLIM_INFINITY or needed <= limit:
+        return ""
+    return (
+        f"its buffers need {needed:,} bytes of page-locked memory and this process may lock {limit:,} "
+        "(raise `ulimit -l`)"
+    )
 
 
 class AioDiskIO(DiskIO):
