@@ -13,7 +13,10 @@
    Adam on the same chunks with states in RAM gives the compute-only time.
 
 The table: GB/s of each, the tier's achieved (bytes read + written) / step time, its ratio to
-the mixed bandwidth, and the seconds the step waited on I/O. Every file is deleted at the end.
+the mixed bandwidth, and the seconds the step waited on I/O, one row per I/O backend of
+``--backends`` (``threads``: ThreadDiskIO; ``aio``: DeepSpeed's aio_handle, AioDiskIO, with
+``--threads`` as its intra_op_parallelism and ``--queue-depth``; skipped with a message where the
+async_io op cannot load). Every file is deleted at the end.
 """
 import argparse
 import os
@@ -26,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ds_patrickstar.memory.aio_disk_io import AioDiskIO, load_async_io  # noqa: E402
 from ds_patrickstar.memory.disk_io import ThreadDiskIO, aligned_empty  # noqa: E402
 from ds_patrickstar.memory.preflight import record_bytes  # noqa: E402
 from ds_patrickstar.memory.swap_files import SwapFiles  # noqa: E402
@@ -66,12 +70,12 @@ def raw_bandwidth(folder, size, block, threads):
         os.unlink(path)
 
 
-def tier_bandwidth(folder, states_bytes, chunk_elements, buffers, block, threads, steps):
+def tier_bandwidth(folder, states_bytes, chunk_elements, buffers, io, steps):
     """The optimizer step over spilled chunks: achieved GB/s, step seconds, I/O wait, Adam-only seconds."""
     count = max(1, states_bytes // (12 * chunk_elements))
     capacities = {c: chunk_elements for c in range(count)}
     files = SwapFiles(folder, 0, {c: record_bytes(n) for c, n in capacities.items()})
-    tier = DiskStates(files, ThreadDiskIO(threads, block), capacities, buffers)
+    tier = DiskStates(files, io, capacities, buffers)
     adam = get_adam_backend("cpu")
     hyper = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True)
     params = {c: torch.randn(chunk_elements).to(torch.bfloat16) for c in capacities}
@@ -112,6 +116,8 @@ def main():
     parser.add_argument("--block-mib", type=int, default=8)
     parser.add_argument("--raw-threads", type=int, default=16, help="threads of the disk's own test (a deep queue)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--backends", default="threads,aio", help="I/O backends of the tier, one row each")
+    parser.add_argument("--queue-depth", type=int, default=8, help="aio: requests in flight per thread")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     need = int((args.raw_gib + args.states_gib) * 2**30 * 1.1)
@@ -119,21 +125,29 @@ def main():
     if free < need:
         sys.exit(f"{args.dir}: {need:,} bytes needed, {free:,} free; lower --raw-gib / --states-gib")
     block = args.block_mib * 2**20
+    backends = args.backends.split(",")
+    if "aio" in backends and load_async_io()[1]:
+        print(f"skipping backend aio: {load_async_io()[1]}")
+        backends.remove("aio")
+    makers = {"threads": lambda: ThreadDiskIO(args.threads, block),
+              "aio": lambda: AioDiskIO(block, args.queue_depth, False, True, args.threads)}
     try:
         raw = raw_bandwidth(args.dir, int(args.raw_gib * 2**30) // block * block, block, args.raw_threads)
-        tier = tier_bandwidth(args.dir, int(args.states_gib * 2**30), args.chunk_elements, args.buffers, block,
-                              args.threads, args.steps)
+        tiers = {name: tier_bandwidth(args.dir, int(args.states_gib * 2**30), args.chunk_elements, args.buffers,
+                                      makers[name](), args.steps) for name in backends}
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    ratio = tier["achieved"] / raw["mixed"]
-    print(f"| disk write (GB/s) | disk read | disk mixed | tier achieved | achieved / mixed | step (s) "
-          f"| I/O wait (s) | Adam only (s) |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| {raw['write']:.2f} | {raw['read']:.2f} | {raw['mixed']:.2f} | {tier['achieved']:.2f} | "
-          f"{ratio:.0%} | {tier['step_s']:.2f} | {tier['wait_s']:.2f} | {tier['adam_s']:.2f} |")
+    print("| backend | disk write (GB/s) | disk read | disk mixed | tier achieved | achieved / mixed | step (s) "
+          "| I/O wait (s) | Adam only (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, tier in tiers.items():
+        ratio = tier["achieved"] / raw["mixed"]
+        print(f"| {name} | {raw['write']:.2f} | {raw['read']:.2f} | {raw['mixed']:.2f} | {tier['achieved']:.2f} | "
+              f"{ratio:.0%} | {tier['step_s']:.2f} | {tier['wait_s']:.2f} | {tier['adam_s']:.2f} |")
+    tier = next(iter(tiers.values()))
     print(f"({tier['chunks']} chunks of {args.chunk_elements:,} elements, {tier['bytes'] / GB:.2f} GB moved per step, "
           f"{args.buffers} buffers, {args.threads} tier threads, {args.raw_threads} raw threads, "
-          f"{args.block_mib} MiB requests)")
+          f"{args.block_mib} MiB requests, aio queue depth {args.queue_depth})")
 
 
 if __name__ == "__main__":

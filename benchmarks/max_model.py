@@ -15,7 +15,10 @@ Backends (each as its users would run it): ``patrickstar`` (``ds_patrickstar.Ini
 stage "patrickstar"), ``patrickstar-disk`` (the same with the disk tier, swap files under
 ``--disk DIR``, whose free space bounds the depth searched; host_budget 60% of the cap), ``zero3`` (stock ZeRO-3 with ``deepspeed.zero.Init``), ``zero3-tuned`` (the
 same with DeepSpeed's memory knobs turned down, ``bench_utils.ZERO3_MEMORY_TUNED``), ``zero3-offload``
-(ZeRO-3 + ``offload_param`` + ``offload_optimizer`` to the CPU, CUDA only) and ``torch``
+(ZeRO-3 + ``offload_param`` + ``offload_optimizer`` to the CPU, CUDA only), ``zero3-infinity``
+(stock ZeRO-Infinity: ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on ``"device": "nvme"``
+under ``--disk DIR``, DeepSpeed's async_io op with its default ``aio`` block; added with
+``--disk`` where that op loads, skipped with a message where it does not) and ``torch``
 (plain PyTorch AdamW on an fp32 model under bf16 autocast; world size 1 only). On CUDA the
 device's memory is a limit too (an out-of-memory error fails the try).
 
@@ -27,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -40,7 +44,9 @@ import psutil
 HERE = Path(__file__).resolve().parent
 GIB = 1024 ** 3
 # bytes/param guesses for the first try only (the search corrects them)
-GUESS_BYTES_PER_PARAM = {"patrickstar": 15.0, "patrickstar-disk": 4.0, "zero3": 25.0, "zero3-tuned": 24.0, "zero3-offload": 22.0, "torch": 17.0}
+GUESS_BYTES_PER_PARAM = {"patrickstar": 15.0, "patrickstar-disk": 4.0, "zero3": 25.0, "zero3-tuned": 24.0,
+                         "zero3-offload": 22.0, "zero3-infinity": 8.0, "torch": 17.0}
+DISK_BACKENDS = ("patrickstar-disk", "zero3-infinity")
 BASELINE = "zero3"
 DISK_HOST_SHARE = 0.6  # patrickstar-disk: host_budget per rank = this share of the cap / world size
 
@@ -99,6 +105,11 @@ def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host
     elif backend == "zero3-offload":
         cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                                     "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    elif backend == "zero3-infinity":  # as DeepSpeed's ZeRO-Infinity tutorial sets it up, swap files under DIR
+        nvme = {"device": "nvme", "nvme_path": os.path.join(disk, "zero_infinity")}
+        cfg["zero_optimization"] = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
+        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                      "overlap_events": True}
     return cfg
 
 
@@ -169,6 +180,7 @@ def run_try(args):
             raise RuntimeError(f"non-finite loss {loss.item()}")
     if args.backend == "patrickstar":
         model_data = engine.get_patrickstar_counters()["model_data_bytes"]
+
     if int(os.environ.get("RANK", 0)) == 0:
         result = {"step_times": times, "breakdown": breakdown, "model_data_bytes_rank0": model_data,
                   "gpu_max_allocated": torch.cuda.max_memory_allocated() if cuda else None}
@@ -224,6 +236,9 @@ def attempt(args, backend, world_size, depth, log_dir):
     result_path = tempfile.mktemp(prefix="max_model_", suffix=".json")
     port = _free_port()
     log_path = Path(log_dir) / f"{backend}_ws{world_size}_L{depth}.log"
+    swap = os.path.join(args.disk, "zero_infinity") if backend == "zero3-infinity" else None
+    if swap:  # a killed try leaves its swap files behind: every try starts on an empty folder
+        shutil.rmtree(swap, ignore_errors=True)
     procs = []
     with open(log_path, "w") as log:
         for rank in range(world_size):
@@ -236,7 +251,7 @@ def attempt(args, backend, world_size, depth, log_dir):
                    "--grad-accum", str(args.grad_accum),
                    *(["--keep-gathered", str(args.keep_gathered)] if args.keep_gathered is not None else []),
                    *(["--disk", args.disk, "--host-budget", str(int(cap * DISK_HOST_SHARE / world_size))]
-                     if backend == "patrickstar-disk" else []),
+                     if backend in DISK_BACKENDS else []),
                    "--result", result_path]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         start, peak, why = time.time(), 0, None
@@ -261,6 +276,8 @@ def attempt(args, backend, world_size, depth, log_dir):
         out.update(ok=False, why=why or f"exit codes {codes} (see {log_path})")
     if os.path.exists(result_path):
         os.remove(result_path)
+    if swap:
+        shutil.rmtree(swap, ignore_errors=True)
     return out
 
 
@@ -356,7 +373,8 @@ def parse_args(argv=None):
                    help=f"host memory cap per try, all processes together (default: this machine's "
                         f"{total:.1f} GiB minus 2 GiB)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated, of patrickstar, zero3, zero3-tuned, zero3-offload (CUDA only), torch "
+                   help="comma-separated, of patrickstar, patrickstar-disk, zero3, zero3-tuned, zero3-offload (CUDA "
+                        "only), zero3-infinity (--disk), torch "
                         "(default: all that apply here)")
     p.add_argument("--world-sizes", default="1,2")
     p.add_argument("--width", type=int, default=2048)
@@ -380,8 +398,9 @@ def parse_args(argv=None):
     p.add_argument("--logs", default=str(HERE.parent / "runs" / "max_model"))
     p.add_argument("--json", default=None, help="write every try and the table here")
     p.add_argument("--disk", default=None, metavar="DIR",
-                   help="add backend patrickstar-disk: the disk tier with its swap files under DIR (its free "
-                        "space is checked first and bounds --max-depth)")
+                   help="add backends patrickstar-disk (the disk tier) and zero3-infinity (stock ZeRO-Infinity, "
+                        "where DeepSpeed's async_io op loads) with their swap files under DIR (its free space is "
+                        "checked first and bounds --max-depth)")
     p.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
     # one try (internal)
     p.add_argument("--try", dest="is_try", action="store_true", help=argparse.SUPPRESS)
@@ -393,8 +412,6 @@ def parse_args(argv=None):
 
 def _bound_depth_by_disk(args):
     """The disk tier needs 12 bytes per parameter (plus padding) under --disk: check before starting."""
-    import shutil
-
     Path(args.disk).mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.disk).free
     depth = args.max_depth
@@ -407,6 +424,14 @@ def _bound_depth_by_disk(args):
         print(f"--disk {args.disk}: {free / GIB:.1f} GiB free holds the optimizer states of depth {depth} at most; "
               f"--max-depth lowered from {args.max_depth}", flush=True)
         args.max_depth = depth
+
+
+def _async_io_missing():
+    """Why DeepSpeed's async_io op (ZeRO-Infinity's NVMe engine) cannot load here, or ``""``."""
+    sys.path.insert(0, str(HERE.parent))
+    from ds_patrickstar.memory.aio_disk_io import load_async_io
+
+    return load_async_io()[1]
 
 
 def main(argv=None):
@@ -425,8 +450,15 @@ def main(argv=None):
         if backend == "zero3-offload" and not cuda:
             raise SystemExit("--backends: zero3-offload needs CUDA (offload is what moves data off the GPU)")
     if args.disk:
-        backends = backends if "patrickstar-disk" in backends else [*backends, "patrickstar-disk"]
+        backends = [*backends, *(b for b in DISK_BACKENDS if b not in backends)]
         _bound_depth_by_disk(args)
+    if "zero3-infinity" in backends:
+        why = _async_io_missing()
+        if why:
+            print(f"skipping zero3-infinity: {why}", flush=True)
+            backends.remove("zero3-infinity")
+        elif not args.disk:
+            raise SystemExit("--backends zero3-infinity needs --disk DIR (the folder of its swap files)")
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     print(f"max_model: width {args.width}, seq {args.seq_len}, batch {args.batch} x GA {args.grad_accum}, "
           f"{args.steps} steps per try, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 
 import pytest
@@ -20,6 +21,26 @@ def disk_zero(path, host_budget=4096, **extra):
     return {"offload_optimizer": {"device": "nvme", "nvme_path": str(path), **extra}, "host_budget": host_budget}
 
 
+def needs_backend(backend):
+    """Skip ``"aio"`` where DeepSpeed's async_io op is not built (a first build takes minutes, too long
+    for a test) or cannot load; ``"threads"`` always runs."""
+    if backend == "aio":
+        from ds_patrickstar.memory.aio_disk_io import async_io_built, load_async_io
+
+        why = "" if async_io_built() else "DeepSpeed's async_io op is not built in TORCH_EXTENSIONS_DIR"
+        why = why or load_async_io()[1]
+        if why:
+            pytest.skip(why)
+
+
+def make_io(backend, **kwargs):
+    from ds_patrickstar.memory.aio_disk_io import AioDiskIO
+    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+
+    needs_backend(backend)
+    return AioDiskIO(**kwargs) if backend == "aio" else ThreadDiskIO(**kwargs)
+
+
 def assert_same(a, b):
     assert a.losses == b.losses
     for name in b.fp32_weights:
@@ -27,12 +48,15 @@ def assert_same(a, b):
         assert torch.equal(a.lp_weights[name], b.lp_weights[name]), name
 
 
-@pytest.mark.parametrize("model,dtype,gas", [("tied", "fp32", 1), ("reused", "bf16", 2)])
-def test_states_on_disk_equal_states_in_ram(tmp_path, model, dtype, gas):
+@pytest.mark.parametrize("model,dtype,gas,backend", [
+    ("tied", "fp32", 1, "threads"), ("reused", "bf16", 2, "threads"), ("tied", "fp32", 1, "aio")])
+def test_states_on_disk_equal_states_in_ram(tmp_path, model, dtype, gas, backend):
+    needs_backend(backend)
     ram = run_training(QUIRK_MODELS[model], make_config("patrickstar", dtype, gas=gas, chunk_size=1024), steps=3, seed=0)
     disk = run_training(
         QUIRK_MODELS[model],
-        make_config("patrickstar", dtype, gas=gas, chunk_size=1024, extra_zero=disk_zero(tmp_path)),
+        make_config("patrickstar", dtype, gas=gas, chunk_size=1024,
+                    extra_zero=disk_zero(tmp_path, io_backend=backend)),
         steps=3,
         seed=0,
     )
@@ -43,66 +67,104 @@ def test_states_on_disk_equal_states_in_ram(tmp_path, model, dtype, gas):
     assert not os.path.exists(tmp_path / "ds_patrickstar_swap" / "rank0"), "swap files are scratch: removed at the end"
 
 
-def test_strict_accelerator_tight_budget_with_disk_tier(tmp_path):
+@pytest.mark.parametrize("backend", ["threads", "aio"])
+def test_strict_accelerator_tight_budget_with_disk_tier(tmp_path, backend):
     """Placement evicts every step (tight device budget) while every state streams from disk; a read
     used before its wait would be NaN (poisoned buffers) and change the numbers."""
+    needs_backend(backend)
     emulated = {"emulate_accelerator": True, "device_budget": 16384}
     ram = run_training(QUIRK_MODELS["mlp"], make_config("patrickstar", "fp32", chunk_size=1024, extra_zero=emulated),
                        steps=3, seed=0)
+    tier = disk_zero(tmp_path, io_backend=backend)
     disk = run_training(QUIRK_MODELS["mlp"], make_config("patrickstar", "fp32", chunk_size=1024,
-                                                         extra_zero={**emulated, **disk_zero(tmp_path)}), steps=3, seed=0)
+                                                         extra_zero={**emulated, **tier}), steps=3, seed=0)
     assert_same(disk, ram)
     assert disk.counters[-1]["bytes_to_device"] > 0 and disk.counters[-1]["disk_bytes_read"] > 0
 
 
-def test_a_missing_wait_reads_poison(tmp_path):
-    from ds_patrickstar.memory.disk_io import ThreadDiskIO, aligned_empty
+@pytest.mark.parametrize("backend", ["threads", "aio"])
+def test_a_missing_wait_reads_poison(tmp_path, backend):
+    """Both backends: a read holds NaN until waited on, a write whose source changed before its wait
+    raises; requests of any aligned length (here 3 pages over 2 aio threads) land whole; counted."""
+    from ds_patrickstar.memory.disk_io import aligned_empty
+    from ds_patrickstar.memory.emulated import CopyHazard
 
-    io = ThreadDiskIO(poison=True)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    src = aligned_empty(4096).view(torch.float32).fill_(3.0)
-    io.write(fd, 0, src).wait()
-    dst = aligned_empty(4096).view(torch.float32)
-    pending = io.read(fd, 0, dst)
+    io = make_io(backend, poison=True, **({"intra_op_parallelism": 2} if backend == "aio" else {}))
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+    os.posix_fallocate(fd, 0, 4 * 4096)
+    src = io.empty(3 * 4096).view(torch.float32)
+    torch.arange(src.numel(), out=src)
+    io.write(fd, 4096, src).wait()
+    dst = aligned_empty(3 * 4096).view(torch.float32)
+    pending = io.read(fd, 4096, dst)
     assert dst.isnan().all(), "a read not waited on holds NaN"
     pending.wait()
     assert torch.equal(dst, src)
+    assert (io.bytes_read, io.bytes_written) == (3 * 4096, 3 * 4096) and io.io_seconds > 0
+    pending = io.write(fd, 0, src)
+    src.add_(1)
+    with pytest.raises(CopyHazard):
+        pending.wait()
+    with pytest.raises(OSError):
+        io.read(fd, 2 * 4096, dst).wait()  # past the end of the file
     io.close()
     os.close(fd)
 
 
-def _two_ranks(rank, world_size, path, gas):
+def _mlp_engine(swap, gas):
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
 
+    if swap:
+        os.makedirs(swap, exist_ok=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
                                 torch.nn.Linear(64, 4))
-    zero = {"stage": "patrickstar", "chunk_size": 1024, **(disk_zero(f"{path}") if path else {})}
+    zero = {"stage": "patrickstar", "chunk_size": 1024, **(disk_zero(swap) if swap else {})}
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "gradient_clipping": 0.5}
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    gen = torch.Generator().manual_seed(100 + rank)
+    return deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
+
+
+def _mlp_steps(engine, micro_steps, seed):
+    gen = torch.Generator().manual_seed(seed)
     losses = []
-    for _ in range(3 * gas):
+    for _ in range(micro_steps):
         x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
         loss = ((engine(x) - y) ** 2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    files = sorted(os.listdir(os.path.join(path, "ds_patrickstar_swap", f"rank{rank}"))) if path else []
-    if path:
-        engine.save_checkpoint(os.path.join(path, "ckpt"), tag="t")
+    return losses
+
+
+def _two_ranks(rank, world_size, path, gas, disk):
+    swap = path if disk else None
+    engine = _mlp_engine(swap, gas)
+    losses = _mlp_steps(engine, 3 * gas, 100 + rank)
+    files = sorted(os.listdir(os.path.join(path, "ds_patrickstar_swap", f"rank{rank}"))) if disk else []
+    engine.save_checkpoint(os.path.join(path, "ckpt"), tag="t")
     result = {"losses": losses, "weights": engine.get_fp32_state_dict(), "files": files,
               "spilled": sorted(engine.optimizer.optim_states.spilled)}
     engine.destroy()
     return result
 
 
+def _one_rank_resume(rank, world_size, ckpt, swap):
+    engine = _mlp_engine(swap, 1)
+    engine.load_checkpoint(ckpt)
+    result = {"losses": _mlp_steps(engine, 2, 7), "weights": engine.get_fp32_state_dict(),
+              "spilled": sorted(engine.optimizer.optim_states.spilled)}
+    engine.destroy()
+    return result
+
+
 def test_two_ranks_each_spill_their_own_chunks(tmp_path):
-    ram = run_ranks(_two_ranks, 2, None, 2)
-    disk = run_ranks(_two_ranks, 2, str(tmp_path), 2)
+    """Two ranks spill their own chunks and equal the run in RAM; their checkpoint, loaded at one rank
+    into the tier (resharded), trains on as the RAM run's checkpoint loaded at one rank in RAM."""
+    ram = run_ranks(_two_ranks, 2, str(tmp_path / "ram"), 2, False)
+    disk = run_ranks(_two_ranks, 2, str(tmp_path / "disk"), 2, True)
     for ours, ref in zip(disk, ram):
         assert ours["losses"] == ref["losses"]
         assert all(torch.equal(ours["weights"][n], v) for n, v in ref["weights"].items())
@@ -112,9 +174,15 @@ def test_two_ranks_each_spill_their_own_chunks(tmp_path):
     from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
 
     # both ranks' spilled states went into the tag folder as files of their own; zero_to_fp32 reads them
-    assert len(list((tmp_path / "ckpt" / "t").glob("*.states"))) == sum(len(r["spilled"]) for r in disk)
-    full = consolidate_fp32_state_dict(str(tmp_path / "ckpt"))
+    ckpt = tmp_path / "disk" / "ckpt"
+    assert len(list((ckpt / "t").glob("*.states"))) == sum(len(r["spilled"]) for r in disk)
+    full = consolidate_fp32_state_dict(str(ckpt))
     assert all(torch.equal(full[n], v) for n, v in disk[0]["weights"].items())
+    [resharded] = run_ranks(_one_rank_resume, 1, str(ckpt), str(tmp_path / "swap1"))
+    [in_ram] = run_ranks(_one_rank_resume, 1, str(tmp_path / "ram" / "ckpt"), None)
+    assert any(c % 2 for c in resharded["spilled"]), "a chunk rank 1 owned is on rank 0's disk now"
+    assert resharded["losses"] == in_ram["losses"]
+    assert all(torch.equal(resharded["weights"][n], v) for n, v in in_ram["weights"].items())
 
 
 def test_planner_puts_what_the_host_cannot_hold_on_disk():
@@ -178,15 +246,45 @@ def test_bad_disk_config(block, match):
 def test_idle_keys_warn_with_their_names(caplog):
     from ds_patrickstar.integration.config import split_config
 
+    aio = {"intra_op_parallelism": 3, "block_size": 65536, "queue_depth": 16, "single_submit": True, "use_gds": False}
     options, sanitized = split_config({
         "zero_optimization": {"stage": "patrickstar", "offload_optimizer": {
-            "device": "nvme", "nvme_path": "/tmp", "pin_memory": True, "buffer_count": 5}},
-        "aio": {"intra_op_parallelism": 3, "block_size": 65536, "queue_depth": 8}})
+            "device": "nvme", "nvme_path": "/tmp", "pin_memory": True, "buffer_count": 5}}, "aio": aio})
     nvme = options.offload_optimizer
-    assert (nvme.buffer_count, nvme.threads, nvme.block_size) == (5, 3, 65536)
-    assert "offload_optimizer.pin_memory" in caplog.text and "aio.queue_depth" in caplog.text
+    assert (nvme.buffer_count, nvme.threads, nvme.block_size, nvme.io_backend) == (5, 3, 65536, "auto")
+    assert (nvme.queue_depth, nvme.single_submit, nvme.overlap_events) == (16, True, True)
+    assert "offload_optimizer.pin_memory" in caplog.text and "aio.use_gds" in caplog.text
+    assert "aio.queue_depth" not in caplog.text, "the aio_handle's settings mean something with io_backend auto"
     assert sanitized["zero_optimization"] == {"stage": 0}
     assert split_config({"zero_optimization": {"stage": "patrickstar"}})[0].offload_optimizer is None
+    caplog.clear()
+    split_config({"zero_optimization": {"stage": "patrickstar", "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/tmp", "io_backend": "threads"}}, "aio": aio})
+    assert "aio.queue_depth" in caplog.text and "aio.single_submit" in caplog.text
+    with pytest.raises(ValueError, match="offload_optimizer.io_backend='libaio' is invalid"):
+        split_config({"zero_optimization": {"stage": "patrickstar", "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/tmp", "io_backend": "libaio"}}})
+
+
+def test_io_backend_choice(caplog):
+    """"auto" says which backend it took and why; "aio" where it cannot work names the key and the way out."""
+    from ds_patrickstar.integration.disk_config import NvmeOffload
+    from ds_patrickstar.integration.disk_tier import make_disk_io
+    from ds_patrickstar.memory.aio_disk_io import AioDiskIO, async_io_built, load_async_io, lock_problem
+    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+
+    assert "raise `ulimit -l`" in lock_problem(2**30, limit=8 << 20, privileged=False)
+    assert lock_problem(2**30, limit=8 << 20, privileged=True) == lock_problem(4096, 8 << 20, False) == ""
+    with pytest.raises(ValueError, match=r'io_backend="aio" cannot be used: .*O_DIRECT.* use "threads"'):
+        make_disk_io(NvmeOffload(nvme_path="/dev/shm", io_backend="aio"), direct=False, poison=False)
+    caplog.set_level("INFO")
+    io = make_disk_io(NvmeOffload(nvme_path="/dev/shm"), direct=False, poison=False)
+    assert isinstance(io, ThreadDiskIO) and '"threads" (io_backend "auto": the file system' in caplog.text
+    io.close()
+    io = make_disk_io(NvmeOffload(nvme_path="/tmp"), direct=True, poison=False)
+    assert isinstance(io, AioDiskIO if async_io_built() and not load_async_io()[1] else ThreadDiskIO)
+    assert 'disk tier I/O: "aio"' in caplog.text or "async_io" in caplog.text
+    io.close()
 
 
 # ---- checkpoints and faults -------------------------------------------------------------
@@ -253,3 +351,87 @@ def test_disk_full_fails_the_step_and_the_checkpoint_stays(tmp_path):
     fresh.load_checkpoint(ckpt)
     assert _steps(fresh, 1, seed=1) == expected
     fresh.destroy()
+
+
+# ---- kill -9 mid-step, fp16, reshard --------------------------------------------------------
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _killed_mid_step(rank, world_size, swap, ckpt):
+    """Two steps, a checkpoint, then SIGKILL inside the third step's writes: the first system-call
+    write of the step has rewritten part of a swap file, the rest never happens."""
+    import signal
+
+    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+
+    class KilledAfterFirstWrite(ThreadDiskIO):
+        calls = 0
+
+        def pwrite(self, fd, buffer, offset):
+            self.calls += 1  # one I/O thread: the calls come one at a time
+            if self.calls == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().pwrite(fd, buffer, offset)
+
+    torch.manual_seed(0)
+    engine = _engine(swap)
+    _steps(engine, 2)
+    engine.save_checkpoint(ckpt, tag="t2")
+    engine.optimizer.optim_states.disk.replace_io(KilledAfterFirstWrite(threads=1, block_size=4096))
+    _steps(engine, 1, seed=1)
+    raise AssertionError("the step finished: the kill did not happen")
+
+
+def _resume_and_reference(rank, world_size, swap, ckpt, reference_swap):
+    with open(os.path.join(swap, "ds_patrickstar_swap", "rank0", "manifest.json")) as f:
+        left = json.load(f)
+    records = _Records()
+    logging.getLogger("ds_patrickstar").addHandler(records)
+    try:
+        engine = _engine(swap)
+    finally:
+        logging.getLogger("ds_patrickstar").removeHandler(records)
+    engine.load_checkpoint(ckpt)
+    resumed = (_steps(engine, 2, seed=1), engine.get_fp32_state_dict())
+    engine.destroy()
+    torch.manual_seed(0)  # the killed run's initial weights
+    engine = _engine(reference_swap)
+    _steps(engine, 2)
+    reference = (_steps(engine, 2, seed=1), engine.get_fp32_state_dict())
+    engine.destroy()
+    return {"left": left, "log": records.messages, "resumed": resumed, "reference": reference}
+
+
+def test_kill_9_mid_step_then_resume_from_the_checkpoint(tmp_path):
+    from multiproc import WorkerError
+
+    swap, ckpt = str(tmp_path / "swap"), str(tmp_path / "ckpt")
+    with pytest.raises(WorkerError, match="exit code -9"):
+        run_ranks(_killed_mid_step, 1, swap, ckpt)
+    [out] = run_ranks(_resume_and_reference, 1, swap, ckpt, str(tmp_path / "reference"))
+    assert out["left"]["clean"] is False, "the killed run's manifest says it stopped mid-step"
+    assert any("removing stale swap files" in m and "stopped mid-step" in m for m in out["log"]), out["log"]
+    assert out["resumed"][0] == out["reference"][0]
+    assert all(torch.equal(out["resumed"][1][n], v) for n, v in out["reference"][1].items())
+
+
+def test_fp16_with_an_overflow_on_disk_equals_ram(tmp_path):
+    """Loss scaling with states on disk: the first step overflows at scale 2**21 and is skipped (the
+    states the tier holds are not touched), the scale comes down, then the steps apply."""
+    def config(extra):
+        cfg = make_config("patrickstar", "fp16", chunk_size=1024, extra_zero=extra)
+        cfg["fp16"].update(initial_scale_power=21, hysteresis=1)
+        return cfg
+
+    ram = run_training(QUIRK_MODELS["tied"], config({}), steps=6, seed=0)
+    disk = run_training(QUIRK_MODELS["tied"], config(disk_zero(tmp_path)), steps=6, seed=0)
+    assert 0 < ram.skipped_steps < 6, (ram.skipped_steps, ram.loss_scales)
+    assert disk.skipped_steps == ram.skipped_steps and disk.loss_scales == ram.loss_scales
+    assert_same(disk, ram)
+    assert disk.counters[-1]["disk_bytes_read"] > 0

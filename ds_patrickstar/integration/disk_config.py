@@ -6,18 +6,24 @@
 what lives on the host). Of DeepSpeed's keys, ``nvme_path`` is the folder of the swap files and
 ``buffer_count`` the number of aligned host buffers the step streams through (at least 3:
 read-ahead, compute, write-behind); ``pipeline_read``/``pipeline_write`` are what the tier always
-does. The top-level ``aio`` block's ``intra_op_parallelism`` (``thread_count`` in older
-DeepSpeed) is the number of I/O threads and its ``block_size`` the piece each thread reads or
-writes at a time. Keys that mean nothing here are accepted with a warning naming them:
-``pin_memory`` (the buffers feed the CPU Adam, never a device copy), ``fast_init``, ``ratio``,
-``super_offload``, ``cpuadam_cores_perc`` and ``aio``'s ``queue_depth``, ``single_submit``,
-``overlap_events``, ``use_gds`` (settings of DeepSpeed's libaio backend, which is not used).
+does. ``io_backend`` (ours, beside them) picks the implementation of the tier's I/O:
+``"threads"`` (threads calling ``preadv``/``pwritev``, no build step), ``"aio"`` (DeepSpeed's
+``aio_handle``, the libaio engine of ZeRO-Infinity; needs ``libaio-dev`` to build and a file
+system that takes ``O_DIRECT`` and page-lockable buffers) or ``"auto"`` (the default: ``"aio"``
+where the op is built already and loads, the files take ``O_DIRECT`` and the buffers can be
+page-locked, else ``"threads"``, with a log line saying which and why; see [Note: aio disk I/O]). The top-level ``aio`` block's ``intra_op_parallelism`` (``thread_count``
+in older DeepSpeed) is the number of I/O threads and its ``block_size`` the piece each thread
+reads or writes at a time, for both backends; ``queue_depth``, ``single_submit`` and
+``overlap_events`` are settings of the ``aio_handle`` (warned about with ``"threads"``). Keys
+that mean nothing here are accepted with a warning naming them: ``pin_memory`` (the buffers feed
+the CPU Adam, never a device copy), ``fast_init``, ``ratio``, ``super_offload``,
+``cpuadam_cores_perc`` and ``aio.use_gds`` (GPUDirect Storage reads into device memory).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,7 +39,8 @@ _IDLE_OFFLOAD_KEYS = {
     "cpuadam_cores_perc": "the CPU Adam uses OpenMP's threads",
 }
 _PIPELINE_KEYS = ("pipeline_read", "pipeline_write")
-_IDLE_AIO_KEYS = ("queue_depth", "single_submit", "overlap_events", "use_gds")
+_HANDLE_KEYS = ("queue_depth", "single_submit", "overlap_events")
+_IDLE_AIO_KEYS = ("use_gds",)
 _AIO_THREAD_KEYS = ("intra_op_parallelism", "thread_count")
 
 
@@ -55,6 +62,19 @@ class NvmeOffload(BaseModel):
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=4096, le=2**30)
     """Bytes one thread reads or writes at a time (``aio.block_size``)."""
 
+    io_backend: Literal["auto", "threads", "aio"] = "auto"
+    """The implementation of the tier's I/O (``offload_optimizer.io_backend``): ``"threads"``,
+    ``"aio"`` (DeepSpeed's ``aio_handle``) or ``"auto"``."""
+
+    queue_depth: int = Field(default=8, ge=1, le=1024)
+    """Requests each ``aio_handle`` thread keeps in flight (``aio.queue_depth``)."""
+
+    single_submit: bool = False
+    """``aio_handle``: submit requests one at a time (``aio.single_submit``)."""
+
+    overlap_events: bool = True
+    """``aio_handle``: submit new requests while completing others (``aio.overlap_events``)."""
+
 
 def means_nvme(value: Any) -> bool:
     return isinstance(value, dict) and str(value.get("device", "")).lower() == "nvme"
@@ -69,7 +89,7 @@ def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None) -> NvmeOffload
         )
     idle = [f"offload_optimizer.{k}" for k in _IDLE_OFFLOAD_KEYS if k in block]
     idle += [f"offload_optimizer.{k}" for k in _PIPELINE_KEYS if block.get(k) is False]
-    known = {"device", "nvme_path", "buffer_count", *_IDLE_OFFLOAD_KEYS, *_PIPELINE_KEYS}
+    known = {"device", "nvme_path", "buffer_count", "io_backend", *_IDLE_OFFLOAD_KEYS, *_PIPELINE_KEYS}
     unknown = sorted(set(block) - known)
     if unknown:
         raise ValueError(
@@ -77,26 +97,30 @@ def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None) -> NvmeOffload
             f"block; the keys are: {', '.join(sorted(known))}"
         )
     values: dict[str, Any] = {"nvme_path": block["nvme_path"]}
-    if "buffer_count" in block:
-        values["buffer_count"] = block["buffer_count"]
+    for key in ("buffer_count", "io_backend"):
+        if key in block:
+            values[key] = block[key]
     aio = aio or {}
     for key in _AIO_THREAD_KEYS:
         if key in aio:
             values["threads"] = aio[key]
             break
-    if "block_size" in aio:
-        values["block_size"] = aio["block_size"]
+    for key in ("block_size", *_HANDLE_KEYS):
+        if key in aio:
+            values[key] = aio[key]
     idle += [f"aio.{k}" for k in _IDLE_AIO_KEYS if k in aio]
+    if block.get("io_backend") == "threads":
+        idle += [f"aio.{k}" for k in _HANDLE_KEYS if k in aio]
     if idle:
         logger.warning(
-            "ds_patrickstar: keys %s do nothing for stage 'patrickstar''s disk tier (it uses threads calling "
-            "preadv/pwritev on host buffers that feed the CPU Adam); remove them",
+            "ds_patrickstar: keys %s do nothing for stage 'patrickstar''s disk tier (its host buffers feed the "
+            'CPU Adam; queue_depth, single_submit and overlap_events tune io_backend "aio"); remove them',
             idle,
         )
     try:
         return NvmeOffload(**values)
     except ValidationError as err:
-        names = {"threads": "aio.intra_op_parallelism", "block_size": "aio.block_size"}
+        names = {"threads": "aio.intra_op_parallelism", **{k: f"aio.{k}" for k in ("block_size", *_HANDLE_KEYS)}}
         error = err.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else "offload_optimizer"
         key = names.get(field, f"zero_optimization.offload_optimizer.{field}")

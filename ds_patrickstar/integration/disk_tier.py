@@ -13,11 +13,20 @@ import torch
 from ..chunks.chunk_map import owner_of
 from ..chunks.layout import ChunkSpec
 from ..dist.comm import ChunkComm
-from ..memory.disk_io import ThreadDiskIO
-from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, disk_buffer_bytes, plan_for_rank, record_bytes, spilled_chunks
+from ..memory.aio_disk_io import AioDiskIO, async_io_built, load_async_io, lock_problem
+from ..memory.disk_io import DiskIO, ThreadDiskIO
+from ..memory.preflight import (
+    MIN_DISK_BUFFERS,
+    OPTIM_BYTES_PER_ELEMENT,
+    disk_buffer_bytes,
+    plan_for_rank,
+    record_bytes,
+    spilled_chunks,
+)
 from ..memory.swap_files import PathProbe, SwapFiles, check_swap_path, rank_folder, stale_bytes
 from ..optim.disk_states import DiskStates
 from .config import PatrickStarConfig
+from .disk_config import NvmeOffload
 from .host_share import local_world_size
 
 logger = logging.getLogger(__name__)
@@ -76,5 +85,37 @@ def open_disk_states(options: PatrickStarConfig, spilled: dict[int, int], rank: 
     if nvme is None or not spilled:
         return None
     files = SwapFiles(nvme.nvme_path, rank, {cid: record_bytes(c) for cid, c in spilled.items()})
-    io = ThreadDiskIO(nvme.threads, nvme.block_size, poison=poison)
+    try:
+        locked = (max(nvme.buffer_count, MIN_DISK_BUFFERS) + 1) * max(record_bytes(c) for c in spilled.values())
+        io = make_disk_io(nvme, files.direct, poison, locked)
+    except BaseException:
+        files.close(remove=True)
+        raise
     return DiskStates(files, io, spilled, nvme.buffer_count)
+
+
+def make_disk_io(nvme: NvmeOffload, direct: bool, poison: bool, locked: int = 0) -> DiskIO:
+    """The I/O backend ``offload_optimizer.io_backend`` asks for (see [Note: disk tier configuration]);
+    ``locked``: bytes of buffers the ``aio_handle`` would page-lock."""
+    key = "zero_optimization.offload_optimizer.io_backend"
+    why = "" if direct else f"the file system of nvme_path={nvme.nvme_path!r} does not take O_DIRECT"
+    if not why and nvme.io_backend != "threads":
+        why = lock_problem(locked)
+    if not why and nvme.io_backend == "auto" and not async_io_built():
+        why = 'DeepSpeed\'s async_io op is not built yet (io_backend "aio" builds it at its first use, minutes)'
+    if not why and nvme.io_backend != "threads":
+        why = load_async_io()[1]
+    if nvme.io_backend == "aio" and why:
+        raise ValueError(
+            f'{key}="aio" cannot be used: {why}. DeepSpeed\'s aio_handle needs libaio-dev (to build its '
+            'async_io op), O_DIRECT on nvme_path\'s file system and page-lockable buffers; or use "threads" '
+            '(or "auto", which falls back to it)'
+        )
+    if nvme.io_backend == "threads" or why:
+        if nvme.io_backend == "auto":
+            logger.info('ds_patrickstar: disk tier I/O: "threads" (io_backend "auto": %s)', why)
+        return ThreadDiskIO(nvme.threads, nvme.block_size, poison=poison)
+    logger.info('ds_patrickstar: disk tier I/O: "aio" (DeepSpeed\'s aio_handle, io_backend "%s")', nvme.io_backend)
+    return AioDiskIO(
+        nvme.block_size, nvme.queue_depth, nvme.single_submit, nvme.overlap_events, nvme.threads, poison=poison
+    )

@@ -7,8 +7,9 @@ the ``OSError`` the system call raised: a full disk, an I/O error). :class:`Thre
 implementation that needs no build step: a few threads calling ``os.preadv``/``os.pwritev``, which
 release the GIL, each request cut into ``block_size`` pieces so that the threads share one large
 request. Files opened with ``O_DIRECT`` bypass the page cache; their buffers, offsets and lengths
-are multiples of :data:`ALIGNMENT` (:func:`aligned_empty`). DeepSpeed's ``aio_handle`` would be a
-second implementation of the same interface (not built: see the README's "Disk tier").
+are multiples of :data:`ALIGNMENT` (:func:`aligned_empty`; :meth:`DiskIO.empty` gives the buffers an
+implementation serves best). DeepSpeed's ``aio_handle`` is the second implementation
+(:class:`~ds_patrickstar.memory.aio_disk_io.AioDiskIO`, see [Note: aio disk I/O]).
 
 Under the strict emulated accelerator (``poison=True``) a read fills its destination with NaN at
 once and the bytes arrive only when the read is waited on (from a staging buffer), and a write whose
@@ -97,6 +98,11 @@ class DiskIO:
     def add_io_seconds(self, seconds: float) -> None:
         with self._lock:
             self.io_seconds += seconds
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An aligned uint8 host buffer of ``align_up(nbytes)`` bytes that this implementation reads
+        and writes best."""
+        return aligned_empty(nbytes)
 
     def read(self, fd: int, offset: int, dst: torch.Tensor) -> DiskPending:
         """Read ``dst.nbytes`` bytes at ``offset`` into ``dst`` (contiguous, host)."""

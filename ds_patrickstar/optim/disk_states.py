@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..memory.disk_io import ALIGNMENT, DiskIO, DiskPending, align_up, aligned_empty
+from ..memory.disk_io import ALIGNMENT, DiskIO, DiskPending, align_up
 from ..memory.preflight import MIN_DISK_BUFFERS as MIN_BUFFERS
 from ..memory.preflight import record_bytes
 from ..memory.swap_files import SwapFiles
@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 class _Slot:
     """One aligned host buffer and the states of the chunk it holds."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.raw = aligned_empty(nbytes)
+    def __init__(self, raw: torch.Tensor) -> None:
+        self.raw = raw
         self.chunk_id: int | None = None
 
     def states(self, capacity: int) -> OptimizerChunk:
@@ -60,8 +60,8 @@ class DiskStates:
         self.files = files
         self.capacities = dict(capacities)
         largest = max((record_bytes(c) for c in capacities.values()), default=ALIGNMENT)
-        self._slots = [_Slot(largest) for _ in range(max(buffer_count, MIN_BUFFERS))]
-        self._cache = _Slot(largest)
+        self._slots = [_Slot(io.empty(largest)) for _ in range(max(buffer_count, MIN_BUFFERS))]
+        self._cache = _Slot(io.empty(largest))
         self._dirty = False
         self._counted = (0, 0, 0.0, 0.0)
         weakref.finalize(self, self._handles.close)
