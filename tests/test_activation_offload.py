@@ -172,3 +172,20 @@ def test_tide_series_tells_resident_from_offloaded():
     mib = 2**20
     series = tide_series([(0, mib, 2 * mib, 0), (1, mib, mib, 3 * mib)])
     assert series == {"moments": [0.0, 1.0], "model": [1.0, 1.0], "resident": [2.0, 1.0], "offloaded": [0.0, 3.0]}
+
+
+def test_plan_offloads_the_fewest_bytes_that_fit():
+    """Traced with every block offloaded: blocks 0, 1, 2 (10, 30, 20 B) away over moments 1..5, 2..4,
+    3..3. With no offload moment 3 holds all 60 B beside 5 B of tide and 10 B of chunks; at a budget
+    of 55 B, 20 B must go: block 2 (20 B) suffices at moment 3, but then moment 2 (block 0 and 1 and
+    what the next moment's tide adds) still holds 45 + 10 = 55: it fits. The tide returned is the
+    planned one."""
+    from ds_patrickstar.placement.activation_plan import SegmentRecord, plan_offload
+
+    tide, need = [5] * 7, [10] * 7
+    records = [SegmentRecord(0, 10, 1, 6, True), SegmentRecord(1, 30, 2, 5, True), SegmentRecord(2, 20, 3, 4, True)]
+    chosen, planned = plan_offload(tide, need, 55, records)
+    assert chosen == {2}
+    assert planned == [5, 15, 45, 45, 45, 15, 5]
+    assert plan_offload(tide, need, 200, records)[0] == set()
+    assert plan_offload(tide, need, 20, records)[0] == {0, 1, 2}  # nothing fits: every block goes

@@ -306,9 +306,9 @@ class ActivationOffloader:
         entry.refs -= 1
         if entry.refs:
             return
-        if entry.state is _State.TO_HOST:
+        if entry.state in (_State.TO_HOST, _State.TO_DEVICE):
             assert entry.pending is not None
-            entry.pending.wait_host()  # the source must outlive its copy
+            entry.pending.wait_host()  # the source (resp. destination) must outlive its copy
         if entry.host is not None:
             self.accel.host_free(entry.host, after=entry.pending)
             self.host_bytes -= entry.nbytes if entry.state in (_State.ON_HOST, _State.TO_DEVICE) else 0
