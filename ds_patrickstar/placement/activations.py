@@ -11,9 +11,11 @@ forward (see [Note: moments and the trace]).
   :func:`repeated_blocks`. Block ``k``'s *segment* runs from its forward pre-hook to the next
   block's (the last one's to the end of the root forward): it also holds what a checkpoint
   function around the block saves once the block returned (a reentrant checkpoint's input).
-  Saved tensors outside every segment (embeddings, the head) stay on the accelerator. A
-  non-reentrant checkpoint holds its input in torch's own frame, not as a saved tensor: nothing
-  of such a block is offloaded (nor counted by the emulated meter).
+  Saved tensors before the first segment (the embeddings) stay on the accelerator. A
+  non-reentrant checkpoint holds its input in torch's own frame and
+  ``deepspeed.checkpointing.checkpoint`` as attributes of its autograd context, not as saved
+  tensors: their inputs are neither offloaded nor counted by the emulated meter (CUDA's
+  allocator counts them).
 * **What moves.** A saved tensor's whole storage (once per storage, whatever views of it are
   saved), unless it is a chunk payload (the meter's model-storage test): model data has its own
   placement. Parameters never move here.
