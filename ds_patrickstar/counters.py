@@ -31,6 +31,10 @@ class StepCounters:
     recompute_moments: int = 0
     """moments of activation-checkpoint recomputation (a module's forward run again inside backward;
     see [Note: recomputation in the trace])"""
+    activation_bytes_offloaded: int = 0
+    """saved activation bytes copied accelerator -> host (see [Note: activation offload])"""
+    activation_bytes_restored: int = 0
+    """offloaded activation bytes copied back host -> accelerator"""
     prefetches: int = 0
     prefetch_hits: int = 0
     adam_chunks_device: int = 0
@@ -42,6 +46,10 @@ class StepCounters:
     accumulators, optimizer states, temporaries (the device ledger)"""
     peak_non_model_bytes_device: int = 0
     """highest non-model (activation) bytes seen at a moment this step (the tracer)"""
+    peak_activation_bytes_device: int = 0
+    """highest bytes of saved activations resident on the accelerator this step, as the saved-tensor
+    hooks count them (the emulated accelerator's meter, or the activation offloader's; 0 on CUDA
+    without offload_activations)"""
     peak_device_bytes: int = 0
     """highest backend + non-model accelerator bytes at a moment this step"""
     model_bytes_device: int = 0

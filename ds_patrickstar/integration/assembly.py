@@ -35,6 +35,7 @@ from ..memory.preflight import check_budget_holds, check_fits, group_bytes, plan
 from ..memory.store import ChunkStore
 from ..optim.chunk_adam import ChunkAdam, adamw_mode
 from ..optim.states import OptimizerStates
+from ..placement.activations import ActivationOffloader, repeated_blocks
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
@@ -174,9 +175,9 @@ def make_placement(
     accumulate: bool,
 ) -> PlacementRuntime:
     """Tide-aware (or static) placement on CUDA or the emulated accelerator; see [Note: placement]."""
+    model_storages = chunk_map.model_storages()
     meter = None
     if isinstance(accel, EmulatedAccelerator):
-        model_storages = chunk_map.model_storages()
         meter = SavedTensorMeter(lambda s: s._cdata in model_storages)
     owned = {c.chunk_id for c in chunk_map.owned_chunks()}
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
@@ -189,6 +190,14 @@ def make_placement(
         reductions,
         lambda chunk_ids: chunk_map.moment_bytes(chunk_ids, accumulate),
     )
+    if options.offload_activations != "none":  # see [Note: activation offload]
+        runtime.activations = ActivationOffloader(
+            accel,
+            meter or SavedTensorMeter(lambda s: s._cdata in model_storages),
+            options.offload_activations,
+            counters,
+            lambda: runtime.moment,
+        )
     logger.info(
         "ds_patrickstar: %s placement, accelerator budget %.3f GiB%s",
         options.placement,
@@ -196,6 +205,21 @@ def make_placement(
         " (emulated)" if meter is not None else "",
     )
     return runtime
+
+
+def offload_blocks(module: torch.nn.Module, placement: PlacementRuntime | None) -> list[torch.nn.Module]:
+    """The blocks whose activations may be offloaded (see [Note: activation offload]); none without it."""
+    if placement is None or placement.activations is None:
+        return []
+    blocks = repeated_blocks(module)
+    if not blocks:
+        logger.warning(
+            "ds_patrickstar: zero_optimization.offload_activations=%r finds no blocks (a ModuleList or Sequential "
+            "of at least two modules) in %s: no activation is offloaded",
+            placement.activations.mode,
+            type(module).__name__,
+        )
+    return blocks
 
 
 def assemble(
@@ -258,7 +282,7 @@ def assemble(
     )
     export = ChunkExport(chunk_map, comm, accel, optim_states)
     flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary)
-    hooks = HookRegistry(module, chunk_map.info, flow)
+    hooks = HookRegistry(module, chunk_map.info, flow, offload_blocks(module, placement))
     adam.build_kernels({accel.device, torch.device("cpu")} if placement else {accel.device})
     return ChunkedModel(
         counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks

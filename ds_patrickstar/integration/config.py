@@ -125,6 +125,15 @@ class PatrickStarConfig(BaseModel):
     """The disk tier, from DeepSpeed's ``offload_optimizer`` block with ``"device": "nvme"`` and its
     ``aio`` block (see [Note: disk tier configuration]); None: no disk tier."""
 
+    offload_activations: Literal["none", "all", "auto"] = "none"
+    """What autograd saves inside the model's blocks (the entries of its longest ModuleList or
+    Sequential, e.g. the transformer layers; with activation checkpointing, what the checkpoints
+    keep) moves to pinned host memory once forward is past the block, and comes back, ahead of use,
+    in backward (see [Note: activation offload]). "none" (default): activations stay on the
+    accelerator. "all": every block's, every step. "auto": the fewest bytes that let the chunks fit
+    beside the traced tide under device_budget (see [Note: auto activation offload]). Needs
+    placement (a CUDA device or emulate_accelerator)."""
+
     emulate_accelerator: bool = False
     """On a CPU-only machine, run the placement machinery against an emulated accelerator of
     device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""
@@ -139,7 +148,8 @@ class PatrickStarConfig(BaseModel):
 
     def _idle_placement_keys(self, placement_runs: bool, set_keys: set[str]) -> list[str]:
         if not placement_runs:
-            return [k for k in ("placement", "static_fraction", "device_budget") if k in set_keys]
+            keys = ("placement", "static_fraction", "device_budget", "offload_activations")
+            return [k for k in keys if k in set_keys]
         return ["static_fraction"] if self.placement == "auto" and "static_fraction" in set_keys else []
 
     @field_validator("device_budget", "host_budget")

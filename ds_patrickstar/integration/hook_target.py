@@ -59,15 +59,21 @@ class TrainingFlow:
         if self.placement is None or not torch.is_grad_enabled():
             return
         self.placement.start_forward(inputs, self.optim_states)
-        meter = self.placement.tracer.meter
-        if meter is not None:
-            self._meter_ctx = meter.hooks()
+        offloader = self.placement.activations
+        if offloader is not None:  # its hooks count what stays, as the meter's would
+            offloader.start_forward()
+            self._meter_ctx = offloader.hooks()
+        elif self.placement.tracer.meter is not None:
+            self._meter_ctx = self.placement.tracer.meter.hooks()
+        if self._meter_ctx is not None:
             self._meter_ctx.__enter__()
 
     def root_forward_end(self) -> None:
         if inside_backward():
             return
         self.manager.training_forward = False
+        if self._meter_ctx is not None and self.placement is not None and self.placement.activations is not None:
+            self.placement.activations.end_forward()
         if self._meter_ctx is not None:
             self._meter_ctx.__exit__(None, None, None)
             self._meter_ctx = None
@@ -76,6 +82,12 @@ class TrainingFlow:
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         kind = "rec:" if inside_backward() else "fwd:"  # a forward inside backward: a recomputation
         self.manager.access(infos, kind + self._module_names.get(module, "?"))
+
+    def block_forward(self, index: int) -> None:
+        """A block's forward begins (not a recomputation): see [Note: activation offload]."""
+        if self._meter_ctx is not None and self.placement is not None and self.placement.activations is not None:
+            if not inside_backward():
+                self.placement.activations.enter_block(index)
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         if inside_backward():

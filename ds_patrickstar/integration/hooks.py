@@ -15,6 +15,8 @@
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
   (see [Note: gradient in the param slot]).
+With ``offload_activations``, a forward pre-hook on each block (the model's repeated layers) marks
+where its saved tensors begin (see [Note: activation offload]).
 The root module's forward pre/post hooks (registered first) mark where an iteration's
 moments begin, for the memory tracer (see [Note: moments and the trace]).
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
@@ -44,6 +46,8 @@ class HookTarget(Protocol):
     def root_forward_end(self) -> None: ...
 
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
+
+    def block_forward(self, index: int) -> None: ...
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
@@ -94,7 +98,11 @@ class HookRegistry:
     """Registers and removes every hook; see [Note: which hook drives which state]."""
 
     def __init__(
-        self, module: torch.nn.Module, info_of: Callable[[torch.Tensor], TensorInfo | None], target: HookTarget
+        self,
+        module: torch.nn.Module,
+        info_of: Callable[[torch.Tensor], TensorInfo | None],
+        target: HookTarget,
+        blocks: list[torch.nn.Module] = (),  # type: ignore[assignment]
     ) -> None:
         self._target = target
         self._handles: list[RemovableHandle] = [
@@ -103,6 +111,8 @@ class HookRegistry:
             ),
             module.register_forward_hook(lambda mod, args, output: target.root_forward_end()),
         ]
+        for index, block in enumerate(blocks):  # registered before the blocks' own: see [Note: activation offload]
+            self._handles.append(block.register_forward_pre_hook(lambda mod, args, i=index: target.block_forward(i)))
         holders = Counter(id(p) for sub in module.modules() for p in sub.parameters(recurse=False))
         for sub in module.modules():
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]

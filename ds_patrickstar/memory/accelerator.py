@@ -131,6 +131,23 @@ class Accelerator:
         using ``dst``, and do not touch ``src`` until then."""
         raise NotImplementedError
 
+    def bytes_to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """An asynchronous copy of the accelerator bytes ``src`` (1-d uint8, not charged to the ledger:
+        a saved activation) into a pinned host buffer of the pool; keep ``src`` alive and give the
+        buffer back with :meth:`host_free` (see [Note: activation offload] in placement/activations.py)."""
+        host = self.host_empty(src.numel(), torch.uint8)
+        return host, self._copy_activation(host, src, src)
+
+    def bytes_to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """An asynchronous copy of host bytes into a new (uncharged) accelerator buffer; wait on the
+        :class:`Pending` before reading the buffer."""
+        device = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+        return device, self._copy_activation(device, host, device)
+
+    def _copy_activation(self, dst: torch.Tensor, src: torch.Tensor, on_device: torch.Tensor) -> Pending:
+        """:meth:`copy` for an activation, ``on_device`` being its accelerator side."""
+        return self.copy(dst, src)
+
     def collective_stream(self, *tensors: torch.Tensor) -> AbstractContextManager[None]:
         """Where a collective is issued (see [Note: asynchronous collectives] in dist/comm.py): the
         calling thread on the host; a stream of its own on CUDA."""

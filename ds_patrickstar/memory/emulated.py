@@ -156,6 +156,18 @@ class EmulatedAccelerator(Accelerator):
         self._queue.append(pending)
         return pending
 
+    def _copy_activation(self, dst: torch.Tensor, src: torch.Tensor, on_device: torch.Tensor) -> Pending:
+        """An activation is accelerator memory the ledger does not charge (the tracer's meter counts
+        it): not a host buffer torch would have pinned."""
+        ptr = on_device.untyped_storage().data_ptr()
+        known = ptr in self._device_storages
+        self._device_storages.add(ptr)
+        try:
+            return self.copy(dst, src)
+        finally:
+            if not known:
+                self._device_storages.discard(ptr)
+
     def complete_through(self, pending: _EmulatedCopy) -> None:
         """Complete every queued copy up to and including ``pending`` (stream order)."""
         while not pending.completed:

@@ -16,6 +16,7 @@ from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.store import ChunkStore
+from .activations import ActivationOffloader
 from .policy import Placer
 from .tracer import MemoryTracer, Trace
 
@@ -67,7 +68,9 @@ class PlacementRuntime:
         self.moment = -1
         self.label = ""  # the label of the current moment
         self.recording = False
-        self.tide: list[tuple[int, int, int]] = []  # (moment, model bytes, non-model bytes) this iteration
+        # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
+        self.tide: list[tuple[int, int, int, int]] = []
+        self.activations: ActivationOffloader | None = None  # see [Note: activation offload]
         self._step_since_forward = True  # the next training forward starts an iteration
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
@@ -166,7 +169,8 @@ class PlacementRuntime:
                 f"budget of {self.placer.budget:,} B at moment {self.moment}"
             )
         if self.recording:
-            self.tide.append((self.moment, model, non_model))
+            offloaded = self.activations.host_bytes if self.activations is not None else 0
+            self.tide.append((self.moment, model, non_model, offloaded))
         self.note_peaks(non_model)
         trace = self.tracer.current_trace()
         ahead = self.placer.prefetch(trace, self.moment)
@@ -199,6 +203,8 @@ class PlacementRuntime:
         counters.peak_model_bytes_device = max(counters.peak_model_bytes_device, ledger.peak)
         counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
         counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
+        if self.tracer.meter is not None:  # the saved activations the emulated accelerator's meter counts
+            counters.peak_activation_bytes_device = max(counters.peak_activation_bytes_device, self.tracer.meter.bytes)
 
     def gathered_rooms(self, trace: Trace, reserve: Callable[[int], int]) -> tuple[list[int], list[int]]:
         """Per moment of ``trace``: the accelerator bytes gathered chunk groups may take on this rank,
@@ -236,6 +242,9 @@ class PlacementRuntime:
         self._step_since_forward = False
         if self.tracer.tracing:
             states.all_to_host()
+        if self.activations is not None:  # after the states moved: the plan sees what they leave
+            reserve = 2 * self._largest_chunk  # two chunks in flight, as the optimizer-state plan keeps
+            self.activations.start_iteration(self.tracer, self.placer.budget - reserve, self._moment_bytes)
 
     def begin_step(self, states: StatePlacement) -> None:
         """The optimizer step is a moment; after a (re-)trace, the optimizer states are re-placed and

@@ -1,12 +1,32 @@
-"""The tide plot: model and non-model accelerator memory at every moment, with the budget line
-(like Figure 2 of the PatrickStar paper), the recomputation moments of activation checkpointing
-shaded (see [Note: recomputation in the trace]). matplotlib is an optional dependency (``.[plot]``)."""
+"""The tide plot: model data, resident activations and offloaded activations at every moment, with
+the budget line (like Figure 2 of the PatrickStar paper), the recomputation moments of activation
+checkpointing shaded (see [Note: recomputation in the trace]). :func:`tide_series` is the data
+(no plotting library needed); matplotlib is an optional dependency (``.[plot]``) of
+:func:`plot_tide`."""
 
 from __future__ import annotations
 
+_MIB = 2**20
+
+
+def tide_series(tide: list[tuple[int, int, int, int]]) -> dict[str, list[float]]:
+    """The plotted series in MiB per moment: ``model`` (chunks and the backend's other accelerator
+    bytes), ``resident`` (non-model: activations on the accelerator), ``offloaded`` (saved
+    activations on the host, see [Note: activation offload]), and the ``moments``."""
+    return {
+        "moments": [float(m) for m, *_ in tide],
+        "model": [b / _MIB for _, b, _, _ in tide],
+        "resident": [b / _MIB for _, _, b, _ in tide],
+        "offloaded": [b / _MIB for _, _, _, b in tide],
+    }
+
 
 def plot_tide(
-    tide: list[tuple[int, int, int]], budget: int, path: str, title: str = "", recomputations: list[int] | None = None
+    tide: list[tuple[int, int, int, int]],
+    budget: int,
+    path: str,
+    title: str = "",
+    recomputations: list[int] | None = None,
 ) -> str:
     try:
         import matplotlib
@@ -17,24 +37,31 @@ def plot_tide(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    moments = [m for m, _, _ in tide]
-    model = [b / 2**20 for _, b, _ in tide]
-    non_model = [b / 2**20 for _, _, b in tide]
+    series = tide_series(tide)
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.stackplot(
-        moments,
-        non_model,
-        model,
-        labels=["non-model (activations)", "model data (chunks)"],
+        series["moments"],
+        series["resident"],
+        series["model"],
+        labels=["activations on the accelerator (non-model)", "model data (chunks)"],
         colors=["#f4a261", "#2a9d8f"],
         step="post",
     )
+    if any(series["offloaded"]):
+        ax.step(
+            series["moments"],
+            series["offloaded"],
+            where="post",
+            color="#6d597a",
+            linestyle=":",
+            label="activations offloaded to the host (not on the accelerator)",
+        )
     for n, moment in enumerate(recomputations or ()):
         label = "recomputation (checkpointed forward in backward)" if n == 0 else None
         ax.axvspan(moment, moment + 1, color="#8d99ae", alpha=0.35, label=label)
-    ax.axhline(budget / 2**20, color="#e63946", linestyle="--", label="budget")
+    ax.axhline(budget / _MIB, color="#e63946", linestyle="--", label="budget")
     ax.set_xlabel("moment (module pre-forward / pre-backward, optimizer step)")
-    ax.set_ylabel("accelerator memory (MiB)")
+    ax.set_ylabel("memory (MiB)")
     ax.set_title(title or "ds_patrickstar memory tide")
     ax.legend(loc="upper right")
     fig.tight_layout()

@@ -103,6 +103,12 @@ class Trace:
             bisect.insort(self._uses.setdefault(chunk, []), index)
         self.moments[index] = Moment(old.label, tuple(chunks), old.non_model)
 
+    def set_non_model(self, index: int, non_model: int) -> None:
+        """The tide planned at moment ``index`` (activation offload re-plans it, see
+        [Note: auto activation offload])."""
+        old = self.moments[index]
+        self.moments[index] = Moment(old.label, old.chunks, non_model)
+
     def recomputations(self) -> list[int]:
         """Indices of the recomputation moments; see [Note: recomputation in the trace]."""
         return [i for i, m in enumerate(self.moments) if m.label.startswith(RECOMPUTE)]
@@ -122,6 +128,17 @@ class SavedTensorMeter:
         self._is_model = is_model_storage
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, refs]
         self.bytes = 0
+
+    def is_model(self, storage: torch.UntypedStorage) -> bool:
+        return self._is_model(storage)
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        """Whether a live saved tensor of this meter refers to ``storage``."""
+        return storage.data_ptr() in self._live
+
+    def add(self, nbytes: int) -> None:
+        """Saved bytes counted elsewhere (activation offload) came to (or left) the accelerator."""
+        self.bytes += nbytes
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)

@@ -1,0 +1,91 @@
+"""Which blocks' activations ``offload_activations: "auto"`` moves to the host.
+
+[Note: auto activation offload]
+The plan is made once per trace, at the first forward that plans from it (see [Note: moments
+and the trace]), from the iteration that was traced. That iteration offloads every block (so
+that it fits whenever any plan does), and the offloader records, for each block's segment in it
+(see [Note: activation offload]), the bytes it saved and the moments it spent off the
+accelerator (from the moment after its copies out were waited on to the moment before its copy
+back). The tide with no offload is then the traced tide plus, at every moment, the bytes of the
+segments away then; offloading block ``k`` takes its segments' bytes off again, over the same
+moments. A moment fits when its chunks (their groups, as placement gathers them), room for two chunks
+in flight (as the optimizer-state plan keeps) and the
+higher tide of the moment and the next one (what placement plans room from) are within the
+budget.
+
+Greedy: while some moment does not fit, take the moment that overflows most; among the blocks
+whose offload lowers the tide there, offload the one moving the fewest bytes per iteration that
+makes that moment fit, else the one that lowers it most (ties: the earlier block, which stays
+away from the accelerator longest). Blocks are kept in full or offloaded in full, every
+micro-step alike; the bytes moved are the sum of the chosen blocks' bytes. At the peak, where
+every segment is resident, this is the fewest bytes covering the overflow up to one block's
+bytes (blocks of a transformer save equal bytes). When offloading every block does not make
+every moment fit, every block is offloaded and placement fails, as it would, at the moment that
+does not fit. The planned tide replaces the traced one in the trace, so that placement (chunk
+headroom, prefetch) and the optimizer-state plan at the step see the tide the run will have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SegmentRecord", "plan_offload"]
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One block's segment in the traced iteration."""
+
+    block: int
+    nbytes: int
+    away_from: int  # first moment it is off the accelerator when offloaded
+    away_to: int  # first moment it is back (exclusive end)
+    offloaded: bool  # whether it was offloaded in the traced iteration
+
+    def away(self, moments: int) -> range:
+        return range(max(self.away_from, 0), min(self.away_to, moments) if self.away_to >= 0 else moments)
+
+
+def _overflow(tide: list[int], need: list[int], budget: int) -> list[int]:
+    last = len(tide) - 1
+    return [need[m] + max(tide[m], tide[min(m + 1, last)]) - budget for m in range(len(tide))]
+
+
+def plan_offload(
+    tide: list[int], need: list[int], budget: int, records: list[SegmentRecord]
+) -> tuple[set[int], list[int]]:
+    """``(blocks to offload, the tide with them offloaded)`` from the traced ``tide`` and the chunk
+    bytes ``need`` at each moment; see [Note: auto activation offload]."""
+    moments = len(tide)
+    planned = list(tide)
+    for record in records:
+        if record.offloaded:
+            for m in record.away(moments):
+                planned[m] += record.nbytes
+    by_block: dict[int, list[SegmentRecord]] = {}
+    for record in records:
+        by_block.setdefault(record.block, []).append(record)
+    chosen: set[int] = set()
+    while moments:
+        over = _overflow(planned, need, budget)
+        worst = max(range(moments), key=lambda m: over[m])
+        if over[worst] <= 0:
+            break
+        window = {worst, min(worst + 1, moments - 1)}
+        gains = {}
+        for block, segments in by_block.items():
+            if block not in chosen:
+                gains[block] = max(sum(s.nbytes for s in segments if m in s.away(moments)) for m in window)
+        candidates = [b for b, g in gains.items() if g > 0]
+        if not candidates:
+            break
+        moved = {b: sum(s.nbytes for s in by_block[b]) for b in candidates}
+        covering = [b for b in candidates if gains[b] >= over[worst]]
+        block = (
+            min(covering, key=lambda b: (moved[b], b)) if covering else max(candidates, key=lambda b: (gains[b], -b))
+        )
+        chosen.add(block)
+        for segment in by_block[block]:
+            for m in segment.away(moments):
+                planned[m] -= segment.nbytes
+    return chosen, planned
