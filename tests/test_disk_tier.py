@@ -189,6 +189,20 @@ def test_planner_puts_what_the_host_cannot_hold_on_disk():
     assert report["fits"] and report["largest_fitting_params_disk"] > report["largest_fitting_params"]
 
 
+def test_spill_counts_buffers_of_the_spilled_chunks_only():
+    """A large first chunk (an embedding) kept in RAM does not size the buffers of small spilled ones;
+    nothing spilled, no buffers."""
+    from ds_patrickstar.memory.preflight import disk_buffer_bytes, record_bytes, spilled_chunks
+
+    owned = {0: 65536, **dict.fromkeys(range(1, 11), 1024)}
+    budget = 12 * (65536 + 1024) + 5 * record_bytes(1024)
+    assert spilled_chunks(owned, 0, budget, 4, 2**22) == set(range(2, 11))
+    assert spilled_chunks(owned, 0, budget - 1, 4, 2**22) == set(range(1, 11))
+    assert spilled_chunks(owned, 0, 12 * sum(owned.values()), 4, 2**22) == set()
+    assert disk_buffer_bytes([], 4, 2**22) == 0
+    assert disk_buffer_bytes([65536, 1024], 3, 2048) == 4 * record_bytes(2048)
+
+
 # ---- bad input ------------------------------------------------------------------------
 def _init(zero_extra):
     import deepspeed

@@ -183,6 +183,10 @@ class DiskStates:
         self._ahead.start()
         self._read_ahead_bytes += self.io.bytes_read - before
 
+    @property
+    def reading_ahead(self) -> bool:
+        return self._ahead is not None
+
     def cancel_read_ahead(self) -> None:
         """Wait for the reads :meth:`read_ahead` issued and drop them (nothing was written)."""
         ahead, self._ahead = self._ahead, None

@@ -223,7 +223,7 @@ class OptimizerStates:
 
     def read_ahead(self) -> None:
         """Start the next step's reads of spilled states (the boundary micro-step's backward began)."""
-        if self.disk is not None and self.spilled:
+        if self.disk is not None and self.spilled and not self.disk.reading_ahead:
             self.disk.read_ahead(self.spilled_extents())
 
     def cancel_read_ahead(self) -> None:
