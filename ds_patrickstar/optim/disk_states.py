@@ -17,10 +17,11 @@ overflow's restore, a checkpoint) waits for those reads and drops them. The mani
 flag is false from the first write of a step until its last write completed; a failed read or
 write fails the step with its error.
 
-Outside the step (checkpoints, ``state_dict``, an overflow's restore, the first states) a spilled
-chunk is reached piece by piece through a one-piece cache (:meth:`DiskStates.slices`): read on
-first use, written back when another piece is needed or on :meth:`DiskStates.flush`, so nothing
-outside the step holds more than one piece of a spilled chunk beside the buffers. Chunks whose
+Outside the step (checkpoints, ``state_dict``, an overflow's restore) a spilled chunk is reached
+piece by piece through a one-piece cache (:meth:`DiskStates.slices`): read on first use, written
+back when another piece is needed or on :meth:`DiskStates.flush`, so nothing outside the step
+holds more than one piece of a spilled chunk beside the buffers; the first states are written
+through the step buffers (:meth:`DiskStates.initialize`). Chunks whose
 Adam runs on the accelerator never touch the disk: the spilled chunks are the last ones in chunk
 order, and the accelerator takes optimizer states from the first ones (see
 [Note: optimizer-state placement]).
@@ -129,14 +130,22 @@ class DiskStates:
 
     @torch.no_grad()
     def initialize(self, chunk_id: int, values: torch.Tensor) -> None:
-        """The chunk's first states: master from ``values``, zero moments (nothing is read)."""
+        """The chunk's first states: master from ``values``, zero moments (nothing is read); a piece
+        is filled in one step buffer while the ones before it are written."""
         self.cancel_read_ahead()
-        for index, piece in enumerate(self.layouts[chunk_id]):
-            self._evict()
-            self._cache.record(piece).zero_()
-            self._cache.unit, self._dirty = (chunk_id, index), True
-            self._cache.states(piece).master.copy_(values[piece.start : piece.stop])
         self.flush()
+        self.files.set_clean(False)
+        writes: deque[DiskPending] = deque()
+        for index, piece in enumerate(self.layouts[chunk_id]):
+            if len(writes) == len(self._slots):
+                writes.popleft().wait()  # the write of the slot used ``len(slots)`` pieces ago
+            slot = self._slots[index % len(self._slots)]
+            slot.record(piece).zero_()
+            slot.states(piece).master.copy_(values[piece.start : piece.stop])
+            writes.append(self.write((chunk_id, index), slot))
+        for pending in writes:
+            pending.wait()
+        self.files.set_clean(True)
 
     def slices(
         self, chunk_id: int, start: int = 0, stop: int | None = None, write: bool = False
