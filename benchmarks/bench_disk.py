@@ -8,7 +8,8 @@
    ThreadDiskIO), then read,
    then read and rewritten at once (two halves, the mixed load of an optimizer step).
 2. The tier: ``--states-gib`` of optimizer states in swap files (chunks of ``--chunk-elements``),
-   streamed through ``--buffers`` aligned buffers while the fused CPU Adam updates each chunk
+   streamed in pieces of ``--piece-elements`` through ``--buffers`` aligned buffers while the fused CPU
+   Adam updates each piece
    (the optimizer step of ``offload_optimizer: {"device": "nvme"}``, DiskStates.stream); the same
    Adam on the same chunks with states in RAM gives the compute-only time.
 
@@ -33,6 +34,7 @@ from ds_patrickstar.memory.aio_disk_io import AioDiskIO, load_async_io  # noqa: 
 from ds_patrickstar.memory.disk_io import ThreadDiskIO, aligned_empty  # noqa: E402
 from ds_patrickstar.memory.preflight import record_bytes  # noqa: E402
 from ds_patrickstar.memory.swap_files import SwapFiles  # noqa: E402
+from ds_patrickstar.memory.swap_layout import PIECE_ELEMENTS  # noqa: E402
 from ds_patrickstar.optim.adam_math import AdamHyper  # noqa: E402
 from ds_patrickstar.optim.disk_states import DiskStates  # noqa: E402
 from ds_patrickstar.optim.kernels import get_adam_backend  # noqa: E402
@@ -70,12 +72,12 @@ def raw_bandwidth(folder, size, block, threads):
         os.unlink(path)
 
 
-def tier_bandwidth(folder, states_bytes, chunk_elements, buffers, io, steps):
+def tier_bandwidth(folder, states_bytes, chunk_elements, buffers, io, steps, piece):
     """The optimizer step over spilled chunks: achieved GB/s, step seconds, I/O wait, Adam-only seconds."""
     count = max(1, states_bytes // (12 * chunk_elements))
     capacities = {c: chunk_elements for c in range(count)}
     files = SwapFiles(folder, 0, {c: record_bytes(n) for c, n in capacities.items()})
-    tier = DiskStates(files, io, capacities, buffers)
+    tier = DiskStates(files, io, capacities, buffers, piece)
     adam = get_adam_backend("cpu")
     hyper = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True)
     params = {c: torch.randn(chunk_elements).to(torch.bfloat16) for c in capacities}
@@ -86,13 +88,13 @@ def tier_bandwidth(folder, states_bytes, chunk_elements, buffers, io, steps):
         for step in range(1, steps + 1):
             tier.take_counts()
             start = time.perf_counter()
-            for cid, state in tier.stream(sorted(capacities)):
-                adam(params[cid], state.master, state.exp_avg, state.exp_avg_sq, step=step, hyper=hyper,
-                     grad_scale=1.0)
+            for cid, first, state in tier.stream(capacities):
+                data = params[cid][first : first + state.master.numel()]
+                adam(data, state.master, state.exp_avg, state.exp_avg_sq, step=step, hyper=hyper, grad_scale=1.0)
             times.append(time.perf_counter() - start)
-            read, written, _, waited = tier.take_counts()
-            waits.append(waited)
-            moved.append(read + written)
+            counts = tier.take_counts()
+            waits.append(counts.wait_seconds)
+            moved.append(counts.bytes_read + counts.bytes_written)
         ram = [torch.zeros(chunk_elements) for _ in range(3)]
         start = time.perf_counter()
         for cid in capacities:
@@ -100,7 +102,8 @@ def tier_bandwidth(folder, states_bytes, chunk_elements, buffers, io, steps):
         adam_only = time.perf_counter() - start
         best = min(range(steps), key=lambda i: times[i])
         return {"achieved": moved[best] / times[best] / GB, "step_s": times[best], "wait_s": waits[best],
-                "adam_s": adam_only, "chunks": count, "bytes": moved[best]}
+                "adam_s": adam_only, "chunks": count, "bytes": moved[best], "buffer_bytes": tier.buffer_bytes,
+                "piece": tier.piece}
     finally:
         tier.close()
 
@@ -112,6 +115,8 @@ def main():
     parser.add_argument("--states-gib", type=float, default=1.5)
     parser.add_argument("--chunk-elements", type=int, default=16 * 2**20)
     parser.add_argument("--buffers", type=int, default=4)
+    parser.add_argument("--piece-elements", type=int, default=PIECE_ELEMENTS,
+                        help="elements of the piece each buffer holds (offload_optimizer.buffer_size)")
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--block-mib", type=int, default=8)
     parser.add_argument("--raw-threads", type=int, default=16, help="threads of the disk's own test (a deep queue)")
@@ -134,7 +139,7 @@ def main():
     try:
         raw = raw_bandwidth(args.dir, int(args.raw_gib * 2**30) // block * block, block, args.raw_threads)
         tiers = {name: tier_bandwidth(args.dir, int(args.states_gib * 2**30), args.chunk_elements, args.buffers,
-                                      makers[name](), args.steps) for name in backends}
+                                      makers[name](), args.steps, args.piece_elements) for name in backends}
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     print("| backend | disk write (GB/s) | disk read | disk mixed | tier achieved | achieved / mixed | step (s) "
@@ -146,8 +151,9 @@ def main():
               f"{ratio:.0%} | {tier['step_s']:.2f} | {tier['wait_s']:.2f} | {tier['adam_s']:.2f} |")
     tier = next(iter(tiers.values()))
     print(f"({tier['chunks']} chunks of {args.chunk_elements:,} elements, {tier['bytes'] / GB:.2f} GB moved per step, "
-          f"{args.buffers} buffers, {args.threads} tier threads, {args.raw_threads} raw threads, "
-          f"{args.block_mib} MiB requests, aio queue depth {args.queue_depth})")
+          f"{args.buffers} + 1 buffers of {tier['piece']:,}-element pieces ({tier['buffer_bytes'] / 2**20:.0f} MiB), "
+          f"{args.threads} tier threads, {args.raw_threads} raw threads, {args.block_mib} MiB requests, "
+          f"aio queue depth {args.queue_depth})")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from .memory.preflight import (
     record_bytes,
     spilled_chunks,
 )
+from .memory.swap_layout import PIECE_ELEMENTS, piece_elements
 
 ACC = 4  # bytes per parameter of a gradient accumulator
 
@@ -74,10 +75,11 @@ def plan_report(
     device_budget: int,
     host_bytes: int,
     disk_buffers: int | None = None,
+    disk_piece: int = PIECE_ELEMENTS,
 ) -> dict:
     """Rank 0's model data (the rank with the most), where it would live, and the largest model that
-    fits; ``disk_buffers`` (the disk tier's ``buffer_count``): the states that do not fit the host go
-    to disk (see [Note: disk tier plan])."""
+    fits; ``disk_buffers`` (the disk tier's ``buffer_count``; ``disk_piece``: its ``buffer_size``): the
+    states that do not fit the host go to disk (see [Note: disk tier plan])."""
     capacities = capacities_for(sizes, chunk_size, world_size)
     owners = [owner_of(i, world_size) for i in range(len(capacities))]
     plans = [plan_for_rank(capacities, owners, r, lp_bytes, accumulate) for r in range(world_size)]
@@ -89,18 +91,21 @@ def plan_report(
     disk: dict = {}
     if disk_buffers is not None:
         owned = {i: c for i, c in enumerate(capacities) if owners[i] == rank}
-        buffers = disk_buffer_bytes(list(owned.values()), disk_buffers)
+        piece = piece_elements(disk_piece)
         other = need - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
-        spilled = spilled_chunks(owned, other, host_bytes + device_budget, buffers)
+        spilled = spilled_chunks(owned, other, host_bytes + device_budget, disk_buffers, piece)
+        buffers = disk_buffer_bytes([owned[c] for c in spilled], disk_buffers, piece)
         on_disk = sum(record_bytes(owned[c]) for c in spilled)
         need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) + buffers
         on_device = min(need, device_budget)
         ram_per_param = plan.lp_bytes + (ACC if accumulate else 0) * world_size
+        all_buffers = disk_buffer_bytes(list(owned.values()), disk_buffers, piece)
         disk = {
             "on_disk_bytes": on_disk,
             "disk_buffer_bytes": buffers,
+            "disk_piece_elements": piece,
             "spilled_chunks": len(spilled),
-            "largest_fitting_params_disk": max(0, available - buffers) // ram_per_param * world_size,
+            "largest_fitting_params_disk": max(0, available - all_buffers) // ram_per_param * world_size,
         }
     return {
         "parameters": sum(sizes),
@@ -168,6 +173,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="with the disk tier (offload_optimizer nvme; its buffer_count, default 4): states that do not "
         "fit the host go to disk",
     )
+    parser.add_argument(
+        "--disk-piece",
+        type=int,
+        default=PIECE_ELEMENTS,
+        metavar="ELEMENTS",
+        help=f"with --disk: elements of the piece each buffer holds (offload_optimizer.buffer_size, default "
+        f"{PIECE_ELEMENTS:,})",
+    )
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"--world-size={args.world_size}: use an integer >= 1")
@@ -187,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         _bytes(args.device_mem),
         _bytes(args.host_mem),
         args.disk,
+        args.disk_piece,
     )
     gib = 2**30
     print(
@@ -206,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"disk tier: optimizer states of {report['spilled_chunks']} chunks on disk, "
             f"{report['on_disk_bytes'] / gib:.2f} GiB per rank; {report['disk_buffer_bytes'] / gib:.2f} GiB of "
-            f"host buffers ({args.disk} + 1 chunks' states); with every state on disk about "
+            f"host buffers ({args.disk} + 1 pieces of {report['disk_piece_elements']:,} elements' states); with "
+            f"every state on disk about "
             f"{report['largest_fitting_params_disk'] / 1e6:,.0f}M parameters fit host and accelerator"
         )
     print(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 
 import pytest
@@ -64,7 +65,67 @@ def test_states_on_disk_equal_states_in_ram(tmp_path, model, dtype, gas, backend
     last = disk.counters[-1]
     assert last["disk_bytes_read"] > 0 and last["disk_bytes_read"] == last["disk_bytes_written"]
     assert last["model_bytes_disk"] > 0 and last["disk_buffer_bytes"] > 0
+    assert 0 < last["disk_bytes_read_ahead"] <= last["disk_bytes_read"], "the first reads start in backward"
     assert not os.path.exists(tmp_path / "ds_patrickstar_swap" / "rank0"), "swap files are scratch: removed at the end"
+
+
+class _Wide(torch.nn.Module):
+    """One 8192-element weight (its own chunk at chunk_size 1024: 8 pieces of 1024) and small ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 512), torch.nn.Linear(512, 4)
+
+    def forward(self, x, y):
+        return (self.down(torch.nn.functional.gelu(self.up(x))) - y).square().mean()
+
+
+def _wide(seed):
+    torch.manual_seed(seed)
+
+    def batch(step):
+        gen = torch.Generator().manual_seed(1000 * seed + step)
+        return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+
+    return _Wide(), batch
+
+
+def test_one_large_chunk_streams_through_buffers_of_one_piece(tmp_path):
+    """The buffers hold one piece (buffer_size elements), not the largest chunk; the step updates
+    the large chunk piece by piece with the same numbers as in RAM."""
+    from ds_patrickstar.memory.preflight import record_bytes
+
+    config = make_config("patrickstar", "fp32", chunk_size=1024, weight_decay=0.01)
+    ram = run_training(_wide, config, steps=3, seed=0)
+    config["zero_optimization"].update(disk_zero(tmp_path, buffer_size=1000))  # rounded up to 1024
+    disk = run_training(_wide, config, steps=3, seed=0)
+    assert_same(disk, ram)
+    last = disk.counters[-1]
+    assert last["disk_buffer_bytes"] == (4 + 1) * record_bytes(1024) < record_bytes(16 * 512)
+    assert last["disk_bytes_read"] == last["model_bytes_disk"] > record_bytes(16 * 512)
+
+
+def test_reads_start_in_backward_and_a_skipped_step_drops_them(tmp_path):
+    """fp16 starting at a loss scale that overflows: the skipped steps' reads (started in backward)
+    are waited for and dropped, nothing is written, and the run equals the one in RAM."""
+    from ds_patrickstar.memory.preflight import record_bytes
+
+    config = make_config("patrickstar", "fp16", chunk_size=1024)
+    config["fp16"].update(initial_scale_power=17, hysteresis=1)
+    ram = run_training(_wide, config, steps=4, seed=0)
+    config["zero_optimization"].update(disk_zero(tmp_path, buffer_size=1024))
+    disk = run_training(_wide, config, steps=4, seed=0)
+    assert 0 < ram.skipped_steps < 4
+    assert_same(disk, ram)
+    assert disk.skipped_steps == ram.skipped_steps
+    assert all(c["disk_bytes_read_ahead"] == 3 * record_bytes(1024) for c in disk.counters)  # buffer_count - 1
+    skipped = [not math.isfinite(norm) for norm in disk.grad_norms]
+    assert sum(skipped) == ram.skipped_steps
+    for step, (counters, skip) in enumerate(zip(disk.counters, skipped)):
+        if step and skip:  # (the first step's counters hold the first states' writes at initialize)
+            assert counters["disk_bytes_written"] == 0, "a skipped step writes nothing"
+        elif not skip:
+            assert counters["disk_bytes_written"] == counters["model_bytes_disk"]
 
 
 @pytest.mark.parametrize("backend", ["threads", "aio"])
@@ -196,6 +257,20 @@ def test_planner_puts_what_the_host_cannot_hold_on_disk():
     assert report["fits"] and report["largest_fitting_params_disk"] > report["largest_fitting_params"]
 
 
+def test_spill_counts_buffers_of_the_spilled_chunks_only():
+    """A large first chunk (an embedding) kept in RAM does not size the buffers of small spilled ones;
+    nothing spilled, no buffers."""
+    from ds_patrickstar.memory.preflight import disk_buffer_bytes, record_bytes, spilled_chunks
+
+    owned = {0: 65536, **dict.fromkeys(range(1, 11), 1024)}
+    budget = 12 * (65536 + 1024) + 5 * record_bytes(1024)
+    assert spilled_chunks(owned, 0, budget, 4, 2**22) == set(range(2, 11))
+    assert spilled_chunks(owned, 0, budget - 1, 4, 2**22) == set(range(1, 11))
+    assert spilled_chunks(owned, 0, 12 * sum(owned.values()), 4, 2**22) == set()
+    assert disk_buffer_bytes([], 4, 2**22) == 0
+    assert disk_buffer_bytes([65536, 1024], 3, 2048) == 4 * record_bytes(2048)
+
+
 # ---- bad input ------------------------------------------------------------------------
 def _init(zero_extra):
     import deepspeed
@@ -289,8 +364,9 @@ def test_io_backend_choice(caplog):
 
 # ---- checkpoints and faults -------------------------------------------------------------
 def _engine(path):
+    """Linear(64, 64) with every state on disk: its weight's chunk in 4 pieces of 1024 elements."""
     os.makedirs(path, exist_ok=True)
-    return _init(disk_zero(path))
+    return _init(disk_zero(path, buffer_size=1024))
 
 
 def _steps(engine, n, seed=0):
@@ -305,12 +381,24 @@ def _steps(engine, n, seed=0):
 
 
 def test_checkpoint_resume_with_disk_tier(tmp_path):
+    """Saved through 1024-element pieces, resumed into the default pieces and into RAM."""
     from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
+    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+    from ds_patrickstar.memory.preflight import record_bytes
 
     ckpt = str(tmp_path / "ckpt")
     engine = _engine(tmp_path / "a")
     _steps(engine, 2)
+    requests = []
+
+    class Spy(ThreadDiskIO):
+        def read(self, fd, offset, dst):
+            requests.append(dst.numel())
+            return super().read(fd, offset, dst)
+
+    engine.optimizer.optim_states.disk.replace_io(Spy())
     engine.save_checkpoint(ckpt, tag="t")
+    assert requests and max(requests) == record_bytes(1024), "a save reads one piece at a time"
     tag_files = os.listdir(os.path.join(ckpt, "t"))
     assert any(f.endswith(".states") for f in tag_files), tag_files
     assert torch.equal(consolidate_fp32_state_dict(ckpt)["weight"], engine.get_fp32_state_dict()["weight"])

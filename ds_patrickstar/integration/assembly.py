@@ -40,7 +40,7 @@ from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from .config import PatrickStarConfig
-from .disk_tier import open_disk_states, plan_disk_tier
+from .disk_tier import host_bytes_saved, open_disk_states, plan_disk_tier
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
 from .host_share import default_keep_gathered
@@ -144,7 +144,7 @@ def make_accelerator(
     on_disk: int = 0,
 ) -> Accelerator:
     """The accelerator of this run, after the pre-flight check (see [Note: pre-flight]); ``on_disk``:
-    bytes of optimizer states the disk tier holds (see [Note: disk tier plan])."""
+    host bytes the disk tier saves, its spilled states less its buffers (see [Note: disk tier plan])."""
     emulate = options.emulate_accelerator
     placement_runs = device.type == "cuda" or emulate
     _warn_ineffective(options, placement_runs)
@@ -240,7 +240,7 @@ def assemble(
     comm = ChunkComm(dp_group, counters)
     specs = plan_chunks(named_param_groups(module, basic_optimizer.param_groups), options.chunk_size, comm.world_size)
     spilled = plan_disk_tier(options, specs, comm, dtype, accumulate)
-    on_disk = 12 * sum(spilled.values())
+    on_disk = host_bytes_saved(options, spilled)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
     movable = not isinstance(accel, HostAccelerator)  # chunks have a host home: placement

@@ -6,18 +6,22 @@
 what lives on the host). Of DeepSpeed's keys, ``nvme_path`` is the folder of the swap files and
 ``buffer_count`` the number of aligned host buffers the step streams through (at least 3:
 read-ahead, compute, write-behind); ``pipeline_read``/``pipeline_write`` are what the tier always
-does. ``io_backend`` (ours, beside them) picks the implementation of the tier's I/O:
-``"threads"`` (threads calling ``preadv``/``pwritev``, no build step), ``"aio"`` (DeepSpeed's
-``aio_handle``, the libaio engine of ZeRO-Infinity; needs ``libaio-dev`` to build and a file
-system that takes ``O_DIRECT`` and page-lockable buffers) or ``"auto"`` (the default: ``"aio"``
-where the op is built already and loads, the files take ``O_DIRECT`` and the buffers can be
-page-locked, else ``"threads"``, with a log line saying which and why; see [Note: aio disk I/O]). The top-level ``aio`` block's ``intra_op_parallelism`` (``thread_count``
-in older DeepSpeed) is the number of I/O threads and its ``block_size`` the piece each thread
-reads or writes at a time, for both backends; ``queue_depth``, ``single_submit`` and
-``overlap_events`` are settings of the ``aio_handle`` (warned about with ``"threads"``). Keys
-that mean nothing here are accepted with a warning naming them: ``pin_memory`` (the buffers feed
-the CPU Adam, never a device copy), ``fast_init``, ``ratio``, ``super_offload``,
-``cpuadam_cores_perc`` and ``aio.use_gds`` (GPUDirect Storage reads into device memory).
+does. ``buffer_size`` (named after the buffers of DeepSpeed's ``offload_param``, in elements) is
+ours: the piece each buffer holds, master, momentum and variance of that many elements (see
+[Note: swap pieces]; rounded up to a multiple of 1024). ``io_backend`` (ours too) picks the
+implementation of the tier's I/O: ``"threads"`` (threads calling ``preadv``/``pwritev``, no build
+step), ``"aio"`` (DeepSpeed's ``aio_handle``, the libaio engine of ZeRO-Infinity; needs
+``libaio-dev`` to build and a file system that takes ``O_DIRECT`` and page-lockable buffers) or
+``"auto"`` (the default: ``"aio"`` where the op is built already and loads, the files take
+``O_DIRECT`` and the buffers can be page-locked, else ``"threads"``, with a log line saying which
+and why; see [Note: aio disk I/O]). The top-level ``aio`` block's ``intra_op_parallelism``
+(``thread_count`` in older DeepSpeed) is the number of I/O threads and its ``block_size`` the part
+of a request each thread reads or writes at a time, for both backends; ``queue_depth``,
+``single_submit`` and ``overlap_events`` are settings of the ``aio_handle`` (warned about with
+``"threads"``). Keys that mean nothing here are accepted with a warning naming them:
+``pin_memory`` (the buffers feed the CPU Adam, never a device copy), ``fast_init``, ``ratio``,
+``super_offload``, ``cpuadam_cores_perc`` and ``aio.use_gds`` (GPUDirect Storage reads into device
+memory).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..memory.disk_io import DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
+from ..memory.swap_layout import PIECE_ELEMENTS
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +58,12 @@ class NvmeOffload(BaseModel):
     """The folder of the swap files (each rank uses ``ds_patrickstar_swap/rank<r>/`` under it)."""
 
     buffer_count: int = Field(default=4, ge=3, le=64)
-    """Aligned host buffers of one chunk's states the step streams through (read-ahead, compute,
+    """Aligned host buffers of one piece's states the step streams through (read-ahead, compute,
     write-behind)."""
+
+    buffer_size: int = Field(default=PIECE_ELEMENTS, ge=1, le=2**31)
+    """Elements of the piece each buffer holds (its master, momentum and variance: 12 bytes per
+    element); see [Note: swap pieces]."""
 
     threads: int = Field(default=DEFAULT_THREADS, ge=1, le=64)
     """I/O threads (``aio.intra_op_parallelism``)."""
@@ -89,7 +98,7 @@ def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None) -> NvmeOffload
         )
     idle = [f"offload_optimizer.{k}" for k in _IDLE_OFFLOAD_KEYS if k in block]
     idle += [f"offload_optimizer.{k}" for k in _PIPELINE_KEYS if block.get(k) is False]
-    known = {"device", "nvme_path", "buffer_count", "io_backend", *_IDLE_OFFLOAD_KEYS, *_PIPELINE_KEYS}
+    known = {"device", "nvme_path", "buffer_count", "buffer_size", "io_backend", *_IDLE_OFFLOAD_KEYS, *_PIPELINE_KEYS}
     unknown = sorted(set(block) - known)
     if unknown:
         raise ValueError(
@@ -97,7 +106,7 @@ def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None) -> NvmeOffload
             f"block; the keys are: {', '.join(sorted(known))}"
         )
     values: dict[str, Any] = {"nvme_path": block["nvme_path"]}
-    for key in ("buffer_count", "io_backend"):
+    for key in ("buffer_count", "buffer_size", "io_backend"):
         if key in block:
             values[key] = block[key]
     aio = aio or {}

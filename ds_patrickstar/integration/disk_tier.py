@@ -16,7 +16,6 @@ from ..dist.comm import ChunkComm
 from ..memory.aio_disk_io import AioDiskIO, async_io_built, load_async_io, lock_problem
 from ..memory.disk_io import DiskIO, ThreadDiskIO
 from ..memory.preflight import (
-    MIN_DISK_BUFFERS,
     OPTIM_BYTES_PER_ELEMENT,
     disk_buffer_bytes,
     plan_for_rank,
@@ -24,6 +23,7 @@ from ..memory.preflight import (
     spilled_chunks,
 )
 from ..memory.swap_files import PathProbe, SwapFiles, check_swap_path, rank_folder, stale_bytes
+from ..memory.swap_layout import piece_elements
 from ..optim.disk_states import DiskStates
 from .config import PatrickStarConfig
 from .disk_config import NvmeOffload
@@ -60,23 +60,37 @@ def plan_disk_tier(
     plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
     owned = {i: s.capacity for i, s in enumerate(specs) if owners[i] == comm.rank}
     budget = resolve_host_budget(options.host_budget, comm.world_size)
-    buffers = disk_buffer_bytes(list(owned.values()), nvme.buffer_count)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
-    spilled = {cid: owned[cid] for cid in sorted(spilled_chunks(owned, other, budget, buffers))}
+    chosen = spilled_chunks(owned, other, budget, nvme.buffer_count, nvme.buffer_size)
+    spilled = {cid: owned[cid] for cid in sorted(chosen)}
     needed = sum(record_bytes(c) for c in spilled.values())
     folder = rank_folder(nvme.nvme_path, comm.rank)
     check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder))
     logger.info(
         "ds_patrickstar: disk tier: host budget %.3f GiB; optimizer states of %d of %d owned chunks on disk "
-        "(%.3f GiB in %s), %.3f GiB of buffers",
+        "(%.3f GiB in %s), %.3f GiB of buffers (pieces of %d elements)",
         budget / 2**30,
         len(spilled),
         len(owned),
         needed / 2**30,
         folder,
-        buffers / 2**30,
+        buffer_bytes(options, spilled) / 2**30,
+        piece_elements(nvme.buffer_size),
     )
     return spilled
+
+
+def buffer_bytes(options: PatrickStarConfig, spilled: dict[int, int]) -> int:
+    """Host bytes of the disk tier's buffers for these spilled chunks (what :class:`DiskStates` allocates)."""
+    nvme = options.offload_optimizer
+    if nvme is None:
+        return 0
+    return disk_buffer_bytes(list(spilled.values()), nvme.buffer_count, piece_elements(nvme.buffer_size))
+
+
+def host_bytes_saved(options: PatrickStarConfig, spilled: dict[int, int]) -> int:
+    """Host bytes the disk tier takes off the model data: the spilled states less its buffers."""
+    return OPTIM_BYTES_PER_ELEMENT * sum(spilled.values()) - buffer_bytes(options, spilled)
 
 
 def open_disk_states(options: PatrickStarConfig, spilled: dict[int, int], rank: int, poison: bool) -> DiskStates | None:
@@ -86,12 +100,12 @@ def open_disk_states(options: PatrickStarConfig, spilled: dict[int, int], rank: 
         return None
     files = SwapFiles(nvme.nvme_path, rank, {cid: record_bytes(c) for cid, c in spilled.items()})
     try:
-        locked = (max(nvme.buffer_count, MIN_DISK_BUFFERS) + 1) * max(record_bytes(c) for c in spilled.values())
+        locked = buffer_bytes(options, spilled)
         io = make_disk_io(nvme, files.direct, poison, locked)
     except BaseException:
         files.close(remove=True)
         raise
-    return DiskStates(files, io, spilled, nvme.buffer_count)
+    return DiskStates(files, io, spilled, nvme.buffer_count, nvme.buffer_size)
 
 
 def make_disk_io(nvme: NvmeOffload, direct: bool, poison: bool, locked: int = 0) -> DiskIO:

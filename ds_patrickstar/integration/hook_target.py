@@ -95,6 +95,8 @@ class TrainingFlow:
         self.manager.after_forward(infos)
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        if self.is_boundary():  # the step's disk reads need no gradient: start them now (see [Note: disk tier])
+            self.optim_states.read_ahead()
         if _backward_reads_no_weights(module) and self.is_boundary() and self.manager.grads_only(infos):
             return  # its gradient gets slots when it arrives (see [Note: tied weights between backward uses])
         self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))

@@ -142,6 +142,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     def _skip_step(self) -> None:
         self._global_grad_norm = float("inf")
+        self.optim_states.cancel_read_ahead()  # the reads started in backward (see [Note: disk tier])
         self.optim_states.master_to_params()
         self.consecutive_skipped_steps += 1
         limit = self.options.max_consecutive_skipped_steps
@@ -208,8 +209,9 @@ class PatrickStarOptimizer(ZeROOptimizer):
         disk = self.optim_states.disk
         if disk is not None:
             counts = disk.take_counts()
-            self.counters.disk_bytes_read, self.counters.disk_bytes_written = counts[0], counts[1]
-            self.counters.disk_io_seconds, self.counters.disk_wait_seconds = counts[2], counts[3]
+            self.counters.disk_bytes_read, self.counters.disk_bytes_written = counts.bytes_read, counts.bytes_written
+            self.counters.disk_io_seconds, self.counters.disk_wait_seconds = counts.io_seconds, counts.wait_seconds
+            self.counters.disk_bytes_read_ahead = counts.bytes_read_ahead
             self.counters.model_bytes_disk, self.counters.disk_buffer_bytes = disk.bytes_on_disk, disk.buffer_bytes
         self.last_step_counters = self.counters.as_dict()
         self.counters.reset()

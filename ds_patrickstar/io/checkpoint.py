@@ -33,13 +33,14 @@ when they can be read weights-only.
 
 [Note: disk tier checkpoints]
 A chunk whose states live in the disk tier is saved as a file of its own in the tag folder
-(``ds_patrickstar_optim_rank<r>_chunk<id>.states``: its swap record, master, momentum and variance
-each padded to 4 KiB), copied through the tier's one-chunk cache, so a save never holds more than
-one spilled chunk in RAM; the optimizer file names it (``{"file", "numel", "stride"}``) instead of
-holding tensors. The files are written (and fsynced) before DeepSpeed writes the optimizer file,
+(``ds_patrickstar_optim_rank<r>_chunk<id>.states``: its master, momentum and variance, each
+padded to 4 KiB, whatever the swap files' pieces), copied piece by piece through the tier's
+one-piece cache (see [Note: swap pieces]), so a save holds no more than one piece of a spilled
+chunk in RAM; the optimizer file names it (``{"file", "numel", "stride"}``) instead of holding
+tensors. The files are written (and fsynced) before DeepSpeed writes the optimizer file,
 so the completion marker lists them and checks their sizes like every other file. Loading (any
 world size) and ``zero_to_fp32`` read the slices they need from such a file on demand
-(:func:`saved_values`); a run with the disk tier loads them into its own tier chunk by chunk.
+(:func:`saved_values`); a run with the disk tier loads them into its own tier piece by piece.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 from ..chunks.chunk import Piece
 from ..chunks.chunk_map import ChunkMap, owner_of
 from ..memory.disk_io import align_up
-from ..optim.states import OptimizerStates
+from ..optim.states import STATE_KEYS, OptimizerStates
 
 FORMAT = "ds_patrickstar/2"
 _FORMATS = (FORMAT, "ds_patrickstar/1")
@@ -175,7 +176,7 @@ def optimizer_state(
     """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
     the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory;
     with ``folder`` (the tag folder of a save) spilled states go into files of their own there,
-    chunk by chunk (see [Note: disk tier checkpoints])."""
+    chunk by chunk, piece by piece (see [Note: disk tier checkpoints])."""
     layout = {
         info.name: (tuple(info.shape), [(p.chunk_id, p.offset, p.start, p.numel) for p in info.pieces])
         for info in chunk_map.infos()
@@ -184,11 +185,11 @@ def optimizer_state(
     for cid in sorted(states.chunks):
         if cid in states.spilled and folder is not None:
             chunks[cid] = _write_states_file(states, cid, chunk_map.rank, folder)
-            continue
-        opt = states.state_of(cid)
-        chunks[cid] = {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
-        if cid in states.spilled:  # .cpu() of a host tensor is the cache itself: copy it out
-            chunks[cid] = {key: value.clone() for key, value in chunks[cid].items()}
+        elif cid in states.spilled:
+            chunks[cid] = states.spilled_copy(cid)
+        else:
+            opt = states.states[cid]  # .cpu(): the host states themselves, no copy
+            chunks[cid] = {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
     return {
         "format": FORMAT,
         "rank": chunk_map.rank,
@@ -201,23 +202,23 @@ def optimizer_state(
     }
 
 
-_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_KEYS = STATE_KEYS
 
 
 def _write_states_file(states: OptimizerStates, cid: int, rank: int, folder: str) -> dict[str, Any]:
-    """A spilled chunk's swap record, copied into the tag folder; the entry that names it."""
-    disk = states.disk
-    if disk is None:
-        raise RuntimeError(f"chunk {cid} is spilled but the run has no disk tier")
+    """A spilled chunk's states, copied into the tag folder piece by piece (master, momentum and
+    variance each padded to the alignment, whatever the swap files' pieces); the entry that names it."""
     name = f"ds_patrickstar_optim_rank{rank}_chunk{cid}.states"
-    record = disk.record_view(cid)
+    numel = states.chunks[cid].capacity
+    stride = align_up(numel * 4)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, name), "wb") as f:
-        f.write(memoryview(record.numpy()))  # type: ignore[arg-type]
-        f.flush()
+        f.truncate(len(_KEYS) * stride)
+        for start, piece in states.slices(cid):
+            for k, values in enumerate(piece.tensors()):
+                os.pwrite(f.fileno(), memoryview(values.numpy()).cast("B"), k * stride + start * 4)  # type: ignore[arg-type]
         os.fsync(f.fileno())
-    numel = disk.capacities[cid]
-    return {"file": name, "numel": numel, "stride": align_up(numel * 4)}
+    return {"file": name, "numel": numel, "stride": stride}
 
 
 def saved_values(sd: dict, cid: int, key: str) -> torch.Tensor:
@@ -325,7 +326,7 @@ def load_optimizer_states(
     chunk_map: ChunkMap, states: OptimizerStates, saved: Iterable[dict], load_moments: bool
 ) -> dict:
     """Copy the elements of every owned piece from whichever saved rank held them into the states
-    (spilled ones through the disk tier's cache); returns one saved dict."""
+    (spilled ones piece by piece through the disk tier's cache); returns one saved dict."""
     owned = {info.name: [p for p in info.pieces if p.chunk_id in states.chunks] for info in chunk_map.infos()}
     owned = {name: pieces for name, pieces in owned.items() if pieces}
     covered = dict.fromkeys(owned, 0)
@@ -345,8 +346,7 @@ def load_optimizer_states(
             pieces = [p for p in _entry(entry)[1] if p[0] in sd["chunks"]]
             for piece, ours, cid, theirs in _overlaps(owned[name], pieces):
                 for key in keys:
-                    target = getattr(states.state_of(piece.chunk_id, write=True), key)
-                    target[ours].copy_(saved_values(sd, cid, key)[theirs])
+                    states.write_values(piece.chunk_id, key, ours.start, saved_values(sd, cid, key)[theirs])
                 covered[name] += ours.stop - ours.start
     states.flush()
     if first is None:

@@ -88,7 +88,7 @@ class ChunkExport:
             members = self.map.group_members(group)
             if fp32_masters:
                 hosts = self._group_on_host(
-                    group, lambda c: self.optim_states.state_of(c.chunk_id).master, torch.float32, "fp32 masters"
+                    group, lambda c: self.optim_states.master_values(c.chunk_id), torch.float32, "fp32 masters"
                 )
             else:
                 hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
@@ -174,7 +174,9 @@ class ChunkExport:
             return
         flat = value.reshape(-1)
         self.map.write_pieces(info, flat, lambda chunk: chunk.ready())
-        self.map.write_pieces(info, flat, lambda chunk: self.optim_states.state_of(chunk.chunk_id, write=True).master)
+        for piece in info.pieces:  # spilled masters piece by piece through the disk tier's cache
+            if piece.chunk_id in self.optim_states.chunks:
+                self.optim_states.write_values(piece.chunk_id, "master", piece.offset, flat[piece.in_param])
 
     def finish_load(self, incompatible_keys: Any) -> None:
         self.optim_states.flush()  # spilled masters written through the cache go back to disk

@@ -20,47 +20,51 @@ that compare it with a real run's counters.
 
 [Note: disk tier plan]
 With the disk tier, the owned chunks' optimizer states fill what ``host_budget`` leaves after the
-rest of the model data (low-precision chunks, accumulators) and the tier's buffers
-(``buffer_count`` step buffers and a one-chunk cache, each one chunk's master/momentum/variance),
-in chunk order; the states of the remaining chunks are *spilled*: 12 bytes per element on disk
-(each of the three padded to 4 KiB), none in RAM. The run then fits when model data less the
-spilled states is at most budget + available host memory, and the swap folder has room for the
-spilled records (checked at initialize, naming the folder and the numbers).
+rest of the model data (low-precision chunks, accumulators) in chunk order; the states of the
+remaining chunks are *spilled*: 12 bytes per element on disk (see [Note: swap pieces]), none in
+RAM, and they pass through the tier's host buffers (``buffer_count`` step buffers and a one-piece
+cache, each one piece of the largest spilled chunk: :func:`disk_buffer_bytes`), which count
+against the budget only when something spills. :func:`spilled_chunks` keeps the most chunks in
+RAM for which the states kept, the rest of the model data and the buffers the spilled chunks
+need fit the budget. The run then fits when model data less the spilled states plus the buffers
+is at most budget + available host memory, and the swap folder has room for the spilled records
+(checked at initialize, naming the folder and the numbers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .disk_io import align_up
+from .swap_layout import piece_buffer_bytes
+from .swap_layout import record_bytes as record_bytes  # re-exported: the planner and the tier use it from here
 
 OPTIM_BYTES_PER_ELEMENT = 12  # fp32 master + momentum + variance
 ACC_BYTES_PER_ELEMENT = 4
 MIN_DISK_BUFFERS = 3  # read-ahead, compute, write-behind
 
 
-def record_bytes(capacity: int) -> int:
-    """Bytes of one chunk's swap record: master, momentum and variance, each padded to the alignment."""
-    return 3 * align_up(capacity * 4)
+def disk_buffer_bytes(capacities: list[int], buffer_count: int, piece: int) -> int:
+    """Host bytes of the disk tier's buffers for spilled chunks of ``capacities``: ``buffer_count``
+    step buffers and the one-piece cache, each one piece (none when nothing spills)."""
+    if not capacities:
+        return 0
+    return (max(buffer_count, MIN_DISK_BUFFERS) + 1) * piece_buffer_bytes(capacities, piece)
 
 
-def disk_buffer_bytes(capacities: list[int], buffer_count: int) -> int:
-    """Host bytes of the disk tier's buffers: ``buffer_count`` step buffers and the one-chunk cache."""
-    return (max(buffer_count, MIN_DISK_BUFFERS) + 1) * max((record_bytes(c) for c in capacities), default=0)
-
-
-def spilled_chunks(owned: dict[int, int], other_bytes: int, host_budget: int, buffer_bytes: int) -> set[int]:
-    """The owned chunks (id -> capacity) whose states go to disk; see [Note: disk tier plan]."""
-    room = host_budget - other_bytes - buffer_bytes
-    spilled: set[int] = set()
-    used = 0
-    for chunk_id, capacity in sorted(owned.items()):
-        cost = capacity * OPTIM_BYTES_PER_ELEMENT
-        if spilled or used + cost > room:
-            spilled.add(chunk_id)
-        else:
-            used += cost
-    return spilled
+def spilled_chunks(
+    owned: dict[int, int], other_bytes: int, host_budget: int, buffer_count: int, piece: int
+) -> set[int]:
+    """The owned chunks (id -> capacity) whose states go to disk: the fewest last ones in chunk
+    order for which the rest fits ``host_budget``; see [Note: disk tier plan]."""
+    ids = sorted(owned)
+    kept = OPTIM_BYTES_PER_ELEMENT * sum(owned.values())
+    for keep in range(len(ids), -1, -1):  # keep the first ``keep`` chunks' states in RAM
+        rest = [owned[i] for i in ids[keep:]]
+        if keep < len(ids):
+            kept -= OPTIM_BYTES_PER_ELEMENT * owned[ids[keep]]
+        if other_bytes + kept + disk_buffer_bytes(rest, buffer_count, piece) <= host_budget:
+            return set(ids[keep:])
+    return set(ids)
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,8 @@ def largest_fitting_params(plan: ModelDataPlan, available: int, world_size: int)
 
 
 def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size: int, on_disk: int = 0) -> None:
-    """Raise ``ValueError`` when the model data (less ``on_disk``: the states of spilled chunks) cannot
-    fit accelerator budget plus free host memory."""
+    """Raise ``ValueError`` when the model data (less ``on_disk``: the states of spilled chunks less the
+    disk tier's buffers) cannot fit accelerator budget plus free host memory."""
     need = plan.model_data_bytes - on_disk
     available = budget + host_available
     if need <= available:

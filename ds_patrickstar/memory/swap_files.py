@@ -2,9 +2,9 @@
 
 [Note: swap files]
 Each rank keeps its spilled optimizer states under ``<nvme_path>/ds_patrickstar_swap/rank<r>/``:
-one file per owned chunk (``chunk<id>.swap``), holding the chunk's fp32 master, momentum and
-variance back to back (each padded to :data:`~ds_patrickstar.memory.disk_io.ALIGNMENT`), so a
-chunk's states are one read and one write. The files are preallocated at initialize
+one file per spilled chunk (``chunk<id>.swap``), holding the chunk's fp32 master, momentum and
+variance in pieces of a bounded number of elements, each piece's three states back to back
+(see [Note: swap pieces]), so a piece's states are one read and one write. The files are preallocated at initialize
 (``posix_fallocate``) and rewritten in place: writing new files is several times slower than
 rewriting allocated blocks on common SSDs and file systems. They are opened with ``O_DIRECT``
 where the file system allows it (a probe write at initialize), else buffered with a warning

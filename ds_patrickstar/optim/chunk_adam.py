@@ -95,27 +95,35 @@ class ChunkAdam:
 
     def apply(self, grad_scale: float) -> None:
         """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``; the spilled
-        chunks' reads start first and stream behind the others (see [Note: disk tier])."""
+        chunks' pieces stream behind the others, their first reads started in backward or now
+        (see [Note: disk tier])."""
         for index in self._stepped_groups:
             self.group_steps[index] += 1
-        chunks = [c for c in self._chunks if c.used]
-        spilled = [c for c in chunks if c.chunk_id in self._states.spilled]
-        disk = self._states.disk
-        stream = disk.stream([c.chunk_id for c in spilled]) if disk is not None and spilled else None
+        disk, extents = self._states.disk, self._states.spilled_extents()
+        stream = disk.stream(extents) if disk is not None and extents else None
         if stream is not None:
             stream.start()
-        for chunk in chunks:
-            if chunk.chunk_id not in self._states.spilled:
-                self._update(chunk, self._states.states[chunk.chunk_id], grad_scale)
-        if stream is not None:
-            by_id = {c.chunk_id: c for c in spilled}
-            for chunk_id, state in stream:
-                self._update(by_id[chunk_id], state, grad_scale)
+        for chunk in self._chunks:
+            if chunk.used and chunk.chunk_id not in self._states.spilled:
+                self._update(chunk, self._values(chunk), self._states.states[chunk.chunk_id], grad_scale)
+        if stream is None:
+            return
+        values: dict[int, torch.Tensor] = {}
+        try:
+            for chunk_id, start, state in stream:
+                chunk = self._states.chunks[chunk_id]
+                if chunk_id not in values:
+                    values[chunk_id] = self._values(chunk)
+                self._update(chunk, values[chunk_id][start : start + state.master.numel()], state, grad_scale)
+        except BaseException:
+            stream.abandon()
+            raise
 
-    def _update(self, chunk: Chunk, state: OptimizerChunk, grad_scale: float) -> None:
+    def _update(self, chunk: Chunk, data: torch.Tensor, state: OptimizerChunk, grad_scale: float) -> None:
+        """Adam on ``data`` (elements of the chunk's values, the gradient on entry) and the states
+        aligned with it, as far as the chunk is used."""
         hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
-        data = self._chunk_values(chunk)[: chunk.used]
-        used = chunk.used
+        used = data.numel()
         adam_backend(data.device)(
             data,
             state.master[:used],
@@ -125,6 +133,9 @@ class ChunkAdam:
             hyper=hyper,
             grad_scale=grad_scale,
         )
+
+    def _values(self, chunk: Chunk) -> torch.Tensor:
+        return self._chunk_values(chunk)[: chunk.used]
 
     def _chunk_values(self, chunk: Chunk) -> torch.Tensor:
         """Hybrid Adam: a chunk is updated where its optimizer state lives (see

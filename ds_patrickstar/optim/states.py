@@ -16,7 +16,7 @@ and never move to the accelerator.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
 
 @dataclass(eq=False)
 class OptimizerChunk:
@@ -48,6 +50,9 @@ class OptimizerChunk:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def sliced(self, start: int, stop: int) -> OptimizerChunk:
+        return OptimizerChunk(*(t[start:stop] for t in self.tensors()))
 
 
 class OptimizerStates:
@@ -154,16 +159,44 @@ class OptimizerStates:
             raise
         return tensors
 
-    # ---- values -----------------------------------------------------------------------
-    def state_of(self, chunk_id: int, write: bool = False) -> OptimizerChunk:
-        """The states of an owned chunk wherever they live; a spilled chunk's through the disk tier's
-        one-chunk cache (``write``: changes are kept on :meth:`flush`)."""
+    # ---- values ----------------------------------------------------------------------
+    def slices(
+        self, chunk_id: int, start: int = 0, stop: int | None = None, write: bool = False
+    ) -> Iterator[tuple[int, OptimizerChunk]]:
+        """``(element, states of elements element ..)`` covering elements ``start .. stop`` of an owned
+        chunk's states wherever they live: one slice of the states in memory, or a spilled chunk's
+        pieces one at a time through the disk tier's one-piece cache (``write``: changes are kept on
+        :meth:`flush`; each slice is valid until the next is asked for)."""
         if chunk_id in self.spilled and self.disk is not None:
-            return self.disk.cached(chunk_id, write)
-        return self.states[chunk_id]
+            yield from self.disk.slices(chunk_id, start, stop, write)
+            return
+        state = self.states[chunk_id]
+        yield start, state.sliced(start, state.master.numel() if stop is None else stop)
+
+    def master_values(self, chunk_id: int) -> torch.Tensor:
+        """An owned chunk's fp32 master: the tensor itself when it is in memory, else a new host copy."""
+        if chunk_id not in self.spilled:
+            return self.states[chunk_id].master
+        return self.spilled_copy(chunk_id, ("master",))["master"]
+
+    def spilled_copy(self, chunk_id: int, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:
+        """A spilled chunk's ``keys`` states as new host tensors, filled piece by piece."""
+        copy = {key: torch.empty(self.chunks[chunk_id].capacity, dtype=torch.float32) for key in keys}
+        for start, state in self.slices(chunk_id):
+            for key, values in copy.items():
+                piece = getattr(state, key)
+                values[start : start + piece.numel()].copy_(piece)
+        return copy
+
+    def write_values(self, chunk_id: int, key: str, start: int, values: torch.Tensor) -> None:
+        """``values`` into elements ``start ..`` of the chunk's ``key`` state (``master``, ``exp_avg``,
+        ``exp_avg_sq``); spilled ones reach disk on :meth:`flush`."""
+        for lo, state in self.slices(chunk_id, start, start + values.numel(), write=True):
+            target = getattr(state, key)
+            target.copy_(values[lo - start : lo - start + target.numel()])
 
     def flush(self) -> None:
-        """Spilled states changed through :meth:`state_of` go back to disk."""
+        """Spilled states changed through :meth:`slices` go back to disk."""
         if self.disk is not None:
             self.disk.flush()
 
@@ -171,15 +204,32 @@ class OptimizerStates:
     def params_to_master(self) -> None:
         """After the parameters were overwritten (a module state_dict load): masters follow them."""
         for chunk_id, chunk in self.chunks.items():
-            self.state_of(chunk_id, write=True).master[: chunk.used].copy_(chunk.ready()[: chunk.used])
+            self.write_values(chunk_id, "master", 0, chunk.ready()[: chunk.used])
         self.flush()
 
     @torch.no_grad()
     def master_to_params(self) -> None:
         """After the masters were loaded (or an overflow): the owned slots get their values."""
         for chunk_id, chunk in self.chunks.items():
-            chunk.ready()[: chunk.used].copy_(self.state_of(chunk_id).master[: chunk.used])
+            values = chunk.ready()
+            for start, state in self.slices(chunk_id, 0, chunk.used):
+                values[start : start + state.master.numel()].copy_(state.master)
         self.flush()
+
+    # ---- the disk tier's step (see [Note: disk tier]) ------------------------------------
+    def spilled_extents(self) -> dict[int, int]:
+        """Elements used of each spilled chunk that has any: what a step updates."""
+        return {cid: self.chunks[cid].used for cid in sorted(self.spilled) if self.chunks[cid].used}
+
+    def read_ahead(self) -> None:
+        """Start the next step's reads of spilled states (the boundary micro-step's backward began)."""
+        if self.disk is not None and self.spilled and not self.disk.reading_ahead:
+            self.disk.read_ahead(self.spilled_extents())
+
+    def cancel_read_ahead(self) -> None:
+        """The step is skipped (an overflow): wait for the reads :meth:`read_ahead` issued and drop them."""
+        if self.disk is not None:
+            self.disk.cancel_read_ahead()
 
     def bytes_on_host(self) -> int:
         """States in host memory (spilled states and the disk tier's buffers not included)."""
