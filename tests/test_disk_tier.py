@@ -94,6 +94,7 @@ def test_one_large_chunk_streams_through_buffers_of_one_piece(tmp_path):
     """The buffers hold one piece (buffer_size elements), not the largest chunk; the step updates
     the large chunk piece by piece with the same numbers as in RAM."""
     from ds_patrickstar.memory.preflight import record_bytes
+    from ds_patrickstar.placement.tide_plot import disk_caption
 
     config = make_config("patrickstar", "fp32", chunk_size=1024, weight_decay=0.01)
     ram = run_training(_wide, config, steps=3, seed=0)
@@ -103,6 +104,10 @@ def test_one_large_chunk_streams_through_buffers_of_one_piece(tmp_path):
     last = disk.counters[-1]
     assert last["disk_buffer_bytes"] == (4 + 1) * record_bytes(1024) < record_bytes(16 * 512)
     assert last["disk_bytes_read"] == last["model_bytes_disk"] > record_bytes(16 * 512)
+    caption = disk_caption(last)  # the tide plot's line for the tier (the plot itself needs matplotlib)
+    assert f"{last['model_bytes_disk'] / 2**30:.2f} GiB of optimizer states on disk" in caption
+    assert f"{last['disk_buffer_bytes'] / 2**20:.0f} MiB of host buffers" in caption
+    assert disk_caption(ram.counters[-1]) == ""
 
 
 def test_reads_start_in_backward_and_a_skipped_step_drops_them(tmp_path):

@@ -206,14 +206,15 @@ class PatrickStarEngine(DeepSpeedEngine):
     # ---- placement ----------------------------------------------------------------
     def tide_plot(self, path: str) -> str:
         """Write a PNG of the last iteration's model vs non-model accelerator memory per moment, its
-        recomputation moments shaded (see [Note: recomputation in the trace])."""
+        recomputation moments shaded (see [Note: recomputation in the trace]), the disk tier's host side
+        and last step's I/O in a caption (:func:`~ds_patrickstar.placement.tide_plot.disk_caption`)."""
         runtime = self.optimizer.placement
         if runtime is None or not runtime.tide:
             raise RuntimeError(
                 "no placement trace to plot: placement runs on CUDA or with "
                 "zero_optimization.emulate_accelerator=true, after at least one iteration"
             )
-        from ..placement.tide_plot import plot_tide
+        from ..placement.tide_plot import disk_caption, plot_tide
 
         trace = runtime.tracer.last_iteration()
         return plot_tide(
@@ -222,6 +223,7 @@ class PatrickStarEngine(DeepSpeedEngine):
             path,
             f"ds_patrickstar tide ({runtime.placer.policy} placement)",
             trace.recomputations() if trace is not None else None,
+            disk_caption(self.get_patrickstar_counters()),
         )
 
     # ---- model data access ------------------------------------------------------

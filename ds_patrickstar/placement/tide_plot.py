@@ -1,10 +1,13 @@
 """The tide plot: model data, resident activations and offloaded activations at every moment, with
 the budget line (like Figure 2 of the PatrickStar paper), the recomputation moments of activation
-checkpointing shaded (see [Note: recomputation in the trace]). :func:`tide_series` is the data
-(no plotting library needed); matplotlib is an optional dependency (``.[plot]``) of
-:func:`plot_tide`."""
+checkpointing shaded (see [Note: recomputation in the trace]), and under it a caption with the
+host side of the disk tier (:func:`disk_caption`: states on disk, host buffers, the last step's
+I/O). :func:`tide_series` and :func:`disk_caption` are the data (no plotting library needed);
+matplotlib is an optional dependency (``.[plot]``) of :func:`plot_tide`."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 _MIB = 2**20
 
@@ -21,12 +24,29 @@ def tide_series(tide: list[tuple[int, int, int, int]]) -> dict[str, list[float]]
     }
 
 
+def disk_caption(counters: Mapping[str, float]) -> str:
+    """The disk tier's line under the plot, from a step's counters (empty when nothing spills):
+    optimizer states on disk, host buffers, and the step's bytes read (of them, issued during
+    backward) and written, and the seconds it waited on them (see [Note: disk tier])."""
+    if not counters.get("model_bytes_disk"):
+        return ""
+    gib = 2**30
+    return (
+        f"disk tier: {counters['model_bytes_disk'] / gib:.2f} GiB of optimizer states on disk, "
+        f"{counters['disk_buffer_bytes'] / _MIB:.0f} MiB of host buffers; last step read "
+        f"{counters['disk_bytes_read'] / gib:.2f} GiB ({counters['disk_bytes_read_ahead'] / gib:.2f} GiB "
+        f"during backward), wrote {counters['disk_bytes_written'] / gib:.2f} GiB, waited "
+        f"{counters['disk_wait_seconds']:.2f} s on I/O"
+    )
+
+
 def plot_tide(
     tide: list[tuple[int, int, int, int]],
     budget: int,
     path: str,
     title: str = "",
     recomputations: list[int] | None = None,
+    caption: str = "",
 ) -> str:
     try:
         import matplotlib
@@ -64,7 +84,9 @@ def plot_tide(
     ax.set_ylabel("memory (MiB)")
     ax.set_title(title or "ds_patrickstar memory tide")
     ax.legend(loc="upper right")
-    fig.tight_layout()
+    if caption:
+        fig.text(0.01, 0.01, caption, fontsize=7, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.05 if caption else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
