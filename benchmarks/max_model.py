@@ -84,7 +84,7 @@ class PhaseClock:
         return out
 
 
-def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None):
+def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None, largest_param=0):
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": grad_accum,
            "steps_per_print": 10 ** 9,
            "bf16": {"enabled": True}, "gradient_clipping": 1.0,
@@ -107,7 +107,13 @@ def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host
                                     "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     elif backend == "zero3-infinity":  # as DeepSpeed's ZeRO-Infinity tutorial sets it up, swap files under DIR
         nvme = {"device": "nvme", "nvme_path": os.path.join(disk, "zero_infinity")}
-        cfg["zero_optimization"] = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
+        # offload_param's buffers must hold the largest parameter (the embedding: vocab x width; DeepSpeed's
+        # default buffer_size 1e8 elements is below GPT-2048's 103M-element embedding); the optimizer swapper
+        # keeps buffer_count fp32 buffers of sub_group_size elements (default 1e9: 16 GB at its 4 buffers),
+        # so sub_group_size comes down to the same size, as DeepSpeed advises where host memory is short
+        room = max(10**8, largest_param)
+        cfg["zero_optimization"] = {"stage": 3, "offload_param": {**nvme, "buffer_size": room},
+                                    "offload_optimizer": dict(nvme), "sub_group_size": room}
         cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                       "overlap_events": True}
     return cfg
@@ -147,7 +153,7 @@ def run_try(args):
         import ds_patrickstar
 
         ds_cfg = _ds_config(args.backend, args.batch, args.keep_gathered, args.grad_accum, args.disk,
-                            args.host_budget)
+                            args.host_budget, args.vocab * args.width)
         if args.backend.startswith("patrickstar"):
             init = ds_patrickstar.Init(config=ds_cfg)
         else:
@@ -398,9 +404,9 @@ def parse_args(argv=None):
     p.add_argument("--logs", default=str(HERE.parent / "runs" / "max_model"))
     p.add_argument("--json", default=None, help="write every try and the table here")
     p.add_argument("--disk", default=None, metavar="DIR",
-                   help="add backends patrickstar-disk (the disk tier) and zero3-infinity (stock ZeRO-Infinity, "
-                        "where DeepSpeed's async_io op loads) with their swap files under DIR (its free space is "
-                        "checked first and bounds --max-depth)")
+                   help="the folder of the disk backends' swap files (its free space is checked first and bounds "
+                        "--max-depth); without --backends, adds patrickstar-disk (the disk tier) and zero3-infinity "
+                        "(stock ZeRO-Infinity, where DeepSpeed's async_io op loads)")
     p.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
     # one try (internal)
     p.add_argument("--try", dest="is_try", action="store_true", help=argparse.SUPPRESS)
@@ -449,8 +455,12 @@ def main(argv=None):
             raise SystemExit(f"--backends: unknown backend {backend!r}; choose from {sorted(GUESS_BYTES_PER_PARAM)}")
         if backend == "zero3-offload" and not cuda:
             raise SystemExit("--backends: zero3-offload needs CUDA (offload is what moves data off the GPU)")
+    if not args.disk and any(b in DISK_BACKENDS for b in backends):
+        raise SystemExit(f"--backends {','.join(b for b in backends if b in DISK_BACKENDS)} needs --disk DIR "
+                         "(the folder of the swap files)")
     if args.disk:
-        backends = [*backends, *(b for b in DISK_BACKENDS if b not in backends)]
+        if not args.backends:  # the default set gains the disk backends; an explicit --backends is kept as given
+            backends = [*backends, *DISK_BACKENDS]
         _bound_depth_by_disk(args)
     if "zero3-infinity" in backends:
         why = _async_io_missing()

@@ -207,10 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"model: {report['parameters'] / 1e6:,.1f}M parameters in {report['chunks']} chunks "
         f"(chunk_size {args.chunk_size:,}), world size {args.world_size}, {args.dtype}"
     )
+    spilled = " (with the disk tier: less the 12 on disk of the spilled chunks' parameters, plus its buffers)"
     print(
         f"model data per rank: {report['model_data_bytes_per_rank'] / gib:.2f} GiB "
         f"({report['bytes_per_owned_parameter']} bytes per owned parameter"
         f"{' + 4 per parameter for gradient accumulation' if args.gradient_accumulation else ''})"
+        f"{spilled if args.disk is not None else ''}"
     )
     print(
         f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
