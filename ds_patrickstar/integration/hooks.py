@@ -30,7 +30,7 @@ recomputation, which is just another ``COMPUTE`` use (a moment labelled ``rec:``
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -102,7 +102,7 @@ class HookRegistry:
         module: torch.nn.Module,
         info_of: Callable[[torch.Tensor], TensorInfo | None],
         target: HookTarget,
-        blocks: list[torch.nn.Module] = (),  # type: ignore[assignment]
+        blocks: Sequence[torch.nn.Module] = (),
     ) -> None:
         self._target = target
         self._handles: list[RemovableHandle] = [
