@@ -24,6 +24,14 @@ class GPTConfig:
     vocab_size: int = 256
     dropout: float = 0.0
     activation_checkpointing: bool = False
+    # How each block is checkpointed when activation_checkpointing is on: torch's non-reentrant
+    # ("torch", the default), torch's reentrant ("torch-reentrant", what Hugging Face's
+    # gradient_checkpointing_enable() uses) or DeepSpeed's (deepspeed.checkpointing.checkpoint).
+    checkpoint_impl: str = "torch"
+    # Tokens per piece of a sequence-chunked loss (0: one piece): the LM head and cross-entropy of
+    # each piece run under a checkpoint, so that at long sequences only one piece's logits live,
+    # as long-sequence trainers do (the logits of 8k tokens x 50k vocab in fp32 are 1.6 GB).
+    loss_chunk: int = 0
 
 
 PRESETS = {
@@ -36,7 +44,11 @@ PRESETS = {
     "gpt-114m": GPTConfig(n_layer=16, n_head=12, n_embd=768, block_size=512, vocab_size=256),
     # GPT-2 medium shape, ~355M parameters (vocab padded to a multiple of 64).
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
+    # GPT-3 XL shape, ~1.3B parameters.
+    "gpt-1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
 }
+
+CHECKPOINT_IMPLS = ("torch", "torch-reentrant", "deepspeed")
 
 
 def get_config(preset, **overrides):
@@ -121,15 +133,37 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = self._checkpointed(block, x) if self.cfg.activation_checkpointing and self.training else block(x)
+        if targets is not None and self.cfg.loss_chunk:
+            return None, self._chunked_loss(self.ln_f(x), targets)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
+
+    def _checkpointed(self, block, x):
+        impl = self.cfg.checkpoint_impl
+        if impl == "deepspeed":
+            import deepspeed
+
+            return deepspeed.checkpointing.checkpoint(block, x)
+        if impl not in CHECKPOINT_IMPLS:
+            raise ValueError(f"checkpoint_impl={impl!r}: choose from {CHECKPOINT_IMPLS}")
+        return checkpoint(block, x, use_reentrant=impl == "torch-reentrant")
+
+    def _piece_loss(self, h, targets):
+        logits = self.lm_head(h).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+
+    def _chunked_loss(self, h, targets):
+        """Mean cross-entropy over pieces of ``loss_chunk`` tokens, each under a checkpoint (its
+        logits are recomputed in backward); ``(None, loss)`` is returned: no full logits exist."""
+        total = h.new_zeros((), dtype=torch.float32)
+        for start in range(0, h.shape[1], self.cfg.loss_chunk):
+            piece = slice(start, start + self.cfg.loss_chunk)
+            total = total + checkpoint(self._piece_loss, h[:, piece], targets[:, piece], use_reentrant=False)
+        return total / targets.numel()
 
 
 def count_params(model, exclude_position_embedding=False):
