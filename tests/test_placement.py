@@ -267,3 +267,28 @@ def test_state_dict_and_checkpoint_with_chunks_on_the_host(tmp_path):
         second.append(loss.item())
     assert first + second == uninterrupted
     resumed.destroy()
+
+
+def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
+    """[Note: stranded allocator bytes]: free pieces of the allocator's partly used segments are
+    reserved memory now, and where the coming tide is the higher (its allocations go into those
+    pieces first) they are not counted a second time; where it is the lower, they are."""
+    from types import SimpleNamespace
+
+    from ds_patrickstar.placement.policy import Placer
+    from ds_patrickstar.placement.runtime import PlacementRuntime
+    from ds_patrickstar.placement.tracer import Moment, Trace
+
+    trace = Trace()
+    for non_model in (100, 500, 500, 100):
+        trace.add(Moment("m", (), non_model))
+    stranded = [300]
+    runtime = PlacementRuntime.__new__(PlacementRuntime)
+    runtime.placer = Placer(1000, "auto", 0.5, [])
+    runtime.ledger = SimpleNamespace(non_model=0)
+    runtime.tracer = SimpleNamespace(non_model_now=lambda ledger: 100)
+    runtime.store = SimpleNamespace(accel=SimpleNamespace(fragmentation=lambda: stranded[0]))
+    assert runtime._headroom(trace, 0) == 1000 - 500  # the tide ahead (500) covers now (100) + 300 stranded
+    stranded[0] = 450
+    assert runtime._headroom(trace, 0) == 1000 - 550
+    assert runtime._headroom(trace, 3) == 1000 - 550  # tide ahead 100: now + stranded decide

@@ -160,7 +160,8 @@ class Accelerator:
         return 0, 0
 
     def fragmentation(self) -> int:
-        """Accelerator bytes the allocator holds but a new chunk cannot use (0 where there is no allocator)."""
+        """Accelerator bytes the allocator holds that only requests fitting them can use (0 where there is
+        no allocator; see [Note: stranded allocator bytes] in cuda.py)."""
         return 0
 
 

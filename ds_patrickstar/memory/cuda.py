@@ -6,6 +6,20 @@ already queued on the compute stream, and records an event; waiting is
 one on the host. Host buffers come from the host pool, each registered once with
 ``cudaHostRegister`` (page-aligned, exact size) and held by the pool until the copies that
 use them have completed (see [Note: pinned host memory]).
+
+[Note: stranded allocator bytes]
+The caching allocator keeps freed blocks inside the segments it reserved; a segment partly in use
+cannot be returned, and its free pieces (``inactive_split_bytes``, :meth:`CudaAccelerator.fragmentation`)
+serve only requests that fit them. Reserved memory in use now is therefore the allocated bytes plus
+those pieces. Placement (``placement/runtime.py``) gives model data the budget less the higher of
+(a) the non-model memory now plus the stranded pieces and (b) the tide the trace plans ahead: the
+tide's coming allocations are made first in the free pieces (freed activations are the size of the
+next iteration's activations), so counting the pieces beside the coming tide would count the same
+bytes twice. That double count made every freed activation look lost: with activation offload on an
+H100 (gpt2-medium, sequence 16k, 4 GiB) the pieces the offload left were 0.9 GB at the start of
+backward, and placement failed where keeping the activations fit. Where a coming allocation fits
+no piece, reserved memory exceeds the budget by at most the pieces; the default budget keeps 1 GiB
+of the device out of it for such slack.
 """
 
 from __future__ import annotations
@@ -88,5 +102,6 @@ class CudaAccelerator(Accelerator):
 
     def fragmentation(self) -> int:
         """Free bytes stranded inside partly used allocator blocks (``inactive_split_bytes``): reserved
-        memory a new chunk cannot use. Whole cached blocks are not counted: the allocator reuses them."""
+        memory only requests that fit them can use (see [Note: stranded allocator bytes]). Whole
+        cached blocks are not counted: the allocator returns them when it needs room."""
         return torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.current", 0)

@@ -101,6 +101,10 @@ class PlacementRuntime:
             self.store.to_host(chunk)
             self.placer.left(chunk.chunk_id)
 
+    def _headroom(self, trace: Trace | None, moment: int) -> int:
+        """Bytes model data may take at ``moment``: see [Note: stranded allocator bytes]."""
+        return self.placer.headroom(trace, moment, self._non_model() + self.store.accel.fragmentation())
+
     def _non_model(self) -> int:
         non_model = self.tracer.non_model_now(self.ledger)
         self.ledger.non_model = non_model
@@ -127,7 +131,7 @@ class PlacementRuntime:
         accel = self.store.accel
         accel.reclaim()
         trace = self.tracer.current_trace()
-        headroom = self.placer.headroom(trace, self.moment, self._non_model()) - accel.fragmentation()
+        headroom = self._headroom(trace, self.moment)
         over = self.ledger.total + need - headroom
         if over <= 0:
             return
@@ -187,7 +191,7 @@ class PlacementRuntime:
         if self._fits(nbytes, trace):
             return True
         accel = self.store.accel
-        headroom = self.placer.headroom(trace, self.moment + 1, self._non_model()) - accel.fragmentation()
+        headroom = self._headroom(trace, self.moment + 1)
         short = self.ledger.total + nbytes - headroom - accel.in_flight_bytes()
         victims = self.placer.victims_used_after(short, self._evictable(keep), self.moment + 1) if short > 0 else []
         if victims is None:
@@ -224,8 +228,7 @@ class PlacementRuntime:
 
     def _fits(self, nbytes: int, trace: Trace | None) -> bool:
 
-        headroom = self.placer.headroom(trace, self.moment + 1, self._non_model())
-        return self.ledger.total + nbytes <= headroom - self.store.accel.fragmentation()
+        return self.ledger.total + nbytes <= self._headroom(trace, self.moment + 1)
 
     def after_use(self, chunk: Chunk) -> None:
         if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
