@@ -1,0 +1,165 @@
+"""DeepSpeed's activation checkpointing and ``offload_activations`` (issue 20): ``deepspeed.checkpointing``
+keeps a checkpointed block's inputs as attributes of its autograd context (``checkpoint``) or in its own
+closure (``non_reentrant_checkpoint``), not as saved tensors. The strict emulated accelerator counts them
+on the device for as long as they are held, and ``offload_activations`` moves them to the host between
+the block's forward and its recomputation (see [Note: activation offload]). The model and the budget are
+tests/test_activation_offload.py's; DeepSpeed's ``cpu_checkpointing`` stays off (it fails on a CPU-only
+machine by itself, see tests/test_activation_checkpointing.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch.nn.functional as F
+
+from test_activation_offload import BATCH, BUDGET, LAYERS, SEED, SEQ, STEPS, WIDTH, TinyGPT, _batches
+
+INPUT_BYTES = BATCH * SEQ * WIDTH * 4  # one block's input, fp32
+
+
+def _checkpoint(api: str):
+    import deepspeed
+    from torch.utils.checkpoint import checkpoint
+
+    return {
+        "ds": deepspeed.checkpointing.checkpoint,
+        "ds_nonreentrant": deepspeed.checkpointing.non_reentrant_checkpoint,
+        "torch_reentrant": lambda f, h: checkpoint(f, h, use_reentrant=True),
+        "torch_nonreentrant": lambda f, h: checkpoint(f, h, use_reentrant=False),
+    }[api]
+
+
+class DsGPT(TinyGPT):
+    """tests/test_activation_offload.py's GPT with each layer run through the checkpoint API ``api``."""
+
+    def __init__(self, api: str) -> None:
+        super().__init__(True)
+        self.api = api
+
+    def forward(self, tok, y):
+        run = _checkpoint(self.api)
+        h = self.wte(tok)
+        for layer in self.layers:
+            h = run(layer, h)
+        return F.cross_entropy(self.head(h).float().flatten(0, 1), y.flatten())
+
+
+def _builder(api: str):
+    def build(seed: int):
+        import torch
+
+        torch.manual_seed(seed)
+        return DsGPT(api), _batches(seed)
+
+    build.__name__ = f"build_ds_gpt_{api}"
+    return build
+
+
+def _train(rank, world_size, api, stage, mode, budget, steps=STEPS):
+    """One run with DeepSpeed's checkpointing configured from the run's config (cpu_checkpointing off)."""
+    import deepspeed
+    from harness import ensure_distributed, make_config, run_training
+
+    import ds_patrickstar  # noqa: F401
+
+    extra = None
+    if stage == "patrickstar":
+        extra = {"emulate_accelerator": True, "device_budget": budget, "offload_activations": mode}
+    config = make_config(stage, "fp32", chunk_size=2048, extra_zero=extra)
+    ensure_distributed()
+    deepspeed.checkpointing.configure(None, deepspeed_config=config)
+    try:
+        return run_training(_builder(api), config, steps, SEED)
+    finally:
+        deepspeed.checkpointing.reset()
+        deepspeed.checkpointing.configure(None)
+
+
+@pytest.mark.parametrize("api", ["ds", "ds_nonreentrant"])
+def test_held_inputs_count_on_the_device(api):
+    """DeepSpeed's checkpoints hold each block's input outside autograd's saved tensors: the meter
+    counts it all the same, so the budget at which torch's reentrant checkpoint does not fit (see
+    tests/test_activation_offload.py) does not fit DeepSpeed's either, and the peak of activation
+    bytes is the same at a budget where both fit."""
+    from multiproc import WorkerError, run_ranks
+
+    with pytest.raises(WorkerError, match="DeviceBudgetExceeded"):
+        run_ranks(_train, 1, api, "patrickstar", "none", BUDGET, 1)
+    ours = run_ranks(_train, 1, api, "patrickstar", "none", 10**6, 1)[0].counters[0]
+    torch_ = run_ranks(_train, 1, "torch_reentrant", "patrickstar", "none", 10**6, 1, memo=True)[0].counters[0]
+    assert ours["peak_activation_bytes_device"] == torch_["peak_activation_bytes_device"] > 0
+
+
+# Stock ZeRO-3 cannot run DeepSpeed's non-reentrant checkpoint (see tests/test_activation_checkpointing.py):
+# the reference is then torch's non-reentrant checkpoint, the same computation.
+REFERENCE_API = {"ds_nonreentrant": "torch_nonreentrant"}
+
+
+@pytest.mark.parametrize("api,mode", [("ds", "all"), ("ds", "auto"), ("ds_nonreentrant", "all")])
+def test_offload_matches_zero3(api, mode):
+    """At the budget that DeepSpeed's checkpointing alone does not fit, offloading its held inputs makes
+    it fit: losses and fp32 weights equal stock ZeRO-3's with the same checkpointing, every byte copied
+    out comes back, "all" moves every block's input but the last one's (no hook tells when its backward
+    comes: it stays), "auto" moves some after the traced iteration, not all."""
+    from multiproc import run_ranks
+    from test_vs_zero3 import check
+
+    ref = run_ranks(_train, 1, REFERENCE_API.get(api, api), 3, "none", 0, memo=True)[0]
+    ours = run_ranks(_train, 1, api, "patrickstar", mode, BUDGET)[0]
+    check(ours, ref, "fp32")
+    moved = [c["activation_bytes_offloaded"] for c in ours.counters]
+    assert moved == [c["activation_bytes_restored"] for c in ours.counters], ours.counters
+    assert moved[0] >= (LAYERS - 1) * INPUT_BYTES, moved
+    if mode == "all":
+        assert moved == [moved[0]] * STEPS, moved
+    else:
+        assert all(0 < m < moved[0] for m in moved[1:]), moved
+
+
+def _losses(api: str, mode: str, wait: bool) -> list[float]:
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+    from ds_patrickstar.placement.activations import ActivationOffloader
+
+    class NoWaitForHeld(ActivationOffloader):
+        """Reads a held input as soon as its copy back is issued (test only); saved tensors are waited on."""
+
+        def _wait_before_use(self, entry) -> None:
+            if entry.held is None:
+                super()._wait_before_use(entry)
+            else:
+                self._back_home(entry)
+
+    model, batch = _builder(api)(SEED)
+    zero = {"stage": "patrickstar", "chunk_size": 2048, "emulate_accelerator": True, "device_budget": 10**6,
+            "offload_activations": mode}
+    config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zero}
+    deepspeed.checkpointing.configure(None, deepspeed_config=config)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    if not wait:
+        engine.optimizer.placement.activations.__class__ = NoWaitForHeld
+    losses = []
+    try:
+        for step in range(2):
+            loss = engine(*batch(step))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        losses.append(engine(*batch(2)).item())
+    finally:
+        engine.destroy()
+        deepspeed.checkpointing.reset()
+        deepspeed.checkpointing.configure(None)
+    return losses
+
+
+def test_read_before_the_copy_back_completes_changes_the_numbers(dist):
+    """The strict accelerator poisons a copy's destination (NaN) until it is waited on: a held input
+    read by the recomputation without the wait in the hook before its block's backward gives NaN
+    gradients (the step is skipped as an overflow), and the next losses change; with it, offload
+    changes nothing."""
+    stay = _losses("ds", "none", wait=True)
+    assert _losses("ds", "all", wait=True) == stay
+    broken = _losses("ds", "all", wait=False)
+    assert broken[0] == stay[0] and broken[1] != stay[1] and broken[2] != stay[2], (broken, stay)
