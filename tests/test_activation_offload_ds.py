@@ -9,9 +9,11 @@ machine by itself, see tests/test_activation_checkpointing.py).
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from test_activation_offload import BATCH, BUDGET, LAYERS, SEED, SEQ, STEPS, WIDTH, TinyGPT, _batches
+from test_activation_offload import BATCH, BUDGET, LAYERS, SEED, SEQ, STEPS, WIDTH, Layer, TinyGPT, _batches
 
 INPUT_BYTES = BATCH * SEQ * WIDTH * 4  # one block's input, fp32
 
@@ -28,29 +30,38 @@ def _checkpoint(api: str):
     }[api]
 
 
-class DsGPT(TinyGPT):
-    """tests/test_activation_offload.py's GPT with each layer run through the checkpoint API ``api``."""
+class GatedLayer(Layer):
+    """A layer that also takes a gate, one tensor given to every layer (as a mask would be)."""
 
-    def __init__(self, api: str) -> None:
+    def forward(self, h, gate):
+        return h + gate * (super().forward(h) - h)
+
+
+class DsGPT(TinyGPT):
+    """tests/test_activation_offload.py's GPT with each layer run through the checkpoint API ``api``;
+    ``gated``: with a gate given to every layer (by keyword)."""
+
+    def __init__(self, api: str, gated: bool = False) -> None:
         super().__init__(True)
-        self.api = api
+        self.api, self.gated = api, gated
+        if gated:
+            self.layers = nn.ModuleList([GatedLayer() for _ in range(LAYERS)])
 
     def forward(self, tok, y):
         run = _checkpoint(self.api)
         h = self.wte(tok)
+        gate = h[..., :1] * 0.5 + 0.5  # saved by no autograd node: only the blocks hold it
         for layer in self.layers:
-            h = run(layer, h)
+            h = run(layer, h, gate=gate) if self.gated else run(layer, h)
         return F.cross_entropy(self.head(h).float().flatten(0, 1), y.flatten())
 
 
-def _builder(api: str):
+def _builder(api: str, gated: bool = False):
     def build(seed: int):
-        import torch
-
         torch.manual_seed(seed)
-        return DsGPT(api), _batches(seed)
+        return DsGPT(api, gated), _batches(seed)
 
-    build.__name__ = f"build_ds_gpt_{api}"
+    build.__name__ = f"build_ds_gpt_{api}{'_gated' if gated else ''}"
     return build
 
 
@@ -115,7 +126,7 @@ def test_offload_matches_zero3(api, mode):
         assert all(0 < m < moved[0] for m in moved[1:]), moved
 
 
-def _losses(api: str, mode: str, wait: bool) -> list[float]:
+def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]:
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
@@ -130,7 +141,7 @@ def _losses(api: str, mode: str, wait: bool) -> list[float]:
             else:
                 self._back_home(entry)
 
-    model, batch = _builder(api)(SEED)
+    model, batch = _builder(api, gated)(SEED)
     zero = {"stage": "patrickstar", "chunk_size": 2048, "emulate_accelerator": True, "device_budget": 10**6,
             "offload_activations": mode}
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -163,3 +174,10 @@ def test_read_before_the_copy_back_completes_changes_the_numbers(dist):
     assert _losses("ds", "all", wait=True) == stay
     broken = _losses("ds", "all", wait=False)
     assert broken[0] == stay[0] and broken[1] != stay[1] and broken[2] != stay[2], (broken, stay)
+
+
+def test_an_input_of_every_block_stays(dist):
+    """A tensor given to every block (by keyword, through DeepSpeed's checkpoint) is a held input of the
+    first block and the input of the next: it stays on the accelerator (emptied, the second block's
+    forward would fail), and offload changes nothing."""
+    assert _losses("ds", "all", wait=True, gated=True) == _losses("ds", "none", wait=True, gated=True)

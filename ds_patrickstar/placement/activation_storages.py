@@ -119,6 +119,22 @@ class Entry:
         """Whether a saved tensor or a held input still refers to these bytes."""
         return self.refs > 0 or (self.held is not None and self.held.alive() is not None)
 
+    def empty_held(self) -> None:
+        """Point the held input at no memory, unless a saved tensor keeps these bytes anyway."""
+        held = self.held
+        tensor = held.alive() if held is not None else None
+        if held is not None and tensor is not None and not self.refs:
+            held.empty(tensor)
+
+    def refill_held(self, storage: torch.UntypedStorage) -> bool:
+        """Point an emptied held input at ``storage``; whether there was one."""
+        held = self.held
+        tensor = held.alive() if held is not None else None
+        if held is None or tensor is None or held.geometry is None:
+            return False
+        held.refill(tensor, storage)
+        return True
+
     def kept(self) -> torch.Tensor | None:
         """A uint8 view of the accelerator storage, made from the weak reference where we hold none."""
         if self.device is None and self.storage is not None and (storage := self.storage()) is not None:

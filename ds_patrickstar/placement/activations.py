@@ -174,15 +174,12 @@ class ActivationOffloader:
     def _leave(self, entry: Entry) -> None:
         """The copy out has run: the accelerator storage is dropped (a held input emptied), unless
         something else still holds it; then it stays, and nothing moved (see [Note: held inputs])."""
-        held = entry.held.alive() if entry.held is not None else None
-        if held is not None and entry.refs == 0:
-            entry.held.empty(held)  # type: ignore[union-attr]
+        entry.empty_held()
         entry.device, entry.pending = None, None
         storage = entry.storage() if entry.storage is not None else None
         if storage is not None:
             entry.move(State.BACK)
-            if held is not None and entry.held.geometry is not None:  # type: ignore[union-attr]
-                entry.held.refill(held, storage)  # type: ignore[union-attr]
+            entry.refill_held(storage)
             if entry.refs:
                 entry.device = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             assert entry.host is not None
@@ -351,9 +348,7 @@ class ActivationOffloader:
             entry.device, entry.pending = self.accel.bytes_to_device(entry.host)
             storage = entry.device.untyped_storage()
             entry.storage, entry.ptr = weakref.ref(storage), storage.data_ptr()
-            held = entry.held.alive() if entry.held is not None else None
-            if held is not None and entry.held.geometry is not None:  # type: ignore[union-attr]
-                entry.held.refill(held, storage)  # type: ignore[union-attr]
+            if entry.refill_held(storage):
                 weakref.finalize(storage, self._storage_gone, entry, entry.ptr)
             self._charge(entry.nbytes)
             self.counters.activation_bytes_restored += entry.nbytes
