@@ -65,7 +65,7 @@ def _builder(api: str, gated: bool = False):
     return build
 
 
-def _train(rank, world_size, api, stage, mode, budget, steps=STEPS):
+def _train(rank, world_size, api, stage, mode, budget, steps=STEPS, gas=1):
     """One run with DeepSpeed's checkpointing configured from the run's config (cpu_checkpointing off)."""
     import deepspeed
     from harness import ensure_distributed, make_config, run_training
@@ -75,7 +75,7 @@ def _train(rank, world_size, api, stage, mode, budget, steps=STEPS):
     extra = None
     if stage == "patrickstar":
         extra = {"emulate_accelerator": True, "device_budget": budget, "offload_activations": mode}
-    config = make_config(stage, "fp32", chunk_size=2048, extra_zero=extra)
+    config = make_config(stage, "fp32", gas=gas, chunk_size=2048, extra_zero=extra)
     ensure_distributed()
     deepspeed.checkpointing.configure(None, deepspeed_config=config)
     try:
@@ -105,21 +105,23 @@ def test_held_inputs_count_on_the_device(api):
 REFERENCE_API = {"ds_nonreentrant": "torch_nonreentrant"}
 
 
-@pytest.mark.parametrize("api,mode", [("ds", "all"), ("ds", "auto"), ("ds_nonreentrant", "all")])
-def test_offload_matches_zero3(api, mode):
+@pytest.mark.parametrize("api,mode,gas", [("ds", "all", 1), ("ds", "auto", 1), ("ds_nonreentrant", "all", 1),
+                                          ("ds", "all", 2)])
+def test_offload_matches_zero3(api, mode, gas):
     """At the budget that DeepSpeed's checkpointing alone does not fit, offloading its held inputs makes
-    it fit: losses and fp32 weights equal stock ZeRO-3's with the same checkpointing, every byte copied
-    out comes back, "all" moves every block's input but the last one's (no hook tells when its backward
-    comes: it stays), "auto" moves some after the traced iteration, not all."""
+    it fit: losses and fp32 weights equal stock ZeRO-3's with the same checkpointing (and gradient
+    accumulation), every byte copied out comes back, "all" moves every block's input but the last
+    one's (no hook tells when its backward comes: it stays) in every micro-step, "auto" moves some
+    after the traced iteration, not all."""
     from multiproc import run_ranks
     from test_vs_zero3 import check
 
-    ref = run_ranks(_train, 1, REFERENCE_API.get(api, api), 3, "none", 0, memo=True)[0]
-    ours = run_ranks(_train, 1, api, "patrickstar", mode, BUDGET)[0]
+    ref = run_ranks(_train, 1, REFERENCE_API.get(api, api), 3, "none", 0, STEPS, gas, memo=True)[0]
+    ours = run_ranks(_train, 1, api, "patrickstar", mode, BUDGET, STEPS, gas)[0]
     check(ours, ref, "fp32")
     moved = [c["activation_bytes_offloaded"] for c in ours.counters]
     assert moved == [c["activation_bytes_restored"] for c in ours.counters], ours.counters
-    assert moved[0] >= (LAYERS - 1) * INPUT_BYTES, moved
+    assert moved[0] >= gas * (LAYERS - 1) * INPUT_BYTES, moved
     if mode == "all":
         assert moved == [moved[0]] * STEPS, moved
     else:
