@@ -51,12 +51,12 @@ __all__ = ["Entry", "Handle", "HeldInput", "Segment", "State"]
 
 
 class State(enum.Enum):
-    ON_DEVICE = "on device"  # packed; the accelerator storage is the one autograd made
+    ON_DEVICE = "on device"  # packed or held; the accelerator storage is the one autograd made
     TO_HOST = "copying to host"
     ON_HOST = "on host"  # the accelerator storage is dropped
     TO_DEVICE = "copying back"
     BACK = "back on device"
-    RELEASED = "released"  # every saved tensor of it is gone
+    RELEASED = "released"  # nothing refers to it any more (saved tensors, held input, storage)
 
 
 _MOVES = {
@@ -98,7 +98,7 @@ class HeldInput:
 class Entry:
     """One accelerator storage of a segment: saved tensors and/or a held block input refer to it."""
 
-    device: torch.Tensor | None  # uint8 view of the accelerator storage, while we keep it alive
+    device: torch.Tensor | None  # uint8 view of the accelerator storage, while saved tensors or a copy need it
     nbytes: int
     segment: Segment
     state: State = State.ON_DEVICE
