@@ -183,3 +183,43 @@ def test_an_input_of_every_block_stays(dist):
     first block and the input of the next: it stays on the accelerator (emptied, the second block's
     forward would fail), and offload changes nothing."""
     assert _losses("ds", "all", wait=True, gated=True) == _losses("ds", "none", wait=True, gated=True)
+
+
+def _cuda_run(mode: str) -> tuple[list[float], list[dict]]:
+    import deepspeed
+
+    import harness
+    import ds_patrickstar  # noqa: F401
+
+    harness.ensure_distributed()
+    model, batch = _builder("ds")(SEED)
+    zero = {"stage": "patrickstar", "chunk_size": 2048, "offload_activations": mode}
+    config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zero}
+    deepspeed.checkpointing.configure(None, deepspeed_config=config)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    losses, counters = [], []
+    try:
+        for step in range(STEPS):
+            loss = engine(*(t.cuda() for t in batch(step)))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            counters.append(engine.get_patrickstar_counters())
+    finally:
+        engine.destroy()
+        deepspeed.checkpointing.reset()
+        deepspeed.checkpointing.configure(None)
+    return losses, counters
+
+
+@pytest.mark.gpu
+def test_cuda_held_inputs_move_and_come_back():
+    """On CUDA (copy stream, events, the stream wait in the hook before a block's backward): DeepSpeed's
+    checkpoint with every block's input offloaded trains as without offload, and every byte comes back."""
+    stay, _ = _cuda_run("none")
+    moved, counters = _cuda_run("all")
+    assert moved == pytest.approx(stay, rel=1e-5), (moved, stay)
+    out = [c["activation_bytes_offloaded"] for c in counters]
+    assert out == [c["activation_bytes_restored"] for c in counters], counters
+    assert all(o >= (LAYERS - 1) * INPUT_BYTES for o in out), out
