@@ -13,13 +13,15 @@ What it measures
 
     * nothing: no checkpointing;
     * checkpointing: ``torch.utils.checkpoint.checkpoint(use_reentrant=True)`` around every layer
-      (its input is a saved tensor, which the emulated accelerator's meter counts and offload moves;
-      ``deepspeed.checkpointing.checkpoint`` keeps its inputs as attributes of its autograd context,
-      out of sight of saved-tensor hooks: on the emulated accelerator neither counted nor offloaded);
+      (its input is a saved tensor, which the emulated accelerator's meter counts and offload moves);
+    * checkpointing (DeepSpeed's): ``deepspeed.checkpointing.checkpoint`` around every layer (it
+      holds its inputs on its autograd context, outside saved tensors: the meter counts them all the
+      same and offload moves them, see [Note: held inputs] in placement/activation_storages.py);
     * checkpointing + DeepSpeed ``cpu_checkpointing`` (``deepspeed.checkpointing.checkpoint``, stock
       ZeRO-3 and ours): DeepSpeed 0.19.8's ``cpu_checkpointing`` breaks on a CPU-only machine by
       itself; the row then says "fails on CPU";
-    * ours with ``offload_activations: "auto"`` and ``"all"`` (checkpointing on).
+    * ours with ``offload_activations: "auto"`` and ``"all"`` (torch's checkpointing), and "auto"
+      with DeepSpeed's checkpointing.
 
     On the emulated accelerator the fits and the bytes are what a GPU would see; step times are CPU
     times of the emulation (copies are memcpy), not GPU figures.
@@ -71,9 +73,9 @@ class Layer(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, width: int, layers: int, checkpointed: bool, deepspeed_api: bool) -> None:
+    def __init__(self, width: int, layers: int, checkpointed: str | None) -> None:
         super().__init__()
-        self.checkpointed, self.deepspeed_api = checkpointed, deepspeed_api
+        self.checkpointed = checkpointed  # None, "torch" or "deepspeed"
         self.wte = nn.Embedding(VOCAB, width)
         self.layers = nn.ModuleList([Layer(width, 4) for _ in range(layers)])
         self.ln = nn.LayerNorm(width)
@@ -87,7 +89,7 @@ class GPT(nn.Module):
         for layer in self.layers:
             if not self.checkpointed:
                 h = layer(h)
-            elif self.deepspeed_api:
+            elif self.checkpointed == "deepspeed":
                 h = deepspeed.checkpointing.checkpoint(layer, h)
             else:
                 h = checkpoint(layer, h, use_reentrant=True)
@@ -95,13 +97,15 @@ class GPT(nn.Module):
 
 
 ROWS = [
-    # name, stage, checkpointing, cpu_checkpointing, offload_activations
-    ("nothing", "patrickstar", False, False, "none"),
-    ("checkpointing", "patrickstar", True, False, "none"),
-    ("ckpt + cpu_checkpointing (stock ZeRO-3)", 3, True, True, "none"),
-    ("ckpt + cpu_checkpointing (ours)", "patrickstar", True, True, "none"),
-    ('ckpt + offload_activations "auto"', "patrickstar", True, False, "auto"),
-    ('ckpt + offload_activations "all"', "patrickstar", True, False, "all"),
+    # name, stage, checkpointing (None, "torch", "deepspeed"), cpu_checkpointing, offload_activations
+    ("nothing", "patrickstar", None, False, "none"),
+    ("checkpointing", "patrickstar", "torch", False, "none"),
+    ("checkpointing (DeepSpeed's)", "patrickstar", "deepspeed", False, "none"),
+    ("ckpt + cpu_checkpointing (stock ZeRO-3)", 3, "deepspeed", True, "none"),
+    ("ckpt + cpu_checkpointing (ours)", "patrickstar", "deepspeed", True, "none"),
+    ('ckpt + offload_activations "auto"', "patrickstar", "torch", False, "auto"),
+    ('ckpt + offload_activations "all"', "patrickstar", "torch", False, "all"),
+    ('DeepSpeed\'s ckpt + offload_activations "auto"', "patrickstar", "deepspeed", False, "auto"),
 ]
 
 
@@ -135,7 +139,7 @@ def trial(args, row, seq: int, steps: int = 2) -> dict | None:
     _, stage, ckpt, cpu_ckpt, mode = row
     config = _config(args, stage, cpu_ckpt, mode)
     torch.manual_seed(0)
-    model = GPT(args.width, args.layers, ckpt, deepspeed_api=cpu_ckpt)
+    model = GPT(args.width, args.layers, ckpt)
     deepspeed.checkpointing.configure(None, deepspeed_config=config)
     engine = None
     try:

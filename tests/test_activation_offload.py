@@ -150,13 +150,13 @@ def _losses(mode: str, wait: bool) -> list[float]:
 
 def test_read_before_the_copy_back_completes_changes_the_numbers(dist):
     """The strict accelerator poisons a copy's destination until it is waited on (NaN, or -1 in an
-    integer tensor): without the wait before use, backward reads poison (here the head's saved
-    targets, -1: cross-entropy refuses them; float activations give NaN gradients); with it, offload
-    changes nothing."""
+    integer tensor): without the wait before use, backward reads poison (NaN gradients: the step is
+    skipped as an overflow, and the next losses change); with it, offload changes nothing. (The head's
+    saved targets stay: the caller's batch holds them, so offloading them would free nothing.)"""
     stay = _losses("none", wait=True)
     assert _losses("all", wait=True) == stay
-    with pytest.raises(IndexError, match="Target -1 is out of bounds"):
-        _losses("all", wait=False)
+    broken = _losses("all", wait=False)
+    assert broken[0] == stay[0] and broken[1] != stay[1] and broken[2] != stay[2], (broken, stay)
 
 
 def test_bad_value_names_the_key_and_the_choices():

@@ -207,12 +207,13 @@ def make_placement(
     return runtime
 
 
-def offload_blocks(module: torch.nn.Module, placement: PlacementRuntime | None) -> list[torch.nn.Module]:
-    """The blocks whose activations may be offloaded (see [Note: activation offload]); none without it."""
-    if placement is None or placement.activations is None:
+def activation_blocks(module: torch.nn.Module, placement: PlacementRuntime | None) -> list[torch.nn.Module]:
+    """The blocks whose inputs the emulated accelerator's meter counts (see [Note: held inputs]) and whose
+    activations may be offloaded (see [Note: activation offload]); none without either."""
+    if placement is None or (placement.activations is None and placement.tracer.meter is None):
         return []
     blocks = repeated_blocks(module)
-    if not blocks:
+    if not blocks and placement.activations is not None:
         logger.warning(
             "ds_patrickstar: zero_optimization.offload_activations=%r finds no blocks (a ModuleList or Sequential "
             "of at least two modules) in %s: no activation is offloaded",
@@ -282,7 +283,7 @@ def assemble(
     )
     export = ChunkExport(chunk_map, comm, accel, optim_states)
     flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary)
-    hooks = HookRegistry(module, chunk_map.info, flow, offload_blocks(module, placement))
+    hooks = HookRegistry(module, chunk_map.info, flow, activation_blocks(module, placement))
     adam.build_kernels({accel.device, torch.device("cpu")} if placement else {accel.device})
     return ChunkedModel(
         counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks

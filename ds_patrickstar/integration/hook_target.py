@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..autograd_state import inside_backward
+from ..autograd_state import inside_backward, iter_tensors
 from ..chunks.chunk import TensorInfo
 from ..dist.manager import ChunkManager
 from ..io.export import ChunkExport
@@ -83,11 +83,17 @@ class TrainingFlow:
         kind = "rec:" if inside_backward() else "fwd:"  # a forward inside backward: a recomputation
         self.manager.access(infos, kind + self._module_names.get(module, "?"))
 
-    def block_forward(self, index: int) -> None:
-        """A block's forward begins (not a recomputation): see [Note: activation offload]."""
-        if self._meter_ctx is not None and self.placement is not None and self.placement.activations is not None:
-            if not inside_backward():
-                self.placement.activations.enter_block(index)
+    def block_forward(self, index: int, inputs: Any) -> None:
+        """A block's training forward begins (not a recomputation): its inputs are counted for as long
+        as they are held (see [Note: held inputs]), its saved tensors begin (see [Note: activation offload])."""
+        if self._meter_ctx is None or self.placement is None or inside_backward():
+            return
+        tensors = list(iter_tensors(inputs))
+        if self.placement.activations is not None:
+            self.placement.activations.enter_block(index, tensors)
+        elif self.placement.tracer.meter is not None:
+            for tensor in tensors:
+                self.placement.tracer.meter.hold(tensor)
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         if inside_backward():

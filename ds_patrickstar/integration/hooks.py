@@ -15,8 +15,9 @@
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
   (see [Note: gradient in the param slot]).
-With ``offload_activations``, a forward pre-hook on each block (the model's repeated layers) marks
-where its saved tensors begin (see [Note: activation offload]).
+With the emulated accelerator's meter or ``offload_activations``, a forward pre-hook on each block
+(the model's repeated layers) sees its inputs and marks where its saved tensors begin (see
+[Note: activation offload] and [Note: held inputs]).
 The root module's forward pre/post hooks (registered first) mark where an iteration's
 moments begin, for the memory tracer (see [Note: moments and the trace]).
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
@@ -47,7 +48,7 @@ class HookTarget(Protocol):
 
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
-    def block_forward(self, index: int) -> None: ...
+    def block_forward(self, index: int, inputs: Any) -> None: ...
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
@@ -112,7 +113,11 @@ class HookRegistry:
             module.register_forward_hook(lambda mod, args, output: target.root_forward_end()),
         ]
         for index, block in enumerate(blocks):  # registered before the blocks' own: see [Note: activation offload]
-            self._handles.append(block.register_forward_pre_hook(lambda mod, args, i=index: target.block_forward(i)))
+            self._handles.append(
+                block.register_forward_pre_hook(
+                    lambda mod, args, kwargs, i=index: target.block_forward(i, (args, kwargs)), with_kwargs=True
+                )
+            )
         holders = Counter(id(p) for sub in module.modules() for p in sub.parameters(recurse=False))
         for sub in module.modules():
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]

@@ -6,7 +6,8 @@ warm-up iteration the tracer records, at each moment, which chunks are used and 
 non-model memory (activations, temporaries) the accelerator holds: on CUDA the allocator's
 bytes minus the bytes of our chunks, and the peak since the previous moment; on the
 emulated accelerator the bytes autograd has saved for backward that are not chunk
-payloads (see :class:`SavedTensorMeter`). Afterwards the placer reads, for any moment, the
+payloads, and the blocks' inputs for as long as they are held (see :class:`SavedTensorMeter`
+and [Note: held inputs]). Afterwards the placer reads, for any moment, the
 next use of a chunk and the non-model memory to plan for.
 
 An iteration whose inputs have other shapes than the traced one (another sequence length
@@ -32,7 +33,8 @@ iteration (recorded, planned, kept gathered) and not taken for an evaluation for
 report the recomputation moments per step (``recompute_moments``) and the tide plot shades them.
 On CUDA the recomputed activations are in the allocator's bytes the tracer reads, a second, short
 tide inside backward; the emulated accelerator's meter counts what autograd saves in the training
-forward only, not what a recomputation saves.
+forward (and the blocks' inputs a checkpoint holds, see [Note: held inputs]), not what a
+recomputation saves.
 
 On CUDA the tracer reads the allocator's statistics without ever resetting them (the
 user's peak statistics, and any "max allocated" a comparison reports, stay intact): the
@@ -121,12 +123,14 @@ class SavedTensorMeter:
     """Live bytes autograd holds for backward that are not chunk payloads (emulated accelerator).
 
     Installed as saved-tensor hooks around the forward; a storage is counted once while any
-    saved tensor referring to it is alive.
+    saved tensor referring to it is alive, or, for a block's input (:meth:`hold`), while the
+    storage itself is (see [Note: held inputs]).
     """
 
     def __init__(self, is_model_storage: Callable[[torch.UntypedStorage], bool]) -> None:
         self._is_model = is_model_storage
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, refs]
+        self._held: set[int] = set()  # storage ptrs held as a block's input
         self.bytes = 0
 
     def is_model(self, storage: torch.UntypedStorage) -> bool:
@@ -149,18 +153,35 @@ class SavedTensorMeter:
             self.bytes -= entry[0]
             del self._live[key]
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
-        storage = tensor.untyped_storage()
-        if self._is_model(storage) or storage.nbytes() == 0:
-            return tensor
+    def _count(self, storage: torch.UntypedStorage) -> int:
         key = storage.data_ptr()
         entry = self._live.setdefault(key, [storage.nbytes(), 0])
         if entry[1] == 0:
             self.bytes += entry[0]
         entry[1] += 1
+        return key
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
+        storage = tensor.untyped_storage()
+        if self._is_model(storage) or storage.nbytes() == 0:
+            return tensor
         holder = _Saved(tensor)
-        weakref.finalize(holder, self._release, key)
+        weakref.finalize(holder, self._release, self._count(storage))
         return holder
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage, a block's input, until the storage is freed (once per
+        storage, with the saved tensors referring to it); see [Note: held inputs]."""
+        storage = tensor.untyped_storage()
+        if self._is_model(storage) or storage.nbytes() == 0 or storage.data_ptr() in self._held:
+            return
+        key = self._count(storage)
+        self._held.add(key)
+        weakref.finalize(storage, self._unhold, key)
+
+    def _unhold(self, key: int) -> None:
+        self._held.discard(key)
+        self._release(key)
 
     @staticmethod
     def unpack(packed: torch.Tensor | _Saved) -> torch.Tensor:
