@@ -1,8 +1,8 @@
 """Which blocks' activations ``offload_activations: "auto"`` moves to the host.
 
 [Note: auto activation offload]
-The plan is made once per trace, at the first forward that plans from it (see [Note: moments
-and the trace]), from the iteration that was traced. That iteration offloads every block (so
+The plan is made once per trace, at the optimizer step of the iteration that was traced (see
+[Note: moments and the trace]), from that iteration. That iteration offloads every block (so
 that it fits whenever any plan does), and the offloader records, for each block's segment in it
 (see [Note: activation offload]), the bytes it saved and the moments it spent off the
 accelerator (from the moment after its copies out were waited on to the moment before its copy
@@ -22,7 +22,10 @@ every segment is resident, this is the fewest bytes covering the overflow up to 
 bytes (blocks of a transformer save equal bytes). When offloading every block does not make
 every moment fit, every block is offloaded and placement fails, as it would, at the moment that
 does not fit. The planned tide replaces the traced one in the trace, so that placement (chunk
-headroom, prefetch) and the optimizer-state plan at the step see the tide the run will have.
+headroom, prefetch) and the optimizer-state plan at the next step see the tide the run will have;
+planning at the traced step, before the ranks agree from the same trace which groups may stay
+gathered or be gathered ahead (see [Note: agreed gather plan]), lets that agreement see it too:
+agreed from the traced tide, it kept and prefetched groups for which the planned tide leaves no room.
 """
 
 from __future__ import annotations

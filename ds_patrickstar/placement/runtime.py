@@ -242,9 +242,8 @@ class PlacementRuntime:
         self._step_since_forward = False
         if self.tracer.tracing:
             states.all_to_host()
-        if self.activations is not None:  # after the states moved: the plan sees what they leave
-            reserve = 2 * self._largest_chunk  # two chunks in flight, as the optimizer-state plan keeps
-            self.activations.start_iteration(self.tracer, self.placer.budget - reserve, self._moment_bytes)
+        if self.activations is not None:
+            self.activations.start_iteration(self.tracer)
 
     def begin_step(self, states: StatePlacement) -> None:
         """The optimizer step is a moment; after a (re-)trace, the optimizer states are re-placed and
@@ -257,6 +256,11 @@ class PlacementRuntime:
             if step_moment is not None:
                 trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
         self.begin_moment("step", tuple(sorted(states.on_device)))
+        traced = self.tracer.last_iteration() if self.tracer.tracing else None
+        if self.activations is not None and traced is not None:
+            # before the gather plan is agreed from this trace (see [Note: auto activation offload])
+            reserve = 2 * self._largest_chunk  # two chunks in flight, as the optimizer-state plan keeps
+            self.activations.plan(traced, self.placer.budget - reserve, self._moment_bytes)
 
     def end_step(self) -> None:
         self.note_peaks(self.tracer.non_model_now(self.ledger))
