@@ -171,7 +171,7 @@ class ActivationOffloader:
         if self.mode != "auto" or trace is self._planned:
             return
         tide = [m.non_model for m in trace.moments]
-        need = [moment_bytes(m.chunks) for m in trace.moments]
+        need = [moment_bytes(chunks) for chunks in trace.held_chunks()]
         self.chosen, planned = plan_offload(tide, need, budget, [s.record() for s in self._records])
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
