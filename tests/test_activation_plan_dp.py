@@ -55,14 +55,14 @@ def test_auto_offloads_nothing_where_checkpointing_alone_fits():
 
 
 def test_chunks_held_across_a_recomputation():
-    """A recomputed module's chunks stay in use until its backward moment (to the end without
-    one); the plan counts them at every moment in between."""
+    """A recomputed module's chunks stay in use until its backward moment (without one, to the end
+    of that backward pass); the plan counts them at every moment in between."""
     from ds_patrickstar.placement.tracer import Moment, Trace
 
     trace = Trace()
-    labels = ["fwd:a", "fwd:b", "bwd:head", "rec:a", "rec:b", "bwd:b", "bwd:a", "rec:c", "bwd:x"]
-    chunks = [(0,), (1,), (2,), (0,), (1,), (1,), (0,), (3,), (4,)]
+    labels = ["fwd:a", "fwd:b", "bwd:head", "rec:a", "rec:b", "bwd:b", "bwd:a", "rec:c", "bwd:x", "fwd:a"]
+    chunks = [(0,), (1,), (2,), (0,), (1,), (1,), (0,), (3,), (4,), (0,)]
     for label, ids in zip(labels, chunks):
         trace.add(Moment(label, ids, 0))
     held = trace.held_chunks()
-    assert held == [(0,), (1,), (2,), (0,), (1, 0), (1, 0), (0,), (3,), (4, 3)], held
+    assert held == [(0,), (1,), (2,), (0,), (1, 0), (1, 0), (0,), (3,), (4, 3), (0,)], held

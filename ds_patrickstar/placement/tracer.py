@@ -116,17 +116,20 @@ class Trace:
     def held_chunks(self) -> list[tuple[int, ...]]:
         """Per moment, the chunks in use then: the moment's own and those of the modules recomputed
         before it whose backward moment has not passed (their tensors stay in use from the
-        recomputation to their backward; with no backward moment, to the end); see
-        [Note: recomputation in the trace]."""
+        recomputation to their backward; with no backward moment, to the end of that backward
+        pass); see [Note: recomputation in the trace]."""
         held = [list(m.chunks) for m in self.moments]
         for index, moment in enumerate(self.moments):
             if not moment.label.startswith(RECOMPUTE):
                 continue
             backward = BACKWARD + moment.label[len(RECOMPUTE) :]
-            later = range(index + 1, len(self.moments))
-            end = next((j for j in later if self.moments[j].label == backward), len(self.moments) - 1)
-            for j in range(index + 1, end + 1):
-                held[j].extend(moment.chunks)
+            for later in range(index + 1, len(self.moments)):
+                label = self.moments[later].label
+                if not label.startswith((BACKWARD, RECOMPUTE)):
+                    break
+                held[later].extend(moment.chunks)
+                if label == backward:
+                    break
         return [tuple(dict.fromkeys(chunks)) for chunks in held]
 
     def recomputations(self) -> list[int]:
