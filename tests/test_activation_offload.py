@@ -67,7 +67,7 @@ def build_checkpointed(seed: int):
 BUDGET = 100_000  # fp32, one rank: checkpointing alone needs 117 kB of tide beside the chunks (fails)
 
 
-def _train(rank, world_size, stage, dtype, mode, budget):
+def _train(rank, world_size, stage, dtype, mode, budget, gas=1):
     from harness import make_config, run_training
 
     import ds_patrickstar  # noqa: F401
@@ -75,15 +75,14 @@ def _train(rank, world_size, stage, dtype, mode, budget):
     extra = None
     if stage == "patrickstar":
         extra = {"emulate_accelerator": True, "device_budget": budget, "offload_activations": mode}
-        if world_size > 1:  # groups kept gathered are planned beside the tide of their own (not re-planned yet)
-            extra["keep_gathered"] = 0
-    config = make_config(stage, dtype, chunk_size=2048, extra_zero=extra)
+    config = make_config(stage, dtype, gas=gas, chunk_size=2048, extra_zero=extra)
     if world_size > 1:
         config.pop("train_batch_size")
     return run_training(build_checkpointed, config, STEPS, SEED)
 
 
-# mode, world size, dtype, budget (bf16 on two ranks: half the tide, whole groups gathered)
+# mode, world size, dtype, budget (bf16 on two ranks: half the tide, whole groups gathered; near the
+# limit there, see tests/test_activation_plan_dp.py)
 CASES = [("all", 1, "fp32", BUDGET), ("auto", 1, "fp32", BUDGET), ("auto", 2, "bf16", 90_000)]
 
 
@@ -105,8 +104,8 @@ def test_offload_matches_zero3(mode, world_size, dtype, budget):
             assert after == [traced] * STEPS and traced > 0, after
         elif world_size == 1:
             assert all(0 < moved < traced for moved in after[1:]), after
-        else:  # at 90 kB nothing needs to move on two ranks (at 80 kB the plan is short of room: see the report)
-            assert all(moved < traced for moved in after[1:]), after
+        else:  # at 90 kB checkpointing alone fits on two ranks: nothing moves
+            assert after[1:] == [0] * (STEPS - 1), after
 
 
 def test_auto_fits_where_checkpointing_alone_does_not():

@@ -65,10 +65,10 @@ class ScatteredAccumulation:
         keep = {c.chunk_id for c in self._map.group_members(group)}
         buf = self._buffer(group, keep)
         del self._buffers[group]
-        if self._placement is not None:  # the owned chunk and its accumulator on the accelerator
+        if self._placement is not None:  # the owned chunk, then room for its new accumulator beside it
+            self._placement.bring(owned, keep)
             if owned.acc is None and owned.acc_host is None:
                 self._placement.make_room(4 * owned.capacity, keep)
-            self._placement.bring(owned, keep)
         self._store.accumulator(owned)
         pending = self._comm.reduce_scatter_mean_single_async(buf, after=lambda: self._add_owned(owned, buf))
         owned.pending.append(pending)  # the owned chunk (and its accumulator) stays until it completes

@@ -1,17 +1,25 @@
 """Which blocks' activations ``offload_activations: "auto"`` moves to the host.
 
 [Note: auto activation offload]
-The plan is made once per trace, at the first forward that plans from it (see [Note: moments
-and the trace]), from the iteration that was traced. That iteration offloads every block (so
+The plan is made once per trace, at the optimizer step of the iteration that was traced (see
+[Note: moments and the trace]), from that iteration. That iteration offloads every block (so
 that it fits whenever any plan does), and the offloader records, for each block's segment in it
 (see [Note: activation offload]), the bytes it saved and the moments it spent off the
 accelerator (from the moment after its copies out were waited on to the moment before its copy
 back). The tide with no offload is then the traced tide plus, at every moment, the bytes of the
 segments away then; offloading block ``k`` takes its segments' bytes off again, over the same
-moments. A moment fits when its chunks (their groups, as placement gathers them), room for two chunks
-in flight (as the optimizer-state plan keeps) and the
-higher tide of the moment and the next one (what placement plans room from) are within the
-budget.
+moments. A moment fits when the chunks in use then and the higher tide of the moment and the next
+one (what placement plans room from) are within the room placement works in
+(:meth:`~ds_patrickstar.placement.runtime.PlacementRuntime.movable_room`: the budget less the
+optimizer states on the accelerator, none after a trace, and the allocator's fragmentation). The
+chunks in use are the moment's own and those of the modules recomputed before it whose backward
+has not come yet (:meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`: a recomputed
+module's tensors stay in use until its backward), counted as placement holds them (their groups
+gathered, with gradient accumulation the accumulators and a flat gradient buffer, see
+:meth:`~ds_patrickstar.chunks.chunk_map.ChunkMap.moment_bytes`). There is no reserve beyond what
+placement keeps: where checkpointing alone fits, nothing is offloaded. (A reserve of two chunks, as
+the optimizer-state plan keeps, offloaded blocks there, and hid that the chunks held across a
+recomputation were not counted, which on two ranks, with their larger groups, it did not cover.)
 
 Greedy: while some moment does not fit, take the moment that overflows most; among the blocks
 whose offload lowers the tide there, offload the one moving the fewest bytes per iteration that
@@ -22,7 +30,10 @@ every segment is resident, this is the fewest bytes covering the overflow up to 
 bytes (blocks of a transformer save equal bytes). When offloading every block does not make
 every moment fit, every block is offloaded and placement fails, as it would, at the moment that
 does not fit. The planned tide replaces the traced one in the trace, so that placement (chunk
-headroom, prefetch) and the optimizer-state plan at the step see the tide the run will have.
+headroom, prefetch) and the optimizer-state plan at the next step see the tide the run will have;
+planning at the traced step, before the ranks agree from the same trace which groups may stay
+gathered or be gathered ahead (see [Note: agreed gather plan]), lets that agreement see it too:
+agreed from the traced tide, it kept and prefetched groups for which the planned tide leaves no room.
 """
 
 from __future__ import annotations

@@ -91,21 +91,20 @@ class ActivationOffloader:
         self.host_bytes = 0  # bytes of offloaded activations off the accelerator now
 
     # ---- iterations -----------------------------------------------------------------
-    def start_iteration(self, tracer: MemoryTracer, budget: int, moment_bytes: Callable[[tuple[int, ...]], int]):
-        """At the first forward after a step: "auto" plans from a new trace (the records of the
-        iteration that made it), and rewrites the trace's tide to the planned one; the iteration
-        that is traced offloads every block."""
-        trace = tracer.current_trace()
-        if self.mode == "auto":
-            if trace is None:
-                self.chosen = None
-            elif trace is not self._planned:
-                self._plan(trace, budget, moment_bytes)
+    def start_iteration(self, tracer: MemoryTracer) -> None:
+        """At the first forward after a step: an iteration that is traced offloads every block
+        ("auto" too: see [Note: auto activation offload])."""
+        if self.mode == "auto" and tracer.current_trace() is None:
+            self.chosen = None
         self._records = []
 
-    def _plan(self, trace: Trace, budget: int, moment_bytes: Callable[[tuple[int, ...]], int]) -> None:
+    def plan(self, trace: Trace, budget: int, moment_bytes: Callable[[tuple[int, ...]], int]) -> None:
+        """With "auto", at the step of the iteration that made ``trace``: which blocks to offload
+        from now on, from this iteration's records; ``trace``'s tide becomes the planned one."""
+        if self.mode != "auto" or trace is self._planned:
+            return
         tide = [m.non_model for m in trace.moments]
-        need = [moment_bytes(m.chunks) for m in trace.moments]
+        need = [moment_bytes(chunks) for chunks in trace.held_chunks()]
         self.chosen, planned = plan_offload(tide, need, budget, [s.record() for s in self._records])
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)

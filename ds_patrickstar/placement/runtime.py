@@ -210,6 +210,12 @@ class PlacementRuntime:
         if self.tracer.meter is not None:  # the saved activations the emulated accelerator's meter counts
             counters.peak_activation_bytes_device = max(counters.peak_activation_bytes_device, self.tracer.meter.bytes)
 
+    def movable_room(self) -> int:
+        """The budget less what no moment can move: the optimizer states on the accelerator and the
+        allocator's fragmentation (what :meth:`make_room` leaves aside beside the tide; no reserve
+        beyond it)."""
+        return self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
+
     def gathered_rooms(self, trace: Trace, reserve: Callable[[int], int]) -> tuple[list[int], list[int]]:
         """Per moment of ``trace``: the accelerator bytes gathered chunk groups may take on this rank,
         ``(kept for the rest of the iteration, gathered ahead of the next moments)``: the budget less
@@ -217,7 +223,7 @@ class PlacementRuntime:
         the trace plans from that moment to the end of the iteration and ``reserve(moment)`` (the
         groups used later), resp. less the tide of that moment and the next two (see
         [Note: agreed gather plan])."""
-        base = self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
+        base = self.movable_room()
         tides = [m.non_model for m in trace.moments]
         keep, highest = [0] * len(tides), 0
         for index in range(len(tides) - 1, -1, -1):
@@ -245,9 +251,8 @@ class PlacementRuntime:
         self._step_since_forward = False
         if self.tracer.tracing:
             states.all_to_host()
-        if self.activations is not None:  # after the states moved: the plan sees what they leave
-            reserve = 2 * self._largest_chunk  # two chunks in flight, as the optimizer-state plan keeps
-            self.activations.start_iteration(self.tracer, self.placer.budget - reserve, self._moment_bytes)
+        if self.activations is not None:
+            self.activations.start_iteration(self.tracer)
 
     def begin_step(self, states: StatePlacement) -> None:
         """The optimizer step is a moment; after a (re-)trace, the optimizer states are re-placed and
@@ -260,6 +265,10 @@ class PlacementRuntime:
             if step_moment is not None:
                 trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
         self.begin_moment("step", tuple(sorted(states.on_device)))
+        traced = self.tracer.last_iteration() if self.tracer.tracing else None
+        if self.activations is not None and traced is not None:
+            # before the gather plan is agreed from this trace (see [Note: auto activation offload])
+            self.activations.plan(traced, self.movable_room(), self._moment_bytes)
 
     def end_step(self) -> None:
         self.note_peaks(self.tracer.non_model_now(self.ledger))

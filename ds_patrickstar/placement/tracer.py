@@ -26,7 +26,9 @@ labelled ``rec:<module>`` (:data:`RECOMPUTE`) instead of ``fwd:``: the trace hol
 block's recomputation just before (reentrant: before; non-reentrant: right after the block's
 pre-backward, when autograd unpacks what the block saved) the backward moments of its modules. So
 Belady's next use of a chunk a recomputation needs is that recomputation, and the prefetch of the
-moment before it brings the chunk in before the recomputation starts, not at its first use.
+moment before it brings the chunk in before the recomputation starts, not at its first use. A
+recomputed module's tensors stay in use (``COMPUTE``, their chunks unmovable) until its backward
+moment: :meth:`Trace.held_chunks` gives, per moment, the chunks in use then.
 A reentrant checkpoint's first forward runs under ``torch.no_grad()``: the hooks tell the chunk
 manager that a training forward of the root module is running, so those moments are part of the
 iteration (recorded, planned, kept gathered) and not taken for an evaluation forward. The counters
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 NEVER = 1 << 60
 RECOMPUTE = "rec:"
 """Label prefix of a recomputation moment; see [Note: recomputation in the trace]."""
+BACKWARD = "bwd:"
+"""Label prefix of a backward moment."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,25 @@ class Trace:
         [Note: auto activation offload])."""
         old = self.moments[index]
         self.moments[index] = Moment(old.label, old.chunks, non_model)
+
+    def held_chunks(self) -> list[tuple[int, ...]]:
+        """Per moment, the chunks in use then: the moment's own and those of the modules recomputed
+        before it whose backward moment has not passed (their tensors stay in use from the
+        recomputation to their backward; with no backward moment, to the end of that backward
+        pass); see [Note: recomputation in the trace]."""
+        held = [list(m.chunks) for m in self.moments]
+        for index, moment in enumerate(self.moments):
+            if not moment.label.startswith(RECOMPUTE):
+                continue
+            backward = BACKWARD + moment.label[len(RECOMPUTE) :]
+            for later in range(index + 1, len(self.moments)):
+                label = self.moments[later].label
+                if not label.startswith((BACKWARD, RECOMPUTE)):
+                    break
+                held[later].extend(moment.chunks)
+                if label == backward:
+                    break
+        return [tuple(dict.fromkeys(chunks)) for chunks in held]
 
     def recomputations(self) -> list[int]:
         """Indices of the recomputation moments; see [Note: recomputation in the trace]."""
