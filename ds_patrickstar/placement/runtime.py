@@ -212,8 +212,9 @@ class PlacementRuntime:
 
     def movable_room(self) -> int:
         """The budget less what no moment can move: the optimizer states on the accelerator and the
-        allocator's fragmentation (what :meth:`make_room` leaves aside beside the tide; no reserve
-        beyond it)."""
+        allocator's stranded pieces as they are now (a margin for plans: :meth:`make_room` counts them
+        only where the tide is lower, see [Note: stranded allocator bytes] in memory/cuda.py); no
+        reserve beyond it."""
         return self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
 
     def gathered_rooms(self, trace: Trace, reserve: Callable[[int], int]) -> tuple[list[int], list[int]]:
