@@ -25,6 +25,11 @@ What it measures
       ``gradient_checkpointing_enable`` uses), without offload, with DeepSpeed's checkpointing and
       ``cpu_checkpointing``, and with ``offload_activations`` "auto" and "all".
 
+``--deadline`` is shared evenly by the rows (what a row leaves goes to the next); a trial cut by it
+is reported as "timed out", which says nothing about whether that length fits. On an H100 a trial of
+gpt2-medium takes about 25-35 s (process start, initialize, 3 steps at 16k-32k tokens), the first
+stock ZeRO-3 trial longer (DeepSpeed's CPU Adam builds): give each row a few minutes.
+
 Targets (issue 20, GPU): ours "auto" >= 0.9x the tokens/s of checkpointing alone at the same
 sequence length, and >= 1.5x its longest sequence.
 
