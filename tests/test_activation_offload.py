@@ -136,6 +136,13 @@ def _losses(mode: str, wait: bool) -> list[float]:
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     if not wait:
         engine.optimizer.placement.activations.__class__ = NoWait
+    losses = two_steps_then_eval(engine, batch)
+    engine.destroy()
+    return losses
+
+
+def two_steps_then_eval(engine, batch) -> list[float]:
+    """The losses of two training steps and of a forward after them (batches 0, 1, 2)."""
     losses = []
     for step in range(2):
         loss = engine(*batch(step))
@@ -143,7 +150,6 @@ def _losses(mode: str, wait: bool) -> list[float]:
         engine.step()
         losses.append(loss.item())
     losses.append(engine(*batch(2)).item())
-    engine.destroy()
     return losses
 
 

@@ -13,7 +13,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_activation_offload import BATCH, BUDGET, LAYERS, SEED, SEQ, STEPS, WIDTH, Layer, TinyGPT, _batches
+from test_activation_offload import (
+    BATCH,
+    BUDGET,
+    LAYERS,
+    SEED,
+    SEQ,
+    STEPS,
+    WIDTH,
+    Layer,
+    TinyGPT,
+    _batches,
+    two_steps_then_eval,
+)
 
 INPUT_BYTES = BATCH * SEQ * WIDTH * 4  # one block's input, fp32
 
@@ -152,14 +164,8 @@ def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     if not wait:
         engine.optimizer.placement.activations.__class__ = NoWaitForHeld
-    losses = []
     try:
-        for step in range(2):
-            loss = engine(*batch(step))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        losses.append(engine(*batch(2)).item())
+        losses = two_steps_then_eval(engine, batch)
     finally:
         engine.destroy()
         deepspeed.checkpointing.reset()
