@@ -672,3 +672,17 @@ def compare(
             f"run (stage={ours.stage!r}, {ours.dtype}) differs from reference "
             f"(stage={ref.stage!r}, {ref.dtype}):\n  - " + "\n  - ".join(problems)
         )
+
+
+@contextlib.contextmanager
+def deepspeed_checkpointing(config):
+    """DeepSpeed's activation checkpointing configured from ``config`` (as Megatron-DeepSpeed calls
+    it, a "patrickstar" config included) for the block, and reset after it."""
+    import deepspeed
+
+    deepspeed.checkpointing.configure(None, deepspeed_config=config)
+    try:
+        yield
+    finally:
+        deepspeed.checkpointing.reset()
+        deepspeed.checkpointing.configure(None)

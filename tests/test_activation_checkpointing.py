@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness import deepspeed_checkpointing
+
 from quirk_models import D_IN, HID, N_CLASSES, classification_batches
 
 STEPS = 4
@@ -103,14 +105,11 @@ def _train(rank, world_size, api, stage, dtype, gas, block, strict):
         config.pop("train_batch_size")  # DeepSpeed derives it from the world size
     if block is not None:
         config["activation_checkpointing"] = dict(block)
-    if api.startswith("ds"):
-        deepspeed.init_distributed(dist_backend="gloo")  # configure reads the rank, as after initialize
-        deepspeed.checkpointing.configure(None, deepspeed_config=config)
-    try:
+    if not api.startswith("ds"):
         return run_training(_builder(api), config, STEPS, SEED)
-    finally:
-        deepspeed.checkpointing.reset()
-        deepspeed.checkpointing.configure(None)
+    deepspeed.init_distributed(dist_backend="gloo")  # configure reads the rank, as after initialize
+    with deepspeed_checkpointing(config):
+        return run_training(_builder(api), config, STEPS, SEED)
 
 
 # Stock ZeRO-3 cannot run DeepSpeed's non-reentrant checkpoint (backward fails: "The size of tensor a

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness import deepspeed_checkpointing
 from test_activation_offload import (
     BATCH,
     BUDGET,
@@ -89,12 +90,8 @@ def _train(rank, world_size, api, stage, mode, budget, steps=STEPS, gas=1):
         extra = {"emulate_accelerator": True, "device_budget": budget, "offload_activations": mode}
     config = make_config(stage, "fp32", gas=gas, chunk_size=2048, extra_zero=extra)
     ensure_distributed()
-    deepspeed.checkpointing.configure(None, deepspeed_config=config)
-    try:
+    with deepspeed_checkpointing(config):
         return run_training(_builder(api), config, steps, SEED)
-    finally:
-        deepspeed.checkpointing.reset()
-        deepspeed.checkpointing.configure(None)
 
 
 @pytest.mark.parametrize("api", ["ds", "ds_nonreentrant"])
@@ -160,17 +157,14 @@ def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]
             "offload_activations": mode}
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": zero}
-    deepspeed.checkpointing.configure(None, deepspeed_config=config)
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    if not wait:
-        engine.optimizer.placement.activations.__class__ = NoWaitForHeld
-    try:
-        losses = two_steps_then_eval(engine, batch)
-    finally:
-        engine.destroy()
-        deepspeed.checkpointing.reset()
-        deepspeed.checkpointing.configure(None)
-    return losses
+    with deepspeed_checkpointing(config):
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        if not wait:
+            engine.optimizer.placement.activations.__class__ = NoWaitForHeld
+        try:
+            return two_steps_then_eval(engine, batch)
+        finally:
+            engine.destroy()
 
 
 def test_read_before_the_copy_back_completes_changes_the_numbers(dist):
@@ -202,20 +196,18 @@ def _cuda_run(mode: str) -> tuple[list[float], list[dict]]:
     zero = {"stage": "patrickstar", "chunk_size": 2048, "offload_activations": mode}
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": zero}
-    deepspeed.checkpointing.configure(None, deepspeed_config=config)
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     losses, counters = [], []
-    try:
-        for step in range(STEPS):
-            loss = engine(*(t.cuda() for t in batch(step)))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            counters.append(engine.get_patrickstar_counters())
-    finally:
-        engine.destroy()
-        deepspeed.checkpointing.reset()
-        deepspeed.checkpointing.configure(None)
+    with harness.deepspeed_checkpointing(config):
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        try:
+            for step in range(STEPS):
+                loss = engine(*(t.cuda() for t in batch(step)))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                counters.append(engine.get_patrickstar_counters())
+        finally:
+            engine.destroy()
     return losses, counters
 
 
