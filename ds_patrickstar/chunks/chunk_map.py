@@ -105,25 +105,24 @@ class ChunkMap:
         """Accelerator bytes of ``group`` gathered: with ``W > 1`` its storage of ``W`` chunks beside
         this rank's own chunk (see [Note: gathered group storage] in memory/store.py) and the joined
         buffers of its straddling tensors (see [Note: straddling tensors] in dist/straddle.py); with
-        ``accumulate``, the own chunk's fp32 accumulator (the only one, see
-        [Note: gradient accumulation] in dist/grads.py)."""
+        ``accumulate``, the own chunk's fp32 accumulator (:meth:`accumulator_bytes`)."""
         members = self.group_members(group)
         own = members[self.rank]
         storage = 0
         if self.world_size > 1:
             storage = sum(c.nbytes for c in members) + sum(i.numel for i in self.straddling(group)) * own.dtype.itemsize
-        return storage + own.nbytes + (4 * own.capacity if accumulate else 0)
+        return storage + own.nbytes + (self.accumulator_bytes(group) if accumulate else 0)
 
-    def moment_bytes(self, chunk_ids: tuple[int, ...], accumulate: bool) -> int:
-        """Accelerator bytes a moment using ``chunk_ids`` takes: each of their groups gathered (see
-        :meth:`group_bytes`), and with gradient accumulation and ``W > 1`` a micro-step's gradient
-        buffer of a group beside them (see [Note: flat group buffers] in dist/flat.py)."""
-        if self.world_size == 1:
-            return sum(self.chunks[c].nbytes + (4 * self.chunks[c].capacity if accumulate else 0) for c in chunk_ids)
-        groups = {c // self.world_size for c in chunk_ids}
-        gathered = sum(self.group_bytes(g, accumulate) for g in groups)
-        buffer = max((self.group_bytes(g, False) for g in groups), default=0) if accumulate else 0
-        return gathered + buffer
+    def accumulator_bytes(self, group: int) -> int:
+        """Bytes of the fp32 gradient accumulator of this rank's own chunk of ``group`` (the only one,
+        see [Note: gradient accumulation] in dist/grads.py)."""
+        return 4 * self.group_members(group)[self.rank].capacity
+
+    def buffer_bytes(self, group: int) -> int:
+        """Bytes of a micro-step's flat gradient buffer of ``group`` (``W > 1``, see
+        [Note: flat group buffers] in dist/flat.py)."""
+        members = self.group_members(group)
+        return sum(c.capacity for c in members) * members[0].dtype.itemsize
 
     def largest_group_bytes(self) -> int:
         """The most a gathered group takes (storage and own chunk, see :meth:`group_bytes`)."""

@@ -36,6 +36,7 @@ from ..memory.store import ChunkStore
 from ..optim.chunk_adam import ChunkAdam, adamw_mode
 from ..optim.states import OptimizerStates
 from ..placement.activations import ActivationOffloader, repeated_blocks
+from ..placement.chunk_needs import chunk_needs
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
@@ -188,7 +189,7 @@ def make_placement(
         counters,
         chunk_map.chunks,
         reductions,
-        lambda chunk_ids: chunk_map.moment_bytes(chunk_ids, accumulate),
+        lambda trace: chunk_needs(trace, chunk_map, accumulate),
     )
     if options.offload_activations != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(

@@ -120,7 +120,7 @@ def group_bytes(capacity: int, lp_bytes: int, world_size: int, accumulate: bool)
     """Accelerator bytes a moment using one chunk group of ``capacity``-element chunks takes: with
     ``W > 1`` its storage of ``W`` chunks beside the owned chunk (see [Note: gathered group storage]
     in memory/store.py), the owned fp32 accumulator with gradient accumulation, and with ``W > 1``
-    a micro-step's gradient buffer; ``ChunkMap.moment_bytes`` counts the same from the built map
+    a micro-step's gradient buffer; ``placement.chunk_needs`` counts per moment from the built map
     (and the joined buffers of straddling tensors)."""
     chunk = capacity * lp_bytes
     storage = world_size * chunk if world_size > 1 else 0

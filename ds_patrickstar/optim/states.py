@@ -4,7 +4,8 @@
 Every owned chunk has three fp32 tensors of its capacity and layout. They start on the
 host when placement is active (on the only device otherwise). After each trace (the
 warm-up iteration, and every re-trace when shapes or control flow change) the memory
-the tide leaves at its highest decides which chunks' states live on the accelerator,
+the tide leaves at its highest, less the chunks the busiest moment holds (a recomputed module's
+until its backward, see [Note: chunk bytes per moment]), decides which chunks' states live on the accelerator,
 in chunk order, and the states move to match the new decision: a re-trace with a higher
 tide sends states back to the host, a lower one brings more in. A chunk is updated by
 Adam where its states live; the others are updated on the host by the CPU kernel, and
@@ -16,7 +17,7 @@ and never move to the accelerator.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,18 +89,16 @@ class OptimizerStates:
         return OptimizerChunk(*tensors)
 
     # ---- placement ------------------------------------------------------------------
-    def plan(
-        self, trace: Trace, budget: int, policy: str, moment_bytes: Callable[[tuple[int, ...]], int], chunk: int
-    ) -> None:
+    def plan(self, trace: Trace, budget: int, policy: str, needs: list[int], chunk: int) -> None:
         """Re-decide from ``trace`` which chunks' states live on the accelerator and move them:
-        what the tide leaves at its highest, less the busiest moment's chunks (``moment_bytes``:
-        their groups gathered, with what gradient accumulation adds) and room for two chunks of
-        ``chunk`` bytes in flight."""
+        what the tide leaves at its highest, less the busiest moment's chunks (``needs``, per moment:
+        the chunks held then, their groups gathered, with what gradient accumulation adds, see
+        [Note: chunk bytes per moment]) and room for two chunks of ``chunk`` bytes in flight."""
         if trace is self.trace_planned:
             return
         self.trace_planned = trace
         peak_non_model = max(m.non_model for m in trace.moments)
-        busiest = max(moment_bytes(m.chunks) for m in trace.moments)
+        busiest = max(needs, default=0)
         free = budget - peak_non_model - busiest - 2 * chunk
         capacities = {cid: c.capacity for cid, c in self.chunks.items() if cid not in self.spilled}
         wanted = optimizer_chunks_on_device(free, capacities, policy)

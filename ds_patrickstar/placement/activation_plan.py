@@ -15,8 +15,8 @@ optimizer states on the accelerator, none after a trace, and the allocator's fra
 chunks in use are the moment's own and those of the modules recomputed before it whose backward
 has not come yet (:meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`: a recomputed
 module's tensors stay in use until its backward), counted as placement holds them (their groups
-gathered, with gradient accumulation the accumulators and a flat gradient buffer, see
-:meth:`~ds_patrickstar.chunks.chunk_map.ChunkMap.moment_bytes`). There is no reserve beyond what
+gathered, with gradient accumulation the accumulators and gradient buffers that micro-step holds
+then, see [Note: chunk bytes per moment] in placement/chunk_needs.py). There is no reserve beyond what
 placement keeps: where checkpointing alone fits, nothing is offloaded. (A reserve of two chunks, as
 the optimizer-state plan keeps, offloaded blocks there, and hid that the chunks held across a
 recomputation were not counted, which on two ranks, with their larger groups, it did not cover.)

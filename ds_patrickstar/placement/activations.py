@@ -98,13 +98,13 @@ class ActivationOffloader:
             self.chosen = None
         self._records = []
 
-    def plan(self, trace: Trace, budget: int, moment_bytes: Callable[[tuple[int, ...]], int]) -> None:
+    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]]) -> None:
         """With "auto", at the step of the iteration that made ``trace``: which blocks to offload
         from now on, from this iteration's records; ``trace``'s tide becomes the planned one."""
         if self.mode != "auto" or trace is self._planned:
             return
         tide = [m.non_model for m in trace.moments]
-        need = [moment_bytes(chunks) for chunks in trace.held_chunks()]
+        need = chunk_needs(trace)
         self.chosen, planned = plan_offload(tide, need, budget, [s.record() for s in self._records])
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)

@@ -39,9 +39,7 @@ class StatePlacement(Protocol):
     on_device: set[int]
     trace_planned: Trace | None
 
-    def plan(
-        self, trace: Trace, budget: int, policy: str, moment_bytes: Callable[[tuple[int, ...]], int], chunk: int
-    ) -> None: ...
+    def plan(self, trace: Trace, budget: int, policy: str, needs: list[int], chunk: int) -> None: ...
 
     def all_to_host(self) -> None: ...
 
@@ -57,14 +55,14 @@ class PlacementRuntime:
         counters: StepCounters,
         chunks: list[Chunk],
         reductions: InFlightReductions,
-        moment_bytes: Callable[[tuple[int, ...]], int],
+        chunk_needs: Callable[[Trace], list[int]],
     ) -> None:
         self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
         self.ledger = store.accel.ledger
         self.chunks = chunks
         self.reductions = reductions
         self._largest_chunk = max((c.nbytes for c in chunks), default=0)
-        self._moment_bytes = moment_bytes  # what a traced moment's chunks take (their groups), for the step's plan
+        self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
         self.moment = -1
         self.label = ""  # the label of the current moment
         self.recording = False
@@ -261,7 +259,7 @@ class PlacementRuntime:
         self._step_since_forward = True
         trace = self.tracer.current_trace()
         if trace is not None and trace is not states.trace_planned:
-            states.plan(trace, self.placer.budget, self.placer.policy, self._moment_bytes, self._largest_chunk)
+            states.plan(trace, self.placer.budget, self.placer.policy, self._chunk_needs(trace), self._largest_chunk)
             step_moment = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
             if step_moment is not None:
                 trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
@@ -269,7 +267,7 @@ class PlacementRuntime:
         traced = self.tracer.last_iteration() if self.tracer.tracing else None
         if self.activations is not None and traced is not None:
             # before the gather plan is agreed from this trace (see [Note: auto activation offload])
-            self.activations.plan(traced, self.movable_room(), self._moment_bytes)
+            self.activations.plan(traced, self.movable_room(), self._chunk_needs)
 
     def end_step(self) -> None:
         self.note_peaks(self.tracer.non_model_now(self.ledger))

@@ -65,6 +65,8 @@ RECOMPUTE = "rec:"
 """Label prefix of a recomputation moment; see [Note: recomputation in the trace]."""
 BACKWARD = "bwd:"
 """Label prefix of a backward moment."""
+FORWARD = "fwd:"
+"""Label prefix of a forward moment (not a recomputation)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,17 @@ class Trace:
                 if label == backward:
                     break
         return [tuple(dict.fromkeys(chunks)) for chunks in held]
+
+    def micro_steps(self) -> list[int]:
+        """Per moment, the index of its micro-step: a forward moment after a moment of another kind
+        starts the next one; the step moment belongs to the last (the boundary micro-step)."""
+        index, previous, micro = -1, "", []
+        for moment in self.moments:
+            if moment.label.startswith(FORWARD) and not previous.startswith(FORWARD):
+                index += 1
+            micro.append(max(index, 0))
+            previous = moment.label
+        return micro
 
     def recomputations(self) -> list[int]:
         """Indices of the recomputation moments; see [Note: recomputation in the trace]."""

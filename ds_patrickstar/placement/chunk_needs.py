@@ -1,0 +1,71 @@
+"""What the chunks in use take on the accelerator at each moment of a trace, for the plans.
+
+[Note: chunk bytes per moment]
+The plans made from a trace (which optimizer states live on the accelerator, see
+[Note: optimizer-state placement]; which blocks' activations "auto" offloads, see
+[Note: auto activation offload]) need, per moment, the accelerator bytes that cannot move then.
+Those are the chunks held at that moment (:meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`:
+the moment's own and those of the modules recomputed before it whose backward has not come, in
+use until then), each with its chunk group gathered
+(:meth:`~ds_patrickstar.chunks.chunk_map.ChunkMap.group_bytes`). With gradient accumulation each
+micro-step of the traced iteration (:meth:`~ds_patrickstar.placement.tracer.Trace.micro_steps`)
+adds what it holds then (see [Note: gradient accumulation] in dist/grads.py), not what any
+micro-step might:
+
+* a held group's fp32 accumulator from the moment it comes into being: in the first micro-step,
+  with ``W > 1``, at the group's micro-step reduce-scatter (during its last backward moment), with
+  one rank at its first gradient (its first backward moment); in later micro-steps (and at the
+  step) it is there from the start;
+* with ``W > 1`` in every micro-step but the boundary, a group's flat gradient buffer (see
+  [Note: flat group buffers] in dist/flat.py) from the group's first backward moment of the
+  micro-step to its last, whether or not the group is held then (a recomputation may run between
+  two of its gradients); the boundary reduce-scatters in the group's own storage.
+
+Counting every accumulator and one buffer at every moment (as before) planned, at two ranks with two
+micro-steps, 46 kB where the first micro-step's backward holds 39 kB (no accumulators yet, two
+buffers) and the boundary's 34 kB (no buffer), and "auto" offloaded a block more than fits.
+"""
+
+from __future__ import annotations
+
+from ..chunks.chunk_map import ChunkMap
+from .tracer import BACKWARD, Trace
+
+__all__ = ["chunk_needs"]
+
+
+def chunk_needs(trace: Trace, chunk_map: ChunkMap, accumulate: bool) -> list[int]:
+    """Per moment of ``trace``, the accelerator bytes of the chunks in use then; see
+    [Note: chunk bytes per moment]."""
+    world = chunk_map.world_size
+    groups = [{chunk_id // world for chunk_id in chunks} for chunks in trace.held_chunks()]
+    needs = [sum(chunk_map.group_bytes(g, False) for g in held) for held in groups]
+    if not accumulate:
+        return needs
+    micro = trace.micro_steps()
+    spans = _backward_spans(trace, micro, world)
+    boundary = micro[-1] if micro else 0
+    for index, held in enumerate(groups):
+        step = micro[index]
+        for group in held:
+            span = spans.get((0, group))
+            born = span is not None and index >= (span[1] if world > 1 else span[0])
+            if step > 0 or born:
+                needs[index] += chunk_map.accumulator_bytes(group)
+        if world > 1 and step != boundary:
+            open_groups = (g for (k, g), (first, last) in spans.items() if k == step and first <= index <= last)
+            needs[index] += sum(chunk_map.buffer_bytes(g) for g in open_groups)
+    return needs
+
+
+def _backward_spans(trace: Trace, micro: list[int], world: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """``(micro-step, group) -> (first, last)`` backward moment using a chunk of the group."""
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    for index, moment in enumerate(trace.moments):
+        if not moment.label.startswith(BACKWARD):
+            continue
+        for group in {chunk_id // world for chunk_id in moment.chunks}:
+            key = (micro[index], group)
+            first, _ = spans.get(key, (index, index))
+            spans[key] = (first, index)
+    return spans
