@@ -11,7 +11,12 @@ has already synchronized the host: per moment of the iteration just traced, the 
 gathered groups each rank's budget holds next to its tide
 (:meth:`~ds_patrickstar.placement.runtime.PlacementRuntime.gathered_rooms`), the minimum over
 the ranks, in one all-reduce (:meth:`ChunkComm.agree`) with the number of moments and a
-checksum of their labels. During the next iteration a decision compares that room with the
+checksum of their labels. A kept group stays to the end of the iteration, so the room to keep
+at a moment is the least that any later moment leaves beside its own tide and the groups it
+holds (each counted as the largest; a recomputed module's from its recomputation to its
+backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`). (Subtracting the
+highest tide and, apart, the most groups a later moment uses left less room than needed where the
+two are at different moments, and, counting a moment's own chunks, too much during recomputation.) During the next iteration a decision compares that room with the
 bytes of the groups gathered then (their whole groups, owned chunks included), a figure every
 rank has alike, so the decisions agree with no collective. A rank's own chunks of groups not
 gathered can always go to the host, so they do not count. Moments are counted the same way on
@@ -55,7 +60,7 @@ class GatherPlan:
         """At the step, on every rank: agree the plan for the next iteration from the one just done."""
         trace = self._placement.tracer.last_iteration()
         labels = [m.label for m in trace.moments] if trace is not None else []
-        keep, ahead = self._placement.gathered_rooms(trace, self._reserve(trace)) if trace is not None else ([], [])
+        keep, ahead = self._placement.gathered_rooms(trace, self._held(trace)) if trace is not None else ([], [])
         if trace is not None:  # a group gathered ahead in backward sits beside a flat gradient buffer
             last_backward = _last_backward(trace)
             ahead = [room - self._buffer_bytes * int(i <= last_backward) for i, room in enumerate(ahead)]
@@ -66,18 +71,17 @@ class GatherPlan:
             return
         self._labels, self._keep, self._ahead = labels, agreed[4 : 4 + count], agreed[4 + count :]
 
-    def _reserve(self, trace: Trace) -> Callable[[int], int]:
-        """Per moment, room for the most groups one later moment uses at once (at least one), and,
-        with gradient accumulation while a backward moment is still ahead, for one flat gradient
-        buffer (taken beside the group it reduces; see [Note: flat group buffers])."""
+    def _held(self, trace: Trace) -> Callable[[int], int]:
+        """Per moment, room for the groups it holds (at least one; a recomputed module's until its
+        backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`), each counted as the
+        largest, and, with gradient accumulation up to the last backward moment, for one flat
+        gradient buffer (taken beside the group it reduces; see [Note: flat group buffers])."""
         world = self._comm.world_size
-        at_once = [len({chunk_id // world for chunk_id in m.chunks}) for m in trace.moments]
+        at_once = [len({chunk_id // world for chunk_id in held}) for held in trace.held_chunks()]
         last_backward = _last_backward(trace)
         group, buffer = self._largest_group_bytes, self._buffer_bytes
-        later = [group] * len(at_once)
-        for index in range(len(at_once) - 2, -1, -1):
-            later[index] = max(later[index + 1], group * at_once[index + 1] + buffer * int(index < last_backward))
-        return lambda index: later[index]
+        rooms = [group * max(1, n) + buffer * int(i <= last_backward) for i, n in enumerate(at_once)]
+        return lambda index: rooms[index]
 
     def _moment(self) -> int | None:
         """The index of the current moment in the plan, None when the iteration differs from it."""

@@ -215,19 +215,20 @@ class PlacementRuntime:
         reserve beyond it."""
         return self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
 
-    def gathered_rooms(self, trace: Trace, reserve: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    def gathered_rooms(self, trace: Trace, held: Callable[[int], int]) -> tuple[list[int], list[int]]:
         """Per moment of ``trace``: the accelerator bytes gathered chunk groups may take on this rank,
         ``(kept for the rest of the iteration, gathered ahead of the next moments)``: the budget less
-        what cannot move (optimizer states on the accelerator, fragmentation), less the highest tide
-        the trace plans from that moment to the end of the iteration and ``reserve(moment)`` (the
-        groups used later), resp. less the tide of that moment and the next two (see
-        [Note: agreed gather plan])."""
+        what cannot move (optimizer states on the accelerator, fragmentation), less the tide of that
+        moment and, at each later moment, its tide and ``held(later)`` (the groups it holds beside the
+        kept ones; up to the next iteration's first moment), whichever is highest, resp. less the tide
+        of that moment and the next two (see [Note: agreed gather plan])."""
         base = self.movable_room()
         tides = [m.non_model for m in trace.moments]
-        keep, highest = [0] * len(tides), 0
+        keep = [0] * len(tides)
+        later = tides[0] + held(0) if tides else 0  # the next iteration's first moment
         for index in range(len(tides) - 1, -1, -1):
-            highest = max(highest, tides[index])
-            keep[index] = base - highest - reserve(index)
+            keep[index] = base - max(tides[index], later)
+            later = max(later, tides[index] + held(index))
         ahead = [base - max(tides[index : index + 3]) for index in range(len(tides))]
         return keep, ahead
 
