@@ -23,7 +23,7 @@ micro-step might:
 
 Counting every accumulator and one buffer at every moment (as before) planned, at two ranks with two
 micro-steps, 46 kB where the first micro-step's backward holds 39 kB (no accumulators yet, two
-buffers) and the boundary's 34 kB (no buffer), and "auto" offloaded a block more than fits.
+buffers) and the boundary's 34 kB (no buffer), and "auto" offloaded a block per micro-step more than needed.
 """
 
 from __future__ import annotations
