@@ -171,11 +171,14 @@ class HostPool:
         self._storages.discard(buffer.raw.untyped_storage().data_ptr())
 
     def close(self) -> None:
-        """Unpin and let go of every buffer (in use or not): the pool's owner is going away."""
+        """Unpin and free every buffer (in use or not): the pool's owner is going away. A buffer still
+        handed out is emptied too (its storage goes to zero bytes), so the memory goes back though a
+        tensor of it may live on (see [Note: closing the accelerator] in accelerator.py)."""
         held = [*self._in_use.values(), *(b for _, b in self._deferred), *self._free_order]
         self._in_use, self._deferred, self._free, self._free_order = {}, [], {}, []
         for buffer in held:
             self._drop(buffer)
+            buffer.raw.untyped_storage().resize_(0)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the accelerator may be gone already
