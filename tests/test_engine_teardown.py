@@ -88,3 +88,15 @@ def test_destroy_returns_memory_of_a_kept_engine(dist, kind, tmp_path):
     assert disk is None or disk.buffer_bytes == 0
     engine.destroy()
     assert accel.ledger.total == 0
+
+
+def test_a_new_engine_from_a_destroyed_engines_model_says_why_it_cannot(dist, tmp_path):
+    """The model's parameters were views of the destroyed engine's chunks: a new engine from it is
+    refused with a message naming the cause, not torch's "setStorage ... out of bounds"."""
+    import deepspeed
+
+    engine, model, _ = _trained_engine("host", tmp_path)
+    config = engine.config
+    engine.destroy()
+    with pytest.raises(ValueError, match=r"holds no values .*engine\.destroy\(\).*Build the model again"):
+        deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
