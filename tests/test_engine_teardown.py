@@ -26,7 +26,7 @@ def _disk_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("ds_ps_")]
 
 
-def _trained_engine(kind: str, tmp_path):
+def _trained_engine(kind: str, tmp_path, world_size: int = 1):
     """(engine, the user's model, the batch) after two training steps (after the first, traced, one
     placement brings chunks and optimizer states to the accelerator)."""
     import deepspeed
@@ -40,6 +40,8 @@ def _trained_engine(kind: str, tmp_path):
     model, batch = build_checkpointed(0)
     zero = {**ZERO[kind], **(disk_zero(tmp_path, io_backend="threads") if kind == "disk" else {})}
     config = make_config("patrickstar", chunk_size=2048, extra_zero=zero)
+    if world_size > 1:
+        config.pop("train_batch_size")
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     inputs = batch(0)
     for _ in range(2):
@@ -100,3 +102,22 @@ def test_a_new_engine_from_a_destroyed_engines_model_says_why_it_cannot(dist, tm
     engine.destroy()
     with pytest.raises(ValueError, match=r"holds no values .*engine\.destroy\(\).*Build the model again"):
         deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+
+def _teardown_on_ranks(rank, world_size):
+    """(ledger total, pinned bytes of the pool, engine collected) after destroy on each rank."""
+    engine, _, _ = _trained_engine("emulated", None, world_size)
+    accel, ref = engine.optimizer.accel, weakref.ref(engine)
+    assert accel.ledger.total > 0
+    engine.destroy()
+    del engine
+    gc.collect()
+    return accel.ledger.total, accel.host_pool.allocated, ref() is None
+
+
+def test_destroy_on_two_ranks():
+    """With data parallelism too (gathered groups' flat storages, the landing slots): every rank gives
+    back all it held, and its engine is garbage."""
+    from multiproc import run_ranks
+
+    assert run_ranks(_teardown_on_ranks, 2) == [(0, 0, True)] * 2

@@ -112,7 +112,7 @@ class Accelerator:
         self._deferred = []
         for tensor, nbytes, kind in list(self._backed.values()):
             self._free_now(tensor, nbytes, kind)
-        self.host_pool.close()
+        self.host_pool.close(empty=True)
 
     def _drain(self) -> None:
         """Wait for every copy still in flight (their buffers are about to be freed)."""
