@@ -7,6 +7,17 @@ before any chunk exists), the chunk map (bound: parameters become views of their
 chunks), placement (on CUDA or the emulated accelerator), the chunk manager, deferred values
 (``ds_patrickstar.Init``), optimizer states, Adam, the streaming export, the hook target and the
 hooks; finally every Adam kernel the run can use is built, so no step waits on a compiler.
+
+[Note: engine teardown]
+``engine.destroy()`` ends the run (:meth:`ChunkedModel.close`): every hook we put on the model goes,
+the disk tier's I/O threads stop and its files go, and the accelerator gives back every allocation
+still held and its pinned host buffers (see [Note: closing the accelerator]), all at once, even if
+the caller keeps the engine. The hooks must go: torch keeps a parameter's post-accumulate-grad hooks
+in its C++ autograd metadata, where the garbage collector does not look, so a hook's closure (the
+hook target, and through it the optimizer and the engine) stayed reachable from every parameter
+and the engine was never collected. The parameters are views of the chunks (see [Note: storage
+resize]): after ``destroy`` they hold no memory and the module cannot run; read its weights first
+(``engine.module.state_dict()``, ``engine.get_fp32_state_dict()`` or a checkpoint).
 """
 
 from __future__ import annotations
@@ -65,6 +76,13 @@ class ChunkedModel:
     export: ChunkExport
     flow: TrainingFlow
     hooks: HookRegistry
+
+    def close(self) -> None:
+        """The run is over (``engine.destroy()``): see [Note: engine teardown]. Closing again does nothing."""
+        self.hooks.remove()
+        if self.optim_states.disk is not None:
+            self.optim_states.disk.close()  # its I/O threads stop, its swap files go (see [Note: swap files])
+        self.accel.close()
 
 
 def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> list[list[tuple[str, torch.nn.Parameter]]]:

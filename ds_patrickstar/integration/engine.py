@@ -45,6 +45,23 @@ class PatrickStarEngine(DeepSpeedEngine):
     def zero_optimization(self) -> bool:
         return True
 
+    def destroy(self) -> None:
+        """End the engine: DeepSpeed's teardown, which has our optimizer remove every hook we put on the
+        model, stop the disk tier's I/O threads and give back all accelerator memory and pinned host
+        buffers at once, even if the engine object is kept (see [Note: engine teardown]); then the
+        forward hooks DeepSpeed's engine put on the module go, whose closures hold the engine: a
+        caller who keeps the model no longer keeps the engine. The module's parameters are views of
+        the chunks and hold no memory afterwards: read the weights before (``engine.module.state_dict()``,
+        :meth:`get_fp32_state_dict`, :meth:`save_checkpoint`). Calling it again does nothing."""
+        try:
+            super().destroy()
+        finally:
+            for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+                handle = getattr(self, name, None)
+                if handle is not None:
+                    handle.remove()
+                    setattr(self, name, None)
+
     def _configure_distributed_model(self, model) -> None:
         """Meta parameters (``ds_patrickstar.Init``) become storage-less parameters of the training dtype
         before DeepSpeed casts the module; see [Note: deferred init]."""

@@ -193,9 +193,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.manager.finish_step()
 
     def destroy(self) -> None:
-        """``engine.destroy()``: the disk tier's swap files are scratch and go now (see [Note: swap files])."""
-        if self.optim_states.disk is not None:
-            self.optim_states.disk.close()
+        """``engine.destroy()``: the run's hooks, threads, files and memory go (see [Note: engine teardown]);
+        the engine's callback registered with us goes too (a cycle the collector would otherwise break)."""
+        self.parts.close()
+        self.unregister_grad_acc_post_hooks()
 
     # ---- accounting -------------------------------------------------------------
     def end_step_counters(self) -> dict[str, int | float]:

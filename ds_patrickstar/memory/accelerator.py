@@ -10,6 +10,14 @@ it stays allocated, and charged to the ledger, until the copy has completed, whe
 host may run ahead of the copy stream), so the budget counts it; when room is needed and
 such frees are in flight, placement waits on the oldest copies first. The emulated
 accelerator completes its copies only when waited on, so the same code is exercised on CPU.
+
+[Note: closing the accelerator]
+Every backed allocation is recorded (by storage) until it is freed, so that when its run ends
+(``engine.destroy()``) :meth:`Accelerator.close` can give back everything still held, whichever
+part allocated it: the copies in flight are waited for, each allocation's storage goes to zero
+bytes (the ledger to zero) and the host pool unpins and empties its buffers. Memory goes back at
+the destroy, not when the last reference to a buffer dies: a caller may keep the engine, and a
+view of a chunk (a parameter, a tensor autograd saved) keeps its storage object alive.
 """
 
 from __future__ import annotations
@@ -52,13 +60,16 @@ class Accelerator:
     def __init__(self, budget: int) -> None:
         self.ledger = DeviceLedger(budget)
         self._deferred: list[tuple[Pending, torch.Tensor, int, str]] = []  # frees waiting on a copy
+        self._backed: dict[int, tuple[torch.Tensor, int, str]] = {}  # storage data_ptr -> (tensor, bytes, kind)
         self.host_pool = HostPool(self._pin_host, self._unpin_host, self.host_alignment)
 
     # ---- memory -------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
         """A charged accelerator tensor (release it with :meth:`free`)."""
         self.ledger.charge(numel * dtype.itemsize, kind, what)
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        tensor = torch.empty(numel, dtype=dtype, device=self.device)
+        self._record(tensor, kind)
+        return tensor
 
     def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
         """Give an unbacked tensor its memory (contents undefined until filled); a free of the same
@@ -72,6 +83,12 @@ class Accelerator:
                 break
         self.ledger.charge(_nbytes(tensor), kind, what)
         tensor.untyped_storage().resize_(_nbytes(tensor))
+        self._record(tensor, kind)
+
+    def _record(self, tensor: torch.Tensor, kind: str) -> None:
+        """A backed allocation: :meth:`close` frees it if nothing did before (see [Note: closing the accelerator])."""
+        if _nbytes(tensor):
+            self._backed[tensor.untyped_storage().data_ptr()] = (tensor, _nbytes(tensor), kind)
 
     def free(self, tensor: torch.Tensor, kind: str, after: Pending | None = None) -> None:
         """Release ``tensor``'s memory (its storage goes to zero bytes); with ``after``, once that
@@ -83,8 +100,24 @@ class Accelerator:
             self._deferred.append((after, tensor, _nbytes(tensor), kind))
 
     def _free_now(self, tensor: torch.Tensor, nbytes: int, kind: str) -> None:
+        self._backed.pop(tensor.untyped_storage().data_ptr(), None)
         tensor.untyped_storage().resize_(0)
         self.ledger.release(nbytes, kind)
+
+    def close(self) -> None:
+        """The run is over: every allocation still backed is freed, once the copies in flight have
+        completed, and the host pool lets go of its buffers (see [Note: closing the accelerator]).
+        The accelerator is not used after this; closing again does nothing."""
+        self._drain()
+        self._deferred = []
+        for tensor, nbytes, kind in list(self._backed.values()):
+            self._free_now(tensor, nbytes, kind)
+        self.host_pool.close(empty=True)
+
+    def _drain(self) -> None:
+        """Wait for every copy still in flight (their buffers are about to be freed)."""
+        for pending, *_ in self._deferred:
+            pending.wait_host()
 
     def reclaim(self, need_below: int | None = None) -> None:
         """Free the buffers whose copies have completed; with ``need_below``, also wait on the

@@ -62,6 +62,7 @@ def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: 
             f"hold {chunk.dtype}; put parameters of different dtypes in different param groups"
         )
     if has_values:
+        _check_backed(info)
         chunk_map.write_pieces(info, info.param.data.reshape(-1), lambda c: c.ready())
     if info.straddles:
         joined = store.accel.empty(info.numel, chunk.dtype, "chunk", f"{info.name} (joined)")
@@ -70,3 +71,18 @@ def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: 
         store.accel.free(joined, "chunk")
     else:
         info.param.data = chunk.view_of(info)
+
+
+def _check_backed(info: TensorInfo) -> None:
+    """A parameter whose storage does not hold its values: most likely the module of an engine that was
+    destroyed (its parameters were views of chunks that went, see [Note: engine teardown])."""
+    param = info.param
+    needed = (param.storage_offset() + param.numel()) * param.element_size()
+    held = param.untyped_storage().nbytes()
+    if held < needed:
+        raise ValueError(
+            f"parameter {info.name} holds no values ({held} of {needed} bytes): is the model one that an engine "
+            f"trained and engine.destroy() ended? Its parameters were views of that engine's chunks, and went "
+            f"with them. Build the model again for a new engine (with the weights read before destroy, e.g. "
+            f"engine.module.state_dict())."
+        )

@@ -63,6 +63,12 @@ class CudaAccelerator(Accelerator):
         stats = torch.cuda.memory_stats(device)
         self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
 
+    def _drain(self) -> None:
+        """Copies and collectives still queued on our streams complete before their buffers are freed."""
+        self.copy_stream.synchronize()
+        self.comm_stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+
     def _pin_host(self, address: int, nbytes: int) -> None:
         torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)))
 

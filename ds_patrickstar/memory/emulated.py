@@ -110,23 +110,22 @@ class EmulatedAccelerator(Accelerator):
         super().__init__(budget)
         self.device = torch.device("cpu")
         self._queue: deque[_EmulatedCopy] = deque()
-        self._device_storages: set[int] = set()  # data_ptr of every backed accelerator allocation
+        self._activation_storages: set[int] = set()  # data_ptr of the activation being copied, if any
         self._pinned: dict[int, int] = {}  # address -> bytes pinned by this accelerator's host pool
         self.torch_pinned = TorchPinnedModel()
 
     # ---- which memory a buffer is in ----------------------------------------------------
-    def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
-        tensor = super().empty(numel, dtype, kind, what)
-        self._device_storages.add(tensor.untyped_storage().data_ptr())
-        return tensor
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is accelerator memory: a backed allocation or an activation being copied."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return ptr in self._backed or ptr in self._activation_storages
 
-    def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
-        super().materialize(tensor, kind, what)
-        self._device_storages.add(tensor.untyped_storage().data_ptr())
-
-    def _free_now(self, tensor: torch.Tensor, nbytes: int, kind: str) -> None:
-        self._device_storages.discard(tensor.untyped_storage().data_ptr())
-        super()._free_now(tensor, nbytes, kind)
+    def _drain(self) -> None:
+        """The copies still queued are dropped, not run: every buffer they read or write is freed now
+        (running one whose source went would raise :class:`CopyHazard` on the way out)."""
+        for pending in self._queue:
+            pending.completed = True
+        self._queue.clear()
 
     def _pin_host(self, address: int, nbytes: int) -> None:
         if address in _PINNED:
@@ -145,7 +144,7 @@ class EmulatedAccelerator(Accelerator):
     # ---- copies ---------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
         for operand in (dst, src):
-            if operand.untyped_storage().data_ptr() not in self._device_storages and not self.host_pool.owns(operand):
+            if not self._on_device(operand) and not self.host_pool.owns(operand):
                 self.torch_pinned.see(operand)  # host memory the pool did not pin
         pending = _EmulatedCopy(self, dst, src)
         with torch.no_grad():
@@ -159,14 +158,11 @@ class EmulatedAccelerator(Accelerator):
     def _copy_activation(self, dst: torch.Tensor, src: torch.Tensor, on_device: torch.Tensor) -> Pending:
         """An activation is accelerator memory the ledger does not charge (the tracer's meter counts
         it): not a host buffer torch would have pinned."""
-        ptr = on_device.untyped_storage().data_ptr()
-        known = ptr in self._device_storages
-        self._device_storages.add(ptr)
+        self._activation_storages.add(on_device.untyped_storage().data_ptr())
         try:
             return self.copy(dst, src)
         finally:
-            if not known:
-                self._device_storages.discard(ptr)
+            self._activation_storages.clear()
 
     def complete_through(self, pending: _EmulatedCopy) -> None:
         """Complete every queued copy up to and including ``pending`` (stream order)."""

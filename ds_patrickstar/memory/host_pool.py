@@ -170,12 +170,17 @@ class HostPool:
         self.allocated -= buffer.nbytes
         self._storages.discard(buffer.raw.untyped_storage().data_ptr())
 
-    def close(self) -> None:
-        """Unpin and let go of every buffer (in use or not): the pool's owner is going away."""
+    def close(self, empty: bool = False) -> None:
+        """Unpin and let go of every buffer (in use or not): the pool's owner is going away. With
+        ``empty`` (the run is over, nothing may use them: see [Note: closing the accelerator] in
+        accelerator.py) their storages go to zero bytes too, so the memory goes back though a tensor
+        of a buffer may live on; without, such a tensor keeps its memory until it dies."""
         held = [*self._in_use.values(), *(b for _, b in self._deferred), *self._free_order]
         self._in_use, self._deferred, self._free, self._free_order = {}, [], {}, []
         for buffer in held:
             self._drop(buffer)
+            if empty:
+                buffer.raw.untyped_storage().resize_(0)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the accelerator may be gone already

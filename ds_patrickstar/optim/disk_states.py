@@ -227,8 +227,10 @@ class DiskStates:
         )
 
     def close(self) -> None:
+        """The I/O stops, the files go, and so do the buffers (freed once nothing else views them)."""
         self.cancel_read_ahead()
         self._handles.close()
+        self._slots, self._cache = [], _Slot(torch.empty(0, dtype=torch.uint8))
 
 
 class _Handles:

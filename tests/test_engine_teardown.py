@@ -1,0 +1,123 @@
+"""``engine.destroy()`` ends an engine: its memory goes back at once, and once the caller lets go of
+it the engine is garbage (several engines in one process: sweeps, tests, HF hyper-parameter search).
+
+Each case trains two steps of the checkpointed TinyGPT of tests/test_activation_offload.py on the
+plain host, on the strict emulated accelerator, with activation offload on it, and with the disk tier
+of the optimizer states on it.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+EMULATED = {"emulate_accelerator": True, "device_budget": 10**6}
+ZERO = {
+    "host": {},
+    "emulated": EMULATED,
+    "offload": {**EMULATED, "offload_activations": "all"},
+    "disk": EMULATED,  # and the disk tier, in the test's tmp_path
+}
+
+
+def _disk_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ds_ps_")]
+
+
+def _trained_engine(kind: str, tmp_path, world_size: int = 1):
+    """(engine, the user's model, the batch) after two training steps (after the first, traced, one
+    placement brings chunks and optimizer states to the accelerator)."""
+    import deepspeed
+    from harness import make_config
+    from test_activation_offload import build_checkpointed
+
+    import ds_patrickstar  # noqa: F401
+
+    from test_disk_tier import disk_zero
+
+    model, batch = build_checkpointed(0)
+    zero = {**ZERO[kind], **(disk_zero(tmp_path, io_backend="threads") if kind == "disk" else {})}
+    config = make_config("patrickstar", chunk_size=2048, extra_zero=zero)
+    if world_size > 1:
+        config.pop("train_batch_size")
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    inputs = batch(0)
+    for _ in range(2):
+        engine.backward(engine(*inputs))
+        engine.step()
+    return engine, model, inputs
+
+
+@pytest.mark.parametrize("kind", list(ZERO))
+def test_destroyed_engine_is_garbage(dist, kind, tmp_path):
+    """After destroy, with no reference left to the engine, the engine, its optimizer and a chunk
+    payload are collected, though the caller keeps the model and the batch (before: a
+    post-accumulate-grad hook on every parameter, which torch holds where gc does not look, kept
+    the whole engine alive; and DeepSpeed's forward hooks on the module held it through the model).
+    The disk tier's I/O threads have stopped and its files are gone."""
+    engine, model, inputs = _trained_engine(kind, tmp_path)
+    if kind == "disk":
+        assert engine.get_patrickstar_counters()["model_bytes_disk"] > 0 and _disk_threads()
+    refs = {
+        "engine": weakref.ref(engine),
+        "optimizer": weakref.ref(engine.optimizer),
+        "chunk payload": weakref.ref(engine.optimizer.chunk_map.chunks[0].payload),
+    }
+    engine.destroy()
+    del engine
+    gc.collect()
+    assert [name for name, ref in refs.items() if ref() is not None] == []
+    assert model is not None and inputs is not None  # kept to the end
+    assert _disk_threads() == [] and [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize("kind", ["emulated", "offload", "disk"])
+def test_destroy_returns_memory_of_a_kept_engine(dist, kind, tmp_path):
+    """Destroy gives back every accelerator byte (chunks, optimizer states) and every pinned host
+    buffer at once, even while the caller still holds the engine (before: all of it stayed charged);
+    destroying twice is harmless."""
+    from ds_patrickstar.memory.emulated import _PINNED
+
+    engine, _, _ = _trained_engine(kind, tmp_path)
+    accel, disk = engine.optimizer.accel, engine.optimizer.optim_states.disk
+    assert accel.host_pool.allocated > 0 and (disk.buffer_bytes if disk else accel.ledger.total) > 0  # to give back
+    engine.destroy()
+    assert accel.ledger.total == 0, accel.ledger.by_kind
+    assert accel.host_pool.allocated == 0 and accel.host_bytes_allocated() == accel.torch_pinned.allocated
+    assert not set(accel._pinned) & set(_PINNED)
+    assert disk is None or disk.buffer_bytes == 0
+    engine.destroy()
+    assert accel.ledger.total == 0
+
+
+def test_a_new_engine_from_a_destroyed_engines_model_says_why_it_cannot(dist, tmp_path):
+    """The model's parameters were views of the destroyed engine's chunks: a new engine from it is
+    refused with a message naming the cause, not torch's "setStorage ... out of bounds"."""
+    import deepspeed
+
+    engine, model, _ = _trained_engine("host", tmp_path)
+    config = engine.config
+    engine.destroy()
+    with pytest.raises(ValueError, match=r"holds no values .*engine\.destroy\(\).*Build the model again"):
+        deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+
+def _teardown_on_ranks(rank, world_size):
+    """(ledger total, pinned bytes of the pool, engine collected) after destroy on each rank."""
+    engine, _, _ = _trained_engine("emulated", None, world_size)
+    accel, ref = engine.optimizer.accel, weakref.ref(engine)
+    assert accel.ledger.total > 0
+    engine.destroy()
+    del engine
+    gc.collect()
+    return accel.ledger.total, accel.host_pool.allocated, ref() is None
+
+
+def test_destroy_on_two_ranks():
+    """With data parallelism too (gathered groups' flat storages, the landing slots): every rank gives
+    back all it held, and its engine is garbage."""
+    from multiproc import run_ranks
+
+    assert run_ranks(_teardown_on_ranks, 2) == [(0, 0, True)] * 2
