@@ -12,6 +12,7 @@ import threading
 import weakref
 
 import pytest
+import torch
 
 EMULATED = {"emulate_accelerator": True, "device_budget": 10**6}
 ZERO = {
@@ -32,10 +33,9 @@ def _trained_engine(kind: str, tmp_path, world_size: int = 1):
     import deepspeed
     from harness import make_config
     from test_activation_offload import build_checkpointed
+    from test_disk_tier import disk_zero
 
     import ds_patrickstar  # noqa: F401
-
-    from test_disk_tier import disk_zero
 
     model, batch = build_checkpointed(0)
     zero = {**ZERO[kind], **(disk_zero(tmp_path, io_backend="threads") if kind == "disk" else {})}
@@ -92,32 +92,80 @@ def test_destroy_returns_memory_of_a_kept_engine(dist, kind, tmp_path):
     assert accel.ledger.total == 0
 
 
-def test_a_new_engine_from_a_destroyed_engines_model_says_why_it_cannot(dist, tmp_path):
-    """The model's parameters were views of the destroyed engine's chunks: a new engine from it is
-    refused with a message naming the cause, not torch's "setStorage ... out of bounds"."""
+def _weights(model) -> dict:
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["host", "offload"])
+def test_a_destroyed_engines_model_keeps_its_weights_and_trains_on(dist, kind, tmp_path):
+    """Destroy gives every parameter its trained values back as a host tensor of its own (before: the
+    parameters stayed views of the freed chunks, and reading one crashed the process): the model
+    equals its state_dict taken before destroy, exactly, and a new engine from it trains on (the Hugging
+    Face Trainer's second ``train()``), its first loss that of the model's own forward."""
+    import deepspeed
+
+    engine, model, inputs = _trained_engine(kind, tmp_path)
+    before, config = _weights(engine.module), engine.config
+    engine.destroy()
+    after = _weights(model)
+    assert before.keys() == after.keys()
+    assert [name for name in before if not torch.equal(before[name], after[name])] == []
+    with torch.no_grad():
+        expected = model(*inputs).item()
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    loss = engine(*inputs)
+    engine.backward(loss)
+    engine.step()
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    engine.destroy()
+
+
+def test_destroy_between_backward_and_step_keeps_the_weights(dist, tmp_path):
+    """Between backward and step the slots hold gradients: the weights come from the fp32 masters."""
+    engine, model, inputs = _trained_engine("host", tmp_path)
+    before = _weights(engine.module)
+    engine.backward(engine(*inputs))
+    engine.destroy()
+    after = _weights(model)
+    assert [name for name in before if not torch.equal(before[name], after[name])] == []
+
+
+def test_destroy_that_cannot_read_the_weights_back_leaves_empty_parameters(dist, tmp_path, monkeypatch, caplog):
+    """Where the values cannot be read back, destroy still frees everything, warns, and leaves each
+    parameter empty (never a view of freed memory); a new engine from that model says why it cannot."""
     import deepspeed
 
     engine, model, _ = _trained_engine("host", tmp_path)
     config = engine.config
+
+    def broken(**_):
+        raise RuntimeError("read failed")
+
+    monkeypatch.setattr(engine.optimizer.export, "iter_host_values", broken)
     engine.destroy()
-    with pytest.raises(ValueError, match=r"holds no values .*engine\.destroy\(\).*Build the model again"):
+    assert "could not read the weights back" in caplog.text
+    assert {p.numel() for p in model.parameters()} == {0}
+    with pytest.raises(ValueError, match=r"holds no values: its engine.s destroy\(\) warned"):
         deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
 
 
 def _teardown_on_ranks(rank, world_size):
-    """(ledger total, pinned bytes of the pool, engine collected) after destroy on each rank."""
-    engine, _, _ = _trained_engine("emulated", None, world_size)
+    """(ledger total, pinned bytes of the pool, engine collected, model kept its weights) after destroy
+    on each rank."""
+    engine, model, _ = _trained_engine("emulated", None, world_size)
     accel, ref = engine.optimizer.accel, weakref.ref(engine)
     assert accel.ledger.total > 0
+    before = _weights(engine.module)  # a collective: every rank gets every weight
     engine.destroy()
     del engine
     gc.collect()
-    return accel.ledger.total, accel.host_pool.allocated, ref() is None
+    kept = all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+    return accel.ledger.total, accel.host_pool.allocated, ref() is None, kept
 
 
 def test_destroy_on_two_ranks():
     """With data parallelism too (gathered groups' flat storages, the landing slots): every rank gives
-    back all it held, and its engine is garbage."""
+    back all it held, its engine is garbage, and its model holds every weight (gathered at destroy)."""
     from multiproc import run_ranks
 
-    assert run_ranks(_teardown_on_ranks, 2) == [(0, 0, True)] * 2
+    assert run_ranks(_teardown_on_ranks, 2) == [(0, 0, True, True)] * 2

@@ -16,8 +16,14 @@ the caller keeps the engine. The hooks must go: torch keeps a parameter's post-a
 in its C++ autograd metadata, where the garbage collector does not look, so a hook's closure (the
 hook target, and through it the optimizer and the engine) stayed reachable from every parameter
 and the engine was never collected. The parameters are views of the chunks (see [Note: storage
-resize]): after ``destroy`` they hold no memory and the module cannot run; read its weights first
-(``engine.module.state_dict()``, ``engine.get_fp32_state_dict()`` or a checkpoint).
+resize]), which go: before they do, every parameter gets its values back as a host tensor of its own
+(streamed one chunk group at a time as ``state_dict()`` does, so with data parallelism ``destroy`` is a
+collective: call it on every rank, as DeepSpeed's users do). The module stays a plain model with the
+trained weights, on the host: it can be read, saved, evaluated or given to a new engine (as the Hugging
+Face Trainer does when ``train()`` runs again; a destroyed stock ZeRO-3 engine leaves its partitions
+behind instead). Between backward and step the slots hold gradients, so the fp32 masters give the
+values then. Where the values cannot be read back (an error in the middle of a step), each parameter
+is left empty (0 elements, with a warning), never a view of freed memory.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch.distributed import ProcessGroup
 
 from ..chunks.chunk_map import ChunkMap, owner_of
 from ..chunks.layout import ChunkSpec, plan_chunks
+from ..chunks.state import TensorState
 from ..counters import StepCounters
 from ..dist.comm import ChunkComm
 from ..dist.manager import ChunkManager
@@ -59,6 +66,8 @@ from .host_share import default_keep_gathered
 
 logger = logging.getLogger(__name__)
 
+_VALUES_LOST = "_ds_patrickstar_values_lost"  # a parameter a destroy left empty (see [Note: engine teardown])
+
 
 @dataclass
 class ChunkedModel:
@@ -76,13 +85,38 @@ class ChunkedModel:
     export: ChunkExport
     flow: TrainingFlow
     hooks: HookRegistry
+    closed: bool = False
 
     def close(self) -> None:
         """The run is over (``engine.destroy()``): see [Note: engine teardown]. Closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self._unbind_parameters()
         self.hooks.remove()
         if self.optim_states.disk is not None:
             self.optim_states.disk.close()  # its I/O threads stop, its swap files go (see [Note: swap files])
         self.accel.close()
+
+    @torch.no_grad()
+    def _unbind_parameters(self) -> None:
+        """Every chunk parameter gets its values as a host tensor of its own (see [Note: engine teardown])."""
+        infos = self.chunk_map.infos()
+        from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
+        try:
+            for info, value in self.export.iter_host_values(fp32_masters=from_masters):
+                info.param.data = value.to(info.param.dtype)
+        except Exception:
+            logger.warning(
+                "ds_patrickstar: engine.destroy() could not read the weights back from the chunks; the module's "
+                "parameters are left empty (load a checkpoint into a new model to go on)",
+                exc_info=True,
+            )
+            for info in infos:
+                info.param.data = torch.empty(0, dtype=info.param.dtype)
+                setattr(info.param, _VALUES_LOST, True)
+        for info in infos:
+            info.param.grad = None
 
 
 def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> list[list[tuple[str, torch.nn.Parameter]]]:
@@ -94,6 +128,12 @@ def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> lis
     for index, group in enumerate(param_groups):
         named = []
         for param in group["params"]:
+            if getattr(param, _VALUES_LOST, False):
+                raise ValueError(
+                    f"parameter {names.get(param, '?')} holds no values: its engine's destroy() warned that it "
+                    f"could not read the weights back. Build the model again for a new engine and load the "
+                    f"weights from a checkpoint."
+                )
             if param not in names:
                 raise ValueError(
                     f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "

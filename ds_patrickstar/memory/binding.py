@@ -74,15 +74,13 @@ def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: 
 
 
 def _check_backed(info: TensorInfo) -> None:
-    """A parameter whose storage does not hold its values: most likely the module of an engine that was
-    destroyed (its parameters were views of chunks that went, see [Note: engine teardown])."""
+    """A parameter whose storage does not hold its values (resized away by something else): a clear
+    error instead of torch's "setStorage ... out of bounds"."""
     param = info.param
     needed = (param.storage_offset() + param.numel()) * param.element_size()
     held = param.untyped_storage().nbytes()
     if held < needed:
         raise ValueError(
-            f"parameter {info.name} holds no values ({held} of {needed} bytes): is the model one that an engine "
-            f"trained and engine.destroy() ended? Its parameters were views of that engine's chunks, and went "
-            f"with them. Build the model again for a new engine (with the weights read before destroy, e.g. "
-            f"engine.module.state_dict())."
+            f"parameter {info.name} holds no values ({held} of {needed} bytes): its storage was resized or "
+            f"freed; build the model again for a new engine."
         )
