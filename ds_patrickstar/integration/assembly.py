@@ -237,7 +237,7 @@ def make_placement(
     model_storages = chunk_map.model_storages()
     meter = None
     if isinstance(accel, EmulatedAccelerator):
-        meter = SavedTensorMeter(lambda s: s._cdata in model_storages)
+        meter = SavedTensorMeter(lambda s: s._cdata in model_storages, accel.activation_memory)
     owned = {c.chunk_id for c in chunk_map.owned_chunks()}
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     runtime = PlacementRuntime(

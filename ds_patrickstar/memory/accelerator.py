@@ -197,6 +197,10 @@ class Accelerator:
         no allocator; see [Note: stranded allocator bytes] in cuda.py)."""
         return 0
 
+    def release_cached(self) -> None:
+        """Give the allocator's segments with no block in use back to the device (nothing where there is
+        no allocator), so that the activations made next lay out segments of their own."""
+
 
 class HostAccelerator(Accelerator):
     """No accelerator (a plain CPU run without placement): host memory, synchronous copies."""

@@ -23,6 +23,16 @@
   pinned: its block rounded up to the next power of two, and cached once the buffer dies
   for a later buffer of that block size (never returned). :meth:`host_bytes_allocated`
   is their sum, what a GPU run would hold on the host (see [Note: pinned host memory]).
+* **Activations leave pieces in the caching allocator.** The activations the tracer's meter counts
+  (not charged to the ledger) are blocks of :attr:`EmulatedAccelerator.activation_memory`, a model of
+  the CUDA caching allocator (see [Note: caching allocator model]); :meth:`fragmentation` is the
+  free pieces stranded in its partly used segments, as CUDA's ``inactive_split_bytes``, so
+  placement's rule for them (see [Note: stranded allocator bytes]) runs here. Where placement
+  checks the budget (at every moment, and every ledger charge) it compares the memory a GPU would
+  hold reserved: model data, the activations and the stranded pieces. Between moments a request
+  that fits no piece takes a new segment beside them, so reserved memory may pass the budget by at
+  most the pieces: on a GPU the 1 GiB the default budget leaves out covers that; the twin, with no
+  device beyond its budget, checks at moments only, as it does the tide.
 
 The CUDA counterpart is :mod:`~ds_patrickstar.memory.cuda`.
 """
@@ -35,6 +45,7 @@ from collections import Counter, deque
 import torch
 
 from .accelerator import Accelerator, Pending
+from .caching_allocator import TWIN_GEOMETRY, CachingAllocatorModel
 
 
 class CopyHazard(RuntimeError):
@@ -113,6 +124,7 @@ class EmulatedAccelerator(Accelerator):
         self._activation_storages: set[int] = set()  # data_ptr of the activation being copied, if any
         self._pinned: dict[int, int] = {}  # address -> bytes pinned by this accelerator's host pool
         self.torch_pinned = TorchPinnedModel()
+        self.activation_memory = CachingAllocatorModel(TWIN_GEOMETRY)  # fed by the tracer's meter
 
     # ---- which memory a buffer is in ----------------------------------------------------
     def _on_device(self, tensor: torch.Tensor) -> bool:
@@ -140,6 +152,13 @@ class EmulatedAccelerator(Accelerator):
     def host_bytes_allocated(self) -> int:
         """Pinned host bytes a GPU run would hold: the pool's buffers plus torch's blocks."""
         return sum(self._pinned.values()) + self.torch_pinned.allocated
+
+    def fragmentation(self) -> int:
+        """The free pieces of the activations' partly used segments (see [Note: caching allocator model])."""
+        return self.activation_memory.stranded
+
+    def release_cached(self) -> None:
+        self.activation_memory.release_free()
 
     # ---- copies ---------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:

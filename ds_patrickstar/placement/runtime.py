@@ -100,12 +100,16 @@ class PlacementRuntime:
             self.placer.left(chunk.chunk_id)
 
     def _headroom(self, trace: Trace | None, moment: int) -> int:
-        """Bytes model data may take at ``moment``: see [Note: stranded allocator bytes]."""
-        return self.placer.headroom(trace, moment, self._non_model() + self.store.accel.fragmentation())
+        """Bytes model data may take at ``moment``: the budget less the higher of the tide ahead and the
+        memory reserved now (the tide now and the stranded pieces): see [Note: stranded allocator bytes]."""
+        self._non_model()
+        return self.placer.headroom(trace, moment, self.ledger.non_model)
 
     def _non_model(self) -> int:
+        """The tide now; the ledger's charges must fit beside it and the allocator's stranded pieces
+        (reserved memory in use now, see [Note: stranded allocator bytes])."""
         non_model = self.tracer.non_model_now(self.ledger)
-        self.ledger.non_model = non_model
+        self.ledger.non_model = non_model + self.store.accel.fragmentation()
         return non_model
 
     # ---- moments ------------------------------------------------------------------
@@ -165,10 +169,11 @@ class PlacementRuntime:
         """Check the budget (the tide may have risen), record peaks, prefetch the next moment."""
         self.make_room(0, in_use)
         model, non_model = self.ledger.total, self._non_model()
-        if model + non_model > self.placer.budget:
+        if model + self.ledger.non_model > self.placer.budget:
             raise DeviceBudgetExceeded(
-                f"model data {model:,} B + non-model {non_model:,} B exceed the accelerator "
-                f"budget of {self.placer.budget:,} B at moment {self.moment}"
+                f"model data {model:,} B + non-model {non_model:,} B + stranded allocator pieces "
+                f"{self.ledger.non_model - non_model:,} B exceed the accelerator budget of "
+                f"{self.placer.budget:,} B at moment {self.moment}"
             )
         if self.recording:
             offloaded = self.activations.host_bytes if self.activations is not None else 0

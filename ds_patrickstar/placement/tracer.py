@@ -50,12 +50,13 @@ from __future__ import annotations
 import bisect
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..memory.accelerator import Accelerator
+from ..memory.caching_allocator import CachingAllocatorModel
 from ..memory.ledger import DeviceLedger
 
 logger = logging.getLogger(__name__)
@@ -160,11 +161,16 @@ class SavedTensorMeter:
 
     Installed as saved-tensor hooks around the forward; a storage is counted once while any
     saved tensor referring to it is alive, or, for a block's input (:meth:`hold`), while the
-    storage itself is (see [Note: held inputs]).
+    storage itself is (see [Note: held inputs]). Each counted storage, and each one counted
+    elsewhere (:meth:`allocated`), is a block of ``allocator``, the emulated accelerator's model of
+    the caching allocator (see [Note: caching allocator model] in memory/caching_allocator.py).
     """
 
-    def __init__(self, is_model_storage: Callable[[torch.UntypedStorage], bool]) -> None:
+    def __init__(
+        self, is_model_storage: Callable[[torch.UntypedStorage], bool], allocator: CachingAllocatorModel | None = None
+    ) -> None:
         self._is_model = is_model_storage
+        self._allocator = allocator
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, refs]
         self._held: set[int] = set()  # storage ptrs held as a block's input
         self.bytes = 0
@@ -176,9 +182,17 @@ class SavedTensorMeter:
         """Whether a live saved tensor of this meter refers to ``storage``."""
         return storage.data_ptr() in self._live
 
-    def add(self, nbytes: int) -> None:
-        """Saved bytes counted elsewhere (activation offload) came to (or left) the accelerator."""
+    def allocated(self, key: Hashable, nbytes: int) -> None:
+        """Saved bytes counted elsewhere (activation offload, under ``key``) came to the accelerator."""
         self.bytes += nbytes
+        if self._allocator is not None:
+            self._allocator.malloc(key, nbytes)
+
+    def freed(self, key: Hashable, nbytes: int) -> None:
+        """The bytes of :meth:`allocated` under ``key`` left the accelerator."""
+        self.bytes -= nbytes
+        if self._allocator is not None:
+            self._allocator.free(key)
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)
@@ -186,14 +200,14 @@ class SavedTensorMeter:
             return
         entry[1] -= 1
         if entry[1] == 0:
-            self.bytes -= entry[0]
             del self._live[key]
+            self.freed(key, entry[0])
 
     def _count(self, storage: torch.UntypedStorage) -> int:
         key = storage.data_ptr()
         entry = self._live.setdefault(key, [storage.nbytes(), 0])
         if entry[1] == 0:
-            self.bytes += entry[0]
+            self.allocated(key, entry[0])
         entry[1] += 1
         return key
 
