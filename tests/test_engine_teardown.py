@@ -143,7 +143,7 @@ def test_destroy_that_cannot_read_the_weights_back_leaves_empty_parameters(dist,
 
     monkeypatch.setattr(engine.optimizer.export, "iter_host_values", broken)
     engine.destroy()
-    assert "could not read the weights back" in caplog.text
+    assert "did not read the weights back" in caplog.text
     assert {p.numel() for p in model.parameters()} == {0}
     with pytest.raises(ValueError, match=r"holds no values: its engine.s destroy\(\) warned"):
         deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())

@@ -84,6 +84,8 @@ class ChunkManager:
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
         self.training_forward = False  # a training forward of the root module is running (set by the hooks)
+        self.iteration_open = False  # a training moment came and its backward has not ended (a destroy then
+        # must not gather: see [Note: engine teardown])
 
     def _training(self) -> bool:
         return self.comm.world_size > 1 and self._in_iteration()
@@ -100,6 +102,7 @@ class ChunkManager:
         ``COMPUTE``, and (with placement) check the budget and prefetch the next moment."""
         ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
         in_iteration = self._in_iteration()
+        self.iteration_open |= in_iteration
         if in_iteration and label.startswith(RECOMPUTE):  # see [Note: recomputation in the trace]
             self.comm.counters.recompute_moments += 1
         if self.placement is not None:
@@ -188,6 +191,7 @@ class ChunkManager:
         self._backward_users.clear()
         self._forward_users.clear()
         self.grads.end_backward(boundary)
+        self.iteration_open = False
 
     def grads_ready(self) -> bool:
         return self.grads.grads_ready()

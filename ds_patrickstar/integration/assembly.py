@@ -22,8 +22,14 @@ collective: call it on every rank, as DeepSpeed's users do). The module stays a 
 trained weights, on the host: it can be read, saved, evaluated or given to a new engine (as the Hugging
 Face Trainer does when ``train()`` runs again; a destroyed stock ZeRO-3 engine leaves its partitions
 behind instead). Between backward and step the slots hold gradients, so the fp32 masters give the
-values then. Where the values cannot be read back (an error in the middle of a step), each parameter
-is left empty (0 elements, with a warning), never a view of freed memory.
+values then. Where the values cannot be read back, each parameter is left empty (0 elements, with a
+warning; a new engine refuses it by name), never a view of freed memory: where reading fails, and,
+with data parallelism, where the engine is destroyed inside an iteration (a training moment came
+and its backward did not end: a rank that failed mid-step and destroys its engine on the way out
+must not start a gather the other ranks never join; it would hang instead of reporting its error).
+Such an interrupted engine also keeps its accelerator memory until it is collected: a collective in
+flight may still read or write its buffers (gloo's threads, NCCL's stream), and waiting for it could
+hang as well.
 """
 
 from __future__ import annotations
@@ -92,25 +98,33 @@ class ChunkedModel:
         if self.closed:
             return
         self.closed = True
-        self._unbind_parameters()
+        interrupted = self.comm.world_size > 1 and self.manager.iteration_open
+        self._unbind_parameters(interrupted)
         self.hooks.remove()
         if self.optim_states.disk is not None:
             self.optim_states.disk.close()  # its I/O threads stop, its swap files go (see [Note: swap files])
-        self.accel.close()
+        if not interrupted:  # else collectives in flight may still use its buffers: they go with the engine
+            self.accel.close()
 
     @torch.no_grad()
-    def _unbind_parameters(self) -> None:
+    def _unbind_parameters(self, interrupted: bool) -> None:
         """Every chunk parameter gets its values as a host tensor of its own (see [Note: engine teardown])."""
         infos = self.chunk_map.infos()
         from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
-        try:
-            for info, value in self.export.iter_host_values(fp32_masters=from_masters):
-                info.param.data = value.to(info.param.dtype)
-        except Exception:
+        why = None
+        if interrupted:
+            why = "destroyed inside an iteration (after an error?), a gather could wait for ranks that never come"
+        else:
+            try:
+                for info, value in self.export.iter_host_values(fp32_masters=from_masters):
+                    info.param.data = value.to(info.param.dtype)
+            except Exception as err:
+                why = f"reading them failed: {err!r}"
+        if why is not None:
             logger.warning(
-                "ds_patrickstar: engine.destroy() could not read the weights back from the chunks; the module's "
+                "ds_patrickstar: engine.destroy() did not read the weights back from the chunks: %s; the module's "
                 "parameters are left empty (load a checkpoint into a new model to go on)",
-                exc_info=True,
+                why,
             )
             for info in infos:
                 info.param.data = torch.empty(0, dtype=info.param.dtype)
@@ -131,7 +145,7 @@ def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> lis
             if getattr(param, _VALUES_LOST, False):
                 raise ValueError(
                     f"parameter {names.get(param, '?')} holds no values: its engine's destroy() warned that it "
-                    f"could not read the weights back. Build the model again for a new engine and load the "
+                    f"did not read the weights back. Build the model again for a new engine and load the "
                     f"weights from a checkpoint."
                 )
             if param not in names:
