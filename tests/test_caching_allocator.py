@@ -140,3 +140,11 @@ def test_auto_offload_fits_with_the_pieces_it_strands(dist):
     stranded, moved = _stranded_at_backward("auto", 490_000)
     assert all(s > 0 for s in stranded), stranded
     assert 0 < moved[1] < moved[0], moved
+
+
+def test_auto_keeps_room_for_the_pieces_its_offload_strands(dist):
+    """[Note: auto activation offload]: at 540 kB the plan without a margin offloaded too little (the
+    planned iteration stranded 81,920 B beside a planned tide of 450,560 B and placement failed, where
+    520 and 560 kB trained); with the traced iteration's most stranded bytes kept free it trains."""
+    stranded, moved = _stranded_at_backward("auto", 540_000)
+    assert 0 < moved[1] < moved[0], moved

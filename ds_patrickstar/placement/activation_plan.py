@@ -34,6 +34,15 @@ headroom, prefetch) and the optimizer-state plan at the next step see the tide t
 planning at the traced step, before the ranks agree from the same trace which groups may stay
 gathered or be gathered ahead (see [Note: agreed gather plan]), lets that agreement see it too:
 agreed from the traced tide, it kept and prefetched groups for which the planned tide leaves no room.
+
+Offloading strands allocator pieces: an activation copied out leaves a free piece in its segment
+that only a request fitting it reuses, and placement counts the pieces stranded now beside the tide
+now (see [Note: stranded allocator bytes] in memory/cuda.py), which the traced tide does not hold.
+So where the plan offloads anything, it is made again with the room less the most bytes the traced
+iteration (which offloaded every block) stranded at a moment. Without that margin, on the emulated
+accelerator's model of the caching allocator, "auto" trained a test model at 520 and 560 kB but not
+at 540 kB: the planned iteration stranded 81,920 B beside a planned tide of 450,560 B. Where
+checkpointing alone fits the plan offloads nothing and keeps no margin.
 """
 
 from __future__ import annotations

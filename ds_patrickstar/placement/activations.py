@@ -103,14 +103,19 @@ class ActivationOffloader:
             self.chosen = None
         self._records = []
 
-    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]]) -> None:
+    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]], stranded: int = 0) -> None:
         """With "auto", at the step of the iteration that made ``trace``: which blocks to offload
-        from now on, from this iteration's records; ``trace``'s tide becomes the planned one."""
+        from now on, from this iteration's records; ``trace``'s tide becomes the planned one.
+        ``stranded``: the most allocator bytes that iteration stranded at a moment, room an offload
+        keeps for the pieces it strands (see [Note: auto activation offload])."""
         if self.mode != "auto" or trace is self._planned:
             return
         tide = [m.non_model for m in trace.moments]
         need = chunk_needs(trace)
-        self.chosen, planned = plan_offload(tide, need, budget, [s.record() for s in self._records])
+        records = [s.record() for s in self._records]
+        self.chosen, planned = plan_offload(tide, need, budget, records)
+        if self.chosen and stranded:
+            self.chosen, planned = plan_offload(tide, need, budget - stranded, records)
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
         self._planned = trace

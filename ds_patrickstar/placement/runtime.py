@@ -68,6 +68,7 @@ class PlacementRuntime:
         self.recording = False
         # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
         self.tide: list[tuple[int, int, int, int]] = []
+        self.stranded_peak = 0  # the most stranded allocator bytes at a moment this iteration
         self.activations: ActivationOffloader | None = None  # see [Note: activation offload]
         self._step_since_forward = True  # the next training forward starts an iteration
 
@@ -109,7 +110,10 @@ class PlacementRuntime:
         """The tide now; the ledger's charges must fit beside it and the allocator's stranded pieces
         (reserved memory in use now, see [Note: stranded allocator bytes])."""
         non_model = self.tracer.non_model_now(self.ledger)
-        self.ledger.non_model = non_model + self.store.accel.fragmentation()
+        stranded = self.store.accel.fragmentation()
+        self.ledger.non_model = non_model + stranded
+        if self.recording:
+            self.stranded_peak = max(self.stranded_peak, stranded)
         return non_model
 
     # ---- moments ------------------------------------------------------------------
@@ -123,6 +127,7 @@ class PlacementRuntime:
             self.label = label
             if self.moment == 0:
                 self.tide = []
+                self.stranded_peak = 0
         new_iteration = self.recording and self.moment == 0
         self.placer.touch(chunk_ids, self.tracer.current_trace(), self.moment, new_iteration)
 
@@ -273,7 +278,7 @@ class PlacementRuntime:
         traced = self.tracer.last_iteration() if self.tracer.tracing else None
         if self.activations is not None and traced is not None:
             # before the gather plan is agreed from this trace (see [Note: auto activation offload])
-            self.activations.plan(traced, self.movable_room(), self._chunk_needs)
+            self.activations.plan(traced, self.movable_room(), self._chunk_needs, self.stranded_peak)
 
     def end_step(self) -> None:
         self.note_peaks(self.tracer.non_model_now(self.ledger))
