@@ -50,9 +50,9 @@ class PatrickStarEngine(DeepSpeedEngine):
         model, stop the disk tier's I/O threads and give back all accelerator memory and pinned host
         buffers at once, even if the engine object is kept (see [Note: engine teardown]); then the
         forward hooks DeepSpeed's engine put on the module go, whose closures hold the engine: a
-        caller who keeps the model no longer keeps the engine. The module's parameters are views of
-        the chunks and hold no memory afterwards: read the weights before (``engine.module.state_dict()``,
-        :meth:`get_fp32_state_dict`, :meth:`save_checkpoint`). Calling it again does nothing."""
+        caller who keeps the model no longer keeps the engine. Before the chunks go, the module's
+        parameters get their trained values back as host tensors of their own (with data parallelism a
+        gather: call it on every rank), so the model stays usable. Calling it again does nothing."""
         try:
             super().destroy()
         finally:
