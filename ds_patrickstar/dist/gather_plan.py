@@ -15,8 +15,9 @@ checksum of their labels. A kept group stays to the end of the iteration, so the
 at a moment is the least that any later moment leaves beside its own tide and the groups it
 holds (each counted as the largest; a recomputed module's from its recomputation to its
 backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`). (Subtracting the
-highest tide and, apart, the most groups a later moment uses left less room than needed where the
-two are at different moments, and, counting a moment's own chunks, too much during recomputation.) During the next iteration a decision compares that room with the
+highest tide and, apart, the most groups a later moment uses left less room than there was where
+the two are at different moments; counting only a moment's own chunks left too much during a
+recomputation.) During the next iteration a decision compares that room with the
 bytes of the groups gathered then (their whole groups, owned chunks included), a figure every
 rank has alike, so the decisions agree with no collective. A rank's own chunks of groups not
 gathered can always go to the host, so they do not count. Moments are counted the same way on

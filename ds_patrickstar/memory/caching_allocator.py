@@ -40,7 +40,7 @@ import bisect
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-__all__ = ["AllocatorGeometry", "CachingAllocatorModel", "CUDA_GEOMETRY", "TWIN_GEOMETRY"]
+__all__ = ["AllocatorGeometry", "CachingAllocatorModel", "TWIN_GEOMETRY"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,6 @@ class AllocatorGeometry:
     small_segment: int
 
 
-CUDA_GEOMETRY = AllocatorGeometry(round=512, small_limit=1 << 20, small_segment=2 << 20)
 TWIN_GEOMETRY = AllocatorGeometry(round=512, small_limit=1 << 10, small_segment=2 << 10)
 
 
