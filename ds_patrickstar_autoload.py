@@ -8,7 +8,9 @@ top-level ``deepspeed``; for that one it lets the other finders find it and wrap
 so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar`` is imported, which
 wraps ``deepspeed.initialize`` (see [Note: registration] in ds_patrickstar/integration/
 registration.py). The finder then removes itself and the module gets its own loader back.
-A process that never imports DeepSpeed never imports ds_patrickstar.
+A process that never imports DeepSpeed never imports ds_patrickstar. This module is the bottom of
+the import graph: standard library only, the package loaded by name (so the package may use
+:func:`after_import`, the project's one import hook, without an import circle).
 
 ``DS_PATRICKSTAR_AUTOLOAD=0`` in the environment turns it off (the stage then needs
 ``import ds_patrickstar`` or ``python -m ds_patrickstar``). If ds_patrickstar cannot be
@@ -17,6 +19,7 @@ imported, DeepSpeed's import goes on and a warning says why.
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import os
 import sys
@@ -25,11 +28,12 @@ from collections.abc import Callable
 from types import ModuleType
 
 ENV = "DS_PATRICKSTAR_AUTOLOAD"
+PACKAGE = "ds_patrickstar"  # loaded by name, as an entry point is: this module imports nothing of it
 
 
 def _register(_deepspeed: ModuleType | None = None) -> None:
     try:
-        import ds_patrickstar  # noqa: F401  (wraps deepspeed.initialize)
+        importlib.import_module(PACKAGE)  # wraps deepspeed.initialize
     except Exception as err:  # DeepSpeed must still import
         warnings.warn(
             f"ds_patrickstar could not register stage 'patrickstar' when DeepSpeed was imported: {err!r} "

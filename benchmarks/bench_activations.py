@@ -16,7 +16,7 @@ What it measures
       (its input is a saved tensor, which the emulated accelerator's meter counts and offload moves);
     * checkpointing (DeepSpeed's): ``deepspeed.checkpointing.checkpoint`` around every layer (it
       holds its inputs on its autograd context, outside saved tensors: the meter counts them all the
-      same and offload moves them, see [Note: held inputs] in placement/activation_storages.py);
+      same and offload moves them, see [Note: held inputs] in activations/storages.py);
     * checkpointing + DeepSpeed ``cpu_checkpointing`` (``deepspeed.checkpointing.checkpoint``, stock
       ZeRO-3 and ours): DeepSpeed 0.19.8's ``cpu_checkpointing`` breaks on a CPU-only machine by
       itself; the row then says "fails on CPU";

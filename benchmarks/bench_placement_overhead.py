@@ -66,9 +66,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ds_patrickstar.chunks.layout import plan_chunks  # noqa: E402
 from ds_patrickstar.counters import StepCounters  # noqa: E402
-from ds_patrickstar.dist.comm import ChunkComm  # noqa: E402
-from ds_patrickstar.dist.manager import ChunkManager  # noqa: E402
-from ds_patrickstar.dist.reductions import InFlightReductions  # noqa: E402
+from ds_patrickstar.groups.comm import ChunkComm  # noqa: E402
+from ds_patrickstar.groups.manager import ChunkManager  # noqa: E402
+from ds_patrickstar.groups.reductions import InFlightReductions  # noqa: E402
 from ds_patrickstar.integration.assembly import make_placement  # noqa: E402
 from ds_patrickstar.integration.config import PatrickStarConfig  # noqa: E402
 from ds_patrickstar.memory.binding import build_chunk_map  # noqa: E402

@@ -435,7 +435,7 @@ def _bound_depth_by_disk(args):
 def _async_io_missing():
     """Why DeepSpeed's async_io op (ZeRO-Infinity's NVMe engine) cannot load here, or ``""``."""
     sys.path.insert(0, str(HERE.parent))
-    from ds_patrickstar.memory.aio_disk_io import load_async_io
+    from ds_patrickstar.disk.aio import load_async_io
 
     return load_async_io()[1]
 

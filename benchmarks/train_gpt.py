@@ -168,7 +168,7 @@ def comms_logger_volume():
     DeepSpeed's comms logger (``"comms_logger": {"enabled": true}``). The logger's message size
     is the collective's ``tensor`` argument: the rank's own input of an all-gather (it receives
     (W-1) such pieces) and the whole input of a reduce-scatter (it sends (W-1)/W of it), the same
-    conventions as ds_patrickstar's counters (ds_patrickstar/dist/comm.py)."""
+    conventions as ds_patrickstar's counters (ds_patrickstar/groups/comm.py)."""
     from deepspeed.comm import comm as ds_comm
     world = ds_comm.get_world_size()
     gathered = scattered = 0

@@ -10,9 +10,11 @@ checks it):
 * ``memory``: accelerator primitives and the strict CPU twin, the device ledger, the chunk store,
   binding parameters to chunks, the pre-flight arithmetic;
 * ``placement``: the memory tracer, the placement policy, the runtime that carries it out;
-* ``dist``: collectives and chunk groups (gather, keep, prefetch, release, reduce-scatter), the
-  chunk manager;
+* ``activations``: activation offload (saved tensors and held inputs to host memory and back);
+* ``groups``: collectives and chunk groups (gather, keep, prefetch, release, reduce-scatter), the
+  chunk manager: the core runtime, also with one rank;
 * ``optim``: Adam math, kernels, optimizer states, per-chunk Adam;
+* ``disk``: the disk tier (spilled optimizer states, their files and I/O, its config and set-up);
 * ``io``: checkpoints, state-dict streaming, ``Init``, ``load_pretrained``;
 * ``integration``: DeepSpeed registration, config, engine, ZeRO-optimizer adapter, assembly,
   hooks, Hugging Face.

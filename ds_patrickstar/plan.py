@@ -10,15 +10,9 @@ import torch
 
 from .chunks.chunk_map import owner_of
 from .chunks.layout import plan_chunks
-from .memory.preflight import (
-    OPTIM_BYTES_PER_ELEMENT,
-    disk_buffer_bytes,
-    largest_fitting_params,
-    plan_for_rank,
-    record_bytes,
-    spilled_chunks,
-)
-from .memory.swap_layout import PIECE_ELEMENTS, piece_elements
+from .disk.budget import disk_buffer_bytes, record_bytes, spilled_chunks
+from .disk.swap_layout import PIECE_ELEMENTS, piece_elements
+from .memory.preflight import OPTIM_BYTES_PER_ELEMENT, largest_fitting_params, plan_for_rank
 
 ACC = 4  # bytes per parameter of a gradient accumulator
 

@@ -120,7 +120,7 @@ def _losses(mode: str, wait: bool) -> list[float]:
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
-    from ds_patrickstar.placement.activations import ActivationOffloader
+    from ds_patrickstar.activations.offloader import ActivationOffloader
 
     class NoWait(ActivationOffloader):
         """Reads an offloaded activation as soon as its copy back is issued (test only)."""
@@ -185,7 +185,7 @@ def test_plan_offloads_the_fewest_bytes_that_fit():
     of 55 B, 20 B must go: block 2 (20 B) suffices at moment 3, but then moment 2 (block 0 and 1 and
     what the next moment's tide adds) still holds 45 + 10 = 55: it fits. The tide returned is the
     planned one."""
-    from ds_patrickstar.placement.activation_plan import SegmentRecord, plan_offload
+    from ds_patrickstar.activations.plan import SegmentRecord, plan_offload
 
     tide, need = [5] * 7, [10] * 7
     records = [SegmentRecord(0, 10, 1, 6, True), SegmentRecord(1, 30, 2, 5, True), SegmentRecord(2, 20, 3, 4, True)]

@@ -141,7 +141,7 @@ def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
-    from ds_patrickstar.placement.activations import ActivationOffloader
+    from ds_patrickstar.activations.offloader import ActivationOffloader
 
     class NoWaitForHeld(ActivationOffloader):
         """Reads a held input as soon as its copy back is issued (test only); saved tensors are waited on."""

@@ -26,7 +26,7 @@ def needs_backend(backend):
     """Skip ``"aio"`` where DeepSpeed's async_io op is not built (a first build takes minutes, too long
     for a test) or cannot load; ``"threads"`` always runs."""
     if backend == "aio":
-        from ds_patrickstar.memory.aio_disk_io import async_io_built, load_async_io
+        from ds_patrickstar.disk.aio import async_io_built, load_async_io
 
         why = "" if async_io_built() else "DeepSpeed's async_io op is not built in TORCH_EXTENSIONS_DIR"
         why = why or load_async_io()[1]
@@ -35,8 +35,8 @@ def needs_backend(backend):
 
 
 def make_io(backend, **kwargs):
-    from ds_patrickstar.memory.aio_disk_io import AioDiskIO
-    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+    from ds_patrickstar.disk.aio import AioDiskIO
+    from ds_patrickstar.disk.io import ThreadDiskIO
 
     needs_backend(backend)
     return AioDiskIO(**kwargs) if backend == "aio" else ThreadDiskIO(**kwargs)
@@ -93,7 +93,7 @@ def _wide(seed):
 def test_one_large_chunk_streams_through_buffers_of_one_piece(tmp_path):
     """The buffers hold one piece (buffer_size elements), not the largest chunk; the step updates
     the large chunk piece by piece with the same numbers as in RAM."""
-    from ds_patrickstar.memory.preflight import record_bytes
+    from ds_patrickstar.disk.budget import record_bytes
     from ds_patrickstar.placement.tide_plot import disk_caption
 
     config = make_config("patrickstar", "fp32", chunk_size=1024, weight_decay=0.01)
@@ -113,7 +113,7 @@ def test_one_large_chunk_streams_through_buffers_of_one_piece(tmp_path):
 def test_reads_start_in_backward_and_a_skipped_step_drops_them(tmp_path):
     """fp16 starting at a loss scale that overflows: the skipped steps' reads (started in backward)
     are waited for and dropped, nothing is written, and the run equals the one in RAM."""
-    from ds_patrickstar.memory.preflight import record_bytes
+    from ds_patrickstar.disk.budget import record_bytes
 
     config = make_config("patrickstar", "fp16", chunk_size=1024)
     config["fp16"].update(initial_scale_power=17, hysteresis=1)
@@ -152,8 +152,8 @@ def test_strict_accelerator_tight_budget_with_disk_tier(tmp_path, backend):
 def test_a_missing_wait_reads_poison(tmp_path, backend):
     """Both backends: a read holds NaN until waited on, a write whose source changed before its wait
     raises; requests of any aligned length (here 3 pages over 2 aio threads) land whole; counted."""
-    from ds_patrickstar.memory.disk_io import aligned_empty
-    from ds_patrickstar.memory.emulated import CopyHazard
+    from ds_patrickstar.disk.io import aligned_empty
+    from ds_patrickstar.memory.pending import CopyHazard
 
     io = make_io(backend, poison=True, **({"intra_op_parallelism": 2} if backend == "aio" else {}))
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT)
@@ -252,7 +252,7 @@ def test_two_ranks_each_spill_their_own_chunks(tmp_path):
 
 
 def test_planner_puts_what_the_host_cannot_hold_on_disk():
-    from ds_patrickstar.memory.preflight import record_bytes
+    from ds_patrickstar.disk.budget import record_bytes
     from ds_patrickstar.plan import plan_report
 
     sizes = [4096] * 10
@@ -265,7 +265,7 @@ def test_planner_puts_what_the_host_cannot_hold_on_disk():
 def test_spill_counts_buffers_of_the_spilled_chunks_only():
     """A large first chunk (an embedding) kept in RAM does not size the buffers of small spilled ones;
     nothing spilled, no buffers."""
-    from ds_patrickstar.memory.preflight import disk_buffer_bytes, record_bytes, spilled_chunks
+    from ds_patrickstar.disk.budget import disk_buffer_bytes, record_bytes, spilled_chunks
 
     owned = {0: 65536, **dict.fromkeys(range(1, 11), 1024)}
     budget = 12 * (65536 + 1024) + 5 * record_bytes(1024)
@@ -302,7 +302,7 @@ def test_missing_nvme_path_names_path_and_bytes(tmp_path):
     (dict(exists=True, is_dir=False, writable=False, read_only=False, free=0), "not a folder"),
 ])
 def test_unusable_nvme_path(probe, problem):
-    from ds_patrickstar.memory.swap_files import PathProbe, check_swap_path
+    from ds_patrickstar.disk.swap_files import PathProbe, check_swap_path
 
     with pytest.raises(ValueError, match=f"{problem}: the disk tier needs 123,456 bytes there .*, [\\d,]+ bytes are free"):
         check_swap_path("/some/dir", PathProbe(**probe), 123456)
@@ -348,10 +348,10 @@ def test_idle_keys_warn_with_their_names(caplog):
 
 def test_io_backend_choice(caplog):
     """"auto" says which backend it took and why; "aio" where it cannot work names the key and the way out."""
-    from ds_patrickstar.integration.disk_config import NvmeOffload
-    from ds_patrickstar.integration.disk_tier import make_disk_io
-    from ds_patrickstar.memory.aio_disk_io import AioDiskIO, async_io_built, load_async_io, lock_problem
-    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+    from ds_patrickstar.disk.config import NvmeOffload
+    from ds_patrickstar.disk.tier import make_disk_io
+    from ds_patrickstar.disk.aio import AioDiskIO, async_io_built, load_async_io, lock_problem
+    from ds_patrickstar.disk.io import ThreadDiskIO
 
     assert "raise `ulimit -l`" in lock_problem(2**30, limit=8 << 20, privileged=False)
     assert lock_problem(2**30, limit=8 << 20, privileged=True) == lock_problem(4096, 8 << 20, False) == ""
@@ -388,8 +388,8 @@ def _steps(engine, n, seed=0):
 def test_checkpoint_resume_with_disk_tier(tmp_path):
     """Saved through 1024-element pieces, resumed into the default pieces and into RAM."""
     from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
-    from ds_patrickstar.memory.disk_io import ThreadDiskIO
-    from ds_patrickstar.memory.preflight import record_bytes
+    from ds_patrickstar.disk.io import ThreadDiskIO
+    from ds_patrickstar.disk.budget import record_bytes
 
     ckpt = str(tmp_path / "ckpt")
     engine = _engine(tmp_path / "a")
@@ -422,7 +422,7 @@ class _DiskFull(Exception):
 
 
 def test_disk_full_fails_the_step_and_the_checkpoint_stays(tmp_path):
-    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+    from ds_patrickstar.disk.io import ThreadDiskIO
 
     class FullDisk(ThreadDiskIO):
         def pwrite(self, fd, buffer, offset):
@@ -461,7 +461,7 @@ def _killed_mid_step(rank, world_size, swap, ckpt):
     write of the step has rewritten part of a swap file, the rest never happens."""
     import signal
 
-    from ds_patrickstar.memory.disk_io import ThreadDiskIO
+    from ds_patrickstar.disk.io import ThreadDiskIO
 
     class KilledAfterFirstWrite(ThreadDiskIO):
         calls = 0

@@ -100,7 +100,7 @@ def test_with_placement_prefetch_and_kept_groups_stay_in_budget():
 
 def _unwaited(rank, world_size):
     """Strict emulation with every all-gather on demand, and the wait before use taken away."""
-    from ds_patrickstar.dist.groups import GroupResidency
+    from ds_patrickstar.groups.residency import GroupResidency
 
     GroupResidency._wait_for_use = staticmethod(lambda chunk: None)
     return _quirk(rank, world_size, "mlp", "fp32", "patrickstar", 1,
@@ -121,7 +121,7 @@ def test_a_read_before_the_all_gather_completed_changes_the_numbers():
 
 def _dies_mid_collective(rank, world_size):
     """Rank 1 raises while a collective is in flight (issued by every rank, not yet waited on)."""
-    from ds_patrickstar.dist.comm import PendingCollective
+    from ds_patrickstar.groups.comm import PendingCollective
 
     if rank == 1:
         calls = {"n": 0}
@@ -149,7 +149,7 @@ def _agreements_per_step(rank, world_size):
     import deepspeed
     from harness import ensure_distributed, make_config
 
-    from ds_patrickstar.dist.comm import ChunkComm
+    from ds_patrickstar.groups.comm import ChunkComm
 
     calls = {"n": 0}
     real = ChunkComm.agree

@@ -76,7 +76,7 @@ def _collectives_worker(rank, world_size, gas):
     import torch.distributed as dist
 
     import ds_patrickstar  # noqa: F401
-    from ds_patrickstar.dist import comm
+    from ds_patrickstar.groups import comm
 
     model = _gpt()
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,

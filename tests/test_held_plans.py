@@ -47,7 +47,7 @@ class _Tracer:
 def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int], at: int) -> int:
     """The most gathered bytes the plan agreed from this trace lets stay at moment ``at`` (two
     ranks, groups of 100 B, 1,000 B of room)."""
-    from ds_patrickstar.dist.gather_plan import GatherPlan
+    from ds_patrickstar.groups.gather_plan import GatherPlan
     from ds_patrickstar.placement.runtime import PlacementRuntime
     from ds_patrickstar.placement.tracer import Moment, Trace
 

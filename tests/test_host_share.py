@@ -48,7 +48,8 @@ def test_a_released_default_gathers_more_than_the_kept_one():
 
 
 def test_the_rule():
-    from ds_patrickstar.integration.host_share import keep_limit, local_world_size
+    from ds_patrickstar.integration.host_share import keep_limit
+    from ds_patrickstar.memory.preflight import local_world_size
     from ds_patrickstar.memory.preflight import ModelDataPlan
 
     plan = ModelDataPlan(owned_elements=500, total_elements=1000, lp_bytes=2, accumulate=False)  # 7000 B

@@ -1,13 +1,15 @@
 """The package's layering: each sub-package imports only from the ones below it (the order in
-``ds_patrickstar/__init__.py``), and no module is larger than the project's limit. Static: reads
-the sources, imports nothing."""
+``ds_patrickstar/__init__.py``), no module imports another that imports it back (directly or
+through others), and no module is larger than the project's limit. Static: reads the sources,
+imports nothing."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ds_patrickstar"
-LAYERS = ["chunks", "memory", "placement", "dist", "optim", "io", "integration"]
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "ds_patrickstar"
+LAYERS = ["chunks", "memory", "placement", "activations", "groups", "optim", "disk", "io", "integration"]
 LEAVES = {"counters", "autograd_state"}  # importable from every layer
 ENTRY_POINTS = {"__init__", "__main__", "plan", "zero_to_fp32"}  # the package root and the command lines: any layer
 MAX_MODULE_LINES = 400
@@ -55,6 +57,101 @@ def test_every_sub_package_says_what_it_owns_and_may_import():
         assert "Owns" in doc and "May import" in doc, layer
 
 
+def test_every_sub_package_is_packaged():
+    """setup.cfg lists packages by hand: a sub-package it misses is missing from every wheel."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    on_disk = {_module_name(p.parent) for p in PACKAGE.rglob("__init__.py")}
+    assert on_disk <= listed, sorted(on_disk - listed)
+
+
 def test_no_module_over_the_size_limit():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
     assert max(sizes.values()) <= MAX_MODULE_LINES, {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES}
+
+
+# ---- import circles -----------------------------------------------------------------------------
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts) if path.suffix else list(path.relative_to(REPO).parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The module ``name`` means: itself, else its package (``from pkg import name`` of a non-module)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, at any depth of the file (function-level and
+    ``TYPE_CHECKING`` imports included: a circle through them is still a circle of the design).
+    Importing ``a.b`` also runs ``a/__init__``; that implicit edge is not counted."""
+    files = {_module_name(p): p for p in [*_modules(), REPO / "ds_patrickstar_autoload.py"]}
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets.update(f"{module}.{alias.name}" for alias in node.names)
+        graph[name] = {t for t in (_resolve(t, known) for t in targets) if t is not None and t != name}
+    return graph
+
+
+def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_graph_sees_the_imports_it_must():
+    graph = import_graph()
+    assert "ds_patrickstar.memory.pending" in graph["ds_patrickstar.memory.host_pool"]
+    assert "ds_patrickstar_autoload" in graph["ds_patrickstar.integration.hf_eval"]
+
+
+def test_no_import_circles():
+    assert find_circles(import_graph()) == []

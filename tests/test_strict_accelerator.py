@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from ds_patrickstar.memory.emulated import CopyHazard, EmulatedAccelerator
+from ds_patrickstar.memory.emulated import EmulatedAccelerator
+from ds_patrickstar.memory.pending import CopyHazard
 from ds_patrickstar.memory.ledger import DeviceBudgetExceeded, DeviceLedger
 from ds_patrickstar.chunks.chunk import Chunk
 from ds_patrickstar.counters import StepCounters

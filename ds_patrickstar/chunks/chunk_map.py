@@ -1,7 +1,7 @@
 """The chunk map: every chunk of one model and every trainable parameter's :class:`TensorInfo`.
 
 Chunks come in groups of ``W`` (the data-parallel world size); chunk ``g*W + r`` of group ``g``
-is owned by rank ``r`` (see [Note: chunk groups] in ``dist/comm.py``). The map is built from the
+is owned by rank ``r`` (see [Note: chunk groups] in ``groups/comm.py``). The map is built from the
 layout (:func:`~ds_patrickstar.chunks.layout.plan_chunks`) one group at a time and answers
 lookups; nothing here allocates or moves memory (``memory/binding.py`` gives the chunks their
 buffers and makes the parameters views of them).
@@ -104,7 +104,7 @@ class ChunkMap:
     def group_bytes(self, group: int, accumulate: bool) -> int:
         """Accelerator bytes of ``group`` gathered: with ``W > 1`` its storage of ``W`` chunks beside
         this rank's own chunk (see [Note: gathered group storage] in memory/store.py) and the joined
-        buffers of its straddling tensors (see [Note: straddling tensors] in dist/straddle.py); with
+        buffers of its straddling tensors (see [Note: straddling tensors] in groups/straddle.py); with
         ``accumulate``, the own chunk's fp32 accumulator (:meth:`accumulator_bytes`)."""
         members = self.group_members(group)
         own = members[self.rank]
@@ -115,12 +115,12 @@ class ChunkMap:
 
     def accumulator_bytes(self, group: int) -> int:
         """Bytes of the fp32 gradient accumulator of this rank's own chunk of ``group`` (the only one,
-        see [Note: gradient accumulation] in dist/grads.py)."""
+        see [Note: gradient accumulation] in groups/grads.py)."""
         return 4 * self.group_members(group)[self.rank].capacity
 
     def buffer_bytes(self, group: int) -> int:
         """Bytes of a micro-step's flat gradient buffer of ``group`` (``W > 1``, see
-        [Note: flat group buffers] in dist/flat.py)."""
+        [Note: flat group buffers] in groups/flat.py)."""
         members = self.group_members(group)
         return sum(c.capacity for c in members) * members[0].dtype.itemsize
 

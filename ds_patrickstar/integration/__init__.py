@@ -4,7 +4,9 @@ Owns the one registration point (``registration.py``) with what it sets up for a
 started without a launcher (``launch_env.py``), the config model and split
 (``config.py``), the engine subclass (``engine.py``), the ZeRO-optimizer adapter
 (``zero_optimizer.py``), the assembly that builds and wires every part of a run
-(``assembly.py``), the hook registry and the hook target (``hooks.py``, ``hook_target.py``) and
+(``assembly.py``), the hook registry and the hook target (``hooks.py``, ``hook_target.py``), the
+wiring of DeepSpeed's activation checkpointing (``ds_checkpointing.py``), the share of host memory
+each rank may use (``host_share.py``) and
 the Hugging Face adaptations (``hf_compat.py``: accelerate's stage and process count;
 ``hf_eval.py``: evaluation without training; ``save_compat.py``: tied weights through
 accelerate's copy of the state dict).

@@ -42,13 +42,16 @@ import psutil
 import torch
 from torch.distributed import ProcessGroup
 
+from ..activations.offloader import ActivationOffloader, repeated_blocks
 from ..chunks.chunk_map import ChunkMap, owner_of
 from ..chunks.layout import ChunkSpec, plan_chunks
 from ..chunks.state import TensorState
 from ..counters import StepCounters
-from ..dist.comm import ChunkComm
-from ..dist.manager import ChunkManager
-from ..dist.reductions import InFlightReductions
+from ..disk.states import DiskStates
+from ..disk.tier import host_bytes_saved, open_disk_states, plan_disk_tier
+from ..groups.comm import ChunkComm
+from ..groups.manager import ChunkManager
+from ..groups.reductions import InFlightReductions
 from ..io.export import ChunkExport
 from ..io.init import DeferredModel
 from ..memory.accelerator import Accelerator, HostAccelerator
@@ -59,13 +62,11 @@ from ..memory.preflight import check_budget_holds, check_fits, group_bytes, plan
 from ..memory.store import ChunkStore
 from ..optim.chunk_adam import ChunkAdam, adamw_mode
 from ..optim.states import OptimizerStates
-from ..placement.activations import ActivationOffloader, repeated_blocks
 from ..placement.chunk_needs import chunk_needs
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from .config import PatrickStarConfig
-from .disk_tier import host_bytes_saved, open_disk_states, plan_disk_tier
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
 from .host_share import default_keep_gathered
@@ -91,6 +92,7 @@ class ChunkedModel:
     export: ChunkExport
     flow: TrainingFlow
     hooks: HookRegistry
+    disk: DiskStates | None = None  # the disk tier's spilled states, when anything spills
     closed: bool = False
 
     def close(self) -> None:
@@ -101,8 +103,8 @@ class ChunkedModel:
         interrupted = self.comm.world_size > 1 and self.manager.iteration_open
         self._unbind_parameters(interrupted)
         self.hooks.remove()
-        if self.optim_states.disk is not None:
-            self.optim_states.disk.close()  # its I/O threads stop, its swap files go (see [Note: swap files])
+        if self.disk is not None:
+            self.disk.close()  # its I/O threads stop, its swap files go (see [Note: swap files])
         if not interrupted:  # else collectives in flight may still use its buffers: they go with the engine
             self.accel.close()
 
@@ -280,7 +282,7 @@ def make_placement(
     return runtime
 
 
-def activation_blocks(module: torch.nn.Module, placement: PlacementRuntime | None) -> list[torch.nn.Module]:
+def activation_blocks(module: torch.nn.Module, placement: PlacementRuntime | None, mode: str) -> list[torch.nn.Module]:
     """The blocks whose inputs the emulated accelerator's meter counts (see [Note: held inputs]) and whose
     activations may be offloaded (see [Note: activation offload]); none without either."""
     if placement is None or (placement.activations is None and placement.tracer.meter is None):
@@ -290,7 +292,7 @@ def activation_blocks(module: torch.nn.Module, placement: PlacementRuntime | Non
         logger.warning(
             "ds_patrickstar: zero_optimization.offload_activations=%r finds no blocks (a ModuleList or Sequential "
             "of at least two modules) in %s: no activation is offloaded",
-            placement.activations.mode,
+            mode,
             type(module).__name__,
         )
     return blocks
@@ -313,8 +315,8 @@ def assemble(
     counters = StepCounters()
     comm = ChunkComm(dp_group, counters)
     specs = plan_chunks(named_param_groups(module, basic_optimizer.param_groups), options.chunk_size, comm.world_size)
-    spilled = plan_disk_tier(options, specs, comm, dtype, accumulate)
-    on_disk = host_bytes_saved(options, spilled)
+    spilled = plan_disk_tier(options.offload_optimizer, options.host_budget, specs, comm, dtype, accumulate)
+    on_disk = host_bytes_saved(options.offload_optimizer, spilled)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
     movable = not isinstance(accel, HostAccelerator)  # chunks have a host home: placement
@@ -343,7 +345,9 @@ def assemble(
         deferred.materialize(chunk_map)
     module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
     owned = chunk_map.owned_chunks()
-    disk = open_disk_states(options, spilled, comm.rank, poison=isinstance(accel, EmulatedAccelerator))
+    disk = open_disk_states(
+        options.offload_optimizer, spilled, comm.rank, poison=isinstance(accel, EmulatedAccelerator)
+    )
     optim_states = OptimizerStates(owned, accel, start_on_device=not movable, disk=disk)
     adam = ChunkAdam(
         owned,
@@ -356,8 +360,10 @@ def assemble(
     )
     export = ChunkExport(chunk_map, comm, accel, optim_states)
     flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary)
-    hooks = HookRegistry(module, chunk_map.info, flow, activation_blocks(module, placement))
+    hooks = HookRegistry(
+        module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations)
+    )
     adam.build_kernels({accel.device, torch.device("cpu")} if placement else {accel.device})
     return ChunkedModel(
-        counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks
+        counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks, disk
     )

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
-from .disk_config import NvmeOffload, means_nvme, parse_nvme
+from ..disk.config import NvmeOffload, means_nvme, parse_nvme
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 
 from ..autograd_state import inside_backward, iter_tensors
 from ..chunks.chunk import TensorInfo
-from ..dist.manager import ChunkManager
+from ..groups.manager import ChunkManager
 from ..io.export import ChunkExport
 from ..optim.states import OptimizerStates
 from ..placement.runtime import PlacementRuntime

@@ -26,24 +26,14 @@ always wins, and with placement the device budget decides instead (see [Note: ag
 from __future__ import annotations
 
 import logging
-import os
 
 import psutil
 import torch
 
-from ..dist.comm import ChunkComm
-from ..memory.preflight import ModelDataPlan
+from ..groups.comm import ChunkComm
+from ..memory.preflight import ModelDataPlan, local_world_size
 
 logger = logging.getLogger(__name__)
-
-
-def local_world_size(world_size: int) -> int:
-    """Ranks on this host, from the launcher's variables; every rank of the run when none is set."""
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return min(int(value), world_size)
-    return world_size
 
 
 def every_group_bytes(plan: ModelDataPlan) -> int:

@@ -207,7 +207,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         device, host = self.model_data_bytes_split()
         self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
         self.counters.host_bytes_allocated = self.accel.host_pool.allocated
-        disk = self.optim_states.disk
+        disk = self.parts.disk
         if disk is not None:
             counts = disk.take_counts()
             self.counters.disk_bytes_read, self.counters.disk_bytes_written = counts.bytes_read, counts.bytes_written

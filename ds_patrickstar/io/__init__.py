@@ -3,5 +3,6 @@
 Owns the checkpoint format and its crash-safe save (``checkpoint.py``), streaming chunk values to
 and from the host for ``state_dict``/``load_state_dict`` (``export.py``), ``ds_patrickstar.Init``
 (``init.py``) and ``load_pretrained`` (``pretrained.py``).
-May import: ``optim``, ``dist``, ``placement``, ``memory``, ``chunks`` and the leaf modules.
+May import: ``disk``, ``optim``, ``groups``, ``activations``, ``placement``, ``memory``, ``chunks`` and
+the leaf modules.
 """

@@ -60,7 +60,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 
 from ..chunks.chunk import Piece
 from ..chunks.chunk_map import ChunkMap, owner_of
-from ..memory.disk_io import align_up
+from ..disk.io import align_up
 from ..optim.states import STATE_KEYS, OptimizerStates
 
 FORMAT = "ds_patrickstar/2"

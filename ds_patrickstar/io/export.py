@@ -41,7 +41,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
-from ..dist.comm import ChunkComm
+from ..groups.comm import ChunkComm
 from ..memory.accelerator import Accelerator
 from ..optim.states import OptimizerStates
 

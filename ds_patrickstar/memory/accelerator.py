@@ -29,26 +29,11 @@ import torch
 
 from .host_pool import HostPool
 from .ledger import DeviceLedger
+from .pending import Pending
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-class Pending:
-    """An enqueued copy (or a collective, see dist/comm.py). :meth:`wait` makes its destination safe to
-    use for the caller; :meth:`wait_host` blocks the host until the copy has run."""
-
-    collective = False  # a collective in flight: its chunks must not move before it is waited on
-
-    def wait(self) -> None:
-        raise NotImplementedError
-
-    def wait_host(self) -> None:
-        self.wait()
-
-    def done(self) -> bool:
-        raise NotImplementedError
 
 
 class Accelerator:
@@ -167,7 +152,7 @@ class Accelerator:
     def bytes_to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """An asynchronous copy of the accelerator bytes ``src`` (1-d uint8, not charged to the ledger:
         a saved activation) into a pinned host buffer of the pool; keep ``src`` alive and give the
-        buffer back with :meth:`host_free` (see [Note: activation offload] in placement/activations.py)."""
+        buffer back with :meth:`host_free` (see [Note: activation offload] in activations/offloader.py)."""
         host = self.host_empty(src.numel(), torch.uint8)
         return host, self._copy_activation(host, src, src)
 
@@ -182,7 +167,7 @@ class Accelerator:
         return self.copy(dst, src)
 
     def collective_stream(self, *tensors: torch.Tensor) -> AbstractContextManager[None]:
-        """Where a collective is issued (see [Note: asynchronous collectives] in dist/comm.py): the
+        """Where a collective is issued (see [Note: asynchronous collectives] in groups/comm.py): the
         calling thread on the host; a stream of its own on CUDA."""
         return contextlib.nullcontext()
 

@@ -30,7 +30,8 @@ import contextlib
 
 import torch
 
-from .accelerator import Accelerator, Pending
+from .accelerator import Accelerator
+from .pending import Pending
 
 
 class _CudaPending(Pending):

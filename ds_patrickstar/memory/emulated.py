@@ -44,12 +44,9 @@ from collections import Counter, deque
 
 import torch
 
-from .accelerator import Accelerator, Pending
+from .accelerator import Accelerator
 from .caching_allocator import TWIN_GEOMETRY, CachingAllocatorModel
-
-
-class CopyHazard(RuntimeError):
-    """A buffer was freed or overwritten while an asynchronous copy still read it."""
+from .pending import CopyHazard, Pending
 
 
 class _EmulatedCopy(Pending):

@@ -39,12 +39,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .accelerator import Pending
+from .pending import Pending
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ gives each rank's owned elements. Model data per rank is
 * fp32 master, momentum and variance: 12 bytes per owned element;
 * with gradient accumulation, an fp32 accumulator per owned element: 4 bytes (with one rank every
   element is owned; with ``W`` ranks a rank accumulates only what it owns, see
-  [Note: gradient accumulation] in dist/grads.py).
+  [Note: gradient accumulation] in groups/grads.py).
 
 With placement these bytes may live on the accelerator (up to its budget) or on the host,
 so the run fits when they are at most budget + available host memory; and the budget must hold
@@ -17,54 +17,15 @@ first step would fail. One implementation,
 used by ``deepspeed.initialize``, by ``python -m ds_patrickstar.plan`` (the same functions on a
 parameter count, a GPT shape or a Hugging Face config.json built on ``meta``) and by the tests
 that compare it with a real run's counters.
-
-[Note: disk tier plan]
-With the disk tier, the owned chunks' optimizer states fill what ``host_budget`` leaves after the
-rest of the model data (low-precision chunks, accumulators) in chunk order; the states of the
-remaining chunks are *spilled*: 12 bytes per element on disk (see [Note: swap pieces]), none in
-RAM, and they pass through the tier's host buffers (``buffer_count`` step buffers and a one-piece
-cache, each one piece of the largest spilled chunk: :func:`disk_buffer_bytes`), which count
-against the budget only when something spills. :func:`spilled_chunks` keeps the most chunks in
-RAM for which the states kept, the rest of the model data and the buffers the spilled chunks
-need fit the budget. The run then fits when model data less the spilled states plus the buffers
-is at most budget + available host memory, and the swap folder has room for the spilled records
-(checked at initialize, naming the folder and the numbers).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-
-from .swap_layout import piece_buffer_bytes
-from .swap_layout import record_bytes as record_bytes  # re-exported: the planner and the tier use it from here
 
 OPTIM_BYTES_PER_ELEMENT = 12  # fp32 master + momentum + variance
 ACC_BYTES_PER_ELEMENT = 4
-MIN_DISK_BUFFERS = 3  # read-ahead, compute, write-behind
-
-
-def disk_buffer_bytes(capacities: list[int], buffer_count: int, piece: int) -> int:
-    """Host bytes of the disk tier's buffers for spilled chunks of ``capacities``: ``buffer_count``
-    step buffers and the one-piece cache, each one piece (none when nothing spills)."""
-    if not capacities:
-        return 0
-    return (max(buffer_count, MIN_DISK_BUFFERS) + 1) * piece_buffer_bytes(capacities, piece)
-
-
-def spilled_chunks(
-    owned: dict[int, int], other_bytes: int, host_budget: int, buffer_count: int, piece: int
-) -> set[int]:
-    """The owned chunks (id -> capacity) whose states go to disk: the fewest last ones in chunk
-    order for which the rest fits ``host_budget``; see [Note: disk tier plan]."""
-    ids = sorted(owned)
-    kept = OPTIM_BYTES_PER_ELEMENT * sum(owned.values())
-    for keep in range(len(ids), -1, -1):  # keep the first ``keep`` chunks' states in RAM
-        rest = [owned[i] for i in ids[keep:]]
-        if keep < len(ids):
-            kept -= OPTIM_BYTES_PER_ELEMENT * owned[ids[keep]]
-        if other_bytes + kept + disk_buffer_bytes(rest, buffer_count, piece) <= host_budget:
-            return set(ids[keep:])
-    return set(ids)
 
 
 @dataclass(frozen=True)
@@ -139,3 +100,12 @@ def check_budget_holds(budget: int, need: int, world_size: int) -> None:
         f"({need:,} B: {what}, with what gradient accumulation adds), let alone activations; "
         f"raise device_budget well above {need:,} B or lower chunk_size"
     )
+
+
+def local_world_size(world_size: int) -> int:
+    """Ranks on this host, from the launcher's variables; every rank of the run when none is set."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), world_size)
+    return world_size

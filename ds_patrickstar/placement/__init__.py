@@ -2,12 +2,9 @@
 
 Owns the memory tracer and its trace (``tracer.py``), the policy (``policy.py``: Belady eviction,
 prefetch, the static policy, which optimizer states fit), the runtime that carries the policy out
-at every moment and at the optimizer step (``runtime.py``), activation offload (``activations.py``:
-saved tensors and held inputs of the model's blocks to pinned host memory and back;
-``activation_storages.py``: what it keeps per storage; ``activation_plan.py``: which blocks "auto"
-offloads; ``chunk_needs.py``: what the chunks in use take at each moment, for the plans), and the
-tide plot (``tide_plot.py``).
+at every moment and at the optimizer step (``runtime.py``), what the chunks in use take at each
+moment, for the plans (``chunk_needs.py``), and the tide plot (``tide_plot.py``).
 May import: ``memory``, ``chunks`` and the leaf modules. It talks to the layers above through
-the small protocols in ``runtime.py`` (the reduce-scatters in flight, the optimizer states'
-placement), which those layers implement.
+the small protocols in ``runtime.py`` (activation offload, the reduce-scatters in flight, the
+optimizer states' placement), which those layers implement.
 """

@@ -9,7 +9,7 @@ the moment's own and those of the modules recomputed before it whose backward ha
 use until then), each with its chunk group gathered
 (:meth:`~ds_patrickstar.chunks.chunk_map.ChunkMap.group_bytes`). With gradient accumulation each
 micro-step of the traced iteration (:meth:`~ds_patrickstar.placement.tracer.Trace.micro_steps`)
-adds what it holds then (see [Note: gradient accumulation] in dist/grads.py), not what any
+adds what it holds then (see [Note: gradient accumulation] in groups/grads.py), not what any
 micro-step might:
 
 * a held group's fp32 accumulator from the moment it comes into being: in the first micro-step,
@@ -17,7 +17,7 @@ micro-step might:
   one rank at its first gradient (its first backward moment); in later micro-steps (and at the
   step) it is there from the start;
 * with ``W > 1`` in every micro-step but the boundary, a group's flat gradient buffer (see
-  [Note: flat group buffers] in dist/flat.py) from the group's first backward moment of the
+  [Note: flat group buffers] in groups/flat.py) from the group's first backward moment of the
   micro-step to its last, whether or not the group is held then (a recomputation may run between
   two of its gradients); the boundary reduce-scatters in the group's own storage.
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
 
 from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.store import ChunkStore
-from .activations import ActivationOffloader
 from .policy import Placer
 from .tracer import MemoryTracer, Trace
 
@@ -24,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class InFlightReductions(Protocol):
-    """The data-parallel reduce-scatters in flight (``dist/reductions.py``): completing them frees
+    """The data-parallel reduce-scatters in flight (``groups/reductions.py``): completing them frees
     their flat gradient buffers, which placement does first when it is short of room (see
     [Note: kept groups])."""
 
@@ -42,6 +44,25 @@ class StatePlacement(Protocol):
     def plan(self, trace: Trace, budget: int, policy: str, needs: list[int], chunk: int) -> None: ...
 
     def all_to_host(self) -> None: ...
+
+
+class ActivationPolicy(Protocol):
+    """Activation offload (``activations/offloader.py``), which implements it; see
+    [Note: activation offload]."""
+
+    host_bytes: int  # bytes of offloaded activations off the accelerator now
+
+    def start_iteration(self, tracer: MemoryTracer) -> None: ...
+
+    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]], stranded: int = 0) -> None: ...
+
+    def start_forward(self) -> None: ...
+
+    def enter_block(self, block: int, inputs: list[torch.Tensor]) -> None: ...
+
+    def end_forward(self) -> None: ...
+
+    def hooks(self) -> AbstractContextManager[Any]: ...
 
 
 class PlacementRuntime:
@@ -69,7 +90,7 @@ class PlacementRuntime:
         # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
         self.tide: list[tuple[int, int, int, int]] = []
         self.stranded_peak = 0  # the most stranded allocator bytes at a moment this iteration
-        self.activations: ActivationOffloader | None = None  # see [Note: activation offload]
+        self.activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self._step_since_forward = True  # the next training forward starts an iteration
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------

@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..memory.disk_io import DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
-from ..memory.swap_layout import PIECE_ELEMENTS
+from .io import DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
+from .swap_layout import PIECE_ELEMENTS
 
 logger = logging.getLogger(__name__)
 

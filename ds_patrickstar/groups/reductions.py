@@ -8,7 +8,7 @@ all first when it is short of room (:meth:`InFlightReductions.drain`, see [Note:
 
 from __future__ import annotations
 
-from ..memory.accelerator import Pending
+from ..memory.pending import Pending
 
 LIMIT = 2
 

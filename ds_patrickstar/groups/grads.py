@@ -13,7 +13,7 @@ boundary micro-step the sum is written into the slot, rounded to the param dtype
 Cost: 4 more bytes per parameter (18 instead of 14 in fp16/bf16) during accumulation.
 
 With ``W`` ranks a rank keeps accumulators for its *owned* chunks only
-(:class:`~ds_patrickstar.dist.accumulation.ScatteredAccumulation`), as FSDP2 keeps its sharded
+(:class:`~ds_patrickstar.groups.accumulation.ScatteredAccumulation`), as FSDP2 keeps its sharded
 fp32 gradients: before the boundary, a micro-step's gradients go into one flat buffer per chunk
 group (param dtype, zeroed, charged to the ledger; the slots keep the parameters), which is
 reduce-scattered in place (pre-divided by ``W``, see [Note: chunk groups]) once the group's
@@ -24,7 +24,7 @@ gradients go into the slots as with GA = 1, and after the slots' reduce-scatter 
 adds its accumulator and writes the sum into its slot, rounded once: the optimizer reads the
 slot as always. Cost per rank: 4 / ``W`` bytes per parameter during accumulation, plus the
 buffers of the groups being filled or reduced (a few groups: backward completes them in
-order, and the reduce-scatters in flight are bounded, see :mod:`~ds_patrickstar.dist.reductions`);
+order, and the reduce-scatters in flight are bounded, see :mod:`~ds_patrickstar.groups.reductions`);
 a group whose gradients are all in is kept or released at once (its joined copies go, see
 [Note: kept groups]). Communication: every micro-step reduce-scatters the whole model, so the
 reduce-scatter volume per step is GA times that of GA = 1, as in ZeRO-3, which reduce-scatters
@@ -48,9 +48,9 @@ from ..placement.runtime import PlacementRuntime
 from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
 from .flat import FlatBuffers
-from .groups import GroupResidency
 from .keep import KeepPolicy
 from .reductions import InFlightReductions
+from .residency import GroupResidency
 
 _NORM_SLICE = 1 << 22
 _S = TensorState

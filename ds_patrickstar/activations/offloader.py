@@ -53,9 +53,9 @@ import torch
 
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
-from .activation_plan import plan_offload
-from .activation_storages import Entry, Handle, HeldInput, Segment, State
-from .tracer import MemoryTracer, SavedTensorMeter, Trace
+from ..placement.tracer import MemoryTracer, SavedTensorMeter, Trace
+from .plan import plan_offload
+from .storages import Entry, Handle, HeldInput, Segment, State
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ only. Before use, a group is all-gathered (every rank receives every chunk of th
 after the last gradient of the group is in its slots, the group is reduce-scattered (each
 slot divided by ``W``, then summed, as ZeRO-3's reduce-scatter pre-divides: a sum of fp16
 gradients that would overflow before the division does not) so the owner holds the averaged
-gradient, and the other ranks release their copies. With ``W == 1`` every collective is a no-op and the same code paths run. The
+gradient, and the other ranks release their copies. With ``W == 1`` every collective is a no-op
+and the same code paths run. The
 ranks are DeepSpeed's data-parallel group, whatever the nodes: nothing here assumes one node.
 
 [Note: asynchronous collectives]
@@ -39,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..counters import StepCounters
-from ..memory.accelerator import Accelerator, HostAccelerator, Pending
+from ..memory.accelerator import Accelerator, HostAccelerator
+from ..memory.pending import Pending
 
 # the names of torch >= 2.13 (gloo and NCCL); the older names before
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..memory.accelerator import Pending
-from .activation_plan import SegmentRecord
+from ..memory.pending import Pending
+from .plan import SegmentRecord
 
 __all__ = ["Entry", "Handle", "HeldInput", "Segment", "State"]
 

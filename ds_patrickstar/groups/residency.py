@@ -5,7 +5,7 @@ use or ahead of it (``prefetch_groups``, in the order of [Note: gather order]), 
 after its use, after its reduce-scatter, or at the step. Whether a group is present is decided
 from tensor states, which every rank moves identically, so every rank enters the same
 collectives in the same order. Which of the present groups stay *kept* is the
-:class:`~ds_patrickstar.dist.keep.KeepPolicy`'s decision; this class holds the record.
+:class:`~ds_patrickstar.groups.keep.KeepPolicy`'s decision; this class holds the record.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
-from ..memory.accelerator import Pending
+from ..memory.pending import Pending
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
 from .comm import ChunkComm
@@ -157,7 +157,9 @@ class GroupResidency:
         for group in self.order.ahead(self.prefetch_groups):
             if group in self.present or group in reduced:
                 continue
-            if self._plan is not None and not self._plan.allows_prefetch(self.gathered_bytes + self._group_bytes[group]):
+            if self._plan is not None and not self._plan.allows_prefetch(
+                self.gathered_bytes + self._group_bytes[group]
+            ):
                 return
             self.gather(group, keep=in_use)
             self._prefetched.add(group)

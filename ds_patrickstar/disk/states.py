@@ -37,11 +37,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..memory.disk_io import DiskIO, DiskPending
-from ..memory.preflight import MIN_DISK_BUFFERS as MIN_BUFFERS
-from ..memory.swap_files import SwapFiles
-from ..memory.swap_layout import PIECE_ELEMENTS, SwapPiece, piece_buffer_bytes, piece_elements, swap_pieces
-from .states import OptimizerChunk
+from ..optim.states import OptimizerChunk
+from .budget import MIN_DISK_BUFFERS as MIN_BUFFERS
+from .io import DiskIO, DiskPending
+from .swap_files import SwapFiles
+from .swap_layout import PIECE_ELEMENTS, SwapPiece, piece_buffer_bytes, piece_elements, swap_pieces
 
 logger = logging.getLogger(__name__)
 

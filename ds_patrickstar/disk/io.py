@@ -9,11 +9,11 @@ release the GIL, each request cut into ``block_size`` pieces so that the threads
 request. Files opened with ``O_DIRECT`` bypass the page cache; their buffers, offsets and lengths
 are multiples of :data:`ALIGNMENT` (:func:`aligned_empty`; :meth:`DiskIO.empty` gives the buffers an
 implementation serves best). DeepSpeed's ``aio_handle`` is the second implementation
-(:class:`~ds_patrickstar.memory.aio_disk_io.AioDiskIO`, see [Note: aio disk I/O]).
+(:class:`~ds_patrickstar.disk.aio.AioDiskIO`, see [Note: aio disk I/O]).
 
 Under the strict emulated accelerator (``poison=True``) a read fills its destination with NaN at
 once and the bytes arrive only when the read is waited on (from a staging buffer), and a write whose
-source changed before it was waited on raises :class:`~ds_patrickstar.memory.emulated.CopyHazard`:
+source changed before it was waited on raises :class:`~ds_patrickstar.memory.pending.CopyHazard`:
 a missing wait fails a CPU test, as emulated copies do.
 
 Every request is counted: bytes read and written, seconds the threads spent in system calls
@@ -29,8 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .accelerator import Pending
-from .emulated import CopyHazard
+from ..memory.pending import CopyHazard, Pending
 
 ALIGNMENT = 4096  # O_DIRECT: buffer address, file offset and length are multiples of this
 DEFAULT_BLOCK_SIZE = 1 << 20

@@ -1,7 +1,7 @@
 """DeepSpeed's ``aio_handle`` (the async_io op, libaio) as the second implementation of the disk tier's I/O.
 
 [Note: aio disk I/O]
-:class:`AioDiskIO` serves the :class:`~ds_patrickstar.memory.disk_io.DiskIO` interface with
+:class:`AioDiskIO` serves the :class:`~ds_patrickstar.disk.io.DiskIO` interface with
 DeepSpeed's ``aio_handle``, the engine of ZeRO-Infinity's NVMe swapping: each of its
 ``intra_op_parallelism`` threads keeps ``queue_depth`` requests of ``block_size`` bytes in flight
 through libaio (``single_submit``: one ``io_submit`` call per request; ``overlap_events``: submit
@@ -11,13 +11,13 @@ while reaping). Two things of that op shape this adapter:
   complete one request while another is in flight. Each request therefore runs as a synchronous
   ``sync_pread``/``sync_pwrite`` (which releases the GIL) on one of :data:`STREAMS` worker
   threads, each with handles of its own: a read ahead and a write behind proceed at once, and
-  each request gets its own :class:`~ds_patrickstar.memory.disk_io.DiskPending`.
+  each request gets its own :class:`~ds_patrickstar.disk.io.DiskPending`.
 * The op opens files by name, always with ``O_DIRECT``, and splits a request evenly over its
   threads. A request on an open file descriptor goes to ``/proc/self/fd/<fd>`` (the same file,
-  reopened); its largest part that splits into :data:`~ds_patrickstar.memory.disk_io.ALIGNMENT`
+  reopened); its largest part that splits into :data:`~ds_patrickstar.disk.io.ALIGNMENT`
   pieces per thread goes to the parallel handle, the rest to a one-thread handle. Files that do
   not take ``O_DIRECT`` (tmpfs) cannot be served: the backend choice falls back or refuses at
-  initialize (:func:`~ds_patrickstar.integration.disk_tier.open_disk_states`).
+  initialize (:func:`~ds_patrickstar.disk.tier.open_disk_states`).
 
 Buffers that are not page-locked go through a page-locked bounce buffer of the op (allocated per
 request); :meth:`AioDiskIO.empty` hands out page-locked buffers (DeepSpeed's pinned-tensor
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .disk_io import ALIGNMENT, DiskIO, aligned_empty
+from .io import ALIGNMENT, DiskIO, aligned_empty
 
 logger = logging.getLogger(__name__)
 

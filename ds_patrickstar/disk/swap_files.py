@@ -29,7 +29,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from .disk_io import ALIGNMENT, aligned_empty
+from .io import ALIGNMENT, aligned_empty
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 ends, a gradient arrives, the step is over) turned into chunk-group work.
 
 A short facade over the classes that each do one job: :class:`~ds_patrickstar.chunks.chunk_map.ChunkMap`
-(what is where), :class:`~ds_patrickstar.dist.groups.GroupResidency` (gathered groups and their
-collectives), :class:`~ds_patrickstar.dist.keep.KeepPolicy` (whether a group stays gathered),
-:class:`~ds_patrickstar.dist.straddle.JoinedBuffers` (straddling tensors) and
-:class:`~ds_patrickstar.dist.grads.GradientSink` (gradients, reduce-scatters, the norm). With one
+(what is where), :class:`~ds_patrickstar.groups.residency.GroupResidency` (gathered groups and their
+collectives), :class:`~ds_patrickstar.groups.keep.KeepPolicy` (whether a group stays gathered),
+:class:`~ds_patrickstar.groups.straddle.JoinedBuffers` (straddling tensors) and
+:class:`~ds_patrickstar.groups.grads.GradientSink` (gradients, reduce-scatters, the norm). With one
 rank every collective is a no-op and the same code runs.
 
 [Note: tied weights between backward uses]
@@ -46,9 +46,9 @@ from ..placement.tracer import RECOMPUTE
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink
-from .groups import GroupResidency
 from .keep import KeepPolicy
 from .reductions import InFlightReductions
+from .residency import GroupResidency
 from .straddle import JoinedBuffers
 
 _S = TensorState

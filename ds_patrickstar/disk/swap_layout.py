@@ -4,7 +4,7 @@
 A spilled chunk's fp32 master, momentum and variance are cut into *pieces* of at most
 ``piece_elements`` elements (``offload_optimizer.buffer_size``, default :data:`PIECE_ELEMENTS`),
 and a piece's three states are one contiguous region of the file: its master, momentum and
-variance back to back, each padded to :data:`~ds_patrickstar.memory.disk_io.ALIGNMENT`; the
+variance back to back, each padded to :data:`~ds_patrickstar.disk.io.ALIGNMENT`; the
 pieces follow each other in element order. A piece is therefore one read and one write, and
 the disk tier's host buffers each hold one piece, whatever the chunk's size: a 103M-element
 embedding chunk streams through the same buffers as a 1M-element one. Pieces are a multiple
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .disk_io import ALIGNMENT, align_up
+from .io import ALIGNMENT, align_up
 
 PIECE_ELEMENTS = 4 * 2**20
 """Default elements of one piece: 48 MiB of master, momentum and variance, one request large

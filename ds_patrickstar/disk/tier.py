@@ -12,22 +12,15 @@ import torch
 
 from ..chunks.chunk_map import owner_of
 from ..chunks.layout import ChunkSpec
-from ..dist.comm import ChunkComm
-from ..memory.aio_disk_io import AioDiskIO, async_io_built, load_async_io, lock_problem
-from ..memory.disk_io import DiskIO, ThreadDiskIO
-from ..memory.preflight import (
-    OPTIM_BYTES_PER_ELEMENT,
-    disk_buffer_bytes,
-    plan_for_rank,
-    record_bytes,
-    spilled_chunks,
-)
-from ..memory.swap_files import PathProbe, SwapFiles, check_swap_path, rank_folder, stale_bytes
-from ..memory.swap_layout import piece_elements
-from ..optim.disk_states import DiskStates
-from .config import PatrickStarConfig
-from .disk_config import NvmeOffload
-from .host_share import local_world_size
+from ..groups.comm import ChunkComm
+from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_rank
+from .aio import AioDiskIO, async_io_built, load_async_io, lock_problem
+from .budget import disk_buffer_bytes, record_bytes, spilled_chunks
+from .config import NvmeOffload
+from .io import DiskIO, ThreadDiskIO
+from .states import DiskStates
+from .swap_files import PathProbe, SwapFiles, check_swap_path, rank_folder, stale_bytes
+from .swap_layout import piece_elements
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +43,21 @@ def resolve_host_budget(host_budget: int | float | None, world_size: int) -> int
 
 
 def plan_disk_tier(
-    options: PatrickStarConfig, specs: list[ChunkSpec], comm: ChunkComm, dtype: torch.dtype, accumulate: bool
+    nvme: NvmeOffload | None,
+    host_budget: int | float | None,
+    specs: list[ChunkSpec],
+    comm: ChunkComm,
+    dtype: torch.dtype,
+    accumulate: bool,
 ) -> dict[int, int]:
-    """The spilled chunks of this rank (id -> capacity), after checking ``nvme_path`` has room for them."""
-    nvme = options.offload_optimizer
+    """The spilled chunks of this rank (id -> capacity), after checking ``nvme_path`` has room for them
+    (``nvme``: ``zero_optimization.offload_optimizer`` when it names a disk, else None)."""
     if nvme is None:
         return {}
     owners = [owner_of(i, comm.world_size) for i in range(len(specs))]
     plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
     owned = {i: s.capacity for i, s in enumerate(specs) if owners[i] == comm.rank}
-    budget = resolve_host_budget(options.host_budget, comm.world_size)
+    budget = resolve_host_budget(host_budget, comm.world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
     chosen = spilled_chunks(owned, other, budget, nvme.buffer_count, nvme.buffer_size)
     spilled = {cid: owned[cid] for cid in sorted(chosen)}
@@ -74,33 +72,31 @@ def plan_disk_tier(
         len(owned),
         needed / 2**30,
         folder,
-        buffer_bytes(options, spilled) / 2**30,
+        buffer_bytes(nvme, spilled) / 2**30,
         piece_elements(nvme.buffer_size),
     )
     return spilled
 
 
-def buffer_bytes(options: PatrickStarConfig, spilled: dict[int, int]) -> int:
+def buffer_bytes(nvme: NvmeOffload | None, spilled: dict[int, int]) -> int:
     """Host bytes of the disk tier's buffers for these spilled chunks (what :class:`DiskStates` allocates)."""
-    nvme = options.offload_optimizer
     if nvme is None:
         return 0
     return disk_buffer_bytes(list(spilled.values()), nvme.buffer_count, piece_elements(nvme.buffer_size))
 
 
-def host_bytes_saved(options: PatrickStarConfig, spilled: dict[int, int]) -> int:
+def host_bytes_saved(nvme: NvmeOffload | None, spilled: dict[int, int]) -> int:
     """Host bytes the disk tier takes off the model data: the spilled states less its buffers."""
-    return OPTIM_BYTES_PER_ELEMENT * sum(spilled.values()) - buffer_bytes(options, spilled)
+    return OPTIM_BYTES_PER_ELEMENT * sum(spilled.values()) - buffer_bytes(nvme, spilled)
 
 
-def open_disk_states(options: PatrickStarConfig, spilled: dict[int, int], rank: int, poison: bool) -> DiskStates | None:
+def open_disk_states(nvme: NvmeOffload | None, spilled: dict[int, int], rank: int, poison: bool) -> DiskStates | None:
     """The swap files and the I/O of the spilled chunks (None when nothing spills)."""
-    nvme = options.offload_optimizer
     if nvme is None or not spilled:
         return None
     files = SwapFiles(nvme.nvme_path, rank, {cid: record_bytes(c) for cid, c in spilled.items()})
     try:
-        locked = buffer_bytes(options, spilled)
+        locked = buffer_bytes(nvme, spilled)
         io = make_disk_io(nvme, files.direct, poison, locked)
     except BaseException:
         files.close(remove=True)

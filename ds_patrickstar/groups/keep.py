@@ -18,7 +18,7 @@ gathered decides which collectives run, so the decision must be the same everywh
 group is never released on one rank alone. The ranks agree on that room once per step, not per
 decision (see [Note: agreed gather plan]). The same holds for a prefetch under placement. Under pressure,
 placement first completes the reduce-scatters in flight (``PlacementRuntime.drain_reductions``),
-which frees their flat gradient buffers (see [Note: flat group buffers] in dist/flat.py).
+which frees their flat gradient buffers (see [Note: flat group buffers] in groups/flat.py).
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 from ..chunks.chunk_map import ChunkMap
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
-from .groups import GroupResidency
+from .residency import GroupResidency
 
 
 class KeepPolicy:
