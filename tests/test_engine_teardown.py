@@ -169,3 +169,23 @@ def test_destroy_on_two_ranks():
     from multiproc import run_ranks
 
     assert run_ranks(_teardown_on_ranks, 2) == [(0, 0, True, True)] * 2
+
+
+def _validation_forward_then_destroy(rank, world_size, kind):
+    """Two steps, then a validation forward under grad mode whose loss is never backwarded, then
+    destroy: the names of the weights destroy did not keep."""
+    engine, model, inputs = _trained_engine(kind, None, world_size)
+    engine(*inputs)  # a validation loss, computed with grad on and not backwarded
+    before = _weights(engine.module)  # a collective: every rank gets every weight
+    engine.destroy()
+    after = _weights(model)
+    return [name for name in before if not torch.equal(before[name], after.get(name, torch.empty(0)))]
+
+
+@pytest.mark.parametrize("kind", ["host"])
+def test_destroy_after_a_forward_without_backward_keeps_the_weights_on_two_ranks(kind):
+    """A forward without backward opens no iteration (see [Note: run state]): destroy gathers the weights
+    on every rank instead of leaving the parameters empty as if a rank had failed mid-iteration."""
+    from multiproc import run_ranks
+
+    assert run_ranks(_validation_forward_then_destroy, 2, kind) == [[]] * 2

@@ -36,14 +36,6 @@ class _Map:
         return 100
 
 
-class _Tracer:
-    def __init__(self, trace) -> None:
-        self.trace = trace
-
-    def last_iteration(self):
-        return self.trace
-
-
 def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int], at: int) -> int:
     """The most gathered bytes the plan agreed from this trace lets stay at moment ``at`` (two
     ranks, groups of 100 B, 1,000 B of room)."""
@@ -57,7 +49,14 @@ def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int
 
     class Placement:
         gathered_rooms = PlacementRuntime.gathered_rooms
-        tracer, moment, label, recording = _Tracer(trace), at, labels[at], True
+
+        @staticmethod
+        def last_iteration():
+            return trace
+
+        @staticmethod
+        def recorded_moment() -> tuple[int, str]:
+            return at, labels[at]
 
         @staticmethod
         def movable_room() -> int:

@@ -290,7 +290,7 @@ def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
     runtime.ledger = SimpleNamespace(non_model=0)
     runtime.tracer = SimpleNamespace(non_model_now=lambda ledger: 100)
     runtime.store = SimpleNamespace(accel=SimpleNamespace(fragmentation=lambda: stranded[0]))
-    runtime.recording, runtime.stranded_peak = True, 0
+    runtime.run, runtime.stranded_peak = SimpleNamespace(records=lambda: True), 0
     assert runtime._headroom(trace, 0) == 1000 - 500  # the tide ahead (500) covers now (100) + 300 stranded
     stranded[0] = 450
     assert runtime._headroom(trace, 0) == 1000 - 550

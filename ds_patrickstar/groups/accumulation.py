@@ -8,7 +8,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..memory.store import ChunkStore
-from ..placement.runtime import PlacementRuntime
+from ..placement.interface import Placement
 from .comm import ChunkComm
 from .flat import FlatBuffers
 from .reductions import InFlightReductions
@@ -27,7 +27,7 @@ class ScatteredAccumulation:
         chunk_map: ChunkMap,
         comm: ChunkComm,
         store: ChunkStore,
-        placement: PlacementRuntime | None,
+        placement: Placement,
         reductions: InFlightReductions,
         flat: FlatBuffers,
     ) -> None:
@@ -65,10 +65,9 @@ class ScatteredAccumulation:
         keep = {c.chunk_id for c in self._map.group_members(group)}
         buf = self._buffer(group, keep)
         del self._buffers[group]
-        if self._placement is not None:  # the owned chunk, then room for its new accumulator beside it
-            self._placement.bring(owned, keep)
-            if owned.acc is None and owned.acc_host is None:
-                self._placement.make_room(4 * owned.capacity, keep)
+        self._placement.bring(owned, keep)  # the owned chunk, then room for its new accumulator beside it
+        if owned.acc is None and owned.acc_host is None:
+            self._placement.make_room(4 * owned.capacity, keep)
         self._store.accumulator(owned)
         pending = self._comm.reduce_scatter_mean_single_async(buf, after=lambda: self._add_owned(owned, buf))
         owned.pending.append(pending)  # the owned chunk (and its accumulator) stays until it completes

@@ -18,7 +18,7 @@ import torch
 
 from ..chunks.chunk import Chunk
 from ..memory.store import ChunkStore
-from ..placement.runtime import PlacementRuntime
+from ..placement.interface import Placement
 
 KIND = "grad_buffer"
 
@@ -26,7 +26,7 @@ KIND = "grad_buffer"
 class FlatBuffers:
     """Allocates and frees the flat gradient buffers of chunk groups; see [Note: flat group buffers]."""
 
-    def __init__(self, store: ChunkStore, placement: PlacementRuntime | None) -> None:
+    def __init__(self, store: ChunkStore, placement: Placement) -> None:
         self._store, self._placement = store, placement
 
     def zeros(self, members: list[Chunk], keep: set[int], group: int) -> torch.Tensor:
@@ -38,8 +38,7 @@ class FlatBuffers:
     def empty(self, members: list[Chunk], keep: set[int], group: int) -> torch.Tensor:
         numel = sum(c.capacity for c in members)
         dtype = members[0].dtype
-        if self._placement is not None:
-            self._placement.make_room(numel * dtype.itemsize, keep)
+        self._placement.make_room(numel * dtype.itemsize, keep)
         return self._store.accel.empty(numel, dtype, KIND, f"the gradient buffer of chunk group {group}")
 
     def free(self, buf: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ import zlib
 from collections.abc import Callable
 
 from ..chunks.chunk_map import ChunkMap
-from ..placement.runtime import PlacementRuntime
+from ..placement.interface import Placement
 from ..placement.tracer import Trace
 from .comm import ChunkComm
 
@@ -48,7 +48,7 @@ from .comm import ChunkComm
 class GatherPlan:
     """The room for gathered groups at each moment, agreed by every rank; see [Note: agreed gather plan]."""
 
-    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, placement: PlacementRuntime, accumulate: bool) -> None:
+    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, placement: Placement, accumulate: bool) -> None:
         self._map, self._comm, self._placement = chunk_map, comm, placement
         self._largest_group_bytes = chunk_map.largest_group_bytes()
         # a micro-step's gradient buffer (see [Note: flat group buffers]); the boundary reduces in place
@@ -59,7 +59,7 @@ class GatherPlan:
 
     def agree(self) -> None:
         """At the step, on every rank: agree the plan for the next iteration from the one just done."""
-        trace = self._placement.tracer.last_iteration()
+        trace = self._placement.last_iteration()
         labels = [m.label for m in trace.moments] if trace is not None else []
         keep, ahead = self._placement.gathered_rooms(trace, self._held(trace)) if trace is not None else ([], [])
         if trace is not None:  # a group gathered ahead in backward sits beside a flat gradient buffer
@@ -86,11 +86,10 @@ class GatherPlan:
 
     def _moment(self) -> int | None:
         """The index of the current moment in the plan, None when the iteration differs from it."""
-        placement = self._placement
-        moment = placement.moment
-        if not placement.recording or not 0 <= moment < len(self._labels):
+        recorded = self._placement.recorded_moment()
+        if recorded is None or not 0 <= recorded[0] < len(self._labels):
             return None
-        return moment if self._labels[moment] == placement.label else None
+        return recorded[0] if self._labels[recorded[0]] == recorded[1] else None
 
     def allows_keep(self, gathered: int) -> bool:
         """Whether ``gathered`` bytes of gathered groups may stay for the rest of the iteration."""

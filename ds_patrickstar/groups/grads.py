@@ -44,7 +44,7 @@ from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
-from ..placement.runtime import PlacementRuntime
+from ..placement.interface import Placement
 from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
 from .flat import FlatBuffers
@@ -67,7 +67,7 @@ class GradientSink:
         residency: GroupResidency,
         keep: KeepPolicy,
         reductions: InFlightReductions,
-        placement: PlacementRuntime | None,
+        placement: Placement,
         accumulate: bool,
     ) -> None:
         self._map, self._comm, self._store = chunk_map, comm, store
@@ -104,11 +104,10 @@ class GradientSink:
             self._residency.gather(group, fill=False)
         for piece in info.pieces:
             chunk = self._map.chunks[piece.chunk_id]
-            if self._placement is not None:
-                self._placement.bring(chunk, keep)  # a gradient is never written through a host round trip
+            self._placement.bring(chunk, keep)  # a gradient is never written through a host round trip
             part = flat[piece.in_param]
             if self.accumulate and self._scattered is None:
-                if chunk.acc is None and chunk.acc_host is None and self._placement is not None:
+                if chunk.acc is None and chunk.acc_host is None:
                     self._placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, keep)
                 acc_slot = self._store.accumulator(chunk)[piece.in_chunk]
                 acc_slot.add_(part.to(acc_slot.dtype))
@@ -147,8 +146,7 @@ class GradientSink:
         if self._comm.world_size == 1:
             return
         owned = members[self._comm.rank]
-        if self._placement is not None:
-            self._placement.bring(owned, {c.chunk_id for c in members})
+        self._placement.bring(owned, {c.chunk_id for c in members})
         flat = self._store.group_storage(members)
         landing = flat[self._comm.rank * owned.capacity : (self._comm.rank + 1) * owned.capacity]
         for chunk in members:  # the all-gather into the storage completed

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import torch
 
-from ..autograd_state import inside_backward
 from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.store import ChunkStore
-from ..placement.runtime import PlacementRuntime
-from ..placement.tracer import RECOMPUTE
+from ..placement.interface import Placement
+from ..run_state import RunState
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink
@@ -62,8 +61,9 @@ class ChunkManager:
         chunk_map: ChunkMap,
         comm: ChunkComm,
         store: ChunkStore,
-        placement: PlacementRuntime | None,
+        placement: Placement,
         reductions: InFlightReductions,
+        run: RunState,
         *,
         accumulate: bool,
         keep_gathered: int | None,
@@ -73,8 +73,9 @@ class ChunkManager:
         self.comm = comm
         self.store = store
         self.placement = placement
+        self.run = run
         self.joined = JoinedBuffers(chunk_map, store.accel)
-        self.plan = GatherPlan(chunk_map, comm, placement, accumulate) if placement is not None else None
+        self.plan = GatherPlan(chunk_map, comm, placement, accumulate) if placement.budgeted() else None
         self.residency = GroupResidency(
             chunk_map, comm, store, self.joined, placement, self.plan, prefetch_groups, accumulate
         )
@@ -83,38 +84,24 @@ class ChunkManager:
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
-        self.training_forward = False  # a training forward of the root module is running (set by the hooks)
-        self.iteration_open = False  # a training moment came and its backward has not ended (a destroy then
-        # must not gather: see [Note: engine teardown])
-
-    def _training(self) -> bool:
-        return self.comm.world_size > 1 and self._in_iteration()
-
-    def _in_iteration(self) -> bool:
-        """A moment of a training iteration: grad mode, a backward pass (with its recomputations), or
-        a no-grad region inside a training forward (a reentrant checkpoint's first forward; see
-        [Note: recomputation in the trace])."""
-        return torch.is_grad_enabled() or inside_backward() or self.training_forward
 
     # ---- uses -----------------------------------------------------------------------
     def access(self, infos: list[TensorInfo], label: str = "") -> None:
         """A moment: make the chunks of ``infos`` present on the accelerator, mark the tensors
-        ``COMPUTE``, and (with placement) check the budget and prefetch the next moment."""
+        ``COMPUTE``, and (with placement) check the budget and prefetch the next moment. A training
+        moment keeps and prefetches groups; see [Note: run state]."""
         ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
-        in_iteration = self._in_iteration()
-        self.iteration_open |= in_iteration
-        if in_iteration and label.startswith(RECOMPUTE):  # see [Note: recomputation in the trace]
+        if self.run.recomputing():  # see [Note: recomputation in the trace]
             self.comm.counters.recompute_moments += 1
-        if self.placement is not None:
-            self.placement.begin_moment(label, ids, in_iteration)
+        self.placement.begin_moment(label, ids)
         keep = frozenset(ids)
-        training = self._training()
+        training = self.comm.world_size > 1 and self.run.trains()
         for chunk_id in ids:
             self.residency.use(self.map.chunks[chunk_id], keep, training)
-        backward = inside_backward()  # a backward use, or a recomputation for one: not over before it says so
+        backward = self.run.in_backward()  # a backward use, or a recomputation for one: not over before it says so
         for info in infos:
             need = self.joined.rejoin_bytes(info)
-            if need and self.placement is not None:
+            if need:
                 self.placement.make_room(need, set(keep))
             self.joined.rejoin(info)
             self.joined.join(info)
@@ -123,8 +110,7 @@ class ChunkManager:
             users[info] = users.get(info, 0) + 1
         if training:
             self.residency.prefetch(keep, self.grads.reduced)
-        if self.placement is not None:
-            self.placement.end_moment(set(keep))
+        self.placement.end_moment(set(keep))
 
     def after_forward(self, infos: list[TensorInfo]) -> None:
         """A module's forward is over: its tensors that no enclosing module still uses are done for
@@ -138,17 +124,16 @@ class ChunkManager:
             if info.state is _S.COMPUTE:
                 info.end_forward()
             groups.add(self.map.group_of_info(info))
-        if self.placement is not None:
-            for chunk_id in dict.fromkeys(cid for info in infos for cid in info.chunk_ids):
-                chunk = self.map.chunks[chunk_id]
-                if self.map.is_owned(chunk):
-                    self.placement.after_use(chunk)
+        for chunk_id in dict.fromkeys(cid for info in infos for cid in info.chunk_ids):
+            chunk = self.map.chunks[chunk_id]
+            if self.map.is_owned(chunk):
+                self.placement.after_use(chunk)
         if self.comm.world_size == 1:
             return
-        training = torch.is_grad_enabled()  # a backward will follow; a no-grad forward releases
+        saved = self.run.saves_for_backward()  # a backward will read it; a no-grad forward releases
         for group in sorted(groups):
             if all(t.state is _S.HOLD_AFTER_FWD for t in self.map.group_tensors(group)):
-                if training:
+                if saved:
                     self.keep.keep(group)
                 else:
                     self.residency.release(group)
@@ -191,7 +176,6 @@ class ChunkManager:
         self._backward_users.clear()
         self._forward_users.clear()
         self.grads.end_backward(boundary)
-        self.iteration_open = False
 
     def grads_ready(self) -> bool:
         return self.grads.grads_ready()

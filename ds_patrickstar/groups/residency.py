@@ -15,7 +15,7 @@ from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.pending import Pending
 from ..memory.store import ChunkStore
-from ..placement.runtime import PlacementRuntime
+from ..placement.interface import Placement
 from .comm import ChunkComm
 from .gather_order import GatherOrder
 from .gather_plan import GatherPlan
@@ -31,7 +31,7 @@ class GroupResidency:
         comm: ChunkComm,
         store: ChunkStore,
         joined: JoinedBuffers,
-        placement: PlacementRuntime | None,
+        placement: Placement,
         plan: GatherPlan | None,
         prefetch_groups: int,
         accumulate: bool,
@@ -53,8 +53,7 @@ class GroupResidency:
         self.order = GatherOrder()
 
     def _bring(self, chunk: Chunk, keep: set[int]) -> None:
-        if self._placement is not None:
-            self._placement.bring(chunk, keep)
+        self._placement.bring(chunk, keep)
 
     # ---- gather and release ---------------------------------------------------------
     def gather_bytes(self, group: int) -> int:
@@ -77,8 +76,7 @@ class GroupResidency:
         members = self._map.group_members(group)
         owned = self._owned(members)
         needed = set(keep) | {c.chunk_id for c in members}
-        if self._placement is not None:  # room for the whole group at once: the owned chunk and the storage
-            self._placement.make_room(self.gather_bytes(group), needed)
+        self._placement.make_room(self.gather_bytes(group), needed)  # the whole group at once: owned chunk, storage
         self._bring(owned, needed)
         self._store.materialize(owned)
         if self._comm.world_size > 1:

@@ -24,9 +24,10 @@ Face Trainer does when ``train()`` runs again; a destroyed stock ZeRO-3 engine l
 behind instead). Between backward and step the slots hold gradients, so the fp32 masters give the
 values then. Where the values cannot be read back, each parameter is left empty (0 elements, with a
 warning; a new engine refuses it by name), never a view of freed memory: where reading fails, and,
-with data parallelism, where the engine is destroyed inside an iteration (a training moment came
-and its backward did not end: a rank that failed mid-step and destroys its engine on the way out
-must not start a gather the other ranks never join; it would hang instead of reporting its error).
+with data parallelism, where the engine is destroyed mid-iteration (a training forward or backward
+began and did not end, see [Note: run state]: a rank that failed mid-step and destroys its engine on
+the way out must not start a gather the other ranks never join; it would hang instead of reporting
+its error). A forward without backward (a validation loss under grad mode) has ended: destroy gathers.
 Such an interrupted engine also keeps its accelerator memory until it is collected: a collective in
 flight may still read or write its buffers (gloo's threads, NCCL's stream), and waiting for it could
 hang as well.
@@ -63,9 +64,11 @@ from ..memory.store import ChunkStore
 from ..optim.chunk_adam import ChunkAdam, adamw_mode
 from ..optim.states import OptimizerStates
 from ..placement.chunk_needs import chunk_needs
+from ..placement.interface import NullPlacement, Placement
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
+from ..run_state import RunState
 from .config import PatrickStarConfig
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
@@ -85,7 +88,8 @@ class ChunkedModel:
     accel: Accelerator
     store: ChunkStore
     chunk_map: ChunkMap
-    placement: PlacementRuntime | None
+    placement: Placement
+    run: RunState
     manager: ChunkManager
     optim_states: OptimizerStates
     adam: ChunkAdam
@@ -100,7 +104,7 @@ class ChunkedModel:
         if self.closed:
             return
         self.closed = True
-        interrupted = self.comm.world_size > 1 and self.manager.iteration_open
+        interrupted = self.comm.world_size > 1 and self.run.mid_iteration()  # see [Note: run state]
         self._unbind_parameters(interrupted)
         self.hooks.remove()
         if self.disk is not None:
@@ -248,6 +252,7 @@ def make_placement(
     chunk_map: ChunkMap,
     reductions: InFlightReductions,
     accumulate: bool,
+    run: RunState,
 ) -> PlacementRuntime:
     """Tide-aware (or static) placement on CUDA or the emulated accelerator; see [Note: placement]."""
     model_storages = chunk_map.model_storages()
@@ -264,6 +269,7 @@ def make_placement(
         chunk_map.chunks,
         reductions,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
+        run,
     )
     if options.offload_activations != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(
@@ -271,7 +277,7 @@ def make_placement(
             meter or SavedTensorMeter(lambda s: s._cdata in model_storages),
             options.offload_activations,
             counters,
-            lambda: runtime.moment,
+            runtime.current_moment,
         )
     logger.info(
         "ds_patrickstar: %s placement, accelerator budget %.3f GiB%s",
@@ -282,13 +288,14 @@ def make_placement(
     return runtime
 
 
-def activation_blocks(module: torch.nn.Module, placement: PlacementRuntime | None, mode: str) -> list[torch.nn.Module]:
+def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str) -> list[torch.nn.Module]:
     """The blocks whose inputs the emulated accelerator's meter counts (see [Note: held inputs]) and whose
     activations may be offloaded (see [Note: activation offload]); none without either."""
-    if placement is None or (placement.activations is None and placement.tracer.meter is None):
+    offloader = placement.activation_policy()
+    if offloader is None and placement.meter() is None:
         return []
     blocks = repeated_blocks(module)
-    if not blocks and placement.activations is not None:
+    if not blocks and offloader is not None:
         logger.warning(
             "ds_patrickstar: zero_optimization.offload_activations=%r finds no blocks (a ModuleList or Sequential "
             "of at least two modules) in %s: no activation is offloaded",
@@ -330,13 +337,17 @@ def assemble(
         specs, comm.world_size, comm.rank, store, has_values=lambda p: not (deferred and deferred.is_deferred(p))
     )
     reductions = InFlightReductions()
-    placement = make_placement(options, accel, store, counters, chunk_map, reductions, accumulate) if movable else None
+    run = RunState()
+    placement: Placement = NullPlacement()  # one memory (see [Note: null placement])
+    if movable:
+        placement = make_placement(options, accel, store, counters, chunk_map, reductions, accumulate, run)
     manager = ChunkManager(
         chunk_map,
         comm,
         store,
         placement,
         reductions,
+        run,
         accumulate=accumulate,
         keep_gathered=keep_gathered,
         prefetch_groups=options.prefetch_groups,
@@ -355,15 +366,14 @@ def assemble(
         basic_optimizer.param_groups,
         adamw,
         placement,
-        counters,
         stepped_groups={c.group_index for c in chunk_map.chunks},
     )
     export = ChunkExport(chunk_map, comm, accel, optim_states)
-    flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary)
+    flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary, run)
     hooks = HookRegistry(
         module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations)
     )
-    adam.build_kernels({accel.device, torch.device("cpu")} if placement else {accel.device})
+    adam.build_kernels({accel.device, torch.device("cpu")})  # hybrid Adam: the host's kernel too
     return ChunkedModel(
-        counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks, disk
+        counters, comm, accel, store, chunk_map, placement, run, manager, optim_states, adam, export, flow, hooks, disk
     )

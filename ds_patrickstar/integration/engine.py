@@ -7,8 +7,8 @@ and ``optimizer.zero_grad()`` at the boundary, no module-gradient all-reduce, no
 fp32 gradient clipping of its own (the optimizer clips on the global norm).
 
 [Note: no DeepSpeed optimizer]
-With an ``optimizer`` block, stock DeepSpeed builds its own Adam (FusedAdam: a JIT build of
-a minute on a cold cache, which fails outright on some CUDA set-ups; or DeepSpeedCPUAdam).
+With an ``optimizer`` block, stock DeepSpeed builds its own Adam (FusedAdam: a JIT build on a
+cold cache, which fails on some CUDA set-ups; or DeepSpeedCPUAdam).
 We only need an object that holds the param groups and the hyper-parameters an LR scheduler
 edits: our fused Adam runs the update. So the engine builds a plain ``torch.optim.AdamW``
 (or ``torch.optim.Adam`` with ``"adam_w_mode": false``) from the block, and no DeepSpeed
@@ -50,7 +50,7 @@ class PatrickStarEngine(DeepSpeedEngine):
         model, stop the disk tier's I/O threads and give back all accelerator memory and pinned host
         buffers at once, even if the engine object is kept (see [Note: engine teardown]); then the
         forward hooks DeepSpeed's engine put on the module go, whose closures hold the engine: a
-        caller who keeps the model no longer keeps the engine. Before the chunks go, the module's
+        caller who keeps the model does not keep the engine. Before the chunks go, the module's
         parameters get their trained values back as host tensors of their own (with data parallelism a
         gather: call it on every rank), so the model stays usable. Calling it again does nothing."""
         try:
@@ -225,23 +225,9 @@ class PatrickStarEngine(DeepSpeedEngine):
         """Write a PNG of the last iteration's model vs non-model accelerator memory per moment, its
         recomputation moments shaded (see [Note: recomputation in the trace]), the disk tier's host side
         and last step's I/O in a caption (:func:`~ds_patrickstar.placement.tide_plot.disk_caption`)."""
-        runtime = self.optimizer.placement
-        if runtime is None or not runtime.tide:
-            raise RuntimeError(
-                "no placement trace to plot: placement runs on CUDA or with "
-                "zero_optimization.emulate_accelerator=true, after at least one iteration"
-            )
-        from ..placement.tide_plot import disk_caption, plot_tide
+        from ..placement.tide_plot import disk_caption
 
-        trace = runtime.tracer.last_iteration()
-        return plot_tide(
-            runtime.tide,
-            runtime.placer.budget,
-            path,
-            f"ds_patrickstar tide ({runtime.placer.policy} placement)",
-            trace.recomputations() if trace is not None else None,
-            disk_caption(self.get_patrickstar_counters()),
-        )
+        return self.optimizer.placement.plot_tide(path, disk_caption(self.get_patrickstar_counters()))
 
     # ---- model data access ------------------------------------------------------
     @torch.no_grad()

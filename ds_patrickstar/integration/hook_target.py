@@ -1,8 +1,9 @@
 """The hook target: what happens to chunks at every forward, backward and state-dict moment.
 
-The hooks (:mod:`~ds_patrickstar.integration.hooks`) call :class:`TrainingFlow`; it turns module
-entries and exits into chunk-manager moments, tells placement where an iteration starts (see
-[Note: moments and the trace]), hands gradients to the manager, and routes
+The hooks (:mod:`~ds_patrickstar.integration.hooks`) call :class:`TrainingFlow`; it moves the run
+from phase to phase (see [Note: run state]), turns module entries and exits into chunk-manager
+moments, tells placement where an iteration starts (see [Note: moments and the trace]), hands
+gradients to the manager, and routes
 ``state_dict``/``load_state_dict`` to :class:`~ds_patrickstar.io.export.ChunkExport`
 (see [Note: state_dict]).
 """
@@ -20,7 +21,8 @@ from ..chunks.chunk import TensorInfo
 from ..groups.manager import ChunkManager
 from ..io.export import ChunkExport
 from ..optim.states import OptimizerStates
-from ..placement.runtime import PlacementRuntime
+from ..placement.interface import Placement
+from ..run_state import RunState
 
 
 def _backward_reads_no_weights(module: torch.nn.Module) -> bool:
@@ -35,15 +37,17 @@ class TrainingFlow:
         self,
         module: torch.nn.Module,
         manager: ChunkManager,
-        placement: PlacementRuntime | None,
+        placement: Placement,
         export: ChunkExport,
         optim_states: OptimizerStates,
         is_boundary: Callable[[], bool],
+        run: RunState,
     ) -> None:
         self.module = module
         self.manager = manager
         self.optim_states = optim_states
         self.placement = placement
+        self.run = run
         self.export = export
         self.is_boundary = is_boundary
         self._module_names = {m: n for n, m in module.named_modules()}
@@ -51,56 +55,61 @@ class TrainingFlow:
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
-        if inside_backward():
+        if inside_backward():  # the whole model checkpointed: its recomputation
             return
-        # see [Note: recomputation in the trace]; set at every root forward (a forward that raised
-        # never reached root_forward_end), so an evaluation forward after it is not a training one
-        self.manager.training_forward = torch.is_grad_enabled()
-        if self.placement is None or not torch.is_grad_enabled():
+        training = torch.is_grad_enabled()  # else an evaluation forward: placed greedily, not traced
+        if self.run.start_forward(training):
+            self.placement.start_iteration(inputs, self.optim_states)
+        if not training:
             return
-        self.placement.start_forward(inputs, self.optim_states)
-        offloader = self.placement.activations
+        offloader, meter = self.placement.activation_policy(), self.placement.meter()
         if offloader is not None:  # its hooks count what stays, as the meter's would
             offloader.start_forward()
             self._meter_ctx = offloader.hooks()
-        elif self.placement.tracer.meter is not None:
-            self._meter_ctx = self.placement.tracer.meter.hooks()
+        elif meter is not None:
+            self._meter_ctx = meter.hooks()
         if self._meter_ctx is not None:
             self._meter_ctx.__enter__()
 
     def root_forward_end(self) -> None:
         if inside_backward():
             return
-        self.manager.training_forward = False
-        if self._meter_ctx is not None and self.placement is not None and self.placement.activations is not None:
-            self.placement.activations.end_forward()
+        self.run.end_forward()
+        offloader = self.placement.activation_policy()
+        if self._meter_ctx is not None and offloader is not None:
+            offloader.end_forward()
         if self._meter_ctx is not None:
             self._meter_ctx.__exit__(None, None, None)
             self._meter_ctx = None
 
     # ---- module moments -------------------------------------------------------------------
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        kind = "rec:" if inside_backward() else "fwd:"  # a forward inside backward: a recomputation
+        kind = "fwd:"
+        if inside_backward():  # a forward inside backward: a recomputation
+            self.run.recompute()
+            kind = "rec:"
         self.manager.access(infos, kind + self._module_names.get(module, "?"))
 
     def block_forward(self, index: int, inputs: Any) -> None:
         """A block's training forward begins (not a recomputation): its inputs are counted for as long
         as they are held (see [Note: held inputs]), its saved tensors begin (see [Note: activation offload])."""
-        if self._meter_ctx is None or self.placement is None or inside_backward():
+        if self._meter_ctx is None or inside_backward():
             return
         tensors = list(iter_tensors(inputs))
-        if self.placement.activations is not None:
-            self.placement.activations.enter_block(index, tensors)
-        elif self.placement.tracer.meter is not None:
+        offloader, meter = self.placement.activation_policy(), self.placement.meter()
+        if offloader is not None:
+            offloader.enter_block(index, tensors)
+        elif meter is not None:
             for tensor in tensors:
-                self.placement.tracer.meter.hold(tensor)
+                meter.hold(tensor)
 
     def post_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        if inside_backward():
+        if self.run.recomputing():
             return  # an activation-checkpoint recomputation: the tensors stay in COMPUTE for backward
         self.manager.after_forward(infos)
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        self.run.backward_hook()
         if self.is_boundary():  # the step's disk reads need no gradient: start them now (see [Note: disk tier])
             self.optim_states.read_ahead()
         if _backward_reads_no_weights(module) and self.is_boundary() and self.manager.grads_only(infos):
@@ -108,9 +117,11 @@ class TrainingFlow:
         self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))
 
     def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        self.run.backward_hook()
         self.manager.backward_use_over(infos)
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
+        self.run.backward_hook()
         self.manager.take_grad(info, grad, self.is_boundary())
 
     # ---- state dicts (see [Note: state_dict]) ------------------------------------------

@@ -18,8 +18,10 @@
 With the emulated accelerator's meter or ``offload_activations``, a forward pre-hook on each block
 (the model's repeated layers) sees its inputs and marks where its saved tensors begin (see
 [Note: activation offload] and [Note: held inputs]).
-The root module's forward pre/post hooks (registered first) mark where an iteration's
-moments begin, for the memory tracer (see [Note: moments and the trace]).
+The root module's forward pre-hook (registered first) and post-hook (registered last, after the
+root module's own post-forward) move the run into and out of its forward (see [Note: run state]):
+where an iteration's moments begin, for the memory tracer (see [Note: moments and the trace]).
+Backward hooks move it into its backward, a forward hook inside backward into a recomputation.
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
 in the backward epilogue. ``state_dict()`` of the top module returns host copies streamed
 one chunk group at a time; ``load_state_dict()`` writes owned values into the chunks
@@ -90,7 +92,6 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-
         ctx.callback()
         return (None, *grads)
 
@@ -110,7 +111,6 @@ class HookRegistry:
             module.register_forward_pre_hook(
                 lambda mod, args, kwargs: target.root_forward_start((args, kwargs)), with_kwargs=True
             ),
-            module.register_forward_hook(lambda mod, args, output: target.root_forward_end()),
         ]
         for index, block in enumerate(blocks):  # registered before the blocks' own: see [Note: activation offload]
             self._handles.append(
@@ -124,6 +124,8 @@ class HookRegistry:
             if infos:
                 tied = any(holders[id(i.param)] > 1 for i in infos)
                 self._register_module(sub, infos, tied)
+        # after the root module's own post-forward: the training forward is over once its uses are
+        self._handles.append(module.register_forward_hook(lambda mod, args, output: target.root_forward_end()))
         self._handles.append(
             module.register_state_dict_post_hook(
                 lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)

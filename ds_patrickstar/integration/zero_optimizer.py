@@ -68,7 +68,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.parts = parts
         self.counters, self.accel, self.chunk_map = parts.counters, parts.accel, parts.chunk_map
         self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
-        self.export, self.adam = parts.export, parts.adam
+        self.export, self.adam, self.run = parts.export, parts.adam, parts.run
         self.last_step_counters: dict[str, int | float] = self.counters.as_dict()  # all zero before the first step
         self.consecutive_skipped_steps = 0
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
@@ -102,6 +102,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
     # ---- engine interface -------------------------------------------------------
     def backward_epilogue(self, **kwargs: Any) -> None:
         self.manager.end_backward(self.is_gradient_accumulation_boundary())
+        self.run.end_backward()  # see [Note: run state]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._frozen_or_extra:
@@ -120,8 +121,14 @@ class PatrickStarOptimizer(ZeROOptimizer):
                 "optimizer step() called before backward() reached the gradient accumulation "
                 "boundary; call engine.backward(loss) (or loss.backward()) first"
             )
-        if self.placement is not None:
-            self.placement.begin_step(self.optim_states)
+        self.run.start_step()  # see [Note: run state]
+        try:
+            self._step()
+        finally:
+            self.run.end_step()
+
+    def _step(self) -> None:
+        self.placement.begin_step(self.optim_states)
         loss_scale = self.loss_scale  # the scale the gradients were made with, before update_scale()
         scaled_norm = math.sqrt(self.manager.owned_grad_norm_sq(self.accel.device).item())
         self.overflow = not math.isfinite(scaled_norm)
@@ -137,8 +144,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
             # scheduler uses that to tell a missed step from a real one.
             self.optimizer.step()
         self.manager.finish_step()
-        if self.placement is not None:
-            self.placement.end_step()
+        self.placement.end_step()
 
     def _skip_step(self) -> None:
         self._global_grad_norm = float("inf")
@@ -228,9 +234,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         # buffers whose copy to the host is still in flight hold values that live on the host already
         device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim")) - self.accel.in_flight_bytes()
         host = self.parts.store.host_bytes + self.optim_states.bytes_on_host()
-        if self.placement is None:  # one memory: the "accelerator" is the host
-            device, host = 0, device + host
-        return device, host
+        return self.placement.split_model_bytes(device, host)
 
     def model_data_bytes(self) -> int:
         """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""

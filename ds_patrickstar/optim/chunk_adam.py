@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Chunk
-from ..counters import StepCounters
-from ..placement.runtime import PlacementRuntime
+from ..placement.interface import Placement
 from .adam_math import AdamHyper, AdamStep, adam_step_reference
 from .states import OptimizerChunk, OptimizerStates
 
@@ -75,8 +74,7 @@ class ChunkAdam:
         states: OptimizerStates,
         param_groups: list[dict[str, Any]],
         adamw: bool,
-        placement: PlacementRuntime | None,
-        counters: StepCounters,
+        placement: Placement,
         stepped_groups: set[int],
     ) -> None:
         self._chunks = chunks  # the owned chunks
@@ -85,7 +83,6 @@ class ChunkAdam:
         self.param_groups = param_groups
         self.adamw = adamw
         self._placement = placement
-        self._counters = counters
         self.group_steps = [0] * len(param_groups)
 
     def build_kernels(self, devices: set[torch.device]) -> None:
@@ -140,12 +137,5 @@ class ChunkAdam:
     def _chunk_values(self, chunk: Chunk) -> torch.Tensor:
         """Hybrid Adam: a chunk is updated where its optimizer state lives (see
         [Note: optimizer-state placement])."""
-        placement = self._placement
-        if placement is not None:
-            if chunk.chunk_id in self._states.on_device:
-                placement.bring(chunk, {chunk.chunk_id})
-                self._counters.adam_chunks_device += 1
-            else:
-                placement.evict(chunk)
-                self._counters.adam_chunks_host += 1
+        self._placement.place_for_update(chunk, chunk.chunk_id in self._states.on_device)
         return chunk.ready()

@@ -1,68 +1,29 @@
 """The placement runtime: carries out the placer's decisions at every moment, under the budget.
 
-It is the one object the layers above talk to about placement (see [Note: placement] in
-``policy.py``): a moment begins and ends, a chunk is brought or evicted, room is made, a kept or
-prefetched group is allowed or not; the step is a moment too (see [Note: optimizer-state placement]).
+It is the :class:`~ds_patrickstar.placement.interface.Placement` of a run with an accelerator (see
+[Note: placement] in ``policy.py``): a moment begins and ends, a chunk is brought or evicted, room is
+made, a kept or prefetched group is allowed or not; the step is a moment too (see
+[Note: optimizer-state placement]). Which moments it records follows the run's phase (see
+[Note: run state]).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
-
-import torch
 
 from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
-from ..memory.ledger import DeviceBudgetExceeded
+from ..memory.ledger import DeviceBudgetExceeded, DeviceLedger
 from ..memory.store import ChunkStore
+from ..run_state import RunState
+from .interface import NO_TIDE, ActivationPolicy, InFlightReductions, StatePlacement
 from .policy import Placer
-from .tracer import MemoryTracer, Trace
+from .tide_plot import plot_tide
+from .tracer import MemoryTracer, SavedTensorMeter, Trace
 
 logger = logging.getLogger(__name__)
-
-
-class InFlightReductions(Protocol):
-    """The data-parallel reduce-scatters in flight (``groups/reductions.py``): completing them frees
-    their flat gradient buffers, which placement does first when it is short of room (see
-    [Note: kept groups])."""
-
-    def drain(self) -> int:
-        """Wait on every reduce-scatter in flight; returns how many there were."""
-        ...
-
-
-class StatePlacement(Protocol):
-    """Where the optimizer states live (``optim/states.py``); see [Note: optimizer-state placement]."""
-
-    on_device: set[int]
-    trace_planned: Trace | None
-
-    def plan(self, trace: Trace, budget: int, policy: str, needs: list[int], chunk: int) -> None: ...
-
-    def all_to_host(self) -> None: ...
-
-
-class ActivationPolicy(Protocol):
-    """Activation offload (``activations/offloader.py``), which implements it; see
-    [Note: activation offload]."""
-
-    host_bytes: int  # bytes of offloaded activations off the accelerator now
-
-    def start_iteration(self, tracer: MemoryTracer) -> None: ...
-
-    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]], stranded: int = 0) -> None: ...
-
-    def start_forward(self) -> None: ...
-
-    def enter_block(self, block: int, inputs: list[torch.Tensor]) -> None: ...
-
-    def end_forward(self) -> None: ...
-
-    def hooks(self) -> AbstractContextManager[Any]: ...
 
 
 class PlacementRuntime:
@@ -77,21 +38,19 @@ class PlacementRuntime:
         chunks: list[Chunk],
         reductions: InFlightReductions,
         chunk_needs: Callable[[Trace], list[int]],
+        run: RunState,
     ) -> None:
         self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
-        self.ledger = store.accel.ledger
-        self.chunks = chunks
-        self.reductions = reductions
+        self.run = run
+        self.ledger, self.chunks, self.reductions = store.accel.ledger, chunks, reductions
         self._largest_chunk = max((c.nbytes for c in chunks), default=0)
         self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
         self.moment = -1
         self.label = ""  # the label of the current moment
-        self.recording = False
         # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
         self.tide: list[tuple[int, int, int, int]] = []
         self.stranded_peak = 0  # the most stranded allocator bytes at a moment this iteration
         self.activations: ActivationPolicy | None = None  # see [Note: activation offload]
-        self._step_since_forward = True  # the next training forward starts an iteration
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
     def model_bytes_on_device(self) -> int:
@@ -133,23 +92,22 @@ class PlacementRuntime:
         non_model = self.tracer.non_model_now(self.ledger)
         stranded = self.store.accel.fragmentation()
         self.ledger.non_model = non_model + stranded
-        if self.recording:
+        if self.run.records():
             self.stranded_peak = max(self.stranded_peak, stranded)
         return non_model
 
     # ---- moments ------------------------------------------------------------------
-    def begin_moment(self, label: str, chunk_ids: tuple[int, ...], training: bool = True) -> None:
-        """A moment of a training iteration (``training``: grad mode, backward with its recomputations,
-        or a no-grad region of a training forward) advances the trace; a forward outside one
-        (evaluation) is placed greedily without touching the trace or the tide."""
-        self.recording = training or label == "step"
-        if self.recording:
+    def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
+        """A recorded moment (a training moment or the step, see [Note: run state]) advances the trace;
+        any other (an evaluation forward's) is placed greedily without touching the trace or the tide."""
+        recording = self.run.records()
+        if recording:
             self.moment = self.tracer.record(label, chunk_ids, self.ledger)
             self.label = label
             if self.moment == 0:
                 self.tide = []
                 self.stranded_peak = 0
-        new_iteration = self.recording and self.moment == 0
+        new_iteration = recording and self.moment == 0
         self.placer.touch(chunk_ids, self.tracer.current_trace(), self.moment, new_iteration)
 
     def make_room(self, need: int, keep: set[int]) -> None:
@@ -171,7 +129,7 @@ class PlacementRuntime:
         short = over - accel.in_flight_bytes()
         if short > 0:
             try:
-                victims = self.placer.victims(short, self._evictable(keep))
+                self._evict_all(self.placer.victims(short, self._evictable(keep)))
             except DeviceBudgetExceeded as err:
                 raise DeviceBudgetExceeded(
                     f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
@@ -179,10 +137,12 @@ class PlacementRuntime:
                     f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
                     f"Raise zero_optimization.device_budget or lower chunk_size."
                 ) from None
-            for victim in victims:
-                self.evict(self.chunks[victim])
-                self.counters.evictions += 1
         accel.reclaim(need_below=headroom - need)
+
+    def _evict_all(self, victims: list[int]) -> None:
+        for victim in victims:
+            self.evict(self.chunks[victim])
+            self.counters.evictions += 1
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
         """``chunk`` on the accelerator (room made for it), its copy waited on."""
@@ -201,10 +161,10 @@ class PlacementRuntime:
                 f"{self.ledger.non_model - non_model:,} B exceed the accelerator budget of "
                 f"{self.placer.budget:,} B at moment {self.moment}"
             )
-        if self.recording:
+        if self.run.records():
             offloaded = self.activations.host_bytes if self.activations is not None else 0
             self.tide.append((self.moment, model, non_model, offloaded))
-        self.note_peaks(non_model)
+        note_peaks(self.counters, self.ledger, non_model, self.tracer.meter)
         trace = self.tracer.current_trace()
         ahead = self.placer.prefetch(trace, self.moment)
         for chunk_id in ahead:
@@ -225,19 +185,9 @@ class PlacementRuntime:
         victims = self.placer.victims_used_after(short, self._evictable(keep), self.moment + 1) if short > 0 else []
         if victims is None:
             return False
-        for victim in victims:
-            self.evict(self.chunks[victim])
-            self.counters.evictions += 1
+        self._evict_all(victims)
         accel.reclaim(need_below=headroom - nbytes)
         return True
-
-    def note_peaks(self, non_model: int) -> None:
-        counters, ledger = self.counters, self.ledger
-        counters.peak_model_bytes_device = max(counters.peak_model_bytes_device, ledger.peak)
-        counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
-        counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
-        if self.tracer.meter is not None:  # the saved activations the emulated accelerator's meter counts
-            counters.peak_activation_bytes_device = max(counters.peak_activation_bytes_device, self.tracer.meter.bytes)
 
     def movable_room(self) -> int:
         """The budget less what no moment can move: the optimizer states on the accelerator and the
@@ -247,39 +197,61 @@ class PlacementRuntime:
         return self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
 
     def gathered_rooms(self, trace: Trace, held: Callable[[int], int]) -> tuple[list[int], list[int]]:
-        """Per moment of ``trace``: the accelerator bytes gathered chunk groups may take on this rank,
-        ``(kept for the rest of the iteration, gathered ahead of the next moments)``: the budget less
-        what cannot move (optimizer states on the accelerator, fragmentation), less the tide of that
-        moment and, at each later moment, its tide and ``held(later)`` (the groups it holds beside the
-        kept ones; up to the next iteration's first moment), whichever is highest, resp. less the tide
-        of that moment and the next two (see [Note: agreed gather plan])."""
-        base = self.movable_room()
-        tides = [m.non_model for m in trace.moments]
-        keep = [0] * len(tides)
-        later = tides[0] + held(0) if tides else 0  # the next iteration's first moment
-        for index in range(len(tides) - 1, -1, -1):
-            keep[index] = base - max(tides[index], later)
-            later = max(later, tides[index] + held(index))
-        ahead = [base - max(tides[index : index + 3]) for index in range(len(tides))]
-        return keep, ahead
+        """Per moment of ``trace``, the bytes gathered groups may take: see :func:`gathered_rooms`."""
+        return gathered_rooms([m.non_model for m in trace.moments], self.movable_room(), held)
 
     def _fits(self, nbytes: int, trace: Trace | None) -> bool:
-
         return self.ledger.total + nbytes <= self._headroom(trace, self.moment + 1)
 
     def after_use(self, chunk: Chunk) -> None:
         if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
             self.evict(chunk)
 
+    def place_for_update(self, chunk: Chunk, on_device: bool) -> None:
+        """Hybrid Adam updates ``chunk`` where its states live (see [Note: optimizer-state placement])."""
+        if on_device:
+            self.bring(chunk, {chunk.chunk_id})
+            self.counters.adam_chunks_device += 1
+        else:
+            self.evict(chunk)
+            self.counters.adam_chunks_host += 1
+
+    # ---- what the layers above read (see [Note: null placement]) ------------------------
+    def current_moment(self) -> int:  # the activation offloader's clock
+        return self.moment
+
+    def recorded_moment(self) -> tuple[int, str] | None:
+        return (self.moment, self.label) if self.run.records() else None
+
+    def last_iteration(self) -> Trace | None:
+        return self.tracer.last_iteration()
+
+    def meter(self) -> SavedTensorMeter | None:
+        return self.tracer.meter
+
+    def activation_policy(self) -> ActivationPolicy | None:
+        return self.activations
+
+    def budgeted(self) -> bool:
+        return True
+
+    def split_model_bytes(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
+        return on_accelerator, on_host
+
+    def plot_tide(self, path: str, caption: str) -> str:
+        """A PNG of the last iteration's tide (see :mod:`~ds_patrickstar.placement.tide_plot`)."""
+        if not self.tide:
+            raise RuntimeError(NO_TIDE)
+        trace, title = self.tracer.last_iteration(), f"ds_patrickstar tide ({self.placer.policy} placement)"
+        recomputations = trace.recomputations() if trace is not None else None
+        return plot_tide(self.tide, self.placer.budget, path, title, recomputations, caption)
+
     # ---- iterations and the step (see [Note: optimizer-state placement]) ----------------
-    def start_forward(self, inputs: object, states: StatePlacement) -> None:
-        """A training forward of the root module: the first after a step starts an iteration (a new
+    def start_iteration(self, inputs: object, states: StatePlacement) -> None:
+        """The first training forward after a step (see [Note: run state]) starts an iteration (a new
         trace when the input shapes changed); before a (re-)trace every optimizer state goes to the
         host, so that the new tide is measured without them."""
-        if not self._step_since_forward:
-            return
         self.tracer.start_iteration(tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs)))
-        self._step_since_forward = False
         if self.tracer.tracing:
             states.all_to_host()
         if self.activations is not None:
@@ -288,7 +260,6 @@ class PlacementRuntime:
     def begin_step(self, states: StatePlacement) -> None:
         """The optimizer step is a moment; after a (re-)trace, the optimizer states are re-placed and
         the step uses only the chunks whose states live on the accelerator."""
-        self._step_since_forward = True
         trace = self.tracer.current_trace()
         if trace is not None and trace is not states.trace_planned:
             states.plan(trace, self.placer.budget, self.placer.policy, self._chunk_needs(trace), self._largest_chunk)
@@ -302,4 +273,28 @@ class PlacementRuntime:
             self.activations.plan(traced, self.movable_room(), self._chunk_needs, self.stranded_peak)
 
     def end_step(self) -> None:
-        self.note_peaks(self.tracer.non_model_now(self.ledger))
+        note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
+
+
+def gathered_rooms(tides: list[int], base: int, held: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """Per moment of a trace whose tides are ``tides``: the accelerator bytes gathered chunk groups may
+    take on this rank, ``(kept for the rest of the iteration, gathered ahead of the next moments)``:
+    ``base`` (the budget less what cannot move: optimizer states on the accelerator, fragmentation),
+    less the tide of that moment and, at each later moment, its tide and ``held(later)`` (the groups
+    it holds beside the kept ones; up to the next iteration's first moment), whichever is highest,
+    resp. less the tide of that moment and the next two (see [Note: agreed gather plan])."""
+    keep = [0] * len(tides)
+    later = tides[0] + held(0) if tides else 0  # the next iteration's first moment
+    for index in range(len(tides) - 1, -1, -1):
+        keep[index] = base - max(tides[index], later)
+        later = max(later, tides[index] + held(index))
+    ahead = [base - max(tides[index : index + 3]) for index in range(len(tides))]
+    return keep, ahead
+
+
+def note_peaks(counters: StepCounters, ledger: DeviceLedger, non_model: int, meter: SavedTensorMeter | None) -> None:
+    counters.peak_model_bytes_device = max(counters.peak_model_bytes_device, ledger.peak)
+    counters.peak_non_model_bytes_device = max(counters.peak_non_model_bytes_device, non_model)
+    counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
+    if meter is not None:  # the saved activations the emulated accelerator's meter counts
+        counters.peak_activation_bytes_device = max(counters.peak_activation_bytes_device, meter.bytes)

@@ -8,7 +8,9 @@ bytes minus the bytes of our chunks, and the peak since the previous moment; on 
 emulated accelerator the bytes autograd has saved for backward that are not chunk
 payloads, and the blocks' inputs for as long as they are held (see :class:`SavedTensorMeter`
 and [Note: held inputs]). Afterwards the placer reads, for any moment, the
-next use of a chunk and the non-model memory to plan for.
+next use of a chunk and the non-model memory to plan for. An iteration begins at the first
+training forward after a step; its moments are the recorded ones of [Note: run state] (training
+moments and the step): an evaluation forward's moments are placed but not traced.
 
 An iteration whose inputs have other shapes than the traced one (another sequence length
 or batch size), or whose moments differ from the trace (control flow: a different number
@@ -29,10 +31,11 @@ Belady's next use of a chunk a recomputation needs is that recomputation, and th
 moment before it brings the chunk in before the recomputation starts, not at its first use. A
 recomputed module's tensors stay in use (``COMPUTE``, their chunks unmovable) until its backward
 moment: :meth:`Trace.held_chunks` gives, per moment, the chunks in use then.
-A reentrant checkpoint's first forward runs under ``torch.no_grad()``: the hooks tell the chunk
-manager that a training forward of the root module is running, so those moments are part of the
-iteration (recorded, planned, kept gathered) and not taken for an evaluation forward. The counters
-report the recomputation moments per step (``recompute_moments``) and the tide plot shades them.
+A reentrant checkpoint's first forward runs under ``torch.no_grad()`` inside the run's ``FORWARD``
+phase (see [Note: run state]), so those moments are part of the iteration (recorded, planned, kept
+gathered) and not taken for an evaluation forward; a recomputation runs in the ``RECOMPUTE``
+phase. The counters report the recomputation moments per step (``recompute_moments``) and the
+tide plot shades them.
 On CUDA the recomputed activations are in the allocator's bytes the tracer reads, a second, short
 tide inside backward; the emulated accelerator's meter counts what autograd saves in the training
 forward (and the blocks' inputs a checkpoint holds, see [Note: held inputs]), not what a

@@ -1,0 +1,173 @@
+"""What placement offers the layers above (:class:`Placement`) and what it needs from them (the small
+protocols they implement), and the placement of a run without an accelerator (:class:`NullPlacement`).
+
+[Note: null placement]
+A plain CPU run (``HostAccelerator``) has one memory: chunks stay where they are built, nothing is
+brought, evicted, traced or planned. Its placement is a :class:`NullPlacement`, whose every moment,
+room and move does nothing, and whose answers are those of one memory: no budget bounds what stays
+gathered (no agreed gather plan, see [Note: agreed gather plan]), all model data is on the host,
+no trace exists to plot. Callers hold a :class:`Placement` and never ask whether placement runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from ..chunks.chunk import Chunk
+from .tracer import MemoryTracer, SavedTensorMeter, Trace
+
+NO_TIDE = (
+    "no placement trace to plot: placement runs on CUDA or with "
+    "zero_optimization.emulate_accelerator=true, after at least one iteration"
+)
+
+
+class InFlightReductions(Protocol):
+    """The data-parallel reduce-scatters in flight (``groups/reductions.py``): completing them frees
+    their flat gradient buffers, which placement does first when it is short of room (see
+    [Note: kept groups])."""
+
+    def drain(self) -> int:
+        """Wait on every reduce-scatter in flight; returns how many there were."""
+        ...
+
+
+class StatePlacement(Protocol):
+    """Where the optimizer states live (``optim/states.py``); see [Note: optimizer-state placement]."""
+
+    on_device: set[int]
+    trace_planned: Trace | None
+
+    def plan(self, trace: Trace, budget: int, policy: str, needs: list[int], chunk: int) -> None: ...
+
+    def all_to_host(self) -> None: ...
+
+
+class ActivationPolicy(Protocol):
+    """Activation offload (``activations/offloader.py``), which implements it; see
+    [Note: activation offload]."""
+
+    host_bytes: int  # bytes of offloaded activations off the accelerator now
+
+    def start_iteration(self, tracer: MemoryTracer) -> None: ...
+
+    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]], stranded: int = 0) -> None: ...
+
+    def start_forward(self) -> None: ...
+
+    def enter_block(self, block: int, inputs: list[torch.Tensor]) -> None: ...
+
+    def end_forward(self) -> None: ...
+
+    def hooks(self) -> AbstractContextManager[Any]: ...
+
+
+class Placement(Protocol):
+    """Placement as the layers above see it: :class:`~ds_patrickstar.placement.runtime.PlacementRuntime`
+    or :class:`NullPlacement` (see [Note: null placement])."""
+
+    # ---- moments (see [Note: moments and the trace]) ----
+    def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None: ...
+
+    def end_moment(self, in_use: set[int]) -> None: ...
+
+    def recorded_moment(self) -> tuple[int, str] | None:
+        """The index and label of the current moment where it is recorded in the trace."""
+        ...
+
+    def last_iteration(self) -> Trace | None: ...
+
+    def start_iteration(self, inputs: object, states: StatePlacement) -> None: ...
+
+    def meter(self) -> SavedTensorMeter | None: ...
+
+    def activation_policy(self) -> ActivationPolicy | None: ...
+
+    # ---- room and moves ----
+    def make_room(self, need: int, keep: set[int]) -> None: ...
+
+    def bring(self, chunk: Chunk, keep: set[int]) -> None: ...
+
+    def after_use(self, chunk: Chunk) -> None: ...
+
+    def place_for_update(self, chunk: Chunk, on_device: bool) -> None:
+        """The optimizer step updates ``chunk`` where its states live (see [Note: optimizer-state placement])."""
+        ...
+
+    # ---- the budget ----
+    def budgeted(self) -> bool:
+        """Whether model data on the accelerator must fit a budget (then the ranks agree what stays gathered)."""
+        ...
+
+    def gathered_rooms(self, trace: Trace, held: Callable[[int], int]) -> tuple[list[int], list[int]]: ...
+
+    def split_model_bytes(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
+        """``(on the accelerator, on the host)`` of the model data the accelerator's and the host's
+        accounts hold."""
+        ...
+
+    # ---- the step ----
+    def begin_step(self, states: StatePlacement) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def plot_tide(self, path: str, caption: str) -> str: ...
+
+
+class NullPlacement:
+    """The placement of a run without an accelerator; see [Note: null placement]."""
+
+    def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
+        pass
+
+    def end_moment(self, in_use: set[int]) -> None:
+        pass
+
+    def recorded_moment(self) -> tuple[int, str] | None:
+        return None
+
+    def last_iteration(self) -> Trace | None:
+        return None
+
+    def start_iteration(self, inputs: object, states: StatePlacement) -> None:
+        pass
+
+    def meter(self) -> SavedTensorMeter | None:
+        return None
+
+    def activation_policy(self) -> ActivationPolicy | None:
+        return None
+
+    def make_room(self, need: int, keep: set[int]) -> None:
+        pass
+
+    def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        pass
+
+    def after_use(self, chunk: Chunk) -> None:
+        pass
+
+    def place_for_update(self, chunk: Chunk, on_device: bool) -> None:
+        pass
+
+    def budgeted(self) -> bool:
+        return False
+
+    def gathered_rooms(self, trace: Trace, held: Callable[[int], int]) -> tuple[list[int], list[int]]:
+        return [], []
+
+    def split_model_bytes(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
+        return 0, on_accelerator + on_host  # one memory: the "accelerator" is the host
+
+    def begin_step(self, states: StatePlacement) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def plot_tide(self, path: str, caption: str) -> str:
+        raise RuntimeError(NO_TIDE)

@@ -1,0 +1,170 @@
+"""Where the run is: one phase of a training iteration at a time, and the legal moves between them.
+
+A leaf module: the chunk manager, placement and the hook target all ask the one :class:`RunState`
+of a run what phase it is in.
+
+[Note: run state]
+A run is in one :class:`Phase` at a time:
+
+* ``IDLE``: no training forward since the last optimizer step (or since the start); the next
+  training forward begins an iteration (placement starts its trace there, see
+  [Note: moments and the trace]);
+* ``FORWARD``: a training forward of the root module is running: a forward under grad mode,
+  no-grad regions inside it included (a reentrant checkpoint's first forward; see
+  [Note: recomputation in the trace]);
+* ``FORWARD_DONE``: training forwards have ended and no backward has begun. A forward without a
+  backward (a validation loss computed under grad mode) ends here: it opens no iteration; another
+  forward, a step, an evaluation or ``destroy`` may follow;
+* ``EVAL_FORWARD``: a forward of the root module under ``no_grad``; when it ends the run is back in
+  the phase it came from;
+* ``BACKWARD``: a backward pass is running (from the first hook autograd fires in it to the
+  backward epilogue);
+* ``RECOMPUTE``: inside a backward, a hooked module's forward runs again (an activation-checkpoint
+  recomputation); the next backward hook is ``BACKWARD`` again (a non-reentrant checkpoint may
+  stop a recomputation early, so its end is not waited for);
+* ``BACKWARD_DONE``: a backward has ended; the step or the next micro-step's forward follows;
+* ``STEP``: the optimizer step is running; it ends in ``IDLE`` even where it raises.
+
+The hooks move the run (``integration/hook_target.py``: the root module's forward begins and ends,
+a backward hook fires, a hooked module's forward runs inside backward), and so does the optimizer
+(the backward epilogue, the step); every other part only asks. A hooked module called on its own,
+outside the root module's forward, moves nothing: its moments are not training moments. The legal
+moves are the table :data:`_LEGAL`; anything else raises :class:`IllegalRunTransition` naming both
+phases. A forward or backward that raised leaves its phase as it was: the run is
+*mid-iteration* (``FORWARD``, ``BACKWARD``, ``RECOMPUTE``), and only a new forward of the root
+module leaves it. Mid-iteration, with data parallelism, a rank may have failed inside a collective
+the others wait in, so ``destroy`` must not gather (see [Note: engine teardown]).
+
+The questions asked of the phase:
+
+* a *training moment* (:meth:`RunState.trains`): ``FORWARD``, ``BACKWARD``, ``RECOMPUTE``: the
+  moment belongs to the iteration: chunk groups are kept and prefetched for it, and placement
+  records it in the trace; an evaluation forward is placed greedily and recorded nowhere;
+* *mid-iteration* (:meth:`RunState.mid_iteration`): the same phases, asked by ``destroy``;
+* a *recorded moment* (:meth:`RunState.records`): a training moment or the ``STEP``;
+* whether a forward use will be read again by a backward (:meth:`RunState.saves_for_backward`):
+  ``FORWARD`` under grad mode (a no-grad region of a training forward saves nothing);
+* a backward use (:meth:`RunState.in_backward`): ``BACKWARD`` or ``RECOMPUTE``; a recomputation
+  (:meth:`RunState.recomputing`): ``RECOMPUTE``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class IllegalRunTransition(RuntimeError):
+    """The run was asked to move between phases in a way [Note: run state] forbids."""
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    FORWARD_DONE = "forward_done"
+    EVAL_FORWARD = "eval_forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    BACKWARD_DONE = "backward_done"
+    STEP = "step"
+
+
+_P = Phase
+_NEW_FORWARD = frozenset({_P.FORWARD, _P.EVAL_FORWARD})  # a root forward may begin after any phase but the step
+_LEGAL: dict[Phase, frozenset[Phase]] = {
+    _P.IDLE: _NEW_FORWARD,
+    # FORWARD -> FORWARD / EVAL_FORWARD: the training forward raised, the next root forward starts afresh.
+    _P.FORWARD: _NEW_FORWARD | {_P.FORWARD_DONE},
+    # -> BACKWARD_DONE: a backward that reached no hooked module; -> STEP: a forward without backward
+    # (a validation loss) after the boundary micro-step's backward.
+    _P.FORWARD_DONE: _NEW_FORWARD | {_P.BACKWARD, _P.RECOMPUTE, _P.BACKWARD_DONE, _P.STEP},
+    # back to the phase the evaluation began in (a mid-iteration one where an earlier forward raised)
+    _P.EVAL_FORWARD: _NEW_FORWARD | {_P.IDLE, _P.FORWARD_DONE, _P.BACKWARD, _P.RECOMPUTE, _P.BACKWARD_DONE},
+    # -> FORWARD / EVAL_FORWARD: the backward raised
+    _P.BACKWARD: _NEW_FORWARD | {_P.RECOMPUTE, _P.BACKWARD_DONE},
+    _P.RECOMPUTE: _NEW_FORWARD | {_P.BACKWARD, _P.BACKWARD_DONE},
+    # -> BACKWARD_DONE: a backward epilogue that comes twice
+    _P.BACKWARD_DONE: _NEW_FORWARD | {_P.BACKWARD_DONE, _P.STEP},
+    _P.STEP: frozenset({_P.IDLE}),
+}
+_TRAINING = frozenset({_P.FORWARD, _P.BACKWARD, _P.RECOMPUTE})
+
+
+def check_move(old: Phase, new: Phase) -> None:
+    if new not in _LEGAL[old]:
+        raise IllegalRunTransition(
+            f"illegal run phase transition {old.name} -> {new.name}; "
+            f"from {old.name} only {sorted(p.name for p in _LEGAL[old])} are allowed"
+        )
+
+
+class RunState:
+    """The phase of one run and its moves; see [Note: run state]."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.IDLE
+        self._before_eval = Phase.IDLE  # where an evaluation forward returns to
+
+    def _move(self, new: Phase) -> None:
+        check_move(self.phase, new)
+        self.phase = new
+
+    # ---- moves ---------------------------------------------------------------------
+    def start_forward(self, grad: bool) -> bool:
+        """The root module's forward begins (``grad``: under grad mode); returns whether it begins an
+        iteration (the first training forward since the step)."""
+        if not grad:
+            if self.phase is not Phase.EVAL_FORWARD:
+                self._before_eval = self.phase
+            self._move(Phase.EVAL_FORWARD)
+            return False
+        first = self.phase is Phase.IDLE or (self.phase is Phase.EVAL_FORWARD and self._before_eval is Phase.IDLE)
+        self._move(Phase.FORWARD)
+        return first
+
+    def end_forward(self) -> None:
+        """The root module's forward is over."""
+        self._move(self._before_eval if self.phase is Phase.EVAL_FORWARD else Phase.FORWARD_DONE)
+
+    def backward_hook(self) -> None:
+        """Autograd runs one of our backward hooks (a module's backward, a gradient's arrival)."""
+        if self.phase is not Phase.BACKWARD:
+            self._move(Phase.BACKWARD)
+
+    def recompute(self) -> None:
+        """A hooked module's forward runs inside backward."""
+        if self.phase is not Phase.RECOMPUTE:
+            self._move(Phase.RECOMPUTE)
+
+    def end_backward(self) -> None:
+        self._move(Phase.BACKWARD_DONE)
+
+    def start_step(self) -> None:
+        self._move(Phase.STEP)
+
+    def end_step(self) -> None:
+        self._move(Phase.IDLE)
+
+    # ---- questions -----------------------------------------------------------------
+    def trains(self) -> bool:
+        """A moment now is a training moment."""
+        return self.phase in _TRAINING
+
+    def mid_iteration(self) -> bool:
+        """A training forward or backward began and did not end (it may have raised)."""
+        return self.phase in _TRAINING
+
+    def records(self) -> bool:
+        """A moment now is recorded in the trace: a training moment or the step."""
+        return self.phase in _TRAINING or self.phase is Phase.STEP
+
+    def saves_for_backward(self) -> bool:
+        """A forward use now is read again by a backward: a training forward under grad mode."""
+        return self.phase is Phase.FORWARD and torch.is_grad_enabled()
+
+    def in_backward(self) -> bool:
+        return self.phase is Phase.BACKWARD or self.phase is Phase.RECOMPUTE
+
+    def recomputing(self) -> bool:
+        return self.phase is Phase.RECOMPUTE
