@@ -4,6 +4,6 @@ and back (``zero_optimization.offload_activations``).
 Owns the offloader with its saved-tensor hooks (``offloader.py``), what it keeps per storage
 (``storages.py``: entries, segments, held inputs and their states) and which blocks ``"auto"``
 offloads (``plan.py``). Placement reaches it through the ``ActivationPolicy`` protocol of
-``placement/runtime.py``.
+``placement/interface.py``.
 May import: ``placement``, ``memory``, ``chunks`` and the leaf modules.
 """

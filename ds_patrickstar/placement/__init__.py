@@ -3,8 +3,9 @@
 Owns the memory tracer and its trace (``tracer.py``), the policy (``policy.py``: Belady eviction,
 prefetch, the static policy, which optimizer states fit), the runtime that carries the policy out
 at every moment and at the optimizer step (``runtime.py``), what the chunks in use take at each
-moment, for the plans (``chunk_needs.py``), and the tide plot (``tide_plot.py``).
+moment, for the plans (``chunk_needs.py``), the tide plot (``tide_plot.py``), and the interface the
+layers above hold with the placement of a run without an accelerator (``interface.py``).
 May import: ``memory``, ``chunks`` and the leaf modules. It talks to the layers above through
-the small protocols in ``runtime.py`` (activation offload, the reduce-scatters in flight, the
+the small protocols in ``interface.py`` (activation offload, the reduce-scatters in flight, the
 optimizer states' placement), which those layers implement.
 """
