@@ -13,6 +13,7 @@ LAYERS = ["chunks", "memory", "placement", "activations", "groups", "optim", "di
 LEAVES = {"counters", "autograd_state"}  # importable from every layer
 ENTRY_POINTS = {"__init__", "__main__", "plan", "zero_to_fp32"}  # the package root and the command lines: any layer
 MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 300
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -71,6 +72,16 @@ def test_every_sub_package_is_packaged():
 def test_no_module_over_the_size_limit():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
     assert max(sizes.values()) <= MAX_MODULE_LINES, {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES}
+
+
+def test_no_class_over_the_size_limit():
+    sizes = {
+        f"{p.relative_to(PACKAGE)}:{node.name}": node.end_lineno - node.lineno + 1
+        for p in _modules()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert max(sizes.values()) <= MAX_CLASS_LINES, {k: v for k, v in sizes.items() if v > MAX_CLASS_LINES}
 
 
 # ---- import circles -----------------------------------------------------------------------------
