@@ -12,7 +12,7 @@ forward (see [Note: moments and the trace]).
   block's (the last one's to the end of the root forward): it also holds what a checkpoint
   function around the block saves once the block returned (a reentrant checkpoint's input), and
   the block's inputs, which DeepSpeed's checkpoints hold outside saved tensors (see [Note: held
-  inputs] in ``activation_storages.py``). torch's non-reentrant checkpoint saves its input before
+  inputs] in ``storages.py``). torch's non-reentrant checkpoint saves its input before
   the block's pre-forward: in the previous segment. Saved tensors before the first segment (the
   embeddings) stay on the accelerator.
 * **What moves.** A saved tensor's whole storage (once per storage, whatever views of it are
@@ -33,12 +33,11 @@ forward (see [Note: moments and the trace]).
   host pool's pinned buffers, :meth:`Accelerator.host_bytes_allocated`). The counters add the bytes
   that left the accelerator and came back per step.
 * **Which blocks.** "all": every block, every iteration. "auto": see [Note: auto activation
-  offload] in ``activation_plan.py``; the iteration that is traced runs as "all". Once "auto" has
+  offload] in ``plan.py``; the iteration that is traced runs as "all". Once "auto" has
   planned, the allocator's free segments go back to the device
   (:meth:`~ds_patrickstar.memory.accelerator.Accelerator.release_cached`): laid out by the traced
   iteration, which offloaded every block, they would be split by the planned iteration's
-  activations, whose stranded pieces the plan does not count (see [Note: caching allocator model]:
-  on the emulated accelerator "auto" failed at 128 kB where keeping the activations fit).
+  activations, whose stranded pieces the plan does not count (see [Note: caching allocator model]).
 """
 
 from __future__ import annotations
