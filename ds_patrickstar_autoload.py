@@ -2,16 +2,16 @@
 
 [Note: autoload]
 Installed with the package as ``ds_patrickstar_autoload.pth`` in site-packages, whose one line
-runs :func:`install` at interpreter start-up. :func:`install` only puts a finder at the front
-of ``sys.meta_path`` (standard library only: nothing is imported, no torch, no DeepSpeed). The
-finder ignores every import but the top-level ``deepspeed``; for that one it lets the other finders find it and wraps its loader,
-so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar`` is imported, which
-wraps ``deepspeed.initialize`` (see [Note: registration] in ds_patrickstar/integration/
-registration.py). The finder removes itself when DeepSpeed is executed, not when it is found (a
-``find_spec`` probe imports nothing), and the module gets its own loader back.
-A process that never imports DeepSpeed never imports ds_patrickstar. This module is the bottom of
-the import graph: standard library only, the package loaded by name (so the package may use
-:func:`after_import`, the project's one import hook, without an import circle).
+runs :func:`install` at interpreter start-up. :func:`install` only puts a finder at the front of
+``sys.meta_path`` (standard library only: nothing is imported, no torch, no DeepSpeed). The finder
+ignores every import but the top-level ``deepspeed``; for that one it lets the other finders find
+it and wraps its loader, so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar``
+is imported, which wraps ``deepspeed.initialize`` (see [Note: registration] in
+ds_patrickstar/integration/ registration.py). The finder removes itself when DeepSpeed is
+executed, not when it is found (a ``find_spec`` probe imports nothing), and the module gets its
+own loader back. A process that never imports DeepSpeed never imports ds_patrickstar. This module
+is the bottom of the import graph: standard library only, the package loaded by name (so the
+package may use :func:`after_import`, the project's one import hook, without an import circle).
 
 ``DS_PATRICKSTAR_AUTOLOAD=0`` in the environment turns it off (the stage then needs
 ``import ds_patrickstar`` or ``python -m ds_patrickstar``). If ds_patrickstar cannot be
