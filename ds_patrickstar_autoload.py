@@ -7,7 +7,7 @@ runs :func:`install` at interpreter start-up. :func:`install` only puts a finder
 ignores every import but the top-level ``deepspeed``; for that one it lets the other finders find
 it and wraps its loader, so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar``
 is imported, which wraps ``deepspeed.initialize`` (see [Note: registration] in
-ds_patrickstar/integration/ registration.py). The finder removes itself when DeepSpeed is
+ds_patrickstar/integration/registration.py). The finder removes itself when DeepSpeed is
 executed, not when it is found (a ``find_spec`` probe imports nothing), and the module gets its
 own loader back. A process that never imports DeepSpeed never imports ds_patrickstar. This module
 is the bottom of the import graph: standard library only, the package loaded by name (so the
