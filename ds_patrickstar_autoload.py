@@ -1,8 +1,8 @@
 """Registers stage "patrickstar" when DeepSpeed is imported, without ``import ds_patrickstar``.
 
+[Note: autoload]
 Installed with the package as ``ds_patrickstar_autoload.pth`` in site-packages, whose one line
-runs :func:`install` at interpreter start-up. [Note: autoload]
-:func:`install` only puts a finder at the front of ``sys.meta_path`` (standard library only:
+runs :func:`install` at interpreter start-up. :func:`install` only puts a finder at the front of ``sys.meta_path`` (standard library only:
 nothing is imported, no torch, no DeepSpeed). The finder ignores every import but the
 top-level ``deepspeed``; for that one it lets the other finders find it and wraps its loader,
 so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar`` is imported, which

@@ -8,7 +8,7 @@ DeepSpeed writes, per tag, ``mp_rank_00_model_states.pt`` (the module's full
 master, momentum and variance as whole flat tensors, plus the layout that maps every
 parameter name to ``(shape, pieces)``, a piece being ``(chunk, offset, start, numel)``:
 elements ``start ..`` of the flattened parameter at ``offset`` in ``chunk`` (see
-[Note: straddling tensors]; format 1 had one whole piece per parameter and still loads).
+[Note: straddling tensors]; files of format 1, one whole piece per parameter, load too).
 Because the layout is per parameter, a checkpoint can be loaded into any world size or
 chunk size: each rank reads the saved files whose chunks cover the pieces it now owns (at an
 unchanged world size, only its own: :func:`owned_optimizer_files`) and copies those elements.
