@@ -182,10 +182,9 @@ def _validation_forward_then_destroy(rank, world_size, kind):
     return [name for name in before if not torch.equal(before[name], after.get(name, torch.empty(0)))]
 
 
-@pytest.mark.parametrize("kind", ["emulated"])
-def test_destroy_after_a_forward_without_backward_keeps_the_weights_on_two_ranks(kind):
+def test_destroy_after_a_forward_without_backward_keeps_the_weights_on_two_ranks():
     """A forward without backward opens no iteration (see [Note: run state]): destroy gathers the weights
     on every rank instead of leaving the parameters empty as if a rank had failed mid-iteration."""
     from multiproc import run_ranks
 
-    assert run_ranks(_validation_forward_then_destroy, 2, kind) == [[]] * 2
+    assert run_ranks(_validation_forward_then_destroy, 2, "emulated") == [[]] * 2

@@ -25,9 +25,9 @@ Backward hooks move it into its backward, a forward hook inside backward into a 
 A parameter never reached by backward gets its gradient (zero, or the accumulated sum)
 in the backward epilogue. ``state_dict()`` of the top module returns host copies streamed
 one chunk group at a time; ``load_state_dict()`` writes owned values into the chunks
-itself and makes the fp32 masters follow (see [Note: state_dict]). Forward hooks also fire during activation-checkpoint
-recomputation, which is just another ``COMPUTE`` use (a moment labelled ``rec:``; see
-[Note: recomputation in the trace]).
+itself and makes the fp32 masters follow (see [Note: state_dict]). Forward hooks also fire
+during activation-checkpoint recomputation, which is just another ``COMPUTE`` use (a moment
+labelled ``rec:``; see [Note: recomputation in the trace]).
 """
 
 from __future__ import annotations
