@@ -98,6 +98,8 @@ def _initialize_patrickstar(
         dist_init_required=dist_init_required,
     )
     _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
+    refuse_model_parallelism(mpu)
+
     config_class = DeepSpeedConfig(sanitized, mpu)
     engine = PatrickStarEngine(
         args=args,
@@ -119,6 +121,30 @@ def _initialize_patrickstar(
     if configure_gc is not None:
         configure_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def model_parallel_size(mpu: Any) -> int:
+    """The model-parallel world size of a Megatron-style ``mpu`` (1 without one)."""
+    if mpu is None:
+        return 1
+    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
+        getter = getattr(mpu, name, None)
+        if getter is not None:
+            return int(getter())
+    return 1
+
+
+def refuse_model_parallelism(mpu: Any) -> None:
+    """Stage "patrickstar" keys every file and folder (checkpoints, optimizer states, swap folders)
+    by data-parallel rank only: model-parallel ranks would overwrite each other's states."""
+    size = model_parallel_size(mpu)
+    if size > 1:
+        raise ValueError(
+            f"deepspeed.initialize(mpu=...) with a model-parallel world size of {size} is not supported by "
+            "stage 'patrickstar': its checkpoints, optimizer-state files and swap folders are named by "
+            "data-parallel rank only, so model-parallel ranks would overwrite each other's states. Train a "
+            "tensor- or pipeline-parallel model with ZeRO stage 1-3, or pass no mpu (data parallelism only)"
+        )
 
 
 def _warn_if_world_lost(world_size: int) -> None:
