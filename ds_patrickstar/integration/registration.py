@@ -80,6 +80,7 @@ def _initialize_patrickstar(
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import PatrickStarEngine
+    from .transaction import ModelState, roll_back
 
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
@@ -99,25 +100,33 @@ def _initialize_patrickstar(
     )
     _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
     config_class = DeepSpeedConfig(sanitized, mpu)
-    engine = PatrickStarEngine(
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        mpu=mpu,
-        dist_init_required=dist_init_required,
-        collate_fn=collate_fn,
-        config=sanitized,
-        config_class=config_class,
-        patrickstar_config=options,
-    )
-    engine.config = user_config  # Hugging Face and users read the config they wrote
-    adapt_accelerate()  # see [Note: accelerate's zero_stage]
-    configure_gc = getattr(engine, "_configure_python_gc", None)  # DeepSpeed >= 0.19.8 (disable_python_gc)
-    if configure_gc is not None:
-        configure_gc()
+    saved = ModelState.of(model, optimizer)  # see [Note: initialize as a transaction]
+    # built in two steps so that a failed __init__ leaves an engine to tear down
+    engine = PatrickStarEngine.__new__(PatrickStarEngine)
+    try:
+        PatrickStarEngine.__init__(
+            engine,
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            config=sanitized,
+            config_class=config_class,
+            patrickstar_config=options,
+        )
+        engine.config = user_config  # Hugging Face and users read the config they wrote
+        adapt_accelerate()  # see [Note: accelerate's zero_stage]
+        configure_gc = getattr(engine, "_configure_python_gc", None)  # DeepSpeed >= 0.19.8 (disable_python_gc)
+        if configure_gc is not None:
+            configure_gc()
+    except BaseException:
+        roll_back(engine, saved)
+        raise
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
