@@ -6,12 +6,15 @@ model as it would a fresh one. ``SwapFiles`` that fail part way close and remove
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
 from harness import make_config
 from test_disk_tier import disk_zero
 
@@ -114,9 +117,9 @@ def _fail_after_the_engine(monkeypatch, error):
 
 
 FAILURES = {
-    "kernel build": (_fail_in_kernel_build, RuntimeError("no compiler")),
-    "optimizer states": (_fail_after_the_optimizer_states, None),
-    "after the engine": (_fail_after_the_engine, ValueError("accelerate")),
+    "kernel build": (_fail_in_kernel_build, lambda: RuntimeError("no compiler")),
+    "optimizer states": (_fail_after_the_optimizer_states, lambda: DeviceBudgetExceeded("the states do not fit")),
+    "after the engine": (_fail_after_the_engine, lambda: ValueError("accelerate")),
 }
 
 
@@ -125,10 +128,9 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(dist, tmp_path, monkeypa
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
-    from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
 
-    fail, error = FAILURES[where]
-    error = error or DeviceBudgetExceeded("the optimizer states do not fit")
+    fail, make_error = FAILURES[where]
+    error = make_error()
     model = _model()
     before, threads = _tensors(model), set(threading.enumerate())
     values = {name: t.detach().clone() for name, t in model.state_dict(keep_vars=True).items()}
@@ -136,20 +138,24 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(dist, tmp_path, monkeypa
     with pytest.raises(type(error)) as raised:
         deepspeed.initialize(model=model, config=_config(tmp_path), model_parameters=model.parameters())
     assert raised.value is error
+    del raised, error  # their traceback holds the frames of initialize
     monkeypatch.undo()
 
     after = _tensors(model)
     assert after.keys() == before.keys()
     changed = [n for n, (t, storage, device) in before.items() if after[n][0] is not t or after[n][1:] != (storage, device)]
     assert changed == []
-    state = model.state_dict()  # read only once the storages are known to be the model's own
-    assert [name for name, value in values.items() if not torch.equal(state[name], value)] == []
+    # read only once the storages are known to be the model's own
+    assert [name for name, value in model.state_dict().items() if not torch.equal(values[name], value)] == []
     assert _hooks(model) == []
     assert set(threading.enumerate()) == threads
     assert _open_fds(str(tmp_path)) == []  # the swap files (the first initialize opens other files for good)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
+    own = [StorageWeakRef(p.untyped_storage()) for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, config=_config(tmp_path), model_parameters=model.parameters())
+    gc.collect()
+    assert all(ref.expired() for ref in own)  # a successful initialize holds none of the model's own tensors
     retried = _losses(engine)
     engine.destroy()
     fresh_model = _model()

@@ -5,10 +5,12 @@ Each rank keeps its spilled optimizer states under ``<nvme_path>/ds_patrickstar_
 one file per spilled chunk (``chunk<id>.swap``), holding the chunk's fp32 master, momentum and
 variance in pieces of a bounded number of elements, each piece's three states back to back
 (see [Note: swap pieces]), so a piece's states are one read and one write. The files are preallocated at initialize
-(``posix_fallocate``) and rewritten in place: writing new files is several times slower than
-rewriting allocated blocks on common SSDs and file systems. They are opened with ``O_DIRECT``
-where the file system allows it (a probe write at initialize), else buffered with a warning
-(tmpfs on older kernels).
+(``posix_fallocate``) and rewritten in place: on common SSDs and file systems rewriting allocated
+blocks is faster than writing new files. They are opened with ``O_DIRECT`` where the file system
+allows it (a probe write at initialize), else buffered with a warning (tmpfs on older kernels).
+Files that fail part way at initialize close every descriptor they opened and remove their folder
+before the error propagates. They are closed once: a later close (the disk tier's finalizer) leaves
+the folder alone, since another run may own it by then.
 
 The files are scratch, not a checkpoint: every run writes its states into them at initialize
 and a checkpoint copies them out (see [Note: disk tier checkpoints]). ``manifest.json`` records

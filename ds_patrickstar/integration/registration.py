@@ -9,7 +9,9 @@ the original arguments, untouched. Code that did ``from deepspeed import initial
 before importing ds_patrickstar keeps the original function, so import ds_patrickstar
 first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
 of the config (see [Note: accelerate's zero_stage]). A single process started without a
-launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]).
+launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]). A
+"patrickstar" initialize that fails leaves the model as it was (see
+[Note: initialize as a transaction]).
 
 The same call installs the only other three wrappers ds_patrickstar puts on another library,
 each a no-op for every other stage: DeepSpeed's ``clone_tensors_for_torch_save`` returns our

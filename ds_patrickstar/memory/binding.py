@@ -2,9 +2,12 @@
 
 One chunk group at a time: its chunks get their buffers from the :class:`ChunkStore`, its
 parameters become views of their chunk's payload (of their joined buffer when they straddle
-chunks, see [Note: straddling tensors]) after their values were copied into the owned pieces,
-and what this rank does not keep is let go before the next group. So initialize holds one
-group's payloads beside the model at most and never doubles model memory (see [Note: storage resize]).
+chunks, see [Note: straddling tensors]) after their values are copied into the owned pieces,
+and what this rank does not keep is let go before the next group. So binding holds this rank's
+chunks and one gathered group beside the parameters' own tensors, which are freed once nothing
+else holds them (``deepspeed.initialize`` holds them until it returns, to give them back if it
+fails: see [Note: initialize as a transaction]); the views stay valid as chunks move (see
+[Note: storage resize]).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def build_chunk_map(
 def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: bool) -> None:
     """The parameter becomes a view of its chunk payload (of its joined buffer when it straddles
     chunks); its values go into the owned pieces (on the host with placement) when it
-    ``has_values``, and its own storage is dropped."""
+    ``has_values``, and it lets go of its own storage."""
     chunk = chunk_map.chunk_of(info)
     if info.param.dtype != chunk.dtype:
         raise ValueError(
