@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import math
 import os
 import threading
 
@@ -31,12 +32,10 @@ MODULE_HOOKS = (
 )
 
 
-def _model() -> torch.nn.Module:
-    """A linear layer, a batch norm (buffers), a frozen bias."""
+def _model(norm: type[torch.nn.Module] = torch.nn.BatchNorm1d) -> torch.nn.Module:
+    """A linear layer, a norm (BatchNorm1d: buffers), a frozen bias."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), norm(32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     model[3].bias.requires_grad_(False)
     return model
 
@@ -77,7 +76,8 @@ def _losses(engine, steps: int = 2) -> list[float]:
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        loss = engine(torch.randn(8, 32, generator=gen)).square().mean()
+        x = torch.randn(8, 32, generator=gen).to(next(engine.module.parameters()).dtype)
+        loss = engine(x).float().square().mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -163,6 +163,30 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(dist, tmp_path, monkeypa
         model=fresh_model, config=_config(tmp_path), model_parameters=fresh_model.parameters()
     )
     assert retried == _losses(engine)
+    engine.destroy()
+
+
+def test_a_failed_bf16_initialize_gives_back_fp32_tensors_and_the_optimizers_groups(dist, monkeypatch):
+    """DeepSpeed casts the parameters to bf16 before our part of initialize runs: a failure gives the model
+    its fp32 tensors back and a client optimizer its param groups, and initialize then runs on both."""
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    model = _model(torch.nn.LayerNorm)  # bf16 batch norm wants bf16 running statistics (DeepSpeed keeps fp32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before, groups = _tensors(model), [(g, dict(g)) for g in optimizer.param_groups]
+    config = make_config("patrickstar", "bf16", chunk_size=1024, optimizer_type=None, extra_zero=EMULATED)
+    _fail_in_kernel_build(monkeypatch, RuntimeError("no compiler"))
+    with pytest.raises(RuntimeError, match="no compiler"):
+        deepspeed.initialize(model=model, config=config, optimizer=optimizer)
+    monkeypatch.undo()
+    after = _tensors(model)
+    assert [n for n, (t, storage, device) in before.items() if after[n][0] is not t or after[n][1] != storage] == []
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert [(g, dict(g)) for g in optimizer.param_groups] == groups
+    engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=optimizer)
+    assert engine.basic_optimizer is optimizer and all(math.isfinite(x) for x in _losses(engine, steps=1))
     engine.destroy()
 
 
