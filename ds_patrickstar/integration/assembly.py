@@ -1,12 +1,12 @@
 """Assembling a run: every collaborator of one model, built in order and wired once.
 
 First the plan (:func:`~ds_patrickstar.integration.planning.plan_run`: chunk layout, disk tier plan,
-pre-flight, accelerator), before any parameter changes. Then the parts that allocate: the chunk
-store, the chunk map (bound: parameters become views of their chunks), placement (on CUDA or the
-emulated accelerator), the chunk manager, deferred values (``ds_patrickstar.Init``), the disk tier's
-files and I/O, optimizer states, Adam, the streaming export, the hook target and the hooks; finally
-every Adam kernel the run can use is built, so no step waits on a compiler. A failure among them
-gives back what was built (see [Note: initialize as a transaction]).
+pre-flight, accelerator), before any parameter changes. Then the parts that allocate: the disk tier's
+files and I/O, the chunk store, the chunk map (bound: parameters become views of their chunks),
+placement (on CUDA or the emulated accelerator), the chunk manager, deferred values
+(``ds_patrickstar.Init``), optimizer states, Adam, the streaming export, the hook target and the
+hooks; finally every Adam kernel the run can use is built, so no step waits on a compiler. A failure
+among them gives back what was built (see [Note: initialize as a transaction]).
 
 [Note: engine teardown]
 ``engine.destroy()`` ends the run (:meth:`ChunkedModel.close`): every hook we put on the model goes,
@@ -226,46 +226,34 @@ def assemble(
     plan = plan_run(
         module, basic_optimizer, options, device=device, dtype=dtype, accumulate=accumulate, dp_group=dp_group
     )
+    counters, comm, accel = plan.counters, plan.comm, plan.accel
     disk: DiskStates | None = None
     hooks: HookRegistry | None = None
     try:
-        disk = open_disk_states(options.offload_optimizer, plan.spilled, plan.comm.rank, poison=plan.poison)
+        disk = open_disk_states(options.offload_optimizer, plan.spilled, comm.rank, poison=plan.poison)
         store, chunk_map, placement, manager = _build_chunks(module, options, plan, device, deferred, accumulate)
-        optim_states = OptimizerStates(
-            chunk_map.owned_chunks(), plan.accel, start_on_device=not plan.movable, disk=disk
-        )
+        owned = chunk_map.owned_chunks()
+        optim_states = OptimizerStates(owned, accel, start_on_device=not plan.movable, disk=disk)
         adam = ChunkAdam(
-            chunk_map.owned_chunks(),
+            owned,
             optim_states,
             basic_optimizer.param_groups,
             plan.adamw,
             placement,
-            plan.counters,
+            counters,
             stepped_groups={c.group_index for c in chunk_map.chunks},
         )
-        export = ChunkExport(chunk_map, plan.comm, plan.accel, optim_states)
+        export = ChunkExport(chunk_map, comm, accel, optim_states)
         flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary)
         hooks = HookRegistry(
             module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations)
         )
-        adam.build_kernels({plan.accel.device, torch.device("cpu")} if placement else {plan.accel.device})
+        adam.build_kernels({accel.device, torch.device("cpu")} if placement else {accel.device})
     except BaseException:
-        _give_back(hooks, disk, plan.accel)
+        _give_back(hooks, disk, accel)
         raise
     return ChunkedModel(
-        plan.counters,
-        plan.comm,
-        plan.accel,
-        store,
-        chunk_map,
-        placement,
-        manager,
-        optim_states,
-        adam,
-        export,
-        flow,
-        hooks,
-        disk,
+        counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks, disk
     )
 
 

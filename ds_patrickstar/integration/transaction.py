@@ -40,7 +40,8 @@ class ModelState:
     group_list: list[dict[str, Any]] | None  # the client optimizer's list of param groups
 
     @classmethod
-    def of(cls, module: torch.nn.Module, optimizer: Any = None) -> ModelState:
+    def of(cls, module: torch.nn.Module, optimizer: object = None) -> ModelState:
+        """The state of ``module`` and of ``optimizer`` when it is a torch optimizer (a client's)."""
         entries: list[tuple[dict[str, Any], str, Any]] = []
         tensors: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         for sub in module.modules():
@@ -55,6 +56,7 @@ class ModelState:
         return cls(entries, list(tensors.values()), groups, group_list)
 
     def restore(self) -> None:
+        """Every entry, tensor, gradient and param group as :meth:`of` found it."""
         for table, key, value in self.entries:
             table[key] = value
         for tensor, data, grad in self.tensors:
@@ -70,15 +72,13 @@ class ModelState:
 
 def roll_back(engine: Any, saved: ModelState) -> None:
     """A failed initialize: ``engine`` (as far as it was built) goes, the model gets ``saved`` back; see
-    [Note: initialize as a transaction]. Raises nothing."""
-    try:
-        optimizer = getattr(engine, "optimizer", None)
-        if isinstance(optimizer, PatrickStarOptimizer):
-            optimizer.abandon()
-        engine.destroy()
-    except Exception:
-        logger.exception("ds_patrickstar: tearing down the engine of a failed initialize failed too")
-    try:
-        saved.restore()
-    except Exception:
-        logger.exception("ds_patrickstar: giving the model its own tensors back after a failed initialize failed")
+    [Note: initialize as a transaction]. Raises nothing: a step that fails is logged and the next runs."""
+    optimizer = getattr(engine, "optimizer", None)
+    steps = [engine.destroy, saved.restore]
+    if isinstance(optimizer, PatrickStarOptimizer):
+        steps.insert(0, optimizer.abandon)  # before destroy, which would read the values back
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            logger.exception("ds_patrickstar: rolling back a failed initialize: %s failed", step.__qualname__)
