@@ -1,7 +1,9 @@
 """A failed ``deepspeed.initialize`` leaves the model as it was: the very same parameter and buffer
-tensors with their values, no hook of ours or DeepSpeed's, no disk tier thread, descriptor or file;
-the original exception comes out unchanged, and initialize with a working config then trains the same
-model as it would a fresh one. ``SwapFiles`` that fail part way close and remove what they opened.
+objects with their values, devices and dtypes, no hook of ours or DeepSpeed's, no disk tier thread,
+descriptor or file; the original exception comes out unchanged, and initialize with a working config
+then trains the same model as it would a fresh one. Initialize holds none of the parameters' own
+tensors once they are bound, failing or not: the values of a failed one come back from the chunks.
+``SwapFiles`` that fail part way close and remove what they opened.
 """
 from __future__ import annotations
 
@@ -62,9 +64,15 @@ def _open_fds(under: str = "") -> list[str]:
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, tuple]:
-    """Each parameter and buffer: the object, its storage and its device."""
+    """Each parameter and buffer: the object, its device and its dtype."""
     named = [*model.named_parameters(), *model.named_buffers()]
-    return {name: (t, t.untyped_storage().data_ptr(), t.device) for name, t in named}
+    return {name: (t, t.device, t.dtype) for name, t in named}
+
+
+def _changed(before: dict[str, tuple], model: torch.nn.Module) -> list[str]:
+    after = _tensors(model)
+    assert after.keys() == before.keys()
+    return [name for name, (t, *where) in before.items() if after[name][0] is not t or list(after[name][1:]) != where]
 
 
 def _config(tmp_path):
@@ -85,12 +93,28 @@ def _losses(engine, steps: int = 2) -> list[float]:
 
 
 def _fail_in_kernel_build(monkeypatch, error):
-    from ds_patrickstar.optim.chunk_adam import ChunkAdam
+    """Before any parameter is bound."""
+    from ds_patrickstar.integration import assembly
 
-    def build_kernels(self, devices):
+    def build_kernels(devices):
         raise error
 
-    monkeypatch.setattr(ChunkAdam, "build_kernels", build_kernels)
+    monkeypatch.setattr(assembly, "build_kernels", build_kernels)
+
+
+def _fail_in_binding(monkeypatch, error):
+    """The second chunk gets no memory: the first chunk's parameters are bound, the others are not."""
+    from ds_patrickstar.memory.store import ChunkStore
+
+    real, calls = ChunkStore.create, []
+
+    def create(self, chunk, owned):
+        calls.append(chunk)
+        if len(calls) == 2:
+            raise error
+        real(self, chunk, owned)
+
+    monkeypatch.setattr(ChunkStore, "create", create)
 
 
 def _fail_after_the_optimizer_states(monkeypatch, error):
@@ -106,11 +130,16 @@ def _fail_after_the_optimizer_states(monkeypatch, error):
     monkeypatch.setattr(assembly, "OptimizerStates", states)
 
 
-def _fail_after_the_engine(monkeypatch, error):
-    """Our whole engine and DeepSpeed's were built; the last step of initialize fails."""
+def _fail_after_the_engine(monkeypatch, error, model=None):
+    """Our whole engine and DeepSpeed's were built; the last step of initialize fails. With ``model``: its
+    trainable parameters' own tensors are no longer held by anything by then."""
     from ds_patrickstar.integration import registration
 
+    own = [StorageWeakRef(p.untyped_storage()) for p in model.parameters() if p.requires_grad] if model else []
+
     def adapt():
+        gc.collect()
+        assert [ref for ref in own if not ref.expired()] == []
         raise error
 
     monkeypatch.setattr(registration, "adapt_accelerate", adapt)
@@ -118,6 +147,7 @@ def _fail_after_the_engine(monkeypatch, error):
 
 FAILURES = {
     "kernel build": (_fail_in_kernel_build, lambda: RuntimeError("no compiler")),
+    "binding": (_fail_in_binding, lambda: DeviceBudgetExceeded("the second chunk does not fit")),
     "optimizer states": (_fail_after_the_optimizer_states, lambda: DeviceBudgetExceeded("the states do not fit")),
     "after the engine": (_fail_after_the_engine, lambda: ValueError("accelerate")),
 }
@@ -134,18 +164,17 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(dist, tmp_path, monkeypa
     model = _model()
     before, threads = _tensors(model), set(threading.enumerate())
     values = {name: t.detach().clone() for name, t in model.state_dict(keep_vars=True).items()}
-    fail(monkeypatch, error)
+    if where == "after the engine":
+        _fail_after_the_engine(monkeypatch, error, model)
+    else:
+        fail(monkeypatch, error)
     with pytest.raises(type(error)) as raised:
         deepspeed.initialize(model=model, config=_config(tmp_path), model_parameters=model.parameters())
     assert raised.value is error
     del raised, error  # their traceback holds the frames of initialize
     monkeypatch.undo()
 
-    after = _tensors(model)
-    assert after.keys() == before.keys()
-    changed = [n for n, (t, storage, device) in before.items() if after[n][0] is not t or after[n][1:] != (storage, device)]
-    assert changed == []
-    # read only once the storages are known to be the model's own
+    assert _changed(before, model) == []
     assert [name for name, value in model.state_dict().items() if not torch.equal(values[name], value)] == []
     assert _hooks(model) == []
     assert set(threading.enumerate()) == threads
@@ -166,9 +195,11 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(dist, tmp_path, monkeypa
     engine.destroy()
 
 
-def test_a_failed_bf16_initialize_gives_back_fp32_tensors_and_the_optimizers_groups(dist, monkeypatch):
-    """DeepSpeed casts the parameters to bf16 before our part of initialize runs: a failure gives the model
-    its fp32 tensors back and a client optimizer its param groups, and initialize then runs on both."""
+@pytest.mark.parametrize("where", ["kernel build", "after the engine"])
+def test_a_failed_bf16_initialize_gives_back_fp32_parameters_and_the_optimizers_groups(dist, monkeypatch, where):
+    """DeepSpeed casts the parameters to bf16 before our part of initialize runs: a failure, before or after
+    they were bound, gives them back in fp32 holding their bf16-rounded values, and a client optimizer its
+    param groups; initialize then runs on both."""
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
@@ -176,18 +207,73 @@ def test_a_failed_bf16_initialize_gives_back_fp32_tensors_and_the_optimizers_gro
     model = _model(torch.nn.LayerNorm)  # bf16 batch norm wants bf16 running statistics (DeepSpeed keeps fp32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before, groups = _tensors(model), [(g, dict(g)) for g in optimizer.param_groups]
+    rounded = {name: p.detach().to(torch.bfloat16).float() for name, p in model.named_parameters()}
     config = make_config("patrickstar", "bf16", chunk_size=1024, optimizer_type=None, extra_zero=EMULATED)
-    _fail_in_kernel_build(monkeypatch, RuntimeError("no compiler"))
-    with pytest.raises(RuntimeError, match="no compiler"):
+    fail, make_error = FAILURES[where]
+    error = make_error()
+    fail(monkeypatch, error)
+    with pytest.raises(type(error)):
         deepspeed.initialize(model=model, config=config, optimizer=optimizer)
     monkeypatch.undo()
-    after = _tensors(model)
-    assert [n for n, (t, storage, device) in before.items() if after[n][0] is not t or after[n][1] != storage] == []
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert _changed(before, model) == []  # fp32 among them
+    assert [n for n, p in model.named_parameters() if not torch.equal(p, rounded[n])] == []
     assert [(g, dict(g)) for g in optimizer.param_groups] == groups
     engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=optimizer)
     assert engine.basic_optimizer is optimizer and all(math.isfinite(x) for x in _losses(engine, steps=1))
     engine.destroy()
+
+
+def _failed_on_ranks(rank, world_size):
+    """(parameters given back with their values, parameters left empty and marked, warnings, retry's error)
+    on one rank of a data parallel initialize that fails after the engine was built."""
+    import logging
+
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+    from ds_patrickstar.integration import registration
+    from ds_patrickstar.integration.planning import VALUES_LOST
+
+    model = _model()
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = make_config("patrickstar", chunk_size=1024, extra_zero=EMULATED)
+    config.pop("train_batch_size")
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ds_patrickstar").addHandler(handler)
+    real = registration.adapt_accelerate
+    registration.adapt_accelerate = lambda: (_ for _ in ()).throw(ValueError("accelerate"))
+    try:
+        deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    except ValueError:
+        pass
+    finally:
+        registration.adapt_accelerate = real
+    kept = sorted(n for n, p in model.named_parameters() if not hasattr(p, VALUES_LOST) and torch.equal(p, values[n]))
+    lost = sorted(n for n, p in model.named_parameters() if getattr(p, VALUES_LOST, False) and p.numel() == 0)
+    warned = [w for w in warnings if "a failed deepspeed.initialize did not read the weights back" in w]
+    try:
+        deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        retry = ""
+    except ValueError as err:
+        retry = str(err)
+    return kept, lost, len(warned), retry
+
+
+def test_a_failed_data_parallel_initialize_gives_back_the_values_each_rank_holds():
+    """No collective on a failing rank: each rank gives back the parameters in its own chunks, leaves the
+    others empty and marked (one warning), and a retry refuses them by name before any collective."""
+    from multiproc import run_ranks
+
+    names = {"0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"}
+    (kept0, lost0, warned0, retry0), (kept1, lost1, warned1, retry1) = run_ranks(_failed_on_ranks, 2)
+    assert set(kept0) | set(lost0) == set(kept1) | set(lost1) == names
+    assert set(kept0) & set(kept1) == {"3.bias"}  # frozen: never chunked; the others are on one rank at most
+    assert "0.weight" in set(lost0) & set(lost1)  # it straddles the two ranks' chunks
+    assert set(kept1) == names - {"0.weight"}  # the rest is in rank 1's chunk
+    assert (warned0, warned1) == (1, 1)
+    assert "parameter 0.weight holds no values" in retry0 and "parameter 0.weight holds no values" in retry1
 
 
 @pytest.mark.parametrize("step", ["fallocate", "manifest"])

@@ -1,12 +1,13 @@
 """Assembling a run: every collaborator of one model, built in order and wired once.
 
 First the plan (:func:`~ds_patrickstar.integration.planning.plan_run`: chunk layout, disk tier plan,
-pre-flight, accelerator), before any parameter changes. Then the parts that allocate: the disk tier's
-files and I/O, the chunk store, the chunk map (bound: parameters become views of their chunks),
-placement (on CUDA or the emulated accelerator), the chunk manager, deferred values
-(``ds_patrickstar.Init``), optimizer states, Adam, the streaming export, the hook target and the
-hooks; finally every Adam kernel the run can use is built, so no step waits on a compiler. A failure
-among them gives back what was built (see [Note: initialize as a transaction]).
+pre-flight, accelerator), then what needs no parameter's values: the check that every parameter can be
+bound and every Adam kernel the run can use (built now, so no step waits on a compiler); all before
+any parameter changes. Then the parts that allocate: the disk tier's files and I/O, the chunk store,
+the chunk map (bound: parameters become views of their chunks), placement (on CUDA or the emulated
+accelerator), the chunk manager, deferred values (``ds_patrickstar.Init``), optimizer states, Adam,
+the streaming export, the hook target and the hooks. A failure among them gives the bound parameters
+their values back and what was built goes (see [Note: initialize as a transaction]).
 
 [Note: engine teardown]
 ``engine.destroy()`` ends the run (:meth:`ChunkedModel.close`): every hook we put on the model goes,
@@ -35,13 +36,14 @@ hang as well.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch.distributed import ProcessGroup
 
 from ..activations.offloader import ActivationOffloader, repeated_blocks
+from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..counters import StepCounters
@@ -50,13 +52,13 @@ from ..disk.tier import open_disk_states
 from ..groups.comm import ChunkComm
 from ..groups.manager import ChunkManager
 from ..groups.reductions import InFlightReductions
-from ..io.export import ChunkExport
+from ..io.export import ChunkExport, owned_host_values
 from ..io.init import DeferredModel
 from ..memory.accelerator import Accelerator
-from ..memory.binding import build_chunk_map
+from ..memory.binding import build_chunk_map, check_bindable
 from ..memory.emulated import EmulatedAccelerator
 from ..memory.store import ChunkStore
-from ..optim.chunk_adam import ChunkAdam
+from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
 from ..placement.chunk_needs import chunk_needs
 from ..placement.policy import Placer
@@ -86,6 +88,7 @@ class ChunkedModel:
     export: ChunkExport
     flow: TrainingFlow
     hooks: HookRegistry
+    has_values: Callable[[torch.nn.Parameter], bool]  # False for a deferred parameter (``ds_patrickstar.Init``)
     disk: DiskStates | None = None  # the disk tier's spilled states, when anything spills
     closed: bool = False
 
@@ -94,45 +97,83 @@ class ChunkedModel:
         if self.closed:
             return
         self.closed = True
-        interrupted = self.comm.world_size > 1 and self.manager.iteration_open
-        self._unbind_parameters(interrupted)
-        # with ``interrupted``, collectives in flight may still use the accelerator's buffers: they go with the engine
-        release(self.hooks, self.disk, None if interrupted else self.accel)
+        infos = self.chunk_map.infos()
+        if self.comm.world_size > 1 and self.manager.iteration_open:
+            why = "destroyed inside an iteration (after an error?), a gather could wait for ranks that never come"
+            unbind_parameters(infos, None, "engine.destroy()", why)
+            # collectives in flight may still use the accelerator's buffers: they go with the engine
+            release(self.hooks, self.disk, None)
+            return
+        from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
+        unbind_parameters(
+            infos, lambda: self.export.iter_host_values(fp32_masters=from_masters), "engine.destroy()", ""
+        )
+        release(self.hooks, self.disk, self.accel)
 
     def abandon(self) -> None:
-        """Initialize failed after this was built: what :meth:`close` gives back goes, but nothing is read
-        back (no collective runs); the caller gives the parameters their own tensors back (see
+        """Initialize failed after this was built: what :meth:`close` gives back goes, and the parameters
+        get their values back from this rank's chunks without a collective (see
         [Note: initialize as a transaction]). Closing or abandoning again does nothing."""
         if self.closed:
             return
         self.closed = True
-        release(self.hooks, self.disk, self.accel)
+        give_back(self.chunk_map, self.has_values, self.hooks, self.disk, self.accel)
 
-    @torch.no_grad()
-    def _unbind_parameters(self, interrupted: bool) -> None:
-        """Every chunk parameter gets its values as a host tensor of its own (see [Note: engine teardown])."""
-        infos = self.chunk_map.infos()
-        from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
-        why = None
-        if interrupted:
-            why = "destroyed inside an iteration (after an error?), a gather could wait for ranks that never come"
-        else:
-            try:
-                for info, value in self.export.iter_host_values(fp32_masters=from_masters):
-                    info.param.data = value.to(info.param.dtype)
-            except Exception as err:
-                why = f"reading them failed: {err!r}"
-        if why is not None:
-            logger.warning(
-                "ds_patrickstar: engine.destroy() did not read the weights back from the chunks: %s; the module's "
-                "parameters are left empty (load a checkpoint into a new model to go on)",
-                why,
-            )
-            for info in infos:
-                info.param.data = torch.empty(0, dtype=info.param.dtype)
-                setattr(info.param, VALUES_LOST, True)
-        for info in infos:
-            info.param.grad = None
+
+@torch.no_grad()
+def unbind_parameters(
+    infos: list[TensorInfo],
+    read: Callable[[], Iterable[tuple[TensorInfo, torch.Tensor]]] | None,
+    who: str,
+    why_unread: str,
+) -> None:
+    """Every parameter of ``infos`` gets its value from ``read()`` as a host tensor of its own (see
+    [Note: engine teardown]). Those it does not give (``why_unread``; all of them when there is no
+    ``read`` or reading fails) are left empty and marked :data:`VALUES_LOST`, with one warning that
+    names how many and why. Their gradients go."""
+    given: set[TensorInfo] = set()
+    why = why_unread
+    if read is not None:
+        try:
+            for info, value in read():
+                info.param.data = value.to(info.param.dtype)
+                given.add(info)
+        except Exception as err:
+            given.clear()
+            why = f"reading them failed: {err!r}"
+    lost = [info for info in infos if info not in given]
+    if lost:
+        logger.warning(
+            "ds_patrickstar: %s did not read the weights back from the chunks for %d of %d parameters: %s; they "
+            "are left empty (load a checkpoint into a new model to go on)",
+            who,
+            len(lost),
+            len(infos),
+            why,
+        )
+    for info in lost:
+        info.param.data = torch.empty(0, dtype=info.param.dtype)
+        setattr(info.param, VALUES_LOST, True)
+    for info in infos:
+        info.param.grad = None
+
+
+def give_back(
+    chunk_map: ChunkMap,
+    has_values: Callable[[torch.nn.Parameter], bool],
+    hooks: HookRegistry | None,
+    disk: DiskStates | None,
+    accel: Accelerator,
+) -> None:
+    """A failed initialize: every bound parameter that came with values gets them back from the chunks this
+    rank owns (no collective runs on a failing rank), then what was built goes (:func:`release`); see
+    [Note: initialize as a transaction]. The release runs even when the read-back raised."""
+    try:
+        infos = [info for info in chunk_map.infos() if info.bound and has_values(info.param)]
+        why = "they lie in chunks other ranks own, and a rank whose initialize failed starts no collective"
+        unbind_parameters(infos, lambda: owned_host_values(chunk_map, infos), "a failed deepspeed.initialize", why)
+    finally:
+        release(hooks, disk, accel)
 
 
 def release(hooks: HookRegistry | None, disk: DiskStates | None, accel: Accelerator | None) -> None:
@@ -221,17 +262,26 @@ def assemble(
     is_boundary: Callable[[], bool],
 ) -> ChunkedModel:
     """Build every part of a run for ``module``; see the module docstring for the order. When a part
-    fails, what was built goes and the error propagates; the parameters' own tensors come back from the
-    caller (see [Note: initialize as a transaction])."""
+    fails, the bound parameters get their values back, what was built goes and the error propagates (see
+    [Note: initialize as a transaction])."""
     plan = plan_run(
         module, basic_optimizer, options, device=device, dtype=dtype, accumulate=accumulate, dp_group=dp_group
     )
     counters, comm, accel = plan.counters, plan.comm, plan.accel
+
+    def has_values(param: torch.nn.Parameter) -> bool:
+        return not (deferred and deferred.is_deferred(param))
+
+    chunk_map = ChunkMap(comm.world_size, comm.rank)
     disk: DiskStates | None = None
     hooks: HookRegistry | None = None
     try:
+        check_bindable(plan.specs, has_values)
+        build_kernels({accel.device, torch.device("cpu")} if plan.movable else {accel.device})
         disk = open_disk_states(options.offload_optimizer, plan.spilled, comm.rank, poison=plan.poison)
-        store, chunk_map, placement, manager = _build_chunks(module, options, plan, device, deferred, accumulate)
+        store, placement, manager = _build_chunks(
+            module, options, plan, chunk_map, has_values, device, deferred, accumulate
+        )
         owned = chunk_map.owned_chunks()
         optim_states = OptimizerStates(owned, accel, start_on_device=not plan.movable, disk=disk)
         adam = ChunkAdam(
@@ -248,12 +298,24 @@ def assemble(
         hooks = HookRegistry(
             module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations)
         )
-        adam.build_kernels({accel.device, torch.device("cpu")} if placement else {accel.device})
     except BaseException:
-        _give_back(hooks, disk, accel)
+        _give_back_logged(chunk_map, has_values, hooks, disk, accel)
         raise
     return ChunkedModel(
-        counters, comm, accel, store, chunk_map, placement, manager, optim_states, adam, export, flow, hooks, disk
+        counters,
+        comm,
+        accel,
+        store,
+        chunk_map,
+        placement,
+        manager,
+        optim_states,
+        adam,
+        export,
+        flow,
+        hooks,
+        has_values,
+        disk,
     )
 
 
@@ -261,16 +323,16 @@ def _build_chunks(
     module: torch.nn.Module,
     options: PatrickStarConfig,
     plan: RunPlan,
+    chunk_map: ChunkMap,
+    has_values: Callable[[torch.nn.Parameter], bool],
     device: torch.device,
     deferred: DeferredModel | None,
     accumulate: bool,
-) -> tuple[ChunkStore, ChunkMap, PlacementRuntime | None, ChunkManager]:
+) -> tuple[ChunkStore, PlacementRuntime | None, ChunkManager]:
     """The chunks with the parameters bound to them (the first change to the model), placement and the manager."""
     counters, comm, accel = plan.counters, plan.comm, plan.accel
     store = ChunkStore(accel, counters, movable=plan.movable)
-    chunk_map = build_chunk_map(
-        plan.specs, comm.world_size, comm.rank, store, has_values=lambda p: not (deferred and deferred.is_deferred(p))
-    )
+    build_chunk_map(chunk_map, plan.specs, store, has_values)
     reductions = InFlightReductions()
     placement = (
         make_placement(options, accel, store, counters, chunk_map, reductions, accumulate) if plan.movable else None
@@ -288,13 +350,19 @@ def _build_chunks(
     if deferred:  # values from each module's own init, into the owned chunks only (see io/init.py)
         deferred.materialize(chunk_map)
     module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
-    return store, chunk_map, placement, manager
+    return store, placement, manager
 
 
-def _give_back(hooks: HookRegistry | None, disk: DiskStates | None, accel: Accelerator) -> None:
-    """After a failed :func:`assemble`: what it built goes; an error doing so is logged, the failure's
-    own error is the one that propagates."""
+def _give_back_logged(
+    chunk_map: ChunkMap,
+    has_values: Callable[[torch.nn.Parameter], bool],
+    hooks: HookRegistry | None,
+    disk: DiskStates | None,
+    accel: Accelerator,
+) -> None:
+    """After a failed :func:`assemble`: :func:`give_back`; an error doing so is logged, the failure's own
+    error is the one that propagates."""
     try:
-        release(hooks, disk, accel)
+        give_back(chunk_map, has_values, hooks, disk, accel)
     except Exception:
         logger.exception("ds_patrickstar: giving back what a failed initialize built failed too")

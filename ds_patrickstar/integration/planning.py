@@ -31,7 +31,7 @@ from .host_share import default_keep_gathered
 
 logger = logging.getLogger(__name__)
 
-VALUES_LOST = "_ds_patrickstar_values_lost"  # a parameter a destroy left empty (see [Note: engine teardown])
+VALUES_LOST = "_ds_patrickstar_values_lost"  # a parameter left empty (see [Note: engine teardown])
 
 DEVICE_RESERVE = 1 << 30
 """Bytes of free GPU memory the default budget leaves alone: NCCL's buffers (made at the first
@@ -88,6 +88,18 @@ def plan_run(
     return RunPlan(adamw, counters, comm, specs, spilled, accel, keep_gathered)
 
 
+def check_values_held(module: torch.nn.Module) -> None:
+    """Raise ``ValueError`` naming a parameter left without values (see [Note: engine teardown]); runs
+    before any collective of initialize."""
+    for name, param in module.named_parameters():
+        if getattr(param, VALUES_LOST, False):
+            raise ValueError(
+                f"parameter {name} holds no values: its engine's destroy() warned that it did not read the "
+                f"weights back (or a failed deepspeed.initialize did: with data parallelism they were on another "
+                f"rank). Build the model again for a new engine and load the weights from a checkpoint."
+            )
+
+
 def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """The trainable parameters of every param group with their names; bad groups raise ``ValueError``."""
     names: dict[torch.nn.Parameter, str] = {}
@@ -97,12 +109,6 @@ def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> lis
     for index, group in enumerate(param_groups):
         named = []
         for param in group["params"]:
-            if getattr(param, VALUES_LOST, False):
-                raise ValueError(
-                    f"parameter {names.get(param, '?')} holds no values: its engine's destroy() warned that it "
-                    f"did not read the weights back. Build the model again for a new engine and load the "
-                    f"weights from a checkpoint."
-                )
             if param not in names:
                 raise ValueError(
                     f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "

@@ -82,6 +82,7 @@ def _initialize_patrickstar(
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import PatrickStarEngine
+    from .planning import check_values_held
     from .transaction import ModelState, roll_back
 
     if model is None:
@@ -93,6 +94,7 @@ def _initialize_patrickstar(
         raise ValueError(
             "the model has no trainable parameters (requires_grad=True); stage 'patrickstar' has nothing to train"
         )
+    check_values_held(model)
     if not dist.is_initialized():
         fill_single_process_env()  # see [Note: no launcher]
     dist.init_distributed(

@@ -1,20 +1,30 @@
 """``deepspeed.initialize`` as a transaction: a failed one leaves the user's model and optimizer as they were.
 
 [Note: initialize as a transaction]
-Before the engine is built, :class:`ModelState` takes references (never copies) to what initialize
-changes on the user's objects: every submodule's parameter and buffer entries, every parameter's and
-buffer's tensor (``.data``) and gradient, and a client optimizer's param groups. Everything that can
-be decided without touching the model is decided first (see
-:func:`~ds_patrickstar.integration.planning.plan_run`); the steps after it allocate and bind the
-parameters to their chunks. When any step of initialize fails, :func:`roll_back` tears the half-built
-engine down with the teardown of a finished one (``engine.destroy()``, see [Note: engine teardown]),
-except that nothing is read back from the chunks (no collective runs on a failing rank): our hooks and
-DeepSpeed's leave the model, the disk tier's I/O threads stop and its files go, the accelerator gives
-back its memory; then every entry and tensor gets its reference back and the error that failed
-initialize propagates unchanged. So the model holds the same tensors, with the same values, on the
-same devices, and initialize can run again on it. An error while rolling back is logged, never raised
-over that error. The references live until initialize returns: the model's own tensors stay in memory
-beside its chunks until then (the pre-flight check measures free memory with them held).
+Before the engine is built, :class:`ModelState` records what initialize changes on the user's objects,
+holding no parameter's values (that would keep the whole model in memory beside its chunks and break
+[Note: storage resize]'s promise that initialize never doubles model memory): every submodule's
+parameter and buffer entries, every parameter's device, dtype and gradient, every buffer's tensor
+(buffers are small and never chunked), and a client optimizer's param groups. Everything that can be
+decided without the model's values is decided first (see
+:func:`~ds_patrickstar.integration.planning.plan_run` and ``assembly.py``: a refused run changes no
+parameter); the steps after it bind the parameters to their chunks, one at a time. When any step of
+initialize fails, the half-built engine goes with the teardown of a finished one (``engine.destroy()``,
+see [Note: engine teardown]): our hooks and DeepSpeed's leave the model, the disk tier's I/O threads
+stop and its files go, the accelerator gives back its memory. Before that, each parameter already bound
+gets its values back as a host tensor of its own, read from this rank's own chunks with destroy's
+read-back but without a collective (the other ranks may never join one): the low-precision values its
+chunk received when it was bound. Then every entry, gradient and param group gets its reference back,
+and every parameter its device and dtype; the error that failed initialize propagates unchanged. So the
+model holds the same ``nn.Parameter`` objects with the values they had when bound, on the same devices
+in the same dtypes, and initialize can run again on it. With bf16 or fp16, DeepSpeed casts the
+parameters before binding: an fp32 parameter comes back fp32 holding its values rounded to the
+training dtype (the rounding DeepSpeed's cast made), as does one not yet bound. With data parallelism a
+rank holds only its own chunks' values: a bound parameter whose values lie in another rank's chunk (a
+straddling one, or one in another rank's chunk) is left as destroy leaves an interrupted run's (empty,
+marked so that a new initialize refuses it by name, with one warning saying how many and why): reload
+its values (a checkpoint) before initializing again. An error while rolling back is logged, never
+raised over the error that failed initialize.
 """
 
 from __future__ import annotations
@@ -25,17 +35,21 @@ from typing import Any
 
 import torch
 
+from .planning import VALUES_LOST
 from .zero_optimizer import PatrickStarOptimizer
 
 logger = logging.getLogger(__name__)
 
+ParamState = tuple[torch.nn.Parameter, torch.device, torch.dtype, torch.Tensor | None]  # (param, device, dtype, grad)
+
 
 @dataclass
 class ModelState:
-    """References to the model's and a client optimizer's state as initialize found it."""
+    """What initialize found of the model and a client optimizer; no parameter's values."""
 
     entries: list[tuple[dict[str, Any], str, Any]]  # (a submodule's _parameters or _buffers, key, value)
-    tensors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # (tensor, its .data, its .grad)
+    params: list[ParamState]
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (buffer, its .data)
     groups: list[tuple[dict[str, Any], dict[str, Any]]]  # (a param group, its entries)
     group_list: list[dict[str, Any]] | None  # the client optimizer's list of param groups
 
@@ -43,26 +57,34 @@ class ModelState:
     def of(cls, module: torch.nn.Module, optimizer: object = None) -> ModelState:
         """The state of ``module`` and of ``optimizer`` when it is a torch optimizer (a client's)."""
         entries: list[tuple[dict[str, Any], str, Any]] = []
-        tensors: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        params: dict[int, ParamState] = {}
+        buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for sub in module.modules():
-            for table in (sub._parameters, sub._buffers):
-                for key, value in table.items():
-                    entries.append((table, key, value))
-                    if value is not None and id(value) not in tensors:
-                        grad = value.grad if isinstance(value, torch.nn.Parameter) else None
-                        tensors[id(value)] = (value, value.data, grad)
+            for key, param in sub._parameters.items():
+                entries.append((sub._parameters, key, param))
+                if param is not None:
+                    params.setdefault(id(param), (param, param.device, param.dtype, param.grad))
+            for key, buffer in sub._buffers.items():
+                entries.append((sub._buffers, key, buffer))
+                if buffer is not None:
+                    buffers.setdefault(id(buffer), (buffer, buffer.data))
         group_list = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else None
         groups = [(group, dict(group)) for group in group_list or []]
-        return cls(entries, list(tensors.values()), groups, group_list)
+        return cls(entries, list(params.values()), list(buffers.values()), groups, group_list)
 
+    @torch.no_grad()
     def restore(self) -> None:
-        """Every entry, tensor, gradient and param group as :meth:`of` found it."""
+        """Every entry, buffer tensor, gradient and param group as :meth:`of` found it; every parameter
+        with values on its device in its dtype (a bound one got its values back first: see
+        [Note: initialize as a transaction])."""
         for table, key, value in self.entries:
             table[key] = value
-        for tensor, data, grad in self.tensors:
-            tensor.data = data
-            if isinstance(tensor, torch.nn.Parameter):
-                tensor.grad = grad
+        for buffer, data in self.buffers:
+            buffer.data = data
+        for param, device, dtype, grad in self.params:
+            if not getattr(param, VALUES_LOST, False):
+                param.data = param.data.to(device, dtype)
+            param.grad = grad
         if self.group_list is not None:
             self.group_list[:] = [group for group, _ in self.groups]
         for group, saved in self.groups:
@@ -76,7 +98,7 @@ def roll_back(engine: Any, saved: ModelState) -> None:
     optimizer = getattr(engine, "optimizer", None)
     steps = [engine.destroy, saved.restore]
     if isinstance(optimizer, PatrickStarOptimizer):
-        steps.insert(0, optimizer.abandon)  # before destroy, which would read the values back
+        steps.insert(0, optimizer.abandon)  # before destroy, which would read the values back with a collective
     for step in steps:
         try:
             step()

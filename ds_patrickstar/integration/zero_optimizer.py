@@ -81,7 +81,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         try:
             self._adopt(parts, module)
         except BaseException:
-            parts.abandon()  # the caller restores the parameters (see [Note: initialize as a transaction])
+            parts.abandon()  # see [Note: initialize as a transaction]
             raise
 
     def _adopt(self, parts: ChunkedModel, module: torch.nn.Module) -> None:
@@ -206,9 +206,9 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.unregister_grad_acc_post_hooks()
 
     def abandon(self) -> None:
-        """Initialize failed: what the run holds goes and nothing is read back from the chunks; the caller
-        restores the parameters (see [Note: initialize as a transaction]). A later :meth:`destroy` does
-        nothing more."""
+        """Initialize failed: the bound parameters get their values back from this rank's chunks (no
+        collective) and what the run holds goes (see [Note: initialize as a transaction]). A later
+        :meth:`destroy` does nothing more."""
         self.parts.abandon()
 
     # ---- accounting -------------------------------------------------------------
