@@ -2,28 +2,27 @@
 
 [Note: initialize as a transaction]
 Before the engine is built, :class:`ModelState` records what initialize changes on the user's objects,
-holding no parameter's values (that would keep the whole model in memory beside its chunks and break
-[Note: storage resize]'s promise that initialize never doubles model memory): every submodule's
-parameter and buffer entries, every parameter's device, dtype and gradient, every buffer's tensor
-(buffers are small and never chunked), and a client optimizer's param groups. Everything that can be
-decided without the model's values is decided first (see
-:func:`~ds_patrickstar.integration.planning.plan_run` and ``assembly.py``: a refused run changes no
-parameter); the steps after it bind the parameters to their chunks, one at a time. When any step of
+holding no parameter's values (they would stay in memory beside the chunks, and initialize never
+doubles model memory: see memory/binding.py): every submodule's parameter and buffer entries, every
+parameter's device, dtype and gradient, every buffer's tensor (buffers are small and never chunked),
+and a client optimizer's param groups. What needs no parameter's values is decided first (see
+:func:`~ds_patrickstar.integration.planning.plan_run` and ``assembly.py``: a run refused there changes
+no parameter); the steps after it bind the parameters to their chunks, one at a time. When any step of
 initialize fails, the half-built engine goes with the teardown of a finished one (``engine.destroy()``,
 see [Note: engine teardown]): our hooks and DeepSpeed's leave the model, the disk tier's I/O threads
-stop and its files go, the accelerator gives back its memory. Before that, each parameter already bound
-gets its values back as a host tensor of its own, read from this rank's own chunks with destroy's
-read-back but without a collective (the other ranks may never join one): the low-precision values its
-chunk received when it was bound. Then every entry, gradient and param group gets its reference back,
-and every parameter its device and dtype; the error that failed initialize propagates unchanged. So the
-model holds the same ``nn.Parameter`` objects with the values they had when bound, on the same devices
-in the same dtypes, and initialize can run again on it. With bf16 or fp16, DeepSpeed casts the
+stop and its files go, the accelerator gives back its memory. Before that, each parameter already
+bound gets its values back as a host tensor of its own, with destroy's read-back but from this rank's
+own chunks and without a collective (the other ranks may never join one): the values its chunk
+received when it was bound. Then every entry, gradient and param group gets its reference back and
+every parameter its device and dtype, and the error that failed initialize propagates unchanged. So
+the model holds the same ``nn.Parameter`` objects with the values they had when bound, on the same
+devices in the same dtypes, and initialize can run again on it. With bf16 or fp16, DeepSpeed casts the
 parameters before binding: an fp32 parameter comes back fp32 holding its values rounded to the
-training dtype (the rounding DeepSpeed's cast made), as does one not yet bound. With data parallelism a
-rank holds only its own chunks' values: a bound parameter whose values lie in another rank's chunk (a
-straddling one, or one in another rank's chunk) is left as destroy leaves an interrupted run's (empty,
-marked so that a new initialize refuses it by name, with one warning saying how many and why): reload
-its values (a checkpoint) before initializing again. An error while rolling back is logged, never
+training dtype (the rounding DeepSpeed's cast made), bound or not. With data parallelism a rank holds
+the values of its own chunks only: a bound parameter with values in another rank's chunk (one that
+straddles the ranks' chunks among them) is left as destroy leaves an interrupted run's (empty, marked,
+one warning saying how many and why), and a new initialize refuses it by name before any collective:
+load its values (a checkpoint) into the model first. An error while rolling back is logged, never
 raised over the error that failed initialize.
 """
 
@@ -82,9 +81,9 @@ class ModelState:
         for buffer, data in self.buffers:
             buffer.data = data
         for param, device, dtype, grad in self.params:
-            if not getattr(param, VALUES_LOST, False):
+            if not getattr(param, VALUES_LOST, False):  # an empty one takes no gradient of its old shape
                 param.data = param.data.to(device, dtype)
-            param.grad = grad
+                param.grad = grad
         if self.group_list is not None:
             self.group_list[:] = [group for group, _ in self.groups]
         for group, saved in self.groups:
