@@ -5,8 +5,9 @@ protocols they implement), and the placement of a run without an accelerator (:c
 A plain CPU run (``HostAccelerator``) has one memory: chunks stay where they are built, nothing is
 brought, evicted, traced or planned. Its placement is a :class:`NullPlacement`, whose every moment,
 room and move does nothing, and whose answers are those of one memory: no budget bounds what stays
-gathered (no agreed gather plan, see [Note: agreed gather plan]), all model data is on the host,
-no trace exists to plot. Callers hold a :class:`Placement` and never ask whether placement runs.
+gathered (:meth:`Placement.budgeted`: no agreed gather plan, see [Note: agreed gather plan]), all model
+data is on the host, there is no meter, no activation offload and no trace to plot. Callers hold a
+:class:`Placement` and never test for its absence.
 """
 
 from __future__ import annotations
