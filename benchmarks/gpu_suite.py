@@ -1,0 +1,365 @@
+#!/usr/bin/env python
+"""GPU truth in one command: the measurements a lent GPU should spend its minutes on, within a wall-clock budget.
+
+    python benchmarks/gpu_suite.py --out $OUT                      # on a lent GPU (docs/benchmarks.md#gpu-suite)
+    python benchmarks/gpu_suite.py --dry-run --out /tmp/suite      # the same code on this CPU, tiny sizes
+    python benchmarks/gpu_suite.py --to-docs $OUT/gpu_suite.json   # its table into docs/benchmarks.md
+
+Parts, most valuable first; each gets a deadline (its share of what the parts before it left) and is skipped with
+the reason when the time runs short. First ``builds``: the JIT-built ops the parts load (ours' CUDA and CPU Adam,
+DeepSpeed's CPU Adam and FusedAdam), all at once, each in a process of its own, so that no trial times a build
+and no trial dies in one. Then:
+
+1. ``gpu_tests``: ``pytest -m gpu`` over the test files that hold GPU tests, with a timeout;
+2. ``throughput``: step time, tokens/s and TFLOPS at three model sizes, ours against stock ZeRO-3 with
+   ``offload_param``/``offload_optimizer`` on the CPU and, where its 16 bytes/param and activations fit the GPU,
+   ZeRO-3 without offload: one process per trial (``gpu_suite_trial.py``); the practicality ratio of each
+   offloaded run is its tokens/s over the no-offload run's;
+3. ``max_model``: the largest GPT that trains at a capped host memory, ours against ZeRO-3 offload: a walk up by
+   ``--max-grow`` then a bisection, over ``max_model.py``'s tries, stopped by its deadline;
+4. ``breakdown`` and 5. ``host_memory``: derived from part 2's trials (forward, backward, ``engine.step()``,
+   ours' bytes moved and their seconds at the measured pinned bandwidth; RSS and the CUDA host allocator's
+   statistics against ours' counted host bytes).
+
+It writes ``gpu_suite.json`` and ``gpu_suite.md`` into ``--out`` (rewritten after every trial, so a run cut short
+still leaves what it measured). ``--dry-run`` runs ours on the strict emulated accelerator and stock ZeRO-3 on the
+CPU (standing in for ZeRO-3 offload), skips ``pytest -m gpu`` ("no CUDA") and hides CUDA from its children.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gpt_model
+import gpu_suite_report as report
+import max_model
+from bench_utils import free_port
+from gpu_suite_env import Budget, child_env, machine, run_process, skipped, wait_process
+
+log = logging.getLogger("gpu_suite")
+REPO = HERE.parent
+TRIAL = HERE / "gpu_suite_trial.py"
+SHARES = {"builds": 0.3, "gpu_tests": 0.25, "throughput": 0.45, "max_model": 0.2}  # of what the parts before left
+BUILDS = {  # op: the Python that builds (or loads from the cache) it
+    "ours cuda": "from ds_patrickstar.optim.kernels import adam_backend_name as n; assert n('cuda') == 'cuda_fused'",
+    "ours cpu": "from ds_patrickstar.optim.kernels import adam_backend_name as n; assert n('cpu') == 'cpu_fused'",
+    "deepspeed cpu_adam": "from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load()",
+    "deepspeed fused_adam": "from deepspeed.ops.op_builder import FusedAdamBuilder as B; B().load()",
+}
+BACKENDS = ("ours", "zero3-offload", "zero3")
+OFFLOADED = ("ours", "zero3-offload")
+# (name, gpt_model preset, GPTConfig overrides); batch and sequence length from the command line
+GPU_SIZES = [("gpt-114m", "gpt-114m", {}), ("gpt2-medium", "gpt2-medium", {}), ("gpt-1.3b", "gpt-1.3b", {})]
+DRY_SIZES = [("dry-s", "tiny", {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}),
+             ("dry-m", "tiny", {"n_layer": 2, "n_embd": 48, "n_head": 2, "block_size": 32}),
+             ("dry-l", "tiny", {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32})]
+DRY_DEVICE_BYTES = 1_000_000  # the dry run's pretend GPU: ours' device_budget, and what ZeRO-3 must fit
+NO_OFFLOAD_BYTES_PER_PARAM = 16  # bf16 params and grads, fp32 master, momentum and variance
+# Stock ZeRO-3 spends ~10 s of CPU starting a trial on this machine (its optimizer checks import torch.compile),
+# so the dry run, which must stay cheap in CI, runs it once: at the smallest size, standing in for ZeRO-3 offload
+DRY_STOCK_SKIP = {
+    "zero3-offload": "dry run: stock ZeRO-3 runs at the smallest size only",
+    "zero3": "dry run: on the CPU, ZeRO-3 without offload is the run that stands in for ZeRO-3 offload",
+    "max_model": "dry run: stock ZeRO-3's search is ours' with another backend name, and costs ~10 s per try",
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="folder for gpu_suite.json and gpu_suite.md ($OUT on the lent machine)")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-clock seconds for everything (480; dry 60)")
+    p.add_argument("--dry-run", action="store_true", help="this CPU: emulated accelerator, tiny sizes")
+    p.add_argument("--sizes", default=",".join(s[0] for s in GPU_SIZES), help="presets of gpt_model.py (GPU)")
+    p.add_argument("--batch", type=int, default=None, help="micro-batch (8; dry 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512; dry 16)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (2; dry 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per trial, the median reported (3; dry 2)")
+    p.add_argument("--min-trial-s", type=float, default=None, help="start no trial with less left (30; dry 3)")
+    p.add_argument("--host-cap-gib", type=float, default=16.0, help="max_model: host memory cap per try")
+    p.add_argument("--max-width", type=int, default=2048, help="max_model: width of the GPT (dry 64)")
+    p.add_argument("--max-grow", type=float, default=1.5, help="max_model: factor of the walk up")
+    p.add_argument("--max-depth", type=int, default=96, help="max_model: deepest try (dry 1)")
+    p.add_argument("--to-docs", metavar="JSON", help="write that suite JSON's tables into --docs and exit")
+    p.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"), help="page --to-docs rewrites")
+    args = p.parse_args(argv)
+    if not args.to_docs and not args.out:
+        p.error("--out is required (or --to-docs JSON)")
+    dry = args.dry_run
+    for name, gpu, cpu in (("budget_s", 480.0, 60.0), ("batch", 8, 2), ("seq_len", 512, 16),
+                           ("min_trial_s", 30.0, 3.0), ("warmup", 2, 1), ("steps", 3, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if dry else gpu)
+    if dry:
+        args.max_width, args.max_depth = 64, 1
+    return args
+
+
+# ------------------------------------------------------------------ builds, then part 1: pytest -m gpu
+def run_builds(ctx, deadline: float) -> dict:
+    if not ctx.cuda:
+        return skipped("no CUDA: the CPU ops load from the cache as the trials need them")
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ctx.child_env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for name, code in BUILDS.items()}
+    start, ops = time.monotonic(), {}
+    for name, proc in procs.items():
+        code, tail = wait_process(proc, deadline - time.monotonic(), ctx.child_env)
+        ops[name] = {"ok": code == 0, "seconds": time.monotonic() - start, **({} if code == 0 else {"error": tail})}
+    return {"status": "measured", "ops": ops}
+
+
+def gpu_test_files() -> list[str]:
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+                  if "mark.gpu" in p.read_text())
+
+
+def run_gpu_tests(ctx, deadline: float) -> dict:
+    if not ctx.cuda:
+        return skipped("no CUDA: the GPU tests skip themselves here (the dry run does not run pytest within pytest)")
+    files, left = gpu_test_files(), deadline - time.monotonic()
+    if left < ctx.args.min_trial_s:
+        return skipped(f"deadline: {left:.0f} s left")
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files,
+               f"--junitxml={junit}"]
+        code, tail = run_process(cmd, left, ctx.child_env, REPO)
+        out = {"status": "measured", "files": files, "command": " ".join(cmd[1:-1]),
+               "outcome": "passed" if code == 0 else tail.splitlines()[0] if code is None else f"exit {code}"}
+        if junit.exists():
+            suite = ET.parse(junit).getroot()
+            suite = suite if suite.tag == "testsuite" else suite[0]
+            out.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
+            out["passed"] = out["tests"] - out["failures"] - out["errors"] - out["skipped"]
+    if code != 0:
+        out["tail"] = tail
+    return out
+
+
+# ------------------------------------------------------------------ part 2: throughput
+def sizes(args) -> list[tuple[str, str, dict]]:
+    if args.dry_run:
+        return DRY_SIZES
+    known = {s[0]: s for s in GPU_SIZES}
+    return [known.get(name, (name, name, {})) for name in args.sizes.split(",") if name]
+
+
+def no_offload_fit(ctx, args, preset: str, overrides: dict) -> tuple[bool, str]:
+    """Whether ZeRO-3 without offload should fit the GPU: 16 bytes/param plus an activation estimate
+    (34 bytes per token per layer per unit of width, Korthikanti et al. 2022, and fp32 + bf16 logits)."""
+    cfg = gpt_model.get_config(preset, **overrides)
+    tokens = args.batch * args.seq_len
+    need = (NO_OFFLOAD_BYTES_PER_PARAM * gpt_model.count_params_for_config(cfg)
+            + tokens * (34 * cfg.n_embd * cfg.n_layer + 6 * cfg.vocab_size))
+    room = 0.9 * ctx.device_bytes
+    why = f"estimated {need / 2**30:.3f} GiB against 90% of {ctx.device_bytes / 2**30:.3f} GiB"
+    return need <= room, why
+
+
+def trial_command(args, backend: str, preset: str, overrides: dict, json_path: Path) -> list[str]:
+    cmd = [sys.executable, str(TRIAL), "--backend", backend, "--model", preset, "--overrides", json.dumps(overrides),
+           "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
+           "--steps", str(args.steps), "--json", str(json_path)]
+    if args.dry_run and backend == "ours":
+        cmd += ["--emulate-budget", str(DRY_DEVICE_BYTES)]
+    return cmd
+
+
+def run_trial(ctx, args, size, backend: str, deadline: float) -> dict:
+    name, preset, overrides = size
+    head = {"size": name, "backend": backend}
+    if backend == "zero3":
+        fits, why = no_offload_fit(ctx, args, preset, overrides)
+        if not fits:
+            return {**head, "status": "skipped", "reason": f"does not fit the GPU: {why}"}
+    if args.dry_run and backend in DRY_STOCK_SKIP and (backend == "zero3" or name != DRY_SIZES[0][0]):
+        return {**head, "status": "skipped", "reason": DRY_STOCK_SKIP[backend]}
+    left = deadline - time.monotonic()
+    if left < args.min_trial_s:
+        return {**head, "status": "skipped", "reason": f"deadline: {left:.0f} s left < {args.min_trial_s:.0f} s"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "trial.json"
+        start = time.monotonic()
+        port = free_port()
+        env = {**ctx.child_env, "MASTER_PORT": str(port)}
+        code, tail = run_process(trial_command(args, backend, preset, overrides, out), left, env, REPO)
+        max_model.remove_shm_buffers(port)
+        seconds = time.monotonic() - start
+        if code != 0 or not out.exists():
+            return {**head, "status": "failed", "error": tail, "seconds": seconds}
+        result = json.loads(out.read_text())
+    if args.dry_run and backend == "zero3-offload":
+        result["stand_in"] = "plain ZeRO-3 on the CPU (no CUDA: nothing to offload from)"
+    return {**head, "status": "measured", "seconds": seconds, **result}
+
+
+def ratios(trials: list[dict]) -> list[dict]:
+    """Per size: ours over ZeRO-3 offload (tokens/s), and each offloaded run over ZeRO-3 without offload."""
+    out = []
+    for name in dict.fromkeys(t["size"] for t in trials):
+        got = {t["backend"]: t["tokens_per_s"] for t in trials if t["size"] == name and t["status"] == "measured"}
+        row = {"size": name, "ours_over_zero3_offload": None, "practicality": {}}
+        if "ours" in got and "zero3-offload" in got:
+            row["ours_over_zero3_offload"] = got["ours"] / got["zero3-offload"]
+        if "zero3" in got:
+            row["practicality"] = {b: got[b] / got["zero3"] for b in OFFLOADED if b in got}
+        out.append(row)
+    return out
+
+
+def run_throughput(ctx, args, deadline: float) -> dict:
+    trials = []
+    for size in sizes(args):
+        for backend in BACKENDS:
+            trial = run_trial(ctx, args, size, backend, deadline)
+            log.info("throughput %s %s: %s %s", size[0], backend, trial["status"],
+                     f"{trial['tokens_per_s']:.1f} tokens/s" if "tokens_per_s" in trial else trial.get("reason")
+                     or trial.get("error", ""))
+            trials.append(trial)
+            ctx.part_progress("throughput", {"status": "measured", "trials": trials, "ratios": ratios(trials)})
+    if not any(t["status"] == "measured" for t in trials):
+        return {**skipped("no trial was measured (see trials)"), "trials": trials}
+    return {"status": "measured", "trials": trials, "ratios": ratios(trials)}
+
+
+# ------------------------------------------------------------------ part 3: the largest model
+def next_depth(lo: int, hi: int | None, grow: float, max_depth: int) -> int | None:
+    """The next depth of the search (``lo`` trained, 0: none yet; ``hi`` failed, None: none yet), None when done."""
+    if hi is None:  # nothing failed yet: walk up
+        return None if lo >= max_depth else min(max_depth, max(lo + 1, int(lo * grow)))
+    if lo == 0:  # nothing trained yet: walk down
+        return None if hi <= 1 else max(1, min(hi - 1, int(hi / grow)))
+    return None if hi - lo <= 1 else (lo + hi) // 2
+
+
+def deadline_search(try_depth, start: int, max_depth: int, grow: float, deadline: float, min_try_s: float) -> dict:
+    """The largest depth for which ``try_depth(depth, timeout)`` trains (it returns a dict with ``ok``): a walk
+    from ``start`` by ``grow`` (up while tries train, down while they fail), then a bisection, until
+    ``deadline``. ``exact``: the largest that trained is one layer below one that failed."""
+    tries: dict[int, dict] = {}
+    lo, hi, stopped = 0, None, None
+    depth: int | None = max(1, min(start, max_depth))
+    while depth is not None:
+        left = deadline - time.monotonic()
+        if left < min_try_s:
+            stopped = f"deadline: {left:.0f} s left before depth {depth}"
+            break
+        tries[depth] = try_depth(depth, left)
+        if tries[depth].get("timed_out"):  # says nothing about whether it fits
+            stopped = f"deadline: the try at depth {depth} timed out"
+            break
+        lo, hi = (depth, hi) if tries[depth]["ok"] else (lo, depth)
+        depth = next_depth(lo, hi, grow, max_depth)
+    exact = lo > 0 and hi is not None and hi - lo == 1
+    if stopped is None and lo == max_depth:
+        stopped = f"reached the deepest try ({max_depth})"
+    return {"largest_depth": lo or None, "smallest_failed_depth": hi, "exact": exact, "stopped": stopped,
+            "tries": [tries[d] for d in sorted(tries)]}
+
+
+def max_model_args(args) -> argparse.Namespace:
+    dry = args.dry_run
+    argv = ["--host-mem-gib", str(args.host_cap_gib if not dry else 4.0), "--width", str(args.max_width),
+            "--heads", "16" if not dry else "2", "--vocab", "50304" if not dry else "256",
+            "--seq-len", "64" if not dry else "16", "--steps", "2", "--logs", tempfile.mkdtemp(prefix="gpu_suite_")]
+    if dry:
+        argv += ["--device-budget", str(DRY_DEVICE_BYTES)]
+    return max_model.parse_args(argv)
+
+
+def run_max_model(ctx, args, deadline: float) -> dict:
+    margs = max_model_args(args)
+    os.environ.update(ctx.child_env)  # max_model.attempt starts its tries with this process's environment
+    out = {"status": "measured", "host_cap_gib": margs.host_mem_gib, "width": margs.width, "seq_len": margs.seq_len,
+           "backends": {}}
+    pairs = [("ours", "patrickstar")] + ([] if args.dry_run else [("zero3-offload", "zero3-offload")])
+    if args.dry_run:
+        out["backends"]["zero3-offload"] = {**skipped(DRY_STOCK_SKIP["max_model"]), "tries": []}
+    for i, (name, backend) in enumerate(pairs):
+        share = (deadline - time.monotonic()) / (len(pairs) - i)
+        guess = margs.host_mem_gib * 2**30 / max_model.GUESS_BYTES_PER_PARAM[backend]
+        start = max(1, int((guess - margs.vocab * margs.width) // (12 * margs.width ** 2)))
+
+        def try_depth(depth, timeout, backend=backend):
+            margs.timeout = timeout
+            got = max_model.attempt(margs, backend, 1, depth, margs.logs)
+            kept = {k: got.get(k) for k in ("depth", "params", "ok", "why", "peak_host_bytes", "seconds",
+                                            "step_times", "gpu_max_allocated")}
+            return {**kept, "timed_out": (got.get("why") or "").startswith("timeout")}
+
+        found = deadline_search(try_depth, start, margs.max_depth if not args.dry_run else args.max_depth,
+                                args.max_grow, time.monotonic() + share, args.min_trial_s)
+        out["backends"][name] = found
+        ctx.part_progress("max_model", out)
+    if not any(b["tries"] for b in out["backends"].values()):
+        return {**out, **skipped("deadline: no try started")}
+    return out
+
+
+# ------------------------------------------------------------------ the run
+class Suite:
+    """The run's state: what the parts measured so far, written to ``--out`` after every trial."""
+
+    def __init__(self, args):
+        import torch
+
+        self.args, self.cuda = args, torch.cuda.is_available() and not args.dry_run
+        self.device_bytes = torch.cuda.get_device_properties(0).total_memory if self.cuda else DRY_DEVICE_BYTES
+        self.child_env = child_env(REPO, args.dry_run, self.cuda)
+        self.result = {"meta": machine(args, self.cuda, self.child_env), "flops": report.FLOPS_FORMULA, "parts": {},
+                       "not_run": report.NOT_BUILT}
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def part_progress(self, name: str, part: dict) -> None:
+        self.result["parts"][name] = part
+        self.write()
+
+    def write(self) -> None:
+        self.result["parts"].update(report.derived_parts(self.result["parts"]))
+        (self.out / "gpu_suite.json").write_text(json.dumps(self.result, indent=1))
+        (self.out / "gpu_suite.md").write_text(report.render(self.result))
+
+    def run(self) -> dict:
+        budget = Budget(self.args.budget_s)
+        runners = {"builds": lambda d: run_builds(self, d), "gpu_tests": lambda d: run_gpu_tests(self, d),
+                   "throughput": lambda d: run_throughput(self, self.args, d),
+                   "max_model": lambda d: run_max_model(self, self.args, d)}
+        for name, runner in runners.items():
+            deadline = budget.deadline(SHARES, name)
+            started = time.monotonic()
+            try:
+                part = runner(deadline)
+            except Exception as err:  # one broken part must not lose the others
+                log.exception("%s failed", name)
+                part = {"status": "failed", "error": f"{type(err).__name__}: {err}"[:500]}
+            part["seconds_used"], part["deadline_s"] = time.monotonic() - started, deadline - started
+            self.part_progress(name, part)
+        self.result["meta"]["wall_s"] = budget.used()
+        self.write()
+        return self.result
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    if args.to_docs:
+        report.to_docs(Path(args.to_docs), Path(args.docs))
+        return 0
+    result = Suite(args).run()
+    print(report.render(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
