@@ -44,7 +44,7 @@ import gpt_model
 import gpu_suite_report as report
 import max_model
 from bench_utils import free_port
-from gpu_suite_env import Budget, child_env, machine, run_process, skipped, wait_process
+from gpu_suite_env import Budget, child_env, failure, machine, run_process, skipped, tail, wait_process
 
 log = logging.getLogger("gpu_suite")
 REPO = HERE.parent
@@ -57,6 +57,7 @@ BUILDS = {  # op: the Python that builds (or loads from the cache) it
     "deepspeed fused_adam": "from deepspeed.ops.op_builder import FusedAdamBuilder as B; B().load()",
 }
 BACKENDS = ("ours", "zero3-offload", "zero3")
+GPU_TESTS_FIRST = ["tests/test_cuda_placement.py", "tests/test_kernels_cuda.py"]
 OFFLOADED = ("ours", "zero3-offload")
 # (name, gpt_model preset, GPTConfig overrides); batch and sequence length from the command line
 GPU_SIZES = [("gpt-114m", "gpt-114m", {}), ("gpt2-medium", "gpt2-medium", {}), ("gpt-1.3b", "gpt-1.3b", {})]
@@ -113,14 +114,30 @@ def run_builds(ctx, deadline: float) -> dict:
              for name, code in BUILDS.items()}
     start, ops = time.monotonic(), {}
     for name, proc in procs.items():
-        code, tail = wait_process(proc, deadline - time.monotonic(), ctx.child_env)
-        ops[name] = {"ok": code == 0, "seconds": time.monotonic() - start, **({} if code == 0 else {"error": tail})}
+        code, out = wait_process(proc, deadline - time.monotonic(), ctx.child_env, ctx.cuda)
+        ops[name] = {"ok": code == 0, "seconds": time.monotonic() - start,
+                     **({} if code == 0 else {"error": failure(code, out, 4)})}
     return {"status": "measured", "ops": ops}
 
 
 def gpu_test_files() -> list[str]:
-    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
-                  if "mark.gpu" in p.read_text())
+    """The test files with GPU tests, the placement-against-ZeRO-3 checks first (pytest keeps this order)."""
+    files = [str(p.relative_to(REPO)) for p in sorted((REPO / "tests").glob("test_*.py"))
+             if "mark.gpu" in p.read_text()]
+    return sorted(files, key=lambda f: (GPU_TESTS_FIRST.index(f) if f in GPU_TESTS_FIRST else len(GPU_TESTS_FIRST), f))
+
+
+def count_outcomes(out: str) -> dict:
+    """Per-test outcomes from ``pytest -v`` lines (``path::test PASSED [ 10%]``): what a killed run got to."""
+    words = {"PASSED": "passed", "FAILED": "failures", "ERROR": "errors", "SKIPPED": "skipped"}
+    counts = dict.fromkeys(words.values(), 0)
+    for line in out.splitlines():
+        if "::" in line:
+            for word, key in words.items():
+                if f" {word}" in line:
+                    counts[key] += 1
+                    break
+    return counts
 
 
 def run_gpu_tests(ctx, deadline: float) -> dict:
@@ -131,18 +148,20 @@ def run_gpu_tests(ctx, deadline: float) -> dict:
         return skipped(f"deadline: {left:.0f} s left")
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files,
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *files,
                f"--junitxml={junit}"]
-        code, tail = run_process(cmd, left, ctx.child_env, REPO)
+        code, output = run_process(cmd, left, ctx.child_env, REPO, ctx.cuda)
         out = {"status": "measured", "files": files, "command": " ".join(cmd[1:-1]),
-               "outcome": "passed" if code == 0 else tail.splitlines()[0] if code is None else f"exit {code}"}
+               "outcome": "passed" if code == 0 else output.splitlines()[0] if code is None else f"exit {code}"}
+        out.update(count_outcomes(output))  # a killed run writes no JUnit file
         if junit.exists():
             suite = ET.parse(junit).getroot()
             suite = suite if suite.tag == "testsuite" else suite[0]
             out.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
             out["passed"] = out["tests"] - out["failures"] - out["errors"] - out["skipped"]
     if code != 0:
-        out["tail"] = tail
+        out["failed_tests"] = [ln.split(" ")[0] for ln in output.splitlines() if "::" in ln and " FAILED" in ln][:20]
+        out["tail"] = tail(output, 12)
     return out
 
 
@@ -192,11 +211,11 @@ def run_trial(ctx, args, size, backend: str, deadline: float) -> dict:
         start = time.monotonic()
         port = free_port()
         env = {**ctx.child_env, "MASTER_PORT": str(port)}
-        code, tail = run_process(trial_command(args, backend, preset, overrides, out), left, env, REPO)
+        code, output = run_process(trial_command(args, backend, preset, overrides, out), left, env, REPO, ctx.cuda)
         max_model.remove_shm_buffers(port)
         seconds = time.monotonic() - start
         if code != 0 or not out.exists():
-            return {**head, "status": "failed", "error": tail, "seconds": seconds}
+            return {**head, "status": "failed", "error": failure(code, output), "seconds": seconds}
         result = json.loads(out.read_text())
     if args.dry_run and backend == "zero3-offload":
         result["stand_in"] = "plain ZeRO-3 on the CPU (no CUDA: nothing to offload from)"
@@ -219,14 +238,15 @@ def ratios(trials: list[dict]) -> list[dict]:
 
 def run_throughput(ctx, args, deadline: float) -> dict:
     trials = []
-    for size in sizes(args):
-        for backend in BACKENDS:
-            trial = run_trial(ctx, args, size, backend, deadline)
-            log.info("throughput %s %s: %s %s", size[0], backend, trial["status"],
-                     f"{trial['tokens_per_s']:.1f} tokens/s" if "tokens_per_s" in trial else trial.get("reason")
-                     or trial.get("error", ""))
-            trials.append(trial)
-            ctx.part_progress("throughput", {"status": "measured", "trials": trials, "ratios": ratios(trials)})
+    # ours against ZeRO-3 offload at every size first, then ZeRO-3 without offload (the practicality ratio)
+    order = [(size, b) for size in sizes(args) for b in OFFLOADED] + [(size, "zero3") for size in sizes(args)]
+    for size, backend in order:
+        trial = run_trial(ctx, args, size, backend, deadline)
+        log.info("throughput %s %s: %s %s", size[0], backend, trial["status"],
+                 f"{trial['tokens_per_s']:.1f} tokens/s" if "tokens_per_s" in trial else trial.get("reason")
+                 or trial.get("error", ""))
+        trials.append(trial)
+        ctx.part_progress("throughput", {"status": "measured", "trials": trials, "ratios": ratios(trials)})
     if not any(t["status"] == "measured" for t in trials):
         return {**skipped("no trial was measured (see trials)"), "trials": trials}
     return {"status": "measured", "trials": trials, "ratios": ratios(trials)}
@@ -271,7 +291,8 @@ def max_model_args(args) -> argparse.Namespace:
     dry = args.dry_run
     argv = ["--host-mem-gib", str(args.host_cap_gib if not dry else 4.0), "--width", str(args.max_width),
             "--heads", "16" if not dry else "2", "--vocab", "50304" if not dry else "256",
-            "--seq-len", "64" if not dry else "16", "--steps", "2", "--logs", tempfile.mkdtemp(prefix="gpu_suite_")]
+            "--seq-len", "64" if not dry else "16", "--steps", "2", "--max-depth", str(args.max_depth),
+            "--logs", tempfile.mkdtemp(prefix="gpu_suite_")]
     if dry:
         argv += ["--device-budget", str(DRY_DEVICE_BYTES)]
     return max_model.parse_args(argv)
@@ -283,8 +304,6 @@ def run_max_model(ctx, args, deadline: float) -> dict:
     out = {"status": "measured", "host_cap_gib": margs.host_mem_gib, "width": margs.width, "seq_len": margs.seq_len,
            "backends": {}}
     pairs = [("ours", "patrickstar")] + ([] if args.dry_run else [("zero3-offload", "zero3-offload")])
-    if args.dry_run:
-        out["backends"]["zero3-offload"] = {**skipped(DRY_STOCK_SKIP["max_model"]), "tries": []}
     for i, (name, backend) in enumerate(pairs):
         share = (deadline - time.monotonic()) / (len(pairs) - i)
         guess = margs.host_mem_gib * 2**30 / max_model.GUESS_BYTES_PER_PARAM[backend]
@@ -295,12 +314,17 @@ def run_max_model(ctx, args, deadline: float) -> dict:
             got = max_model.attempt(margs, backend, 1, depth, margs.logs)
             kept = {k: got.get(k) for k in ("depth", "params", "ok", "why", "peak_host_bytes", "seconds",
                                             "step_times", "gpu_max_allocated")}
+            if not got["ok"] and Path(got["log"]).exists():
+                lines = [ln for ln in Path(got["log"]).read_text(errors="replace").splitlines() if ln.strip()]
+                kept["log_tail"] = "\n".join(lines[-5:])[-1500:]
             return {**kept, "timed_out": (got.get("why") or "").startswith("timeout")}
 
-        found = deadline_search(try_depth, start, margs.max_depth if not args.dry_run else args.max_depth,
+        found = deadline_search(try_depth, start, margs.max_depth,
                                 args.max_grow, time.monotonic() + share, args.min_trial_s)
         out["backends"][name] = found
         ctx.part_progress("max_model", out)
+    if args.dry_run:
+        out["backends"]["zero3-offload"] = {**skipped(DRY_STOCK_SKIP["max_model"]), "tries": []}
     if not any(b["tries"] for b in out["backends"].values()):
         return {**out, **skipped("deadline: no try started")}
     return out

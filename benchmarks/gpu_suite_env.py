@@ -41,34 +41,44 @@ def skipped(reason: str) -> dict:
     return {"status": "skipped", "reason": reason}
 
 
-def run_process(cmd: list[str], timeout: float, env: dict, cwd: Path) -> tuple[int | None, str]:
-    """Run ``cmd``; (its exit code, or None when ``timeout`` ran out, and the tail of its output). On a timeout
-    the whole session goes (a JIT build's compilers too) and build locks it may have left are removed."""
+def run_process(cmd: list[str], timeout: float, env: dict, cwd: Path, sole_builder: bool) -> tuple[int | None, str]:
+    """Run ``cmd``; (its exit code, or None when ``timeout`` ran out, and its output). On a timeout the whole
+    session goes (a JIT build's compilers too) and, where the suite is the machine's ``sole_builder`` (a lent
+    GPU), the build locks it may have left are removed."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    return wait_process(proc, timeout, env)
+    return wait_process(proc, timeout, env, sole_builder)
 
 
-def wait_process(proc: subprocess.Popen, timeout: float, env: dict) -> tuple[int | None, str]:
+def wait_process(proc: subprocess.Popen, timeout: float, env: dict, sole_builder: bool) -> tuple[int | None, str]:
     """:func:`run_process` for a process already started (in a session of its own, its output piped)."""
     try:
         out, _ = proc.communicate(timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        remove_build_locks(env)
-        return None, f"timed out after {timeout:.0f} s: " + _tail(out, 3)
-    return proc.returncode, _tail(out, 8)
+        if sole_builder:
+            remove_build_locks(env)
+        return None, f"timed out after {timeout:.0f} s\n{out or ''}"
+    return proc.returncode, out or ""
 
 
-def _tail(out: str, lines: int) -> str:
+def failure(code: int | None, out: str, lines: int = 8) -> str:
+    """What a failed child says: its exit (or that it timed out) and the tail of its output."""
+    head = out.splitlines()[0] if code is None else f"exit {code}"
+    return f"{head}: {tail(out if code is not None else out.partition(chr(10))[2], lines)}"
+
+
+def tail(out: str, lines: int = 8) -> str:
+    """The last ``lines`` lines of a child's output that say something (DeepSpeed's warnings left out)."""
     kept = [ln for ln in (out or "").splitlines() if ln.strip() and "[WARNING]" not in ln]
     return "\n".join(kept[-lines:])[-2000:]
 
 
 def remove_build_locks(env: dict) -> list[str]:
     """torch's JIT build lock (``<build dir>/lock``) is a plain file that a killed build leaves behind, and every
-    later load of that op would wait on it: after a kill, the suite's processes are the only builders."""
+    later load of that op would wait on it. Only where the suite's processes are the machine's only builders (not
+    on a machine shared with other jobs, whose builds would lose their locks)."""
     from torch.utils import cpp_extension
 
     root = Path(env.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
