@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import gpu_suite_report as report
 import max_model
 from bench_utils import free_port
 from gpu_suite_env import Budget, child_env, failure, machine, run_process, skipped, tail, wait_process
+from gpu_suite_max_model import run_max_model
 
 log = logging.getLogger("gpu_suite")
 REPO = HERE.parent
@@ -80,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="folder for gpu_suite.json and gpu_suite.md ($OUT on the lent machine)")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock seconds for everything (480; dry 60)")
     p.add_argument("--dry-run", action="store_true", help="this CPU: emulated accelerator, tiny sizes")
+    p.add_argument("--parts", default=",".join(SHARES), help="which parts to run (the others are skipped)")
     p.add_argument("--sizes", default=",".join(s[0] for s in GPU_SIZES), help="presets of gpt_model.py (GPU)")
     p.add_argument("--batch", type=int, default=None, help="micro-batch (8; dry 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512; dry 16)")
@@ -95,6 +96,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.to_docs and not args.out:
         p.error("--out is required (or --to-docs JSON)")
+    args.parts = [part for part in args.parts.split(",") if part]
+    if set(args.parts) - set(SHARES):
+        p.error(f"--parts: unknown {sorted(set(args.parts) - set(SHARES))}; choose from {list(SHARES)}")
     dry = args.dry_run
     for name, gpu, cpu in (("budget_s", 480.0, 60.0), ("batch", 8, 2), ("seq_len", 512, 16),
                            ("min_trial_s", 30.0, 3.0), ("warmup", 2, 1), ("steps", 3, 2)):
@@ -252,84 +256,6 @@ def run_throughput(ctx, args, deadline: float) -> dict:
     return {"status": "measured", "trials": trials, "ratios": ratios(trials)}
 
 
-# ------------------------------------------------------------------ part 3: the largest model
-def next_depth(lo: int, hi: int | None, grow: float, max_depth: int) -> int | None:
-    """The next depth of the search (``lo`` trained, 0: none yet; ``hi`` failed, None: none yet), None when done."""
-    if hi is None:  # nothing failed yet: walk up
-        return None if lo >= max_depth else min(max_depth, max(lo + 1, int(lo * grow)))
-    if lo == 0:  # nothing trained yet: walk down
-        return None if hi <= 1 else max(1, min(hi - 1, int(hi / grow)))
-    return None if hi - lo <= 1 else (lo + hi) // 2
-
-
-def deadline_search(try_depth, start: int, max_depth: int, grow: float, deadline: float, min_try_s: float) -> dict:
-    """The largest depth for which ``try_depth(depth, timeout)`` trains (it returns a dict with ``ok``): a walk
-    from ``start`` by ``grow`` (up while tries train, down while they fail), then a bisection, until
-    ``deadline``. ``exact``: the largest that trained is one layer below one that failed."""
-    tries: dict[int, dict] = {}
-    lo, hi, stopped = 0, None, None
-    depth: int | None = max(1, min(start, max_depth))
-    while depth is not None:
-        left = deadline - time.monotonic()
-        if left < min_try_s:
-            stopped = f"deadline: {left:.0f} s left before depth {depth}"
-            break
-        tries[depth] = try_depth(depth, left)
-        if tries[depth].get("timed_out"):  # says nothing about whether it fits
-            stopped = f"deadline: the try at depth {depth} timed out"
-            break
-        lo, hi = (depth, hi) if tries[depth]["ok"] else (lo, depth)
-        depth = next_depth(lo, hi, grow, max_depth)
-    exact = lo > 0 and hi is not None and hi - lo == 1
-    if stopped is None and lo == max_depth:
-        stopped = f"reached the deepest try ({max_depth})"
-    return {"largest_depth": lo or None, "smallest_failed_depth": hi, "exact": exact, "stopped": stopped,
-            "tries": [tries[d] for d in sorted(tries)]}
-
-
-def max_model_args(args) -> argparse.Namespace:
-    dry = args.dry_run
-    argv = ["--host-mem-gib", str(args.host_cap_gib if not dry else 4.0), "--width", str(args.max_width),
-            "--heads", "16" if not dry else "2", "--vocab", "50304" if not dry else "256",
-            "--seq-len", "64" if not dry else "16", "--steps", "2", "--max-depth", str(args.max_depth),
-            "--logs", tempfile.mkdtemp(prefix="gpu_suite_")]
-    if dry:
-        argv += ["--device-budget", str(DRY_DEVICE_BYTES)]
-    return max_model.parse_args(argv)
-
-
-def run_max_model(ctx, args, deadline: float) -> dict:
-    margs = max_model_args(args)
-    os.environ.update(ctx.child_env)  # max_model.attempt starts its tries with this process's environment
-    out = {"status": "measured", "host_cap_gib": margs.host_mem_gib, "width": margs.width, "seq_len": margs.seq_len,
-           "backends": {}}
-    pairs = [("ours", "patrickstar")] + ([] if args.dry_run else [("zero3-offload", "zero3-offload")])
-    for i, (name, backend) in enumerate(pairs):
-        share = (deadline - time.monotonic()) / (len(pairs) - i)
-        guess = margs.host_mem_gib * 2**30 / max_model.GUESS_BYTES_PER_PARAM[backend]
-        start = max(1, int((guess - margs.vocab * margs.width) // (12 * margs.width ** 2)))
-
-        def try_depth(depth, timeout, backend=backend):
-            margs.timeout = timeout
-            got = max_model.attempt(margs, backend, 1, depth, margs.logs)
-            kept = {k: got.get(k) for k in ("depth", "params", "ok", "why", "peak_host_bytes", "seconds",
-                                            "step_times", "gpu_max_allocated")}
-            if not got["ok"] and Path(got["log"]).exists():
-                lines = [ln for ln in Path(got["log"]).read_text(errors="replace").splitlines() if ln.strip()]
-                kept["log_tail"] = "\n".join(lines[-5:])[-1500:]
-            return {**kept, "timed_out": (got.get("why") or "").startswith("timeout")}
-
-        found = deadline_search(try_depth, start, margs.max_depth,
-                                args.max_grow, time.monotonic() + share, args.min_trial_s)
-        out["backends"][name] = found
-        ctx.part_progress("max_model", out)
-    if args.dry_run:
-        out["backends"]["zero3-offload"] = {**skipped(DRY_STOCK_SKIP["max_model"]), "tries": []}
-    if not any(b["tries"] for b in out["backends"].values()):
-        return {**out, **skipped("deadline: no try started")}
-    return out
-
-
 # ------------------------------------------------------------------ the run
 class Suite:
     """The run's state: what the parts measured so far, written to ``--out`` after every trial."""
@@ -358,9 +284,14 @@ class Suite:
         budget = Budget(self.args.budget_s)
         runners = {"builds": lambda d: run_builds(self, d), "gpu_tests": lambda d: run_gpu_tests(self, d),
                    "throughput": lambda d: run_throughput(self, self.args, d),
-                   "max_model": lambda d: run_max_model(self, self.args, d)}
+                   "max_model": lambda d: run_max_model(self, self.args, d, DRY_DEVICE_BYTES,
+                                                        DRY_STOCK_SKIP["max_model"])}
+        shares = {name: share for name, share in SHARES.items() if name in self.args.parts}
         for name, runner in runners.items():
-            deadline = budget.deadline(SHARES, name)
+            if name not in shares:
+                self.part_progress(name, skipped("not among --parts"))
+                continue
+            deadline = budget.deadline(shares, name)
             started = time.monotonic()
             try:
                 part = runner(deadline)

@@ -16,6 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_suite
+import gpu_suite_max_model
 import gpu_suite_report
 
 PARTS = ("builds", "gpu_tests", "throughput", "max_model", "breakdown", "host_memory")
@@ -27,7 +28,7 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_suite")
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--budget-s", "60", "--out",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--budget-s", "90", "--out",
            str(out)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
                           start_new_session=True)
@@ -61,7 +62,8 @@ def test_dry_run_numbers_are_sane_and_ratios_as_computed(dry_run):
         assert t["status"] in ("measured", "skipped", "failed"), t
         assert t["status"] == "measured" or t.get("reason") or t.get("error"), t
     got = {(t["size"], t["backend"]): t for t in trials if t["status"] == "measured"}
-    assert ("dry-s", "ours") in got and ("dry-s", "zero3-offload") in got, [t["status"] for t in trials]
+    assert ("dry-s", "ours") in got and ("dry-s", "zero3-offload") in got, [
+        (t["size"], t["backend"], t["status"], t.get("reason") or t.get("error")) for t in trials]
     for t in got.values():
         assert t["tokens_per_s"] > 0 and t["step_s"] > 0 and t["tflops"] > 0
         assert math.isclose(t["tokens_per_s"], t["batch"] * t["seq_len"] / t["step_s"])
@@ -108,14 +110,14 @@ def test_search_brackets_the_largest_depth_and_stops_at_its_deadline():
     def fits_seven(depth, timeout):
         return {"depth": depth, "ok": depth <= 7}
 
-    found = gpu_suite.deadline_search(fits_seven, 3, 96, 1.5, time.monotonic() + 60, 0.0)
+    found = gpu_suite_max_model.deadline_search(fits_seven, 3, 96, 1.5, time.monotonic() + 60, 0.0)
     assert (found["largest_depth"], found["smallest_failed_depth"], found["exact"]) == (7, 8, True)
-    found = gpu_suite.deadline_search(fits_seven, 20, 96, 1.5, time.monotonic() + 60, 0.0)
+    found = gpu_suite_max_model.deadline_search(fits_seven, 20, 96, 1.5, time.monotonic() + 60, 0.0)
     assert (found["largest_depth"], found["exact"]) == (7, True)
 
     def slow(depth, timeout):
         time.sleep(0.05)
         return {"depth": depth, "ok": True}
 
-    found = gpu_suite.deadline_search(slow, 1, 96, 2.0, time.monotonic() + 0.12, 0.01)
+    found = gpu_suite_max_model.deadline_search(slow, 1, 96, 2.0, time.monotonic() + 0.12, 0.01)
     assert 1 <= len(found["tries"]) <= 3 and not found["exact"] and found["stopped"].startswith("deadline")
