@@ -44,7 +44,7 @@ def _host_row(trial: dict) -> dict:
             "peak_rss_bytes": host["peak_rss_bytes"], "cuda_host_allocated_bytes": stats.get("allocated_bytes.current"),
             "cuda_host_peak_bytes": stats.get("allocated_bytes.peak"), "cuda_host_note": host.get(
                 "cuda_host_memory_stats_note"), "counted_host_bytes": counted,
-            "model_bytes_host": counters.get("model_bytes_host"),
+            "model_bytes_host": counters.get("model_bytes_host"), "model_data_bytes": host.get("model_data_bytes"),
             "rss_minus_counted_bytes": host["rss_bytes"] - counted if counted is not None else None}
 
 
@@ -158,12 +158,15 @@ def _host_memory(result: dict) -> list[str]:
     body = [[r["size"], r["backend"], f"{r['rss_bytes'] / GIB:.3f}", f"{r['peak_rss_bytes'] / GIB:.3f}",
              _f(r["cuda_host_allocated_bytes"], "{:.3f}", GIB) or (r.get("cuda_host_note") or ""),
              _f(r["cuda_host_peak_bytes"], "{:.3f}", GIB), _f(r["counted_host_bytes"], "{:.3f}", GIB),
-             _f(r["model_bytes_host"], "{:.3f}", GIB), _f(r["rss_minus_counted_bytes"], "{:.3f}", GIB)] for r in rows]
+             _f(r["model_bytes_host"], "{:.3f}", GIB), _f(r.get("model_data_bytes"), "{:.3f}", GIB),
+             _f(r["rss_minus_counted_bytes"], "{:.3f}", GIB)] for r in rows]
     return ["**Host memory** (GiB, after the last step; RSS from psutil, the CUDA host allocator from "
             "`torch.cuda.host_memory_stats()`, ours' counted bytes from its counters: host_bytes_allocated, "
-            "model_bytes_host).", "",
+            "model_bytes_host; model data on all devices from `bench_utils.model_data_bytes`, which for ZeRO-3 "
+            "counts its partitions, fp32 masters, gradients and Adam states wherever they live).", "",
             *_table(["model", "backend", "RSS", "peak RSS", "CUDA host allocated", "CUDA host peak",
-                     "counted host bytes", "model data on host", "RSS - counted"], body), ""]
+                     "counted host bytes", "model data on host", "model data, all devices", "RSS - counted"],
+                   body), ""]
 
 
 def _max_model(result: dict) -> list[str]:

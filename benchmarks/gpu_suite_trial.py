@@ -180,6 +180,7 @@ def run(args) -> dict:
     init_s = time.perf_counter() - start
     records = train(args, engine, get_accelerator().current_device_name(), PhaseTimer(cuda), cfg.vocab_size)
     host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
+    host["model_data_bytes"] = bu.model_data_bytes(engine, "patrickstar" if args.backend == "ours" else 3)
     return {"backend": args.backend, "model": args.model, "overrides": json.loads(args.overrides),
             "params": gpt_model.count_params_for_config(cfg), "params_matmul": n_params, "batch": args.batch,
             "seq_len": args.seq_len, "init_s": init_s, "timing": "cuda events" if cuda else "perf_counter",

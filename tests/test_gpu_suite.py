@@ -106,6 +106,24 @@ def test_to_docs_rewrites_only_the_marked_section(dry_run, tmp_path):
     assert gpu_suite_report.BEGIN in (REPO / "docs" / "benchmarks.md").read_text()
 
 
+def test_the_tables_render_what_only_a_gpu_fills_in(dry_run):
+    """The fields a dry run leaves empty (GPU, driver, pinned bandwidth, the CUDA host allocator, GPU tests)."""
+    _, result = dry_run
+    result = json.loads(json.dumps(result))
+    result["meta"].update(gpu="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * 2**30, driver="580.1", dry_run=False)
+    result["parts"]["gpu_tests"] = {"status": "measured", "outcome": "exit 1", "passed": 3, "failures": 1,
+                                    "errors": 0, "skipped": 0, "seconds_used": 50.0, "deadline_s": 100.0}
+    ours = next(t for t in result["parts"]["throughput"]["trials"] if t["status"] == "measured")
+    ours["pinned"] = {"h2d_bytes_per_s": 2e10, "d2h_bytes_per_s": 1e10}
+    ours["host"]["cuda_host_memory_stats"] = {"allocated_bytes.current": 2**30, "allocated_bytes.peak": 2**31}
+    ours["records"][-1]["counters"].update(bytes_to_device=4 * 10**9, bytes_to_host=10**9)
+    result["parts"].update(gpu_suite_report.derived_parts(result["parts"]))
+    text = gpu_suite_report.render(result)
+    assert "NVIDIA H100 80GB HBM3 (80 GiB), driver 580.1" in text and "exit 1: 3 passed, 1 failures" in text
+    assert "| 300.0 |" in text  # 4 GB at 20 GB/s + 1 GB at 10 GB/s, in ms
+    assert "| 1.000 | 2.000 |" in text and "Dry run" not in text
+
+
 def test_search_brackets_the_largest_depth_and_stops_at_its_deadline():
     def fits_seven(depth, timeout):
         return {"depth": depth, "ok": depth <= 7}
