@@ -25,8 +25,11 @@ def _measured(parts: dict) -> list[dict]:
 
 def _breakdown_row(trial: dict) -> dict:
     phases, last = trial["phases_s"], trial["records"][-1]
+    adam = trial.get("adam_s") or {}
+    cpu_adam = adam.get("adam_host_s") if trial["backend"] == "ours" else adam.get("adam_s")
     row = {"size": trial["size"], "backend": trial["backend"], "step_s": trial["step_s"], **phases,
-           "timing": trial["timing"]}
+           "timing": trial["timing"], "adam_s": adam.get("adam_s"),
+           "cpu_adam_s": cpu_adam if trial["backend"] != "zero3" else None}
     counters, pinned = last.get("counters"), trial.get("pinned")
     if counters:
         row.update({k: counters.get(k) for k in ("bytes_to_device", "bytes_to_host", "evictions",
@@ -139,16 +142,19 @@ def _breakdown(result: dict) -> list[str]:
     if not rows:
         return []
     body = [[r["size"], r["backend"], f"{r['step_s'] * 1e3:.1f}", *(f"{r[k] * 1e3:.1f}" for k in
-            ("forward", "backward", "step", "other")), _f(r.get("bytes_to_device"), "{:.1f}", MB),
+            ("forward", "backward", "step", "other")), _f(r.get("adam_s"), "{:.1f}", 1e-3),
+             _f(r.get("cpu_adam_s"), "{:.1f}", 1e-3), _f(r.get("bytes_to_device"), "{:.1f}", MB),
              _f(r.get("bytes_to_host"), "{:.1f}", MB), _f(r.get("transfer_s"), "{:.1f}", 1e-3),
              "" if r.get("adam_chunks_host") is None else f"{r['adam_chunks_host']}/{r['adam_chunks_device']}"]
             for r in rows]
-    return ["**Where the step goes** (ms, median; CUDA events on the current stream, or the clock on the CPU; "
-            "`engine.step()` holds the optimizer, the CPU Adam of the offloaded runs included; ours' MB moved are "
-            "its counters' bytes_to_device / bytes_to_host of the last step, their ms at the pinned bandwidth "
-            "measured in the trial).", "",
-            *_table(["model", "backend", "step", "forward", "backward", "engine.step()", "other", "MB to device",
-                     "MB to host", "transfers (ms)", "Adam chunks host/device"], body), ""]
+    return ["**Where the step goes** (ms, median; phases by CUDA events on the current stream, or the clock on "
+            "the CPU; `engine.step()` holds the optimizer; Adam: host wall time in the optimizer's Adam, its methods "
+            "wrapped in the trial (ours: `adam.apply`, with the copies it waits for; ZeRO-3: its inner optimizer's "
+            "`step`), CPU Adam: of that, the host kernel (ours: `adam._update` on host chunks; ZeRO-3 offload: all "
+            "of it); ours' MB moved are its counters' bytes_to_device / bytes_to_host of the last step, their ms at "
+            "the pinned bandwidth measured in the trial).", "",
+            *_table(["model", "backend", "step", "forward", "backward", "engine.step()", "other", "Adam", "CPU Adam",
+                     "MB to device", "MB to host", "transfers (ms)", "Adam chunks host/device"], body), ""]
 
 
 def _host_memory(result: dict) -> list[str]:

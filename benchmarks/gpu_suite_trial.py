@@ -96,6 +96,47 @@ class PhaseTimer:
         return out
 
 
+class AdamClock:
+    """Host wall seconds per step in the optimizer's Adam, by wrapping bound methods of this process's engine (ours
+    and DeepSpeed expose no such timer): ours' ``adam.apply`` (every owned chunk's update, with the copies it waits
+    for) and its ``adam._update`` calls on host tensors (the CPU Adam kernel, synchronous); stock ZeRO-3's inner
+    ``optimizer.step`` (its CPU Adam with offload; on the GPU without offload only the launches). Where the engine
+    has none of these it reports nothing."""
+
+    def __init__(self, engine, backend: str):
+        self.seconds: dict[str, float] = {}
+        self.keys: list[str] = []
+        opt = getattr(engine, "optimizer", None)
+        if backend == "ours":
+            adam = getattr(opt, "adam", None)
+            self._wrap(adam, "apply", "adam_s")
+            self._wrap(adam, "_update", "adam_host_s", lambda _chunk, data, *rest, **kw: data.device.type == "cpu")
+        else:
+            self._wrap(getattr(opt, "optimizer", None), "step", "adam_s")
+
+    def _wrap(self, owner, name: str, key: str, when=None) -> None:
+        inner = getattr(owner, name, None)
+        if not callable(inner):
+            return
+
+        def timed(*args, **kwargs):
+            if when is not None and not when(*args, **kwargs):
+                return inner(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self.keys.append(key)
+
+    def take(self) -> dict[str, float]:
+        out = {key: self.seconds.get(key, 0.0) for key in self.keys}
+        self.seconds = {}
+        return out
+
+
 def pinned_bandwidth() -> dict | None:
     """Bytes/s of a pinned host -> device and device -> host copy (CUDA only)."""
     if not torch.cuda.is_available():
@@ -131,7 +172,7 @@ def host_memory(cuda: bool) -> dict:
 
 
 def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
+    gen, adam = torch.Generator().manual_seed(0), AdamClock(engine, args.backend)
     records = []
     for i in range(args.warmup + args.steps):
         tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=gen).to(device)
@@ -145,6 +186,7 @@ def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
             torch.cuda.synchronize()
         record = {"wall_s": time.perf_counter() - start, "loss": loss.item(), **timer.take()}
         record["other"] = record["wall_s"] - sum(record[k] for k in PHASES)
+        record.update(adam.take())
         if hasattr(engine, "get_patrickstar_counters"):
             counters = engine.get_patrickstar_counters()
             record["counters"] = {k: counters[k] for k in COUNTER_KEYS if k in counters}
@@ -160,6 +202,8 @@ def summarize(args, cfg, n_params: int, records: list[dict]) -> dict:
     return {"step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
             "tflops": flops / step_s / 1e12, "tflops_6n": 6 * n_params * tokens / step_s / 1e12,
             "phases_s": {k: statistics.median(r[k] for r in records) for k in (*PHASES, "other")},
+            "adam_s": {k: statistics.median(r[k] for r in records) for k in ("adam_s", "adam_host_s")
+                       if k in records[0]},
             "final_loss": records[-1]["loss"]}
 
 

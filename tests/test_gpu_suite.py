@@ -80,6 +80,7 @@ def test_dry_run_numbers_are_sane_and_ratios_as_computed(dry_run):
             assert math.isclose(ratio, got[(row["size"], backend)]["tokens_per_s"] / base)
     breakdown = result["parts"]["breakdown"]["rows"]
     assert any(r["backend"] == "ours" and r["adam_chunks_host"] + r["adam_chunks_device"] > 0 for r in breakdown)
+    assert all(r["adam_s"] > 0 for r in breakdown), breakdown  # the Adam clock found each engine's Adam
     host = result["parts"]["host_memory"]["rows"]
     assert all(r["rss_bytes"] > 0 for r in host)
 
