@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU truth in one command: the measurements a lent GPU should spend its minutes on, within a wall-clock budget.
 
-    python benchmarks/gpu_suite.py --out $OUT                      # on a lent GPU (docs/benchmarks.md#gpu-suite)
+    python benchmarks/gpu_suite.py --out $OUT                    # a lent GPU: docs/benchmarks.md#gpu-suite-gpu_suitepy
     python benchmarks/gpu_suite.py --dry-run --out /tmp/suite      # the same code on this CPU, tiny sizes
     python benchmarks/gpu_suite.py --to-docs $OUT/gpu_suite.json   # its table into docs/benchmarks.md
 
@@ -17,9 +17,10 @@ and no trial dies in one. Then:
    offloaded run is its tokens/s over the no-offload run's;
 3. ``max_model``: the largest GPT that trains at a capped host memory, ours against ZeRO-3 offload: a walk up by
    ``--max-grow`` then a bisection, over ``max_model.py``'s tries, stopped by its deadline;
-4. ``breakdown`` and 5. ``host_memory``: derived from part 2's trials (forward, backward, ``engine.step()``,
-   ours' bytes moved and their seconds at the measured pinned bandwidth; RSS and the CUDA host allocator's
-   statistics against ours' counted host bytes).
+4. ``breakdown`` and 5. ``host_memory``: derived from part 2's trials (forward, backward, ``engine.step()``, the
+   host time in Adam and in its CPU kernel, ours' bytes moved and their seconds at the measured pinned bandwidth;
+   RSS and the CUDA host allocator's statistics against ours' counted host bytes);
+6. the LoRA and dynamic-padding rows: listed as "not run: feature not built" until those features exist.
 
 It writes ``gpu_suite.json`` and ``gpu_suite.md`` into ``--out`` (rewritten after every trial, so a run cut short
 still leaves what it measured). ``--dry-run`` runs ours on the strict emulated accelerator and stock ZeRO-3 on the
