@@ -125,6 +125,16 @@ def test_the_tables_render_what_only_a_gpu_fills_in(dry_run):
     assert "| 1.000 | 2.000 |" in text and "Dry run" not in text
 
 
+def test_the_builds_name_what_exists():
+    """The GPU-only builds part imports by name: a module moved or renamed fails here, not on a lent GPU."""
+    import importlib
+    import re
+
+    for op, code in gpu_suite.BUILDS.items():
+        module, name = re.match(r"from (\S+) import (\w+)", code).groups()
+        assert hasattr(importlib.import_module(module), name), op
+
+
 def test_search_brackets_the_largest_depth_and_stops_at_its_deadline():
     def fits_seven(depth, timeout):
         return {"depth": depth, "ok": depth <= 7}
