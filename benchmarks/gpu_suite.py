@@ -199,7 +199,8 @@ def trial_command(args, backend: str, preset: str, overrides: dict, json_path: P
     return cmd
 
 
-def run_trial(ctx, args, size, backend: str, deadline: float) -> dict:
+def run_trial(ctx, args, size, backend: str, deadline: float, need: float) -> dict:
+    """One trial in a process of its own, unless it does not fit, or less than ``need`` seconds are left."""
     name, preset, overrides = size
     head = {"size": name, "backend": backend}
     if backend == "zero3":
@@ -209,8 +210,8 @@ def run_trial(ctx, args, size, backend: str, deadline: float) -> dict:
     if args.dry_run and backend in DRY_STOCK_SKIP and (backend == "zero3" or name != DRY_SIZES[0][0]):
         return {**head, "status": "skipped", "reason": DRY_STOCK_SKIP[backend]}
     left = deadline - time.monotonic()
-    if left < args.min_trial_s:
-        return {**head, "status": "skipped", "reason": f"deadline: {left:.0f} s left < {args.min_trial_s:.0f} s"}
+    if left < need:
+        return {**head, "status": "skipped", "reason": f"deadline: {left:.0f} s left, a trial needs {need:.0f} s"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "trial.json"
         start = time.monotonic()
@@ -242,11 +243,14 @@ def ratios(trials: list[dict]) -> list[dict]:
 
 
 def run_throughput(ctx, args, deadline: float) -> dict:
-    trials = []
+    trials: list[dict] = []
+    took: dict[str, float] = {}  # the last trial's seconds per backend: sizes ascend, so the next needs more
     # ours against ZeRO-3 offload at every size first, then ZeRO-3 without offload (the practicality ratio)
     order = [(size, b) for size in sizes(args) for b in OFFLOADED] + [(size, "zero3") for size in sizes(args)]
     for size, backend in order:
-        trial = run_trial(ctx, args, size, backend, deadline)
+        trial = run_trial(ctx, args, size, backend, deadline, max(args.min_trial_s, took.get(backend, 0.0)))
+        if trial["status"] == "measured":
+            took[backend] = trial["seconds"]
         log.info("throughput %s %s: %s %s", size[0], backend, trial["status"],
                  f"{trial['tokens_per_s']:.1f} tokens/s" if "tokens_per_s" in trial else trial.get("reason")
                  or trial.get("error", ""))
