@@ -128,7 +128,7 @@ def machine(args, cuda: bool, env: dict) -> dict:
     driver = _quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "benchmarks/gpu_suite.py", *sys.argv[1:]]),
+        "command": shlex.join([os.path.basename(sys.executable), "benchmarks/gpu_suite.py", *sys.argv[1:]]),
         "dry_run": args.dry_run,
         "budget_s": args.budget_s,
         "gpu": gpu or "none (dry run: strict emulated accelerator on the CPU)",
