@@ -47,6 +47,20 @@ def deadline_search(try_depth, start: int, max_depth: int, grow: float, deadline
             "tries": [tries[d] for d in sorted(tries)]}
 
 
+LONG_SEARCH_S = 240.0  # seconds of a backend's search from which ours starts near the GPU's limit
+
+
+def start_depth(margs: argparse.Namespace, backend: str, device_bytes: int) -> int:
+    """The first try: ``max_model``'s guess of the backend's host bytes/param under the cap or, given the GPU's
+    ``device_bytes``, for ours near its expected limit (its 16 bytes/param on the GPU first, most of the GPU, the
+    rest for activations, then on the host): the larger a try, the longer it takes, and a GPU's take a minute."""
+    if backend == "patrickstar" and device_bytes:
+        params = (0.8 * device_bytes + 0.5 * margs.host_mem_gib * 2**30) / 16
+    else:
+        params = margs.host_mem_gib * 2**30 / max_model.GUESS_BYTES_PER_PARAM[backend]
+    return max(1, int((params - margs.vocab * margs.width) // (12 * margs.width ** 2)))
+
+
 def max_model_args(args, dry_device_bytes: int) -> argparse.Namespace:
     dry = args.dry_run
     argv = ["--host-mem-gib", str(args.host_cap_gib if not dry else 4.0), "--width", str(args.max_width),
@@ -68,8 +82,8 @@ def run_max_model(ctx, args, deadline: float, dry_device_bytes: int, dry_stock_s
     pairs = [("ours", "patrickstar")] + ([] if args.dry_run else [("zero3-offload", "zero3-offload")])
     for i, (name, backend) in enumerate(pairs):
         share = (deadline - time.monotonic()) / (len(pairs) - i)
-        guess = margs.host_mem_gib * 2**30 / max_model.GUESS_BYTES_PER_PARAM[backend]
-        start = max(1, int((guess - margs.vocab * margs.width) // (12 * margs.width ** 2)))
+        near_limit = ctx.cuda and share >= LONG_SEARCH_S  # a short search starts where a try surely ends in time
+        start = start_depth(margs, backend, ctx.device_bytes if near_limit else 0)
 
         def try_depth(depth, timeout, backend=backend):
             margs.timeout = timeout
