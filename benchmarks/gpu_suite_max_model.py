@@ -61,12 +61,12 @@ def start_depth(margs: argparse.Namespace, backend: str, device_bytes: int) -> i
     return max(1, int((params - margs.vocab * margs.width) // (12 * margs.width ** 2)))
 
 
-def max_model_args(args, dry_device_bytes: int) -> argparse.Namespace:
+def max_model_args(args, dry_device_bytes: int, logs: str) -> argparse.Namespace:
     dry = args.dry_run
     argv = ["--host-mem-gib", str(args.host_cap_gib if not dry else 4.0), "--width", str(args.max_width),
             "--heads", "16" if not dry else "2", "--vocab", "50304" if not dry else "256",
             "--seq-len", "64" if not dry else "16", "--steps", "2", "--max-depth", str(args.max_depth),
-            "--logs", tempfile.mkdtemp(prefix="gpu_suite_")]
+            "--logs", logs]
     if dry:
         argv += ["--device-budget", str(dry_device_bytes)]
     return max_model.parse_args(argv)
@@ -74,8 +74,12 @@ def max_model_args(args, dry_device_bytes: int) -> argparse.Namespace:
 
 def run_max_model(ctx, args, deadline: float, dry_device_bytes: int, dry_stock_skip: str) -> dict:
     """Ours' search, then ZeRO-3 offload's (in a dry run: ours only, on the emulated accelerator), each with half
-    of what is left."""
-    margs = max_model_args(args, dry_device_bytes)
+    of what is left; the tries' logs live as long as the part (a failed try keeps its tail)."""
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_") as logs:
+        return _run_max_model(ctx, args, deadline, max_model_args(args, dry_device_bytes, logs), dry_stock_skip)
+
+
+def _run_max_model(ctx, args, deadline: float, margs: argparse.Namespace, dry_stock_skip: str) -> dict:
     os.environ.update(ctx.child_env)  # max_model.attempt starts its tries with this process's environment
     out = {"status": "measured", "host_cap_gib": margs.host_mem_gib, "width": margs.width, "seq_len": margs.seq_len,
            "backends": {}}
