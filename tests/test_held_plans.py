@@ -30,12 +30,6 @@ class _Comm:
         return values
 
 
-class _Map:
-    @staticmethod
-    def largest_group_bytes() -> int:
-        return 100
-
-
 class _Tracer:
     def __init__(self, trace) -> None:
         self.trace = trace
@@ -47,6 +41,7 @@ class _Tracer:
 def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int], at: int) -> int:
     """The most gathered bytes the plan agreed from this trace lets stay at moment ``at`` (two
     ranks, groups of 100 B, 1,000 B of room)."""
+    from ds_patrickstar.chunks.group_bytes import GroupBytes
     from ds_patrickstar.groups.gather_plan import GatherPlan
     from ds_patrickstar.placement.runtime import PlacementRuntime
     from ds_patrickstar.placement.tracer import Moment, Trace
@@ -63,7 +58,8 @@ def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int
         def movable_room() -> int:
             return 1_000
 
-    plan = GatherPlan(_Map(), _Comm(), Placement(), accumulate=False)
+    group = GroupBytes(storage=0, owned=100, joined=0, accumulator=0, grad_buffer=0)
+    plan = GatherPlan([group], _Comm(), Placement())
     plan.agree()
     room = next(n for n in range(0, 1_001, 10) if not plan.allows_keep(n + 10))
     return room
@@ -86,3 +82,53 @@ def test_kept_groups_leave_room_for_what_each_later_moment_holds():
     chunks = [(0,), (2,), (0, 2), (4,), (4,), (0, 2), (2,), (0,), ()]
     tides = [0, 100, 100, 200, 500, 300, 200, 100, 0]
     assert _keep_room(labels, chunks, tides, at=1) == 400
+
+
+def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
+    """Two ranks, gradient accumulation, a tensor straddling the two chunks of its group: the room the
+    gather plan leaves for a group a later moment holds is what that group adds to the gathered bytes
+    the keep decision compares with the room: its storage, this rank's chunk, the joined buffer and
+    the accumulator. (Counting storage and own chunk only, the plan left too much room to keep.)"""
+    import torch
+
+    from ds_patrickstar.chunks.layout import plan_chunks
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.groups.comm import ChunkComm
+    from ds_patrickstar.groups.gather_plan import GatherPlan
+    from ds_patrickstar.groups.group import build_groups
+    from ds_patrickstar.groups.residency import GroupResidency
+    from ds_patrickstar.memory.accelerator import HostAccelerator
+    from ds_patrickstar.memory.binding import build_chunk_map
+    from ds_patrickstar.memory.store import ChunkStore
+    from ds_patrickstar.placement.runtime import PlacementRuntime
+    from ds_patrickstar.placement.tracer import Moment, Trace
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 3))  # 143 elements: 72 + 71
+    comm = ChunkComm(None, StepCounters())
+    comm.world_size = 2  # counts only: the gather below runs no collective
+    store = ChunkStore(HostAccelerator(), comm.counters, movable=False)
+    chunk_map = build_chunk_map(plan_chunks([list(model.named_parameters())], 1000, 2), 2, 0, store, lambda p: True)
+    assert [info.numel for info in chunk_map.straddling(0)] == [100]  # the first weight straddles the cut
+    groups = build_groups(chunk_map, comm, store, None, accumulate=True)
+    residency = GroupResidency(chunk_map, comm, groups, None, None, 0)
+    before = residency.gathered_bytes
+    residency.gather(0, fill=False)
+    counted = residency.gathered_bytes - before
+    assert counted == 3 * 72 * 4 + 100 * 4 + 72 * 4  # storage of two chunks, own chunk, joined, accumulator
+
+    trace = Trace()
+    trace.add(Moment("fwd:0", (0,), 0))
+    trace.add(Moment("step", (), 0))
+
+    class Placement:
+        gathered_rooms = PlacementRuntime.gathered_rooms
+        tracer, moment, label, recording = _Tracer(trace), 0, "fwd:0", True
+
+        @staticmethod
+        def movable_room() -> int:
+            return 10_000
+
+    plan = GatherPlan([g.nbytes for g in groups], comm, Placement())
+    comm.agree = lambda values: values  # type: ignore[method-assign]
+    plan.agree()
+    assert plan.allows_keep(10_000 - counted) and not plan.allows_keep(10_000 - counted + 1)

@@ -58,7 +58,7 @@ from ..memory.accelerator import Accelerator, HostAccelerator
 from ..memory.binding import build_chunk_map
 from ..memory.cuda import CudaAccelerator
 from ..memory.emulated import EmulatedAccelerator
-from ..memory.preflight import check_budget_holds, check_fits, group_bytes, plan_for_rank
+from ..memory.preflight import check_budget_holds, check_fits, largest_group_bytes, plan_for_rank
 from ..memory.store import ChunkStore
 from ..optim.chunk_adam import ChunkAdam, adamw_mode
 from ..optim.states import OptimizerStates
@@ -235,8 +235,7 @@ def make_accelerator(
         accumulate,
     )
     check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size, on_disk)
-    largest = max((s.capacity for s in specs), default=0)
-    check_budget_holds(budget, group_bytes(largest, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
+    check_budget_holds(budget, largest_group_bytes(specs, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
     return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)
 
 
