@@ -88,9 +88,10 @@ def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
     """Two ranks, gradient accumulation, a tensor straddling the two chunks of its group: the room the
     gather plan leaves for a group a later moment holds is what that group adds to the gathered bytes
     the keep decision compares with the room: its storage, this rank's chunk, the joined buffer and
-    the accumulator. (Counting storage and own chunk only, the plan left too much room to keep.)"""
+    the accumulator; and the pre-flight, from the chunk plan, counts the group alike."""
     import torch
 
+    from ds_patrickstar.chunks.group_bytes import planned_group_bytes
     from ds_patrickstar.chunks.layout import plan_chunks
     from ds_patrickstar.counters import StepCounters
     from ds_patrickstar.groups.comm import ChunkComm
@@ -107,9 +108,11 @@ def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
     comm = ChunkComm(None, StepCounters())
     comm.world_size = 2  # counts only: the gather below runs no collective
     store = ChunkStore(HostAccelerator(), comm.counters, movable=False)
-    chunk_map = build_chunk_map(plan_chunks([list(model.named_parameters())], 1000, 2), 2, 0, store, lambda p: True)
+    specs = plan_chunks([list(model.named_parameters())], 1000, 2)
+    chunk_map = build_chunk_map(specs, 2, 0, store, lambda p: True)
     assert [info.numel for info in chunk_map.straddling(0)] == [100]  # the first weight straddles the cut
     groups = build_groups(chunk_map, comm, store, None, accumulate=True)
+    assert [g.nbytes for g in groups] == planned_group_bytes(specs, 4, 2, True)  # the pre-flight's count
     residency = GroupResidency(chunk_map, comm, groups, None, None, 0)
     before = residency.gathered_bytes
     residency.gather(0, fill=False)
