@@ -27,7 +27,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.group_bytes import GroupBytes
-from ..chunks.state import TensorState
+from ..chunks.state import IllegalTransition, TensorState
 from ..memory.pending import Pending
 from ..memory.store import ChunkStore
 from ..placement.runtime import PlacementRuntime
@@ -47,10 +47,6 @@ _TRANSITIONS = {
     _S.GATHERED: {_S.RELEASED, _S.KEPT},
     _S.KEPT: {_S.GATHERED, _S.RELEASED, _S.KEPT},
 }
-
-
-class IllegalGroupTransition(RuntimeError):
-    pass
 
 
 class ChunkGroup:
@@ -77,9 +73,8 @@ class ChunkGroup:
         self.state = _S.GATHERED if all(c.is_materialized for c in members) else _S.RELEASED
         self.fresh = False  # gathered (maybe still in flight) and not used since
         self.prefetched = False  # gathered ahead of use and not used since
-        self.grad_buffer: torch.Tensor | None = (
-            None  # a micro-step's flat gradient buffer (see [Note: flat group buffers])
-        )
+        # a micro-step's flat gradient buffer (see [Note: flat group buffers])
+        self.grad_buffer: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"ChunkGroup({self.index}, {self.state.value})"
@@ -94,7 +89,7 @@ class ChunkGroup:
 
     def _to(self, state: GroupState) -> None:
         if state not in _TRANSITIONS[self.state]:
-            raise IllegalGroupTransition(f"chunk group {self.index}: {self.state.value} -> {state.value}")
+            raise IllegalTransition(f"chunk group {self.index}: {self.state.value} -> {state.value}")
         self.state = state
 
     @property
