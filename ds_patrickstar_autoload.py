@@ -1,16 +1,17 @@
 """Registers stage "patrickstar" when DeepSpeed is imported, without ``import ds_patrickstar``.
 
+[Note: autoload]
 Installed with the package as ``ds_patrickstar_autoload.pth`` in site-packages, whose one line
-runs :func:`install` at interpreter start-up. [Note: autoload]
-:func:`install` only puts a finder at the front of ``sys.meta_path`` (standard library only:
-nothing is imported, no torch, no DeepSpeed). The finder ignores every import but the
-top-level ``deepspeed``; for that one it lets the other finders find it and wraps its loader,
-so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar`` is imported, which
-wraps ``deepspeed.initialize`` (see [Note: registration] in ds_patrickstar/integration/
-registration.py). The finder then removes itself and the module gets its own loader back.
-A process that never imports DeepSpeed never imports ds_patrickstar. This module is the bottom of
-the import graph: standard library only, the package loaded by name (so the package may use
-:func:`after_import`, the project's one import hook, without an import circle).
+runs :func:`install` at interpreter start-up. :func:`install` only puts a finder at the front of
+``sys.meta_path`` (standard library only: nothing is imported, no torch, no DeepSpeed). The finder
+ignores every import but the top-level ``deepspeed``; for that one it lets the other finders find
+it and wraps its loader, so that right after DeepSpeed's ``__init__`` has run, ``ds_patrickstar``
+is imported, which wraps ``deepspeed.initialize`` (see [Note: registration] in
+ds_patrickstar/integration/registration.py). The finder removes itself when DeepSpeed is
+executed, not when it is found (a ``find_spec`` probe imports nothing), and the module gets its
+own loader back. A process that never imports DeepSpeed never imports ds_patrickstar. This module
+is the bottom of the import graph: standard library only, the package loaded by name (so the
+package may use :func:`after_import`, the project's one import hook, without an import circle).
 
 ``DS_PATRICKSTAR_AUTOLOAD=0`` in the environment turns it off (the stage then needs
 ``import ds_patrickstar`` or ``python -m ds_patrickstar``). If ds_patrickstar cannot be
@@ -67,8 +68,10 @@ class _Loader:
 
 class _Finder:
     """A ``sys.meta_path`` finder for one module name (duck-typed: importing importlib.abc would
-    cost start-up time). It removes itself on that module's import, lets the other finders find
-    it, and wraps its loader."""
+    cost start-up time). It lets the other finders find that module and wraps its loader; it
+    leaves ``sys.meta_path`` only when the module is executed, so that a probe
+    (``importlib.util.find_spec``, as Hugging Face's ``is_deepspeed_available()`` does) finds a
+    spec without disarming it."""
 
     def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
         self.name = name
@@ -77,12 +80,15 @@ class _Finder:
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.name:
             return None
-        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _Loader(spec.loader, self.callback)  # type: ignore[assignment]  # duck-typed Loader
+        spec.loader = _Loader(spec.loader, self._executed)  # type: ignore[assignment]  # duck-typed Loader
         return spec
+
+    def _executed(self, module: ModuleType) -> None:
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        self.callback(module)
 
 
 def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:

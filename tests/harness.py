@@ -292,6 +292,14 @@ def _patrickstar_weights(engine) -> (Dict[str, torch.Tensor], Dict[str, torch.Te
     return fp32, lp
 
 
+def read_weights(engine, config: dict) -> (Dict[str, torch.Tensor], Dict[str, torch.Tensor]):
+    """(fp32 master weights, module weights) by parameter name, as host copies: the consolidated
+    fp32 state dict of a patrickstar engine, DeepSpeed's full fp32 params of a stock one."""
+    if is_patrickstar(config):
+        return _patrickstar_weights(engine)
+    return _stock_weights(engine, zero_stage(config))
+
+
 def _loss_scale(engine) -> Optional[float]:
     opt = engine.optimizer
     for attr in ("cur_scale", "loss_scale"):
@@ -437,10 +445,7 @@ def _train(deepspeed, model, batch_fn, model_parameters, optimizer, config, clie
                 loss_scales.append(_loss_scale(engine))
                 if is_patrickstar(config):
                     counters.append(engine.get_patrickstar_counters())
-        if is_patrickstar(config):
-            fp32, lp = _patrickstar_weights(engine)
-        else:
-            fp32, lp = _stock_weights(engine, stage)
+        fp32, lp = read_weights(engine, config)
         return RunResult(
             losses=losses,
             fp32_weights=fp32,

@@ -120,13 +120,13 @@ def _losses(mode: str, wait: bool) -> list[float]:
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
-    from ds_patrickstar.activations.offloader import ActivationOffloader
+    from ds_patrickstar.activations.copies import StorageCopies
 
-    class NoWait(ActivationOffloader):
+    class NoWait(StorageCopies):
         """Reads an offloaded activation as soon as its copy back is issued (test only)."""
 
-        def _wait_before_use(self, entry) -> None:
-            self._back_home(entry)
+        def wait_before_use(self, entry) -> None:
+            self.back_home(entry)
 
     model, batch = build_checkpointed(SEED)
     zero = {"stage": "patrickstar", "chunk_size": 2048, "emulate_accelerator": True, "device_budget": 10**6,
@@ -135,7 +135,7 @@ def _losses(mode: str, wait: bool) -> list[float]:
               "zero_optimization": zero}
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     if not wait:
-        engine.optimizer.placement.activations.__class__ = NoWait
+        engine.optimizer.placement.activations.copies.__class__ = NoWait
     losses = two_steps_then_eval(engine, batch)
     engine.destroy()
     return losses

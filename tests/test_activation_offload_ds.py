@@ -141,16 +141,16 @@ def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
-    from ds_patrickstar.activations.offloader import ActivationOffloader
+    from ds_patrickstar.activations.copies import StorageCopies
 
-    class NoWaitForHeld(ActivationOffloader):
+    class NoWaitForHeld(StorageCopies):
         """Reads a held input as soon as its copy back is issued (test only); saved tensors are waited on."""
 
-        def _wait_before_use(self, entry) -> None:
+        def wait_before_use(self, entry) -> None:
             if entry.held is None:
-                super()._wait_before_use(entry)
+                super().wait_before_use(entry)
             else:
-                self._back_home(entry)
+                self.back_home(entry)
 
     model, batch = _builder(api, gated)(SEED)
     zero = {"stage": "patrickstar", "chunk_size": 2048, "emulate_accelerator": True, "device_budget": 10**6,
@@ -160,7 +160,7 @@ def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]
     with deepspeed_checkpointing(config):
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         if not wait:
-            engine.optimizer.placement.activations.__class__ = NoWaitForHeld
+            engine.optimizer.placement.activations.copies.__class__ = NoWaitForHeld
         try:
             return two_steps_then_eval(engine, batch)
         finally:

@@ -97,7 +97,7 @@ def test_a_format_1_checkpoint_still_loads(tmp_path, reference):
         layout[name] = (cid, offset, numel, shape)
     sd.update(format="ds_patrickstar/1", layout=layout)
     torch.save(state, optim)
-    from ds_patrickstar.io.checkpoint import write_marker
+    from ds_patrickstar.io.commit import write_marker
 
     write_marker(str(tmp_path), tag)
     second = run_ranks(_resume, 2, str(tmp_path))

@@ -50,7 +50,8 @@ def _engine_with_a_checkpoint(save_dir: pathlib.Path, client_state: dict | None 
 
 def test_a_checkpoint_file_that_carries_code_is_refused_before_it_runs(tmp_path):
     from ds_patrickstar import consolidate_fp32_state_dict
-    from ds_patrickstar.io.checkpoint import CheckpointError, write_marker
+    from ds_patrickstar.io.checkpoint import CheckpointError
+    from ds_patrickstar.io.commit import write_marker
 
     engine = _engine_with_a_checkpoint(tmp_path)
     ran = tmp_path / "code_ran"
@@ -71,4 +72,35 @@ def test_client_state_objects_still_come_back(tmp_path):
     engine = _engine_with_a_checkpoint(tmp_path, client_state={"note": Note("kept"), "step": 7})
     _, client_state = engine.load_checkpoint(str(tmp_path), tag="t")
     assert client_state["note"] == Note("kept") and client_state["step"] == 7
+    engine.destroy()
+
+
+def test_a_save_into_an_existing_tag_that_dies_part_way_is_refused_not_loaded_mixed(tmp_path, monkeypatch):
+    """[Note: crash-safe save]: tag "t" saved at step 1, a step, then a re-save of "t" that dies after
+    DeepSpeed rewrote the model file and before the optimizer files (as a SIGKILL there would): the
+    tag, and ``latest`` which names it, are refused (the old marker listed the same names and sizes,
+    so the folder of new model and old optimizer states loaded). The re-save done again loads step 2."""
+    from ds_patrickstar.io.checkpoint import CheckpointError
+
+    engine = _engine_with_a_checkpoint(tmp_path)
+    engine.backward(engine(torch.randn(8, 8, dtype=torch.bfloat16)).float().sum())
+    engine.step()
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed while saving the optimizer files")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_save_zero_checkpoint", killed)
+        with pytest.raises(RuntimeError, match="killed"):
+            engine.save_checkpoint(str(tmp_path), tag="t")
+    for tag in ("t", None):
+        with pytest.raises(CheckpointError, match="incomplete"):
+            engine.load_checkpoint(str(tmp_path), tag=tag)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    expected = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.backward(engine(torch.randn(8, 8, dtype=torch.bfloat16)).float().sum())
+    engine.step()
+    engine.load_checkpoint(str(tmp_path))
+    assert engine.global_steps == 2
+    assert all(torch.equal(expected[k], v) for k, v in engine.module.state_dict().items())
     engine.destroy()

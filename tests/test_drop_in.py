@@ -94,6 +94,48 @@ def test_installed_stage_registers_when_deepspeed_is_imported_and_can_be_turned_
     assert orphan.returncode == 0 and orphan.stderr == "", orphan.stderr
 
 
+def test_a_probe_does_not_disarm_the_import_hook(tmp_path, monkeypatch):
+    """``importlib.util.find_spec`` (Hugging Face's ``is_deepspeed_available()``) finds the module
+    without executing it: the hook must still fire, once, at the import that follows."""
+    import importlib.util
+
+    import ds_patrickstar_autoload
+
+    (tmp_path / "probed_mod.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    ds_patrickstar_autoload.after_import("probed_mod", seen.append)
+    try:
+        assert importlib.util.find_spec("probed_mod") is not None and importlib.util.find_spec("probed_mod")
+        assert seen == [] and "probed_mod" not in sys.modules
+        import probed_mod
+
+        assert [m.__name__ for m in seen] == ["probed_mod"] and probed_mod.VALUE == 1
+        assert not any(getattr(f, "name", None) == "probed_mod" for f in sys.meta_path)  # gone once it fired
+    finally:
+        sys.modules.pop("probed_mod", None)
+        sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "name", None) != "probed_mod"]
+
+
+_TRANSFORMERS_FIRST = """import site, sys
+site.addsitedir(sys.argv[1])  # as site-packages: runs ds_patrickstar_autoload.pth
+import transformers
+from transformers.integrations import is_deepspeed_available
+assert is_deepspeed_available() and "ds_patrickstar" not in sys.modules
+""" + _FORGOT.split("the hook imported too much\"\n", 1)[1]
+
+
+def test_stage_registers_when_transformers_probes_deepspeed_first(tmp_path):
+    pytest.importorskip("transformers")
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    pth = os.path.join(ROOT, "ds_patrickstar_autoload.pth")
+    (site_dir / "ds_patrickstar_autoload.pth").write_text(open(pth).read())
+    (tmp_path / "hf_first.py").write_text(_TRANSFORMERS_FIRST)
+    done = _ok(_run([sys.executable, "hf_first.py", str(site_dir)], cwd=tmp_path))
+    assert "engine: PatrickStarEngine" in done.stdout
+
+
 def test_wheel_ships_the_autoload_hook_into_site_packages(tmp_path):
     out = tmp_path / "wheel"
     _ok(_run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT, "-w", str(out)]))

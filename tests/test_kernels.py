@@ -204,6 +204,23 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     check_against_reference(kernels.get_adam_backend("cpu"), 1001, torch.bfloat16, hyper, step=1, grad_scale=1.0)
 
 
+def test_a_loader_that_cannot_be_imported_falls_back_with_one_warning(monkeypatch, caplog):
+    """Where the kernels' loader itself does not import (it needs POSIX file locks), Adam runs on the
+    reference and says so once."""
+    import sys
+
+    from ds_patrickstar.optim import chunk_adam
+
+    monkeypatch.setitem(sys.modules, "ds_patrickstar.optim.kernels", None)  # its import raises ImportError
+    chunk_adam._warn_no_kernels.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.optim.chunk_adam"):
+        for _ in range(2):
+            assert chunk_adam.adam_backend(torch.device("cpu")) is adam_step_reference
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.optim.chunk_adam"]
+    assert len(warnings) == 1 and "pure-torch reference" in warnings[0] and "halted" in warnings[0], warnings
+    chunk_adam._warn_no_kernels.cache_clear()
+
+
 def test_detect_cpu_isa_matches_torch(monkeypatch):
     monkeypatch.delenv(kernels.CPU_ISA_ENV, raising=False)
     isa = kernels.detect_cpu_isa()

@@ -1,10 +1,12 @@
 """The package's layering: each sub-package imports only from the ones below it (the order in
 ``ds_patrickstar/__init__.py``), no module imports another that imports it back (directly or
-through others), and no module is larger than the project's limit. Static: reads the sources,
-imports nothing."""
+through others), no module or class is larger than the project's limit, and every Note cited is
+defined once. Static: reads the sources, imports nothing."""
 from __future__ import annotations
 
 import ast
+import re
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -13,6 +15,7 @@ LAYERS = ["chunks", "memory", "placement", "activations", "groups", "optim", "di
 LEAVES = {"counters", "autograd_state"}  # importable from every layer
 ENTRY_POINTS = {"__init__", "__main__", "plan", "zero_to_fp32"}  # the package root and the command lines: any layer
 MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 300
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -71,6 +74,61 @@ def test_every_sub_package_is_packaged():
 def test_no_module_over_the_size_limit():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
     assert max(sizes.values()) <= MAX_MODULE_LINES, {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES}
+
+
+def test_no_class_over_the_size_limit():
+    sizes = {
+        f"{p.relative_to(PACKAGE)}:{node.name}": node.end_lineno - node.lineno + 1
+        for p in _modules()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert max(sizes.values()) <= MAX_CLASS_LINES, {k: v for k, v in sizes.items() if v > MAX_CLASS_LINES}
+
+
+# ---- Notes ------------------------------------------------------------------------------------
+NOTE_HEADER = re.compile(r'^\s*(?:#\s*)?(?:r?""")?\[Note: ([^\]]+)\]\s*$', re.MULTILINE)
+NOTE_CITED = re.compile(r"\[Note:\s+([^\]]+?)\]")
+NOTE_IN_FILE = re.compile(r"\[Note:\s+([^\]]+?)\]\s+in\s+(?:``)?([\w/.]+\.py)")
+
+
+def _sources() -> dict[Path, str]:
+    """The package's modules and the autoload module, comment markers of wrapped lines removed."""
+    paths = [*_modules(), REPO / "ds_patrickstar_autoload.py"]
+    return {p: re.sub(r"\n\s*#", "\n", p.read_text()) for p in paths}
+
+
+def _note_name(text: str) -> str:
+    return " ".join(text.split())
+
+
+def note_headers(sources: dict[Path, str]) -> dict[str, list[Path]]:
+    """Note name -> the modules with a line ``[Note: name]`` of its own (a Note's header)."""
+    headers: dict[str, list[Path]] = {}
+    for path, text in sources.items():
+        for match in NOTE_HEADER.finditer(text):
+            headers.setdefault(match.group(1), []).append(path)
+    return headers
+
+
+def test_every_cited_note_is_defined_once():
+    sources = _sources()
+    headers = note_headers(sources)
+    cited = Counter(_note_name(m.group(1)) for text in sources.values() for m in NOTE_CITED.finditer(text))
+    wrong = {name: [str(p.relative_to(REPO)) for p in headers.get(name, [])] for name in cited}
+    assert {name: found for name, found in wrong.items() if len(found) != 1} == {}
+
+
+def test_a_note_cited_in_a_module_is_defined_there():
+    sources = _sources()
+    headers = note_headers(sources)
+    wrong = []
+    for path, text in sources.items():
+        for match in NOTE_IN_FILE.finditer(text):
+            name, module = _note_name(match.group(1)), match.group(2)
+            if not any(str(p).endswith("/" + module) for p in headers.get(name, [])):
+                wrong.append(f"{path.relative_to(REPO)}: [Note: {name}] in {module}")
+    assert not wrong, wrong
 
 
 # ---- import circles -----------------------------------------------------------------------------

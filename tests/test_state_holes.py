@@ -25,16 +25,19 @@ def _straddling_guard(rank, world_size):
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     info = engine.optimizer.manager.map.info(model[0].weight)
     assert info.straddles
+    saved = engine.module.state_dict()  # before backward: load_state_dict's argument (state_dict() is refused below)
     engine.backward(engine(torch.randn(2, 16)).square().mean())
     refused = []
-    for action in (lambda: engine.module.state_dict(), lambda: engine.module.load_state_dict(model.state_dict())):
+    for name, action in (("state_dict()", engine.module.state_dict),
+                         ("load_state_dict()", lambda: engine.module.load_state_dict(saved))):
         try:
             action()
             refused.append(False)
         except RuntimeError as err:
-            refused.append("between backward and step" in str(err))
+            refused.append(str(err).startswith(f"{name} was called between backward and step"))
     engine.step()
     engine.module.state_dict()  # after the step: allowed again
+    engine.module.load_state_dict(saved)
     return info.state.name, refused
 
 

@@ -248,6 +248,6 @@ def test_backward_style(backend, style, dtype, gas):
     ours, ref = run_pair(backend, "tied", dtype, gas=gas, use_engine_backward=(style == "engine"))
     check(ours, ref, dtype)
     if style == "torch":
-        # torch-style backward must equal engine.backward (DeepSpeed divides by GA in a hook)
+        # ours with torch-style backward must match stock ZeRO-3's engine.backward (DeepSpeed divides by GA in a hook)
         ref_engine = reference_run(QUIRK_MODELS["tied"], make_config(3, dtype, gas=gas, lr=LR), STEPS, SEED)
-        compare(ref, ref_engine, rtol=0.0, atol=0.0)
+        check(ours, ref_engine, dtype)

@@ -17,9 +17,7 @@ has not come yet (:meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`: a 
 module's tensors stay in use until its backward), counted as placement holds them (their groups
 gathered, with gradient accumulation the accumulators and gradient buffers that micro-step holds
 then, see [Note: chunk bytes per moment] in placement/chunk_needs.py). There is no reserve beyond what
-placement keeps: where checkpointing alone fits, nothing is offloaded. (A reserve of two chunks, as
-the optimizer-state plan keeps, offloaded blocks there, and hid that the chunks held across a
-recomputation were not counted, which on two ranks, with their larger groups, it did not cover.)
+placement keeps: where checkpointing alone fits, nothing is offloaded.
 
 Greedy: while some moment does not fit, take the moment that overflows most; among the blocks
 whose offload lowers the tide there, offload the one moving the fewest bytes per iteration that
@@ -32,17 +30,18 @@ every moment fit, every block is offloaded and placement fails, as it would, at 
 does not fit. The planned tide replaces the traced one in the trace, so that placement (chunk
 headroom, prefetch) and the optimizer-state plan at the next step see the tide the run will have;
 planning at the traced step, before the ranks agree from the same trace which groups may stay
-gathered or be gathered ahead (see [Note: agreed gather plan]), lets that agreement see it too:
-agreed from the traced tide, it kept and prefetched groups for which the planned tide leaves no room.
+gathered or be gathered ahead (see [Note: agreed gather plan]), lets that agreement see it too
+(agreed from the traced tide, it would keep and prefetch groups for which the planned tide leaves no
+room).
 
 Offloading strands allocator pieces: an activation copied out leaves a free piece in its segment
-that only a request fitting it reuses, and placement counts the pieces stranded now beside the tide
-now (see [Note: stranded allocator bytes] in memory/cuda.py), which the traced tide does not hold.
+that only a request fitting it reuses, and placement counts the pieces stranded at a moment beside
+that moment's tide (see [Note: stranded allocator bytes] in memory/cuda.py), which the traced tide
+does not hold.
 So where the plan offloads anything, it is made again with the room less the most bytes the traced
-iteration (which offloaded every block) stranded at a moment. Without that margin, on the emulated
-accelerator's model of the caching allocator, "auto" trained a test model at 520 and 560 kB but not
-at 540 kB: the planned iteration stranded 81,920 B beside a planned tide of 450,560 B. Where
-checkpointing alone fits the plan offloads nothing and keeps no margin.
+iteration (which offloaded every block) stranded at a moment: without it, the pieces the planned
+iteration strands beside its tide take room the plan gave the chunks, and a budget between two that
+train can fail. Where checkpointing alone fits the plan offloads nothing and keeps no margin.
 """
 
 from __future__ import annotations

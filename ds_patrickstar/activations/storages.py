@@ -1,5 +1,5 @@
 """What activation offload keeps per accelerator storage and per block's segment (see [Note: activation
-offload] in ``activations.py``), and the inputs a checkpoint holds outside saved tensors.
+offload] in ``offloader.py``), and the inputs a checkpoint holds outside saved tensors.
 
 [Note: held inputs]
 DeepSpeed's ``deepspeed.checkpointing.checkpoint`` keeps a checkpointed block's inputs as attributes of

@@ -26,7 +26,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ..io import checkpoint
+from ..io import checkpoint, commit
 from ..io.export import host_parameters
 from ..io.init import DeferredModel, swap_deferred
 from .config import PatrickStarConfig, check_reduction_settings, torch_adam_from_block
@@ -178,6 +178,9 @@ class PatrickStarEngine(DeepSpeedEngine):
     # ---- checkpoints (see [Note: checkpoint format], [Note: crash-safe save]) --------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        if self.global_rank == 0:
+            commit.begin_save(save_dir, tag)
+        dist.barrier()
         self.optimizer.checkpoint_folder = os.path.join(save_dir, tag)  # see [Note: disk tier checkpoints]
         try:
             saved = super().save_checkpoint(
@@ -189,17 +192,18 @@ class PatrickStarEngine(DeepSpeedEngine):
             )
         finally:
             self.optimizer.checkpoint_folder = None
+        commit.sync_saved_files(save_dir, tag)
         dist.barrier()
         if self.global_rank == 0:
-            checkpoint.write_marker(save_dir, tag)
+            commit.write_marker(save_dir, tag)
             if save_latest:
-                checkpoint.atomic_write_text(os.path.join(save_dir, "latest"), tag)
+                commit.atomic_write_text(os.path.join(save_dir, "latest"), tag)
         dist.barrier()
         return saved
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        tag = checkpoint.resolve_tag(load_dir, tag)
-        checkpoint.verify_complete(load_dir, tag)
+        tag = commit.resolve_tag(load_dir, tag)
+        commit.verify_complete(load_dir, tag)
         checkpoint.check_model_file(self.optimizer.chunk_map, load_dir, tag)
         return super().load_checkpoint(load_dir, tag, **kwargs)
 

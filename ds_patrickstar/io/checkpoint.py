@@ -1,4 +1,5 @@
-"""Checkpoints: the optimizer's state in DeepSpeed's folder layout, crash-safe commits, resharding.
+"""Checkpoints: the optimizer's state in DeepSpeed's folder layout and resharding (the commit of a
+save, its markers and checks: ``commit.py``).
 
 [Note: checkpoint format]
 DeepSpeed writes, per tag, ``mp_rank_00_model_states.pt`` (the module's full
@@ -8,18 +9,10 @@ DeepSpeed writes, per tag, ``mp_rank_00_model_states.pt`` (the module's full
 master, momentum and variance as whole flat tensors, plus the layout that maps every
 parameter name to ``(shape, pieces)``, a piece being ``(chunk, offset, start, numel)``:
 elements ``start ..`` of the flattened parameter at ``offset`` in ``chunk`` (see
-[Note: straddling tensors]; format 1 had one whole piece per parameter and still loads).
+[Note: straddling tensors]; files of format 1, one whole piece per parameter, load too).
 Because the layout is per parameter, a checkpoint can be loaded into any world size or
 chunk size: each rank reads the saved files whose chunks cover the pieces it now owns (at an
 unchanged world size, only its own: :func:`owned_optimizer_files`) and copies those elements.
-
-[Note: crash-safe save]
-DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a partial
-tag folder. So after DeepSpeed's save (with ``save_latest=False``) and a barrier, rank 0
-writes ``ds_patrickstar_complete.json`` (every file of the tag and its size) and then
-``latest``, each by write-to-temporary + ``os.replace``. A tag without a valid marker is
-refused on load with a message naming what is missing; ``latest`` only ever names a tag
-whose marker was written.
 
 [Note: loading without pickle]
 Our files are read weights-only (:func:`load_file`): tensors, containers, numbers and strings,
@@ -46,7 +39,6 @@ world size) and ``zero_to_fp32`` read the slices they need from such a file on d
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import pickle
@@ -62,74 +54,11 @@ from ..chunks.chunk import Piece
 from ..chunks.chunk_map import ChunkMap, owner_of
 from ..disk.io import align_up
 from ..optim.states import STATE_KEYS, OptimizerStates
+from .commit import FORMAT, CheckpointError, resolve_tag, verify_complete
 
-FORMAT = "ds_patrickstar/2"
 _FORMATS = (FORMAT, "ds_patrickstar/1")
-MARKER = "ds_patrickstar_complete.json"
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
 FOLDER_KEY = "_folder"  # set on load: the tag folder a saved dict's states files are in
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this run; the message says why."""
-
-
-# ---- files ------------------------------------------------------------------------
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_marker(save_dir: str, tag: str) -> None:
-    folder = os.path.join(save_dir, tag)
-    files = {
-        name: os.path.getsize(os.path.join(folder, name))
-        for name in sorted(os.listdir(folder))
-        if name != MARKER and os.path.isfile(os.path.join(folder, name)) and ".tmp" not in name
-    }
-    atomic_write_text(os.path.join(folder, MARKER), json.dumps({"format": FORMAT, "tag": tag, "files": files}))
-
-
-def resolve_tag(load_dir: str, tag: str | None) -> str:
-    if tag is not None:
-        return str(tag)
-    latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
-        raise CheckpointError(
-            f"no checkpoint tag given and no 'latest' file in {load_dir!r}; pass tag= "
-            f"or point load_dir at a folder written by engine.save_checkpoint"
-        )
-    with open(latest) as f:
-        return f.read().strip()
-
-
-def verify_complete(load_dir: str, tag: str) -> None:
-    """Raise :class:`CheckpointError` unless the tag's marker lists files that are all there, whole."""
-    folder = os.path.join(load_dir, tag)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint tag {tag!r} does not exist in {load_dir!r}")
-    marker = os.path.join(folder, MARKER)
-    if not os.path.isfile(marker):
-        raise CheckpointError(
-            f"checkpoint {folder!r} is incomplete or not a ds_patrickstar checkpoint: it has no "
-            f"{MARKER} (a save was interrupted, or it was written by another backend). "
-            f"Load an earlier tag."
-        )
-    with open(marker) as f:
-        files = json.load(f)["files"]
-    for name, size in files.items():
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint {folder!r} is missing {name}")
-        if os.path.getsize(path) != size:
-            raise CheckpointError(
-                f"checkpoint file {path!r} has {os.path.getsize(path)} bytes, {size} were "
-                f"written: it is truncated or was modified"
-            )
 
 
 def check_model_file(chunk_map: ChunkMap, load_dir: str, tag: str) -> None:

@@ -5,7 +5,6 @@ Inside :class:`Init` every parameter a module registers is replaced at once (tor
 parameter-registration hook, removed when the block closes) by a parameter on the ``meta``
 device (shape, dtype and ``requires_grad`` only, no memory; buffers stay
 real, as ``accelerate.init_empty_weights(include_buffers=False)`` does), so a model of any
-
 size is built in no memory and in no time. A model built on the ``meta`` device by other
 means (``with torch.device("meta")``) is treated the same way, if its buffers are real.
 

@@ -15,13 +15,11 @@ those pieces. Placement (``placement/runtime.py``) gives model data the budget l
 (a) the non-model memory now plus the stranded pieces and (b) the tide the trace plans ahead: the
 tide's coming allocations are made first in the free pieces (freed activations are the size of the
 next iteration's activations), so counting the pieces beside the coming tide would count the same
-bytes twice. That double count made every freed activation look lost: with activation offload on an
-H100 (gpt2-medium, sequence 16k, 4 GiB) the pieces the offload left were 0.9 GB at the start of
-backward, and placement failed where keeping the activations fit. Where a coming allocation fits
-no piece, reserved memory exceeds the budget by at most the pieces; the default budget keeps 1 GiB
-of the device out of it for such slack. The strict emulated accelerator models the pieces its
-activations leave (see [Note: caching allocator model] in ``caching_allocator.py``), so a CPU test
-fails with the double count.
+bytes twice and make every freed activation look lost: with activation offload, placement would
+fail where keeping the activations fits. Where a coming allocation fits no piece, reserved memory
+exceeds the budget by at most the pieces; the default budget keeps 1 GiB of the device out of it for
+such slack. The strict emulated accelerator models the pieces its activations leave (see [Note:
+caching allocator model] in ``caching_allocator.py``), so a CPU test fails with the double count.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ bytes would cost nearly twice its size on the host, and every move would pin ane
   page on CUDA, whose registration works on whole pages) and is pinned once, when the pool
   allocates it, by the accelerator (``cudaHostRegister`` on CUDA), never per move;
 * a released buffer that a pending copy still reads or writes is held until that copy has
-  completed (torch's allocator did this for its blocks by recording the copy's event; ours
-  are not its blocks); then it goes to a free list keyed by its size, and the next request
+  completed (torch's allocator does this for its own blocks by recording the copy's event;
+  ours are not its blocks); then it goes to a free list keyed by its size, and the next request
   of that size reuses it without pinning again;
 * the free list holds at most ``cache_limit`` bytes (the host buffers of one chunk, set by
   the chunk store): past that, the oldest cached buffers are unpinned and freed, so the

@@ -16,6 +16,8 @@ CPU kernel (:mod:`~ds_patrickstar.optim.kernels`), with the pure-torch reference
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +27,8 @@ from ..counters import StepCounters
 from ..placement.runtime import PlacementRuntime
 from .adam_math import AdamHyper, AdamStep, adam_step_reference
 from .states import OptimizerChunk, OptimizerStates
+
+logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -47,11 +51,22 @@ def adamw_mode(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+@functools.cache
+def _warn_no_kernels(reason: str) -> None:
+    logger.warning(
+        "ds_patrickstar: the fused Adam kernels' loader cannot be imported (%s); Adam runs on the "
+        "pure-torch reference, which gives the same results more slowly",
+        reason,
+    )
+
+
 def adam_backend(device: torch.device) -> AdamStep:
-    """The fused kernel for ``device`` (built on first use), else the pure-torch reference."""
+    """The fused kernel for ``device`` (built on first use), else the pure-torch reference (with one
+    warning when the kernels' loader itself cannot be imported: it needs POSIX file locks)."""
     try:
         from .kernels import get_adam_backend
-    except ImportError:
+    except ImportError as err:
+        _warn_no_kernels(repr(err))
         return adam_step_reference
     return get_adam_backend(device)
 
