@@ -10,11 +10,12 @@ kept, :class:`~ds_patrickstar.groups.keep.KeepPolicy`; where gradients go,
 :class:`~ds_patrickstar.chunks.group_bytes.GroupBytes` (see [Note: chunk group bytes]).
 
 [Note: chunk group states]
-``RELEASED``: the other ranks' chunks are not here (with one rank: the chunk is not on the
-accelerator yet). ``GATHERED``: all-gathered (the collective maybe still in flight), in use or about
-to be. ``KEPT``: gathered, its use over, kept for its next use (see [Note: kept groups]); keeping a
-kept group again leaves it kept. A use makes a kept group ``GATHERED``; any gathered group may be
-released. A group never goes from ``RELEASED`` to ``KEPT``.
+``RELEASED``: the other ranks' chunks are not here (with one rank: the chunk has not been on the
+accelerator yet; once gathered, a group of one rank stays so, its chunk moved by placement only).
+``GATHERED``: all-gathered (the collective maybe still in flight), in use or about to be. ``KEPT``:
+gathered, its use over, kept for its next use (see [Note: kept groups]); keeping a kept group again
+leaves it kept. A use makes a kept group ``GATHERED``; any gathered group may be released. A group
+never goes from ``RELEASED`` to ``KEPT``.
 """
 
 from __future__ import annotations
