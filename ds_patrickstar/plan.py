@@ -225,11 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
         f"take), {report['on_host_bytes'] / gib:.2f} GiB or more on the host"
     )
-    what = "its chunks beside this rank's own and its joined buffers" if args.world_size > 1 else "one chunk"
+    parts = "its chunks beside this rank's own and its joined buffers" if args.world_size > 1 else "one chunk"
     accumulation = ", with what gradient accumulation adds" if args.gradient_accumulation else ""
     print(
         f"the largest chunk group a moment uses takes {report['largest_group_bytes'] / gib:.3f} GiB on the "
-        f"accelerator ({what}{accumulation}): a device budget must hold it"
+        f"accelerator ({parts}{accumulation}): a device budget must hold it"
     )
     if args.disk is not None:
         print(
