@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ds_patrickstar.chunks.chunk_map import ChunkMap  # noqa: E402
 from ds_patrickstar.chunks.layout import plan_chunks  # noqa: E402
 from ds_patrickstar.counters import StepCounters  # noqa: E402
 from ds_patrickstar.groups.comm import ChunkComm  # noqa: E402
@@ -105,7 +106,7 @@ class Setup:
         accel = EmulatedAccelerator(self.budget)
         store = ChunkStore(accel, self.counters, movable=True)
         comm = ChunkComm(None, self.counters)
-        chunk_map = build_chunk_map(specs, 1, 0, store, has_values=lambda p: True)
+        chunk_map = build_chunk_map(ChunkMap(1, 0), specs, store, has_values=lambda p: True)
         options = PatrickStarConfig(emulate_accelerator=True, device_budget=self.budget, chunk_size=elems)
         reductions = InFlightReductions()
         self.runtime = make_placement(options, accel, store, self.counters, chunk_map, reductions)

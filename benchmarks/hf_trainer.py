@@ -75,7 +75,7 @@ def main(argv=None):
     dtype = args.dtype or ("fp32" if on_cpu else "bf16")
     training_args = transformers.TrainingArguments(
         output_dir=args.out, deepspeed=args.deepspeed,
-        use_cpu=on_cpu,  # CPU-only: without it accelerate sees one process per launch (see README)
+        use_cpu=on_cpu,  # CPU-only: without it accelerate sees one process per launch (docs/hugging-face.md)
         bf16=dtype == "bf16", per_device_train_batch_size=args.batch, per_device_eval_batch_size=args.batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
         adam_beta2=0.95, weight_decay=0.1, warmup_steps=max(1, args.steps // 10), max_grad_norm=1.0,

@@ -251,3 +251,14 @@ def test_load_checkpoint_missing_tag(tmp_path):
     engine = _init(_config())
     with pytest.raises(ValueError, match=r"checkpoint tag 'global_step7' does not exist in "):
         engine.load_checkpoint(str(tmp_path), tag="global_step7")
+
+
+def test_a_model_parallel_mpu_is_refused_naming_it():
+    """Files and swap folders are keyed by data-parallel rank only (issue 32, item 4): a Megatron-style
+    mpu with model parallelism is refused before anything is built; the model keeps its tensors."""
+    mpu = types.SimpleNamespace(get_model_parallel_world_size=lambda: 2)
+    model = _model()
+    before = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"mpu=\.\.\.\) with a model-parallel world size of 2 .* pass no mpu"):
+        _init(_config(), model=model, mpu=mpu)
+    assert all(p.data_ptr() == ptr and torch.equal(p, v) for p, (ptr, v) in zip(model.parameters(), before))

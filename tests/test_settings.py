@@ -14,16 +14,16 @@ GIB = 1 << 30
 
 
 def test_default_cuda_budget_is_free_memory_less_the_reserve(monkeypatch):
-    from ds_patrickstar.integration import assembly
+    from ds_patrickstar.integration import planning
 
     # 80 GiB card, 3 GiB already taken (CUDA context, another process): the default is what is free now
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (77 * GIB, 80 * GIB))
     cuda = torch.device("cuda", 0)
-    assert assembly.resolve_budget(None, cuda, emulate=False) == 77 * GIB - assembly.DEVICE_RESERVE
-    assert assembly.resolve_budget(0.5, cuda, emulate=False) == 40 * GIB  # a fraction is of the total
-    assert assembly.resolve_budget(5 * GIB, cuda, emulate=False) == 5 * GIB
+    assert planning.resolve_budget(None, cuda, emulate=False) == 77 * GIB - planning.DEVICE_RESERVE
+    assert planning.resolve_budget(0.5, cuda, emulate=False) == 40 * GIB  # a fraction is of the total
+    assert planning.resolve_budget(5 * GIB, cuda, emulate=False) == 5 * GIB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB // 2, 80 * GIB))
-    assert assembly.resolve_budget(None, cuda, emulate=False) == 0  # nothing to give: the pre-flight says so
+    assert planning.resolve_budget(None, cuda, emulate=False) == 0  # nothing to give: the pre-flight says so
 
 
 @pytest.mark.parametrize(
@@ -52,9 +52,9 @@ def test_a_placement_key_on_a_cpu_run_warns_and_names_it(caplog):
     config = make_config("patrickstar", chunk_size=1024)
     config["zero_optimization"].update(device_budget=1 << 24, static_fraction=0.25)
     model = torch.nn.Linear(8, 4)
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.assembly"):
+    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.planning"):
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.integration.assembly"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.integration.planning"]
     assert len(warnings) == 1, warnings
     assert "['static_fraction', 'device_budget'] do nothing in this run" in warnings[0]
     assert "emulate_accelerator=true" in warnings[0]

@@ -77,6 +77,7 @@ class TensorInfo:
     state: TensorState = TensorState.HOLD
     joined: torch.Tensor | None = None  # the parameter's own buffer when it straddles chunks
     released: set[int] = field(default_factory=set)  # chunks of its pieces released on this rank
+    bound: bool = False  # the parameter is a view of its chunk (or its joined buffer): see memory/binding.py
 
     @property
     def straddles(self) -> bool:

@@ -5,10 +5,12 @@ Each rank keeps its spilled optimizer states under ``<nvme_path>/ds_patrickstar_
 one file per spilled chunk (``chunk<id>.swap``), holding the chunk's fp32 master, momentum and
 variance in pieces of a bounded number of elements, each piece's three states back to back
 (see [Note: swap pieces]), so a piece's states are one read and one write. The files are preallocated at initialize
-(``posix_fallocate``) and rewritten in place: writing new files is several times slower than
-rewriting allocated blocks on common SSDs and file systems. They are opened with ``O_DIRECT``
-where the file system allows it (a probe write at initialize), else buffered with a warning
-(tmpfs on older kernels).
+(``posix_fallocate``) and rewritten in place: on common SSDs and file systems rewriting allocated
+blocks is faster than writing new files. They are opened with ``O_DIRECT`` where the file system
+allows it (a probe write at initialize), else buffered with a warning (tmpfs on older kernels).
+Files that fail part way at initialize close every descriptor they opened and remove their folder
+before the error propagates. They are closed once: a later close (the disk tier's finalizer) leaves
+the folder alone, since another run may own it by then.
 
 The files are scratch, not a checkpoint: every run writes its states into them at initialize
 and a checkpoint copies them out (see [Note: disk tier checkpoints]). ``manifest.json`` records
@@ -103,23 +105,31 @@ class SwapFiles:
     def __init__(self, root: str, rank: int, sizes: dict[int, int], direct: bool = True) -> None:
         self.folder = rank_folder(root, rank)
         self.run_id = uuid.uuid4().hex
-        self._take_folder()
-        self.direct = direct and _direct_io_works(self.folder)
-        if direct and not self.direct:
-            logger.warning(
-                "ds_patrickstar: the file system of %s does not take O_DIRECT (tmpfs?): the disk tier uses "
-                "buffered I/O, which goes through the page cache",
-                self.folder,
-            )
         self.fds: dict[int, int] = {}
         self.sizes = dict(sizes)
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
-        for chunk_id, size in sorted(sizes.items()):
-            fd = os.open(self.path(chunk_id), flags, 0o600)
-            os.posix_fallocate(fd, 0, size)
-            self.fds[chunk_id] = fd
         self.clean = True
-        self._write_manifest()
+        self.closed = False
+        self._take_folder()
+        try:
+            self.direct = direct and _direct_io_works(self.folder)
+            if direct and not self.direct:
+                logger.warning(
+                    "ds_patrickstar: the file system of %s does not take O_DIRECT (tmpfs?): the disk tier uses "
+                    "buffered I/O, which goes through the page cache",
+                    self.folder,
+                )
+            self._open_files()
+            self._write_manifest()
+        except BaseException:
+            self.close(remove=True)  # the folder is ours: _take_folder made it
+            raise
+
+    def _open_files(self) -> None:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
+        for chunk_id, size in sorted(self.sizes.items()):
+            fd = os.open(self.path(chunk_id), flags, 0o600)
+            self.fds[chunk_id] = fd
+            os.posix_fallocate(fd, 0, size)
 
     def path(self, chunk_id: int) -> str:
         return os.path.join(self.folder, f"chunk{chunk_id}.swap")
@@ -170,10 +180,14 @@ class SwapFiles:
         os.replace(tmp, path)
 
     def close(self, remove: bool = True) -> None:
-        """Close the files; ``remove``: delete the folder (the states were scratch)."""
-        for fd in self.fds.values():
+        """Close the files; ``remove``: delete the folder (the states were scratch). Closing again does
+        nothing: the folder may belong to a later run by then."""
+        if self.closed:
+            return
+        self.closed = True
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
             os.close(fd)
-        self.fds = {}
         self.sizes = {}
         if remove and os.path.isdir(self.folder):
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -95,13 +95,15 @@ def open_disk_states(nvme: NvmeOffload | None, spilled: dict[int, int], rank: in
     if nvme is None or not spilled:
         return None
     files = SwapFiles(nvme.nvme_path, rank, {cid: record_bytes(c) for cid, c in spilled.items()})
+    io: DiskIO | None = None
     try:
-        locked = buffer_bytes(nvme, spilled)
-        io = make_disk_io(nvme, files.direct, poison, locked)
+        io = make_disk_io(nvme, files.direct, poison, buffer_bytes(nvme, spilled))
+        return DiskStates(files, io, spilled, nvme.buffer_count, nvme.buffer_size)
     except BaseException:
+        if io is not None:
+            io.close()
         files.close(remove=True)
         raise
-    return DiskStates(files, io, spilled, nvme.buffer_count, nvme.buffer_size)
 
 
 def make_disk_io(nvme: NvmeOffload, direct: bool, poison: bool, locked: int = 0) -> DiskIO:

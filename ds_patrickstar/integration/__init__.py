@@ -3,8 +3,9 @@
 Owns the one registration point (``registration.py``) with what it sets up for a run a user
 started without a launcher (``launch_env.py``), the config model and split
 (``config.py``), the engine subclass (``engine.py``), the ZeRO-optimizer adapter
-(``zero_optimizer.py``), the assembly that builds and wires every part of a run
-(``assembly.py``), the hook registry and the hook target (``hooks.py``, ``hook_target.py``), the
+(``zero_optimizer.py``), the planning of a run before the model changes (``planning.py``), the
+assembly that builds and wires every part of a run (``assembly.py``), initialize as a transaction
+(``transaction.py``), the hook registry and the hook target (``hooks.py``, ``hook_target.py``), the
 wiring of DeepSpeed's activation checkpointing (``ds_checkpointing.py``), the share of host memory
 each rank may use (``host_share.py``) and
 the Hugging Face adaptations (``hf_compat.py``: accelerate's stage and process count;

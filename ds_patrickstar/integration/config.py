@@ -337,7 +337,7 @@ def check_reduction_settings(
         name = dtype_names.get(grad_accum_dtype, str(grad_accum_dtype))
         raise ValueError(
             f"data_types.grad_accum_dtype={name!r} is not supported by stage 'patrickstar', which "
-            "accumulates gradients in fp32 (see gradient_accumulation_steps in the README). Remove the key or "
+            "accumulates gradients in fp32 (see docs/configuration.md, what DeepSpeed reads). Remove the key or "
             'set it to "fp32".'
         )
 

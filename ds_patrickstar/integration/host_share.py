@@ -8,8 +8,8 @@ gathered storage of every group, the whole model in bf16/fp16 (see [Note: gather
 storage] in memory/store.py). The ranks on one host share its
 memory, so ``keep_gathered: None`` (the default) is decided at initialize from
 
-* the host's available memory now, plus the trainable parameters' own bytes (they are freed once the
-  chunks hold their values),
+* the host's available memory at that moment, plus the trainable parameters' own bytes (freed once
+  the chunks hold their values and initialize returns, see [Note: initialize as a transaction]),
 * the ranks on this host (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from DeepSpeed's
   launcher, else every rank of the run),
 * and the planner's model data per rank (:func:`~ds_patrickstar.memory.preflight.plan_for_rank`):

@@ -9,7 +9,9 @@ the original arguments, untouched. Code that did ``from deepspeed import initial
 before importing ds_patrickstar keeps the original function, so import ds_patrickstar
 first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
 of the config (see [Note: accelerate's zero_stage]). A single process started without a
-launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]).
+launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]). A
+"patrickstar" initialize that fails leaves the model as it was (see
+[Note: initialize as a transaction]).
 
 The same call installs the only other three wrappers ds_patrickstar puts on another library,
 each a no-op for every other stage: DeepSpeed's ``clone_tensors_for_torch_save`` returns our
@@ -80,6 +82,8 @@ def _initialize_patrickstar(
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import PatrickStarEngine
+    from .planning import check_values_held
+    from .transaction import ModelState, roll_back
 
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
@@ -90,6 +94,7 @@ def _initialize_patrickstar(
         raise ValueError(
             "the model has no trainable parameters (requires_grad=True); stage 'patrickstar' has nothing to train"
         )
+    check_values_held(model)
     if not dist.is_initialized():
         fill_single_process_env()  # see [Note: no launcher]
     dist.init_distributed(
@@ -98,27 +103,61 @@ def _initialize_patrickstar(
         dist_init_required=dist_init_required,
     )
     _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
+    refuse_model_parallelism(mpu)
+
     config_class = DeepSpeedConfig(sanitized, mpu)
-    engine = PatrickStarEngine(
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        mpu=mpu,
-        dist_init_required=dist_init_required,
-        collate_fn=collate_fn,
-        config=sanitized,
-        config_class=config_class,
-        patrickstar_config=options,
-    )
-    engine.config = user_config  # Hugging Face and users read the config they wrote
-    adapt_accelerate()  # see [Note: accelerate's zero_stage]
-    configure_gc = getattr(engine, "_configure_python_gc", None)  # DeepSpeed >= 0.19.8 (disable_python_gc)
-    if configure_gc is not None:
-        configure_gc()
+    saved = ModelState.of(model, optimizer)  # see [Note: initialize as a transaction]
+    # built in two steps so that a failed __init__ leaves an engine to tear down
+    engine = PatrickStarEngine.__new__(PatrickStarEngine)
+    try:
+        PatrickStarEngine.__init__(
+            engine,
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            config=sanitized,
+            config_class=config_class,
+            patrickstar_config=options,
+        )
+        engine.config = user_config  # Hugging Face and users read the config they wrote
+        adapt_accelerate()  # see [Note: accelerate's zero_stage]
+        configure_gc = getattr(engine, "_configure_python_gc", None)  # DeepSpeed >= 0.19.8 (disable_python_gc)
+        if configure_gc is not None:
+            configure_gc()
+    except BaseException:
+        roll_back(engine, saved)
+        raise
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def model_parallel_size(mpu: Any) -> int:
+    """The model-parallel world size of a Megatron-style ``mpu`` (1 without one)."""
+    if mpu is None:
+        return 1
+    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
+        getter = getattr(mpu, name, None)
+        if getter is not None:
+            return int(getter())
+    return 1
+
+
+def refuse_model_parallelism(mpu: Any) -> None:
+    """Stage "patrickstar" keys every file and folder (checkpoints, optimizer states, swap folders)
+    by data-parallel rank only: model-parallel ranks would overwrite each other's states."""
+    size = model_parallel_size(mpu)
+    if size > 1:
+        raise ValueError(
+            f"deepspeed.initialize(mpu=...) with a model-parallel world size of {size} is not supported by "
+            "stage 'patrickstar': its checkpoints, optimizer-state files and swap folders are named by "
+            "data-parallel rank only, so model-parallel ranks would overwrite each other's states. Train a "
+            "tensor- or pipeline-parallel model with ZeRO stage 1-3, or pass no mpu (data parallelism only)"
+        )
 
 
 def _warn_if_world_lost(world_size: int) -> None:

@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
-from .assembly import assemble
+from .assembly import ChunkedModel, assemble
 from .config import PatrickStarConfig
 
 logger = logging.getLogger(__name__)
@@ -54,28 +54,6 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.options = options
         self.clip_grad = clip_grad
         self.dp_process_group = dp_group
-        parts = assemble(
-            module,
-            basic_optimizer,
-            options,
-            device=device,
-            dtype=dtype,
-            accumulate=gradient_accumulation_steps > 1,
-            dp_group=dp_group,
-            deferred=deferred,
-            is_boundary=self.is_gradient_accumulation_boundary,
-        )
-        self.parts = parts
-        self.counters, self.accel, self.chunk_map = parts.counters, parts.accel, parts.chunk_map
-        self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
-        self.export, self.adam = parts.export, parts.adam
-        self.last_step_counters: dict[str, int | float] = self.counters.as_dict()  # all zero before the first step
-        self.consecutive_skipped_steps = 0
-        # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
-        self.fp16_groups = [
-            [i.param for i in self.chunk_map.infos() if i.group_index == g] for g in range(len(self.param_groups))
-        ]
-        self.bf16_groups = self.fp16_groups
         self.loss_scaler = CreateLossScaler(
             dtype=dtype,
             static_loss_scale=static_loss_scale,
@@ -87,7 +65,36 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.torch_autocast_gradscaler = None
         self.overflow = False
         self._global_grad_norm = 0.0
+        self.consecutive_skipped_steps = 0
         self.checkpoint_folder: str | None = None  # during engine.save_checkpoint: the tag folder
+        parts = assemble(
+            module,
+            basic_optimizer,
+            options,
+            device=device,
+            dtype=dtype,
+            accumulate=gradient_accumulation_steps > 1,
+            dp_group=dp_group,
+            deferred=deferred,
+            is_boundary=self.is_gradient_accumulation_boundary,
+        )
+        try:
+            self._adopt(parts, module)
+        except BaseException:
+            parts.abandon()  # see [Note: initialize as a transaction]
+            raise
+
+    def _adopt(self, parts: ChunkedModel, module: torch.nn.Module) -> None:
+        self.parts = parts
+        self.counters, self.accel, self.chunk_map = parts.counters, parts.accel, parts.chunk_map
+        self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
+        self.export, self.adam = parts.export, parts.adam
+        self.last_step_counters: dict[str, int | float] = self.counters.as_dict()  # all zero before the first step
+        # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
+        self.fp16_groups = [
+            [i.param for i in self.chunk_map.infos() if i.group_index == g] for g in range(len(self.param_groups))
+        ]
+        self.bf16_groups = self.fp16_groups
         self._frozen_or_extra = [p for p in module.parameters() if self.chunk_map.info(p) is None]
 
     # ---- scaler interface -------------------------------------------------------
@@ -197,6 +204,12 @@ class PatrickStarOptimizer(ZeROOptimizer):
         the engine's callback registered with us goes too (a cycle the collector would otherwise break)."""
         self.parts.close()
         self.unregister_grad_acc_post_hooks()
+
+    def abandon(self) -> None:
+        """Initialize failed: the bound parameters get their values back from this rank's chunks (no
+        collective) and what the run holds goes (see [Note: initialize as a transaction]). A later
+        :meth:`destroy` does nothing more."""
+        self.parts.abandon()
 
     # ---- accounting -------------------------------------------------------------
     def end_step_counters(self) -> dict[str, int | float]:

@@ -53,6 +53,18 @@ def is_host_copy(value: object) -> bool:
     return isinstance(value, torch.Tensor) and getattr(value, _HOST_COPY, False) is True
 
 
+def owned_host_values(chunk_map: ChunkMap, infos: list[TensorInfo]) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+    """``(tensor, its whole value as a new host tensor)`` for each of ``infos`` whose every piece lies in a
+    chunk this rank owns, read where the chunk lives; no collective (at initialize, the owned chunks are
+    the only ones holding values: see memory/binding.py)."""
+    for info in infos:
+        chunks = [chunk_map.chunks[piece.chunk_id] for piece in info.pieces]
+        if all(chunk_map.is_owned(chunk) for chunk in chunks):
+            pieces = [chunk.ready()[piece.in_chunk] for chunk, piece in zip(chunks, info.pieces)]
+            value = pieces[0].to("cpu", copy=True) if len(pieces) == 1 else torch.cat([p.cpu() for p in pieces])
+            yield info, value.view(info.shape)
+
+
 class ChunkExport:
     """Streams chunk values to and from the host; see [Note: state_dict]."""
 

@@ -2,9 +2,13 @@
 
 One chunk group at a time: its chunks get their buffers from the :class:`ChunkStore`, its
 parameters become views of their chunk's payload (of their joined buffer when they straddle
-chunks, see [Note: straddling tensors]) after their values were copied into the owned pieces,
+chunks, see [Note: straddling tensors]) after their values are copied into the owned pieces,
 and what this rank does not keep is let go before the next group. So initialize holds one
 group's payloads beside the model at most and never doubles model memory (see [Note: storage resize]).
+Only this rank's own chunks receive values here; a parameter once a view is marked ``bound``, so
+that a failed initialize gives back the values of exactly those (see
+[Note: initialize as a transaction]). What can refuse a parameter (:func:`check_bindable`) runs
+before the first one is bound.
 """
 
 from __future__ import annotations
@@ -23,15 +27,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_chunk_map(
+    chunk_map: ChunkMap,
     specs: list[ChunkSpec],
-    world_size: int,
-    rank: int,
     store: ChunkStore,
     has_values: Callable[[torch.nn.Parameter], bool],
 ) -> ChunkMap:
-    """The chunk map of ``specs`` with every parameter bound to it. ``has_values(param)`` is False
-    for a parameter built without values (``ds_patrickstar.Init``, see [Note: deferred init])."""
-    chunk_map = ChunkMap(world_size, rank)
+    """``chunk_map`` (empty) with the chunks of ``specs`` and every parameter bound to them; a failure part
+    way leaves the groups before it bound in ``chunk_map``. ``has_values(param)`` is False for a parameter
+    built without values (``ds_patrickstar.Init``, see [Note: deferred init])."""
+    world_size, rank = chunk_map.world_size, chunk_map.rank
     for first in range(0, len(specs), world_size):
         members, infos = chunk_map.add_group(specs[first : first + world_size])
         owned = members[rank]
@@ -50,19 +54,27 @@ def build_chunk_map(
     return chunk_map
 
 
+def check_bindable(specs: list[ChunkSpec], has_values: Callable[[torch.nn.Parameter], bool]) -> None:
+    """Raise ``ValueError`` for a parameter that cannot be bound: its dtype is not its chunks', or its
+    storage does not hold the values it should have."""
+    for spec in specs:
+        for name, param, *_ in spec.members:
+            if param.dtype != spec.dtype:
+                raise ValueError(
+                    f"parameter {name} has dtype {param.dtype} but its param group's chunks "
+                    f"hold {spec.dtype}; put parameters of different dtypes in different param groups"
+                )
+            if has_values(param):
+                _check_backed(name, param)
+
+
 @torch.no_grad()
 def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: bool) -> None:
     """The parameter becomes a view of its chunk payload (of its joined buffer when it straddles
     chunks); its values go into the owned pieces (on the host with placement) when it
     ``has_values``, and its own storage is dropped."""
     chunk = chunk_map.chunk_of(info)
-    if info.param.dtype != chunk.dtype:
-        raise ValueError(
-            f"parameter {info.name} has dtype {info.param.dtype} but its param group's chunks "
-            f"hold {chunk.dtype}; put parameters of different dtypes in different param groups"
-        )
     if has_values:
-        _check_backed(info)
         chunk_map.write_pieces(info, info.param.data.reshape(-1), lambda c: c.ready())
     if info.straddles:
         joined = store.accel.empty(info.numel, chunk.dtype, "chunk", f"{info.name} (joined)")
@@ -71,16 +83,16 @@ def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: 
         store.accel.free(joined, "chunk")
     else:
         info.param.data = chunk.view_of(info)
+    info.bound = True
 
 
-def _check_backed(info: TensorInfo) -> None:
+def _check_backed(name: str, param: torch.nn.Parameter) -> None:
     """A parameter whose storage does not hold its values (resized away by something else): a clear
     error instead of torch's "setStorage ... out of bounds"."""
-    param = info.param
     needed = (param.storage_offset() + param.numel()) * param.element_size()
     held = param.untyped_storage().nbytes()
     if held < needed:
         raise ValueError(
-            f"parameter {info.name} holds no values ({held} of {needed} bytes): its storage was resized or "
+            f"parameter {name} holds no values ({held} of {needed} bytes): its storage was resized or "
             f"freed; build the model again for a new engine."
         )

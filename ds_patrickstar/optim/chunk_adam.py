@@ -71,6 +71,12 @@ def adam_backend(device: torch.device) -> AdamStep:
     return get_adam_backend(device)
 
 
+def build_kernels(devices: set[torch.device]) -> None:
+    """Build every Adam kernel a run on ``devices`` can use now (hybrid Adam: the host's too), not in a step."""
+    for device in devices:
+        adam_backend(device)
+
+
 def combined_scale(scaled_norm: float, loss_scale: float, clip_grad: float) -> float:
     """``loss_scale`` times DeepSpeed ZeRO-3's clip factor, when clipping applies."""
     combined = loss_scale
@@ -102,11 +108,6 @@ class ChunkAdam:
         self._placement = placement
         self._counters = counters
         self.group_steps = [0] * len(param_groups)
-
-    def build_kernels(self, devices: set[torch.device]) -> None:
-        """Build every Adam kernel this run can use now (hybrid Adam: the host's too), not in a step."""
-        for device in devices:
-            adam_backend(device)
 
     def apply(self, grad_scale: float) -> None:
         """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``; the spilled

@@ -1,0 +1,193 @@
+"""Planning a run: everything initialize decides before any parameter of the model changes.
+
+The trainable parameters by param group, the chunk layout, the disk tier's spill plan and the check of
+its folder, the pre-flight check (see [Note: pre-flight]: it runs on the chunk plan before any chunk
+or optimizer state is allocated, so a model that does not fit is refused before memory goes), the
+accelerator and the default ``keep_gathered`` (from the host memory before any chunk exists). A run
+refused here leaves nothing to undo but the accelerator (see [Note: initialize as a transaction]).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch.distributed import ProcessGroup
+
+from ..chunks.chunk_map import owner_of
+from ..chunks.layout import ChunkSpec, plan_chunks
+from ..counters import StepCounters
+from ..disk.tier import host_bytes_saved, plan_disk_tier
+from ..groups.comm import ChunkComm
+from ..memory.accelerator import Accelerator, HostAccelerator
+from ..memory.cuda import CudaAccelerator
+from ..memory.emulated import EmulatedAccelerator
+from ..memory.preflight import check_budget_holds, check_fits, largest_group_bytes, plan_for_rank
+from ..optim.chunk_adam import adamw_mode
+from .config import PatrickStarConfig
+from .host_share import default_keep_gathered
+
+logger = logging.getLogger(__name__)
+
+VALUES_LOST = "_ds_patrickstar_values_lost"  # a parameter left empty (see [Note: engine teardown])
+
+DEVICE_RESERVE = 1 << 30
+"""Bytes of free GPU memory the default budget leaves alone: NCCL's buffers (made at the first
+collective), cuBLAS workspaces and the caching allocator's rounding come after initialize."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What :func:`plan_run` decided: the parts of a run that exist before its chunks."""
+
+    adamw: bool
+    counters: StepCounters
+    comm: ChunkComm
+    specs: list[ChunkSpec]
+    spilled: dict[int, int]  # the disk tier's chunks of this rank (id -> capacity)
+    accel: Accelerator
+    keep_gathered: int | None
+
+    @property
+    def movable(self) -> bool:
+        """Chunks have a host home: placement runs."""
+        return not isinstance(self.accel, HostAccelerator)
+
+    @property
+    def poison(self) -> bool:
+        """The strict emulated accelerator: data not waited for reads as NaN."""
+        return isinstance(self.accel, EmulatedAccelerator)
+
+
+def plan_run(
+    module: torch.nn.Module,
+    basic_optimizer: torch.optim.Optimizer,
+    options: PatrickStarConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    accumulate: bool,
+    dp_group: ProcessGroup | None,
+) -> RunPlan:
+    """Plan a run of ``module``; raises ``ValueError`` for a run that cannot start."""
+    adamw = adamw_mode(basic_optimizer)  # refuse a non-Adam optimizer before anything is built
+    counters = StepCounters()
+    comm = ChunkComm(dp_group, counters)
+    specs = plan_chunks(named_param_groups(module, basic_optimizer.param_groups), options.chunk_size, comm.world_size)
+    spilled = plan_disk_tier(options.offload_optimizer, options.host_budget, specs, comm, dtype, accumulate)
+    on_disk = host_bytes_saved(options.offload_optimizer, spilled)
+    accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
+    comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
+    keep_gathered = options.keep_gathered
+    if keep_gathered is None and isinstance(accel, HostAccelerator):  # see [Note: default kept groups from host memory]
+        owners = [owner_of(i, comm.world_size) for i in range(len(specs))]
+        rank_plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
+        keep_gathered = default_keep_gathered(module, rank_plan, comm)
+    return RunPlan(adamw, counters, comm, specs, spilled, accel, keep_gathered)
+
+
+def check_values_held(module: torch.nn.Module) -> None:
+    """Raise ``ValueError`` naming a parameter left without values (see [Note: engine teardown]); runs
+    before any collective of initialize."""
+    for name, param in module.named_parameters():
+        if getattr(param, VALUES_LOST, False):
+            raise ValueError(
+                f"parameter {name} holds no values: its engine's destroy() warned that it did not read the "
+                f"weights back (or a failed deepspeed.initialize did: with data parallelism they were on another "
+                f"rank). Build the model again for a new engine and load the weights from a checkpoint."
+            )
+
+
+def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The trainable parameters of every param group with their names; bad groups raise ``ValueError``."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(param, name)
+    groups = []
+    for index, group in enumerate(param_groups):
+        named = []
+        for param in group["params"]:
+            if param not in names:
+                raise ValueError(
+                    f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
+                    f"that is not a parameter of the model; pass model_parameters="
+                    f"model.parameters() (or groups of the model's own parameters)"
+                )
+            if param.requires_grad:
+                if not param.is_floating_point():
+                    raise ValueError(
+                        f"parameter {names[param]} has dtype {param.dtype}; only floating point "
+                        f"parameters can be trained: make it float or set requires_grad=False"
+                    )
+                named.append((names[param], param))
+        groups.append(named)
+    if not any(groups):
+        raise ValueError(
+            "the model has no trainable parameters (requires_grad=True) in the optimizer's "
+            "param groups; stage 'patrickstar' has nothing to train"
+        )
+    return groups
+
+
+def resolve_budget(device_budget: int | float | None, device: torch.device, emulate: bool) -> int:
+    """The accelerator budget in bytes: a byte count, or a fraction of the device's total memory
+    (of the host's memory on the emulated accelerator); by default on CUDA, the free memory now
+    less :data:`DEVICE_RESERVE`."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        free, total = 0, psutil.virtual_memory().total
+    if device_budget is None:
+        if emulate or device.type != "cuda":
+            raise ValueError(
+                "zero_optimization.emulate_accelerator=true needs zero_optimization.device_budget: "
+                "the emulated accelerator's size in bytes (an integer) or a fraction of host memory"
+            )
+        return max(0, free - DEVICE_RESERVE)
+    return int(total * device_budget) if isinstance(device_budget, float) else int(device_budget)
+
+
+def _warn_ineffective(options: PatrickStarConfig, placement_runs: bool) -> None:
+    """A setting that does nothing says so."""
+    idle = options.ineffective_keys(placement_runs)
+    if not idle:
+        return
+    why = (
+        "placement runs on a CUDA device or with zero_optimization.emulate_accelerator=true, and this run "
+        "has neither: model data stays in host memory"
+        if not placement_runs
+        else 'static_fraction is the share of chunks placement "static" keeps on the accelerator'
+    )
+    logger.warning("zero_optimization keys %s do nothing in this run (%s); remove them", idle, why)
+
+
+def make_accelerator(
+    options: PatrickStarConfig,
+    device: torch.device,
+    specs: list[ChunkSpec],
+    comm: ChunkComm,
+    dtype: torch.dtype,
+    accumulate: bool,
+    on_disk: int = 0,
+) -> Accelerator:
+    """The accelerator of this run, after the pre-flight check (see [Note: pre-flight]); ``on_disk``:
+    host bytes the disk tier saves, its spilled states less its buffers (see [Note: disk tier plan])."""
+    emulate = options.emulate_accelerator
+    placement_runs = device.type == "cuda" or emulate
+    _warn_ineffective(options, placement_runs)
+    if not placement_runs:
+        return HostAccelerator()
+
+    budget = resolve_budget(options.device_budget, device, emulate)
+    plan = plan_for_rank(
+        [s.capacity for s in specs],
+        [owner_of(i, comm.world_size) for i in range(len(specs))],
+        comm.rank,
+        dtype.itemsize,
+        accumulate,
+    )
+    check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size, on_disk)
+    check_budget_holds(budget, largest_group_bytes(specs, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
+    return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)
