@@ -18,6 +18,7 @@ class _Tracer:
 def _groups(accumulate: bool):
     """Two ranks, rank 0, fp32: 143 elements in one group of two 72-element chunks; the first
     weight (100 elements) straddles the cut."""
+    from ds_patrickstar.chunks.chunk_map import ChunkMap
     from ds_patrickstar.chunks.layout import plan_chunks
     from ds_patrickstar.counters import StepCounters
     from ds_patrickstar.groups.comm import ChunkComm
@@ -31,7 +32,7 @@ def _groups(accumulate: bool):
     comm.world_size = 2
     store = ChunkStore(HostAccelerator(), comm.counters, movable=False)
     specs = plan_chunks([list(model.named_parameters())], 1000, 2)
-    chunk_map = build_chunk_map(specs, 2, 0, store, lambda p: True)
+    chunk_map = build_chunk_map(ChunkMap(2, 0), specs, store, lambda p: True)
     assert [info.numel for info in chunk_map.straddling(0)] == [100]
     return specs, chunk_map, comm, build_groups(chunk_map, comm, store, None, accumulate)
 
