@@ -4,7 +4,7 @@ ends, a gradient arrives, the step is over) turned into chunk-group work.
 A short facade over the classes that each do one job: :class:`~ds_patrickstar.chunks.chunk_map.ChunkMap`
 (what is where), :class:`~ds_patrickstar.groups.residency.GroupResidency` (gathered groups and their
 collectives), :class:`~ds_patrickstar.groups.keep.KeepPolicy` (whether a group stays gathered),
-:class:`~ds_patrickstar.groups.straddle.JoinedBuffers` (straddling tensors) and
+:class:`~ds_patrickstar.groups.group.ChunkGroup` (one group, with its joined buffers) and
 :class:`~ds_patrickstar.groups.grads.GradientSink` (gradients, reduce-scatters, the norm). With one
 rank every collective is a no-op and the same code runs.
 
@@ -46,10 +46,10 @@ from ..placement.tracer import RECOMPUTE
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink
+from .group import build_groups
 from .keep import KeepPolicy
 from .reductions import InFlightReductions
 from .residency import GroupResidency
-from .straddle import JoinedBuffers
 
 _S = TensorState
 
@@ -73,13 +73,14 @@ class ChunkManager:
         self.comm = comm
         self.store = store
         self.placement = placement
-        self.joined = JoinedBuffers(chunk_map, store.accel)
-        self.plan = GatherPlan(chunk_map, comm, placement, accumulate) if placement is not None else None
-        self.residency = GroupResidency(
-            chunk_map, comm, store, self.joined, placement, self.plan, prefetch_groups, accumulate
+        self.groups = build_groups(chunk_map, comm, store, placement, accumulate)
+        sizes = [group.nbytes for group in self.groups]
+        self.plan = GatherPlan(sizes, comm, placement) if placement is not None else None
+        self.residency = GroupResidency(chunk_map, comm, self.groups, placement, self.plan, prefetch_groups)
+        self.keep = KeepPolicy(comm, self.residency, self.plan, keep_gathered)
+        self.grads = GradientSink(
+            chunk_map, self.groups, comm, store, self.residency, self.keep, reductions, placement, accumulate
         )
-        self.keep = KeepPolicy(chunk_map, comm, self.residency, self.plan, keep_gathered)
-        self.grads = GradientSink(chunk_map, comm, store, self.residency, self.keep, reductions, placement, accumulate)
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
@@ -113,11 +114,12 @@ class ChunkManager:
             self.residency.use(self.map.chunks[chunk_id], keep, training)
         backward = inside_backward()  # a backward use, or a recomputation for one: not over before it says so
         for info in infos:
-            need = self.joined.rejoin_bytes(info)
+            joined = self.groups[self.map.group_of_info(info)].joined
+            need = joined.rejoin_bytes(info)
             if need and self.placement is not None:
                 self.placement.make_room(need, set(keep))
-            self.joined.rejoin(info)
-            self.joined.join(info)
+            joined.rejoin(info)
+            joined.join(info)
             info.start_compute()
             users = self._backward_users if backward else self._forward_users
             users[info] = users.get(info, 0) + 1
@@ -147,7 +149,7 @@ class ChunkManager:
             return
         training = torch.is_grad_enabled()  # a backward will follow; a no-grad forward releases
         for group in sorted(groups):
-            if all(t.state is _S.HOLD_AFTER_FWD for t in self.map.group_tensors(group)):
+            if all(t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors):
                 if training:
                     self.keep.keep(group)
                 else:
@@ -167,8 +169,8 @@ class ChunkManager:
         if self.comm.world_size == 1:
             return
         for group in sorted(groups):
-            if group in self.residency.present and all(
-                t.state is _S.HOLD_AFTER_FWD for t in self.map.group_tensors(group)
+            if self.residency.is_present(group) and all(
+                t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors
             ):
                 self.keep.keep(group)
 
@@ -181,7 +183,7 @@ class ChunkManager:
             return False
         mine = set(infos)
         groups = {self.map.group_of_info(info) for info in infos}
-        return all(g in self.residency.present or set(self.map.group_tensors(g)) <= mine for g in groups)
+        return all(self.residency.is_present(g) or set(self.groups[g].tensors) <= mine for g in groups)
 
     # ---- gradients and the step -------------------------------------------------------
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
