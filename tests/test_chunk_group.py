@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import harness
+
 
 class _Tracer:
     def __init__(self, trace) -> None:
@@ -91,3 +93,36 @@ def test_a_group_moves_only_between_the_states_its_table_allows():
     assert group.state is GroupState.GATHERED
     group.release()
     assert group.state is GroupState.RELEASED and not group.fresh
+
+
+def test_one_rank_with_accumulation_and_a_keep_limit_between_groups_trains():
+    """One rank, gradient accumulation, ``keep_gathered`` between one and two groups' bytes: nothing is
+    gathered at one rank, so nothing is kept (trimming the kept groups looped forever: releasing a
+    group does nothing at one rank). An alarm turns a hang into a failure."""
+    import signal
+
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    harness.ensure_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    cfg = harness.make_config("patrickstar", chunk_size=1100, gas=2)
+    cfg["zero_optimization"]["keep_gathered"] = int(1.5 * 1100 * 4)
+
+    def hung(*_):
+        raise TimeoutError("training did not finish in 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        for _ in range(4):
+            engine.backward(engine(torch.randn(4, 32)).pow(2).mean())
+            engine.step()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert engine.global_steps == 2
+    engine.destroy()

@@ -48,7 +48,10 @@ class KeepPolicy:
 
     def keep(self, group: int) -> None:
         """Keep ``group`` gathered for its next use, releasing the oldest kept groups over the limit;
-        with placement only when the agreed plan holds it for the rest of the iteration."""
+        with placement only when the agreed plan holds it for the rest of the iteration. With one rank
+        nothing is gathered (a group is its one chunk, which placement moves): nothing to keep."""
+        if self._comm.world_size == 1:
+            return
         residency = self._residency
         if self.limit is not None and residency.groups[group].nbytes.members > self.limit:
             residency.release(group)
