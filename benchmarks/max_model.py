@@ -84,7 +84,8 @@ class PhaseClock:
         return out
 
 
-def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None, largest_param=0):
+def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None, largest_param=0,
+               device_budget=None, emulate=False):
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": grad_accum,
            "steps_per_print": 10 ** 9,
            "bf16": {"enabled": True}, "gradient_clipping": 1.0,
@@ -96,6 +97,8 @@ def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host
             cfg["zero_optimization"]["host_budget"] = host_budget
         if keep_gathered is not None:
             cfg["zero_optimization"]["keep_gathered"] = keep_gathered
+        if device_budget is not None:  # on a machine without CUDA: the strict emulated accelerator
+            cfg["zero_optimization"].update(device_budget=device_budget, emulate_accelerator=emulate)
     elif backend == "zero3":
         cfg["zero_optimization"] = {"stage": 3}
     elif backend == "zero3-tuned":
@@ -153,7 +156,7 @@ def run_try(args):
         import ds_patrickstar
 
         ds_cfg = _ds_config(args.backend, args.batch, args.keep_gathered, args.grad_accum, args.disk,
-                            args.host_budget, args.vocab * args.width)
+                            args.host_budget, args.vocab * args.width, args.device_budget, emulate=not cuda)
         if args.backend.startswith("patrickstar"):
             init = ds_patrickstar.Init(config=ds_cfg)
         else:
@@ -256,6 +259,7 @@ def attempt(args, backend, world_size, depth, log_dir):
                    "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
                    "--grad-accum", str(args.grad_accum),
                    *(["--keep-gathered", str(args.keep_gathered)] if args.keep_gathered is not None else []),
+                   *(["--device-budget", str(args.device_budget)] if args.device_budget is not None else []),
                    *(["--disk", args.disk, "--host-budget", str(int(cap * DISK_HOST_SHARE / world_size))]
                      if backend in DISK_BACKENDS else []),
                    "--result", result_path]
@@ -284,7 +288,15 @@ def attempt(args, backend, world_size, depth, log_dir):
         os.remove(result_path)
     if swap:
         shutil.rmtree(swap, ignore_errors=True)
+    remove_shm_buffers(port)
     return out
+
+
+def remove_shm_buffers(port):
+    """DeepSpeed's shm comm op (CPU) leaves ``/dev/shm/deepspeed_allreduce_buffer_*_<port>_<rank>`` (69 MB each)
+    behind, also when its ranks end normally: many tries would fill /dev/shm."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def search(args, backend, world_size, log_dir):
@@ -393,6 +405,9 @@ def parse_args(argv=None):
                    help="patrickstar: zero_optimization.keep_gathered in bytes (default: the config's default, "
                         "every group kept gathered from forward to backward as ZeRO-3 does; 0 releases each group "
                         "after its forward use: the least memory with several ranks on one host)")
+    p.add_argument("--device-budget", type=int, default=None,
+                   help="patrickstar backends: zero_optimization.device_budget in bytes; on a machine without CUDA "
+                        "it runs them on the strict emulated accelerator (a check of the search, not a GPU figure)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per try")
     p.add_argument("--max-depth", type=int, default=96)
     p.add_argument("--start-depth", type=int, default=None,

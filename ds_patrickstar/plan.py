@@ -9,22 +9,30 @@ from __future__ import annotations
 import torch
 
 from .chunks.chunk_map import owner_of
-from .chunks.layout import plan_chunks
+from .chunks.layout import ChunkSpec, plan_chunks
 from .disk.budget import disk_buffer_bytes, record_bytes, spilled_chunks
 from .disk.swap_layout import PIECE_ELEMENTS, piece_elements
-from .memory.preflight import OPTIM_BYTES_PER_ELEMENT, largest_fitting_params, plan_for_rank
+from .memory.preflight import (
+    ACC_BYTES_PER_ELEMENT,
+    OPTIM_BYTES_PER_ELEMENT,
+    largest_fitting_params,
+    largest_group_bytes,
+    plan_for_rank,
+)
 
-ACC = 4  # bytes per parameter of a gradient accumulator
+__all__ = ["capacities_for", "main", "plan_report", "sizes_from_gpt", "sizes_from_hf_config", "specs_for"]
 
-__all__ = ["capacities_for", "main", "plan_report", "sizes_from_gpt", "sizes_from_hf_config"]
+
+def specs_for(shapes: list[int], chunk_size: int, world_size: int) -> list[ChunkSpec]:
+    """The chunk plan ``deepspeed.initialize`` makes for a model given its trainable tensors' sizes (in
+    registration order), without building anything."""
+    named = [(str(i), torch.nn.Parameter(torch.empty(n, device="meta"))) for i, n in enumerate(shapes)]
+    return plan_chunks([named], chunk_size, world_size)
 
 
 def capacities_for(shapes: list[int], chunk_size: int, world_size: int) -> list[int]:
-    """Chunk capacities of a model given its trainable tensors' sizes (in registration order): the
-    chunk plan ``deepspeed.initialize`` makes, without building anything."""
-    named = [(str(i), torch.nn.Parameter(torch.empty(n, device="meta"))) for i, n in enumerate(shapes)]
-
-    return [spec.capacity for spec in plan_chunks([named], chunk_size, world_size)]
+    """Chunk capacities of a model given its trainable tensors' sizes (in registration order)."""
+    return [spec.capacity for spec in specs_for(shapes, chunk_size, world_size)]
 
 
 def sizes_from_hf_config(path: str) -> list[int]:
@@ -71,10 +79,14 @@ def plan_report(
     disk_buffers: int | None = None,
     disk_piece: int = PIECE_ELEMENTS,
 ) -> dict:
-    """Rank 0's model data (the rank with the most), where it would live, and the largest model that
-    fits; ``disk_buffers`` (the disk tier's ``buffer_count``; ``disk_piece``: its ``buffer_size``): the
-    states that do not fit the host go to disk (see [Note: disk tier plan])."""
-    capacities = capacities_for(sizes, chunk_size, world_size)
+    """Rank 0's model data (the rank with the most), where it would live, the most a chunk group in
+    use takes on the accelerator (which a ``device_budget`` must hold, see [Note: chunk group bytes]),
+    and the largest model that fits; ``disk_buffers`` (the disk tier's ``buffer_count``;
+    ``disk_piece``: its ``buffer_size``): the states that do not fit the host go to disk (see
+    [Note: disk tier plan])."""
+    specs = specs_for(sizes, chunk_size, world_size)
+    capacities = [spec.capacity for spec in specs]
+    group = largest_group_bytes(specs, lp_bytes, world_size, accumulate)
     owners = [owner_of(i, world_size) for i in range(len(capacities))]
     plans = [plan_for_rank(capacities, owners, r, lp_bytes, accumulate) for r in range(world_size)]
     rank = max(range(world_size), key=lambda r: plans[r].model_data_bytes)
@@ -92,7 +104,7 @@ def plan_report(
         on_disk = sum(record_bytes(owned[c]) for c in spilled)
         need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) + buffers
         on_device = min(need, device_budget)
-        ram_per_param = plan.lp_bytes + (ACC if accumulate else 0) * world_size
+        ram_per_param = plan.lp_bytes + (ACC_BYTES_PER_ELEMENT if accumulate else 0) * world_size
         all_buffers = disk_buffer_bytes(list(owned.values()), disk_buffers, piece)
         disk = {
             "on_disk_bytes": on_disk,
@@ -108,7 +120,8 @@ def plan_report(
         "bytes_per_owned_parameter": plan.bytes_per_owned_element,
         "on_accelerator_bytes": on_device,
         "on_host_bytes": need - on_device,
-        "fits": need <= available,
+        "largest_group_bytes": group,
+        "fits": need <= available and (device_budget == 0 or group <= device_budget),
         "largest_fitting_params": largest_fitting_params(plan, available, world_size),
         "plan": plan,
         **disk,
@@ -211,6 +224,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
         f"take), {report['on_host_bytes'] / gib:.2f} GiB or more on the host"
+    )
+    parts = "its chunks beside this rank's own and its joined buffers" if args.world_size > 1 else "one chunk"
+    accumulation = ", with what gradient accumulation adds" if args.gradient_accumulation else ""
+    print(
+        f"the largest chunk group a moment uses takes {report['largest_group_bytes'] / gib:.3f} GiB on the "
+        f"accelerator ({parts}{accumulation}): a device budget must hold it"
     )
     if args.disk is not None:
         print(

@@ -30,15 +30,10 @@ class _Comm:
         return values
 
 
-class _Map:
-    @staticmethod
-    def largest_group_bytes() -> int:
-        return 100
-
-
 def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int], at: int) -> int:
     """The most gathered bytes the plan agreed from this trace lets stay at moment ``at`` (two
     ranks, groups of 100 B, 1,000 B of room)."""
+    from ds_patrickstar.chunks.group_bytes import GroupBytes
     from ds_patrickstar.groups.gather_plan import GatherPlan
     from ds_patrickstar.placement.runtime import PlacementRuntime
     from ds_patrickstar.placement.tracer import Moment, Trace
@@ -62,7 +57,8 @@ def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int
         def movable_room() -> int:
             return 1_000
 
-    plan = GatherPlan(_Map(), _Comm(), Placement(), accumulate=False)
+    group = GroupBytes(storage=0, owned=100, joined=0, accumulator=0, grad_buffer=0)
+    plan = GatherPlan([group], _Comm(), Placement())
     plan.agree()
     room = next(n for n in range(0, 1_001, 10) if not plan.allows_keep(n + 10))
     return room

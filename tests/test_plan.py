@@ -97,3 +97,16 @@ def test_cli_on_a_hugging_face_config(tmp_path, capsys):
     report = main(["--hf-config", str(tmp_path), "--host-mem", "1GiB"])
     expected = sum(p.numel() for p in transformers.GPT2LMHeadModel(config).parameters())
     assert report["parameters"] == expected
+
+
+def test_planner_counts_the_largest_chunk_group_with_its_joined_buffer():
+    """Two ranks, bf16, gradient accumulation: a 5,000-element tensor is a group of its own, two chunks
+    of 2,500 it straddles. A moment using it takes its storage (10,000 B), this rank's chunk (5,000 B),
+    the joined buffer (10,000 B), the accumulator (10,000 B) and a micro-step's gradient buffer
+    (10,000 B); a device budget must hold that."""
+    from ds_patrickstar.plan import plan_report
+
+    sizes = [100, 5000, 100]
+    report = plan_report(sizes, 1024, 2, 2, True, 10**9, 10**9)
+    assert report["largest_group_bytes"] == 45_000 and report["fits"]
+    assert not plan_report(sizes, 1024, 2, 2, True, 44_999, 10**9)["fits"]

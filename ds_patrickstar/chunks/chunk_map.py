@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .chunk import Chunk, Piece, TensorInfo
+from .group_bytes import GroupBytes, group_bytes
 from .layout import ChunkSpec
 
 
@@ -101,33 +102,12 @@ class ChunkMap:
         """The tensors of ``group`` with pieces in several chunks (see [Note: straddling tensors])."""
         return [info for info in self.group_tensors(group) if info.straddles]
 
-    def group_bytes(self, group: int, accumulate: bool) -> int:
-        """Accelerator bytes of ``group`` gathered: with ``W > 1`` its storage of ``W`` chunks beside
-        this rank's own chunk (see [Note: gathered group storage] in memory/store.py) and the joined
-        buffers of its straddling tensors (see [Note: straddling tensors] in groups/straddle.py); with
-        ``accumulate``, the own chunk's fp32 accumulator (:meth:`accumulator_bytes`)."""
+    def group_bytes(self, group: int, accumulate: bool) -> GroupBytes:
+        """What ``group`` takes on this rank's accelerator, part by part (see [Note: chunk group bytes]
+        in chunks/group_bytes.py)."""
         members = self.group_members(group)
-        own = members[self.rank]
-        storage = 0
-        if self.world_size > 1:
-            storage = sum(c.nbytes for c in members) + sum(i.numel for i in self.straddling(group)) * own.dtype.itemsize
-        return storage + own.nbytes + (self.accumulator_bytes(group) if accumulate else 0)
-
-    def accumulator_bytes(self, group: int) -> int:
-        """Bytes of the fp32 gradient accumulator of this rank's own chunk of ``group`` (the only one,
-        see [Note: gradient accumulation] in groups/grads.py)."""
-        return 4 * self.group_members(group)[self.rank].capacity
-
-    def buffer_bytes(self, group: int) -> int:
-        """Bytes of a micro-step's flat gradient buffer of ``group`` (``W > 1``, see
-        [Note: flat group buffers] in groups/flat.py)."""
-        members = self.group_members(group)
-        return sum(c.capacity for c in members) * members[0].dtype.itemsize
-
-    def largest_group_bytes(self) -> int:
-        """The most a gathered group takes (storage and own chunk, see :meth:`group_bytes`)."""
-        largest = max([0] + [c.nbytes for c in self.chunks])
-        return largest * (self.world_size + 1 if self.world_size > 1 else 1)
+        joined = sum(info.numel for info in self.straddling(group))
+        return group_bytes(members[0].capacity, members[0].dtype.itemsize, self.world_size, accumulate, joined)
 
     def model_storages(self) -> set[int]:
         """The storages model data lives in on the accelerator (payloads and joined buffers)."""

@@ -11,6 +11,7 @@ from ..memory.store import ChunkStore
 from ..placement.interface import Placement
 from .comm import ChunkComm
 from .flat import FlatBuffers
+from .group import ChunkGroup
 from .reductions import InFlightReductions
 
 
@@ -25,49 +26,45 @@ class ScatteredAccumulation:
     def __init__(
         self,
         chunk_map: ChunkMap,
+        groups: list[ChunkGroup],
         comm: ChunkComm,
         store: ChunkStore,
         placement: Placement,
         reductions: InFlightReductions,
         flat: FlatBuffers,
     ) -> None:
-        self._map, self._comm, self._store = chunk_map, comm, store
+        self._map, self._groups, self._comm, self._store = chunk_map, groups, comm, store
         self._placement, self._reductions, self._flat = placement, reductions, flat
-        self._buffers: dict[int, torch.Tensor] = {}  # group -> its gradient buffer this micro-step
 
     def _member_index(self, chunk: Chunk) -> int:
         return chunk.chunk_id - self._map.group_of(chunk) * self._comm.world_size
 
-    def _owned(self, group: int) -> Chunk:
-        return self._map.group_members(group)[self._comm.rank]
-
-    def _buffer(self, group: int, keep: set[int]) -> torch.Tensor:
-        buf = self._buffers.get(group)
-        if buf is None:
-            buf = self._buffers[group] = self._flat.zeros(self._map.group_members(group), keep, group)
-        return buf
+    def _buffer(self, group: ChunkGroup, keep: set[int]) -> torch.Tensor:
+        if group.grad_buffer is None:
+            group.grad_buffer = self._flat.zeros(group.members, keep, group.index)
+        return group.grad_buffer
 
     @torch.no_grad()
     def add(self, info: TensorInfo, flat: torch.Tensor) -> None:
         """A micro-step's gradient of ``info`` (flattened) into its group's buffer."""
-        group = self._map.group_of_info(info)
-        buf = self._buffer(group, set(info.chunk_ids))
+        buf = self._buffer(self._groups[self._map.group_of_info(info)], set(info.chunk_ids))
         for piece in info.pieces:
             chunk = self._map.chunks[piece.chunk_id]
             start = self._member_index(chunk) * chunk.capacity + piece.offset
             buf[start : start + piece.numel].add_(flat[piece.in_param])
 
-    def reduce(self, group: int) -> None:
-        """Issue the reduce-scatter of ``group``'s buffer (zeros if no gradient of the group came this
-        micro-step: every rank reduces every group once per micro-step); when it completes the
+    def reduce(self, index: int) -> None:
+        """Issue the reduce-scatter of group ``index``'s buffer (zeros if no gradient of the group came
+        this micro-step: every rank reduces every group once per micro-step); when it completes the
         owner's piece goes into the owned accumulator and the buffer is freed."""
-        owned = self._owned(group)
-        keep = {c.chunk_id for c in self._map.group_members(group)}
+        group = self._groups[index]
+        owned = group.owned
+        keep = group.chunk_ids
         buf = self._buffer(group, keep)
-        del self._buffers[group]
+        group.grad_buffer = None
         self._placement.bring(owned, keep)  # the owned chunk, then room for its new accumulator beside it
         if owned.acc is None and owned.acc_host is None:
-            self._placement.make_room(4 * owned.capacity, keep)
+            self._placement.make_room(group.nbytes.accumulator, keep)
         self._store.accumulator(owned)
         pending = self._comm.reduce_scatter_mean_single_async(buf, after=lambda: self._add_owned(owned, buf))
         owned.pending.append(pending)  # the owned chunk (and its accumulator) stays until it completes
@@ -95,6 +92,7 @@ class ScatteredAccumulation:
 
     def discard(self) -> None:
         """Buffers of a micro-step that did not finish (none after a complete backward) go."""
-        for buf in self._buffers.values():
-            self._flat.free(buf)
-        self._buffers.clear()
+        for group in self._groups:
+            if group.grad_buffer is not None:
+                self._flat.free(group.grad_buffer)
+                group.grad_buffer = None

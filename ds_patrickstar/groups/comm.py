@@ -9,8 +9,10 @@ after the last gradient of the group is in its slots, the group is reduce-scatte
 slot divided by ``W``, then summed, as ZeRO-3's reduce-scatter pre-divides: a sum of fp16
 gradients that would overflow before the division does not) so the owner holds the averaged
 gradient, and the other ranks release their copies. With ``W == 1`` every collective is a no-op
-and the same code paths run. The
-ranks are DeepSpeed's data-parallel group, whatever the nodes: nothing here assumes one node.
+and the same code paths run. The ranks are DeepSpeed's data-parallel group, whatever the nodes:
+nothing here assumes one node. One group, its state and its collectives are a
+:class:`~ds_patrickstar.groups.group.ChunkGroup`; what it takes on the accelerator is
+[Note: chunk group bytes].
 
 [Note: asynchronous collectives]
 Every collective is issued with ``async_op=True`` and returns a :class:`PendingCollective`

@@ -14,24 +14,21 @@ the ranks, in one all-reduce (:meth:`ChunkComm.agree`) with the number of moment
 checksum of their labels. A kept group stays to the end of the iteration, so the room to keep
 at a moment is the least that any later moment leaves beside its own tide and the groups it
 holds (each counted as the largest; a recomputed module's from its recomputation to its
-backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`). (Subtracting the
-highest tide and, apart, the most groups a later moment uses left less room than there was where
-the two are at different moments; counting only a moment's own chunks left too much during a
-recomputation.) During the next iteration a decision compares that room with the
-bytes of the groups gathered then (their whole groups, owned chunks included), a figure every
-rank has alike, so the decisions agree with no collective. A rank's own chunks of groups not
-gathered can always go to the host, so they do not count. Moments are counted the same way on
-every rank (the model runs the same modules everywhere, as the collectives already require),
-also while a rank re-traces for other input shapes; where the moments differ from the plan's
-(its length or its labels, or a moment beyond it), nothing is kept or prefetched until the next
-step agrees a new plan. Before the first step there is no plan: nothing is kept or prefetched,
-as while tracing. A gathered group counts with its whole storage and this rank's own chunk (see
-[Note: gathered group storage] in memory/store.py). With gradient accumulation, until the
-iteration's last backward moment the rooms also leave one group's bytes for the flat gradient
-buffer a micro-step's reduce-scatter takes beside the group it reduces (see
-[Note: flat group buffers]): without it a kept or prefetched group left no room for that buffer
-and a tight budget failed in backward. The boundary's reduce-scatter runs in the group's own
-storage and needs no room of its own.
+backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`). During the next
+iteration a decision compares that room with the bytes of the groups gathered then, a figure
+every rank has alike, so the decisions agree with no collective. The plan and the decisions
+count a gathered group alike, with :attr:`~ds_patrickstar.chunks.group_bytes.GroupBytes.gathered`:
+its storage, this rank's own chunk, its joined buffers and, with gradient accumulation, the owned
+accumulator (see [Note: chunk group bytes] in chunks/group_bytes.py). A rank's own chunks of
+groups not gathered can always go to the host, so they do not count. Moments are counted the
+same way on every rank (the model runs the same modules everywhere, as the collectives already
+require), also while a rank re-traces for other input shapes; where the moments differ from the
+plan's (its length or its labels, or a moment beyond it), nothing is kept or prefetched until the
+next step agrees a new plan. Before the first step there is no plan: nothing is kept or
+prefetched, as while tracing. With gradient accumulation, until the iteration's last backward
+moment the rooms also leave the largest group's flat gradient buffer, which a micro-step's
+reduce-scatter takes beside the group it reduces (see [Note: flat group buffers]); the
+boundary's reduce-scatter runs in the group's own storage and needs no room of its own.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-from ..chunks.chunk_map import ChunkMap
+from ..chunks.group_bytes import GroupBytes
 from ..placement.interface import Placement
 from ..placement.tracer import Trace
 from .comm import ChunkComm
@@ -48,11 +45,12 @@ from .comm import ChunkComm
 class GatherPlan:
     """The room for gathered groups at each moment, agreed by every rank; see [Note: agreed gather plan]."""
 
-    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, placement: Placement, accumulate: bool) -> None:
-        self._map, self._comm, self._placement = chunk_map, comm, placement
-        self._largest_group_bytes = chunk_map.largest_group_bytes()
+    def __init__(self, sizes: list[GroupBytes], comm: ChunkComm, placement: Placement) -> None:
+        self._comm, self._placement = comm, placement
+        # what a gathered group counts, as the keep and prefetch decisions count it (see [Note: chunk group bytes])
+        self.group_bytes = max((size.gathered for size in sizes), default=0)
         # a micro-step's gradient buffer (see [Note: flat group buffers]); the boundary reduces in place
-        self._buffer_bytes = chunk_map.largest_group_bytes() if accumulate else 0
+        self.buffer_bytes = max((size.grad_buffer for size in sizes), default=0)
         self._labels: list[str] = []
         self._keep: list[int] = []
         self._ahead: list[int] = []
@@ -64,7 +62,7 @@ class GatherPlan:
         keep, ahead = self._placement.gathered_rooms(trace, self._held(trace)) if trace is not None else ([], [])
         if trace is not None:  # a group gathered ahead in backward sits beside a flat gradient buffer
             last_backward = _last_backward(trace)
-            ahead = [room - self._buffer_bytes * int(i <= last_backward) for i, room in enumerate(ahead)]
+            ahead = [room - self.buffer_bytes * int(i <= last_backward) for i, room in enumerate(ahead)]
         count, checksum = len(labels), zlib.crc32("\n".join(labels).encode())
         agreed = self._comm.agree([count, -count, checksum, -checksum, *keep, *ahead])
         if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:  # the ranks' iterations differ: no plan
@@ -80,7 +78,7 @@ class GatherPlan:
         world = self._comm.world_size
         at_once = [len({chunk_id // world for chunk_id in held}) for held in trace.held_chunks()]
         last_backward = _last_backward(trace)
-        group, buffer = self._largest_group_bytes, self._buffer_bytes
+        group, buffer = self.group_bytes, self.buffer_bytes
         rooms = [group * max(1, n) + buffer * int(i <= last_backward) for i, n in enumerate(at_once)]
         return lambda index: rooms[index]
 

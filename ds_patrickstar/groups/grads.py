@@ -30,8 +30,8 @@ a group whose gradients are all in is kept or released at once (its joined copie
 reduce-scatter volume per step is GA times that of GA = 1, as in ZeRO-3, which reduce-scatters
 at every micro-step too; all-gather volume is unchanged (groups are kept between micro-steps).
 The alternative, local fp32 accumulators for every chunk a rank touches and one reduce-scatter
-at the boundary, sends GA times less but costs 4 B/param instead of 4 / ``W`` (measured: 5.7
-against 2.1 B/param more than GA = 1 at 2 ranks on a small bf16 GPT, tests/test_ga_memory.py).
+at the boundary, sends GA times less but costs 4 B/param instead of 4 / ``W``
+(tests/test_ga_memory.py).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from ..placement.interface import Placement
 from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
 from .flat import FlatBuffers
+from .group import ChunkGroup
 from .keep import KeepPolicy
 from .reductions import InFlightReductions
 from .residency import GroupResidency
@@ -62,6 +63,7 @@ class GradientSink:
     def __init__(
         self,
         chunk_map: ChunkMap,
+        groups: list[ChunkGroup],
         comm: ChunkComm,
         store: ChunkStore,
         residency: GroupResidency,
@@ -70,14 +72,14 @@ class GradientSink:
         placement: Placement,
         accumulate: bool,
     ) -> None:
-        self._map, self._comm, self._store = chunk_map, comm, store
+        self._map, self._groups, self._comm, self._store = chunk_map, groups, comm, store
         self._residency, self._keep, self._reductions = residency, keep, reductions
         self._placement = placement
         self.accumulate = accumulate
         self._flat = FlatBuffers(store, placement)
         # GA > 1: a local fp32 accumulator per chunk with one rank, else reduce-scatters per micro-step
         self._scattered = (
-            ScatteredAccumulation(chunk_map, comm, store, placement, reductions, self._flat)
+            ScatteredAccumulation(chunk_map, groups, comm, store, placement, reductions, self._flat)
             if accumulate and comm.world_size > 1
             else None
         )
@@ -85,7 +87,7 @@ class GradientSink:
         self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
 
     def _group_sizes(self) -> list[int]:
-        return [len(self._map.group_tensors(g)) for g in range(self._map.num_groups)]
+        return [len(group.tensors) for group in self._groups]
 
     @torch.no_grad()
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
@@ -100,7 +102,7 @@ class GradientSink:
             info.settle()
             self._count(group, self._reduce_micro_step)
             return
-        if self._comm.world_size > 1 and group not in self._residency.present:  # see ChunkManager.grads_only
+        if self._comm.world_size > 1 and not self._residency.is_present(group):  # see ChunkManager.grads_only
             self._residency.gather(group, fill=False)
         for piece in info.pieces:
             chunk = self._map.chunks[piece.chunk_id]
@@ -132,40 +134,25 @@ class GradientSink:
         if self._scattered is None:
             raise RuntimeError("a micro-step reduce-scatter without data-parallel gradient accumulation")
         self._scattered.reduce(group)
-        if group in self._residency.present:
+        if self._residency.is_present(group):
             self._keep.keep(group)
 
     def _reduce_group(self, group: int) -> None:
-        """Launch the reduce-scatter of ``group``'s gradients in place in its storage (the owned
-        slot copied into its landing slot first); the group is released, its storage freed and the
-        owned slot given its piece when it completes (see [Note: gathered group storage] and
-        [Note: asynchronous collectives])."""
-        members = self._map.group_members(group)
+        """Launch the reduce-scatter of ``group``'s gradients in its storage
+        (:meth:`ChunkGroup.reduce_scatter`); the group is released when it completes."""
         self.reduced.add(group)
-        self._residency.kept.pop(group, None)
+        self._residency.unkeep(group)
         if self._comm.world_size == 1:
             return
-        owned = members[self._comm.rank]
-        self._placement.bring(owned, {c.chunk_id for c in members})
-        flat = self._store.group_storage(members)
-        landing = flat[self._comm.rank * owned.capacity : (self._comm.rank + 1) * owned.capacity]
-        for chunk in members:  # the all-gather into the storage completed
-            chunk.wait_pending()
-        with torch.no_grad():
-            landing.copy_(owned.ready())
-        pending = self._comm.reduce_scatter_mean_single_async(
-            flat, after=lambda: self._into_slot(owned, landing, members)
-        )
+        owned = self._groups[group].owned
+        pending = self._groups[group].reduce_scatter(then=self._fold)
         self._residency.release(group, until=pending)
         owned.pending.append(pending)  # the owned chunk stays until its slot has the result
         self._reductions.add(pending)
 
-    @torch.no_grad()
-    def _into_slot(self, owned: Chunk, landing: torch.Tensor, members: list[Chunk]) -> None:
-        """The reduce-scatter completed: the owner's piece into its slot (plus what it accumulated
-        before the boundary, see [Note: gradient accumulation]); the group's storage goes."""
-        owned.ready().copy_(landing)
-        self._store.free_group(members)
+    def _fold(self, owned: Chunk) -> None:
+        """The owned slot has its reduced piece: plus what it accumulated before the boundary (see
+        [Note: gradient accumulation])."""
         if self._scattered is not None:
             self._scattered.fold(owned)
 
@@ -175,7 +162,7 @@ class GradientSink:
         it, the gathered groups are kept for the next micro-step (see [Note: kept groups])."""
         if not boundary:
             if self._scattered is not None:  # every group is reduced once per micro-step
-                for group in range(self._map.num_groups):
+                for group in range(len(self._groups)):
                     if group not in self.reduced:
                         self.reduced.add(group)
                         self._scattered.reduce(group)  # kept below, with the other present groups
@@ -184,13 +171,13 @@ class GradientSink:
             for info in self._map.infos():
                 if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
                     info.settle()
-            for group in sorted(self._residency.present, reverse=True):  # the first groups of the forward stay longest
+            for group in reversed(self._residency.present()):  # the first groups of the forward stay longest
                 self._keep.keep(group)
             return
-        for group in range(self._map.num_groups):
+        for group in range(len(self._groups)):
             if group in self.reduced:
                 continue
-            if group not in self._residency.present:
+            if not self._residency.is_present(group):
                 self._residency.gather(group, fill=False)  # every slot is about to be overwritten
             self._fill_missing_grads(group)
             self._reduce_group(group)
@@ -198,7 +185,7 @@ class GradientSink:
 
     def _fill_missing_grads(self, group: int) -> None:
         """Tensors of ``group`` that got no gradient this step get zero (or what they accumulated)."""
-        for info in self._map.group_tensors(group):
+        for info in self._groups[group].tensors:
             if info.state is _S.HOLD_AFTER_BWD:
                 continue
             for piece in info.pieces:
@@ -213,7 +200,7 @@ class GradientSink:
             self._pending[group] -= 1
 
     def grads_ready(self) -> bool:
-        return len(self.reduced) == self._map.num_groups
+        return len(self.reduced) == len(self._groups)
 
     def next_step(self) -> None:
         """No group has gradients any more."""

@@ -4,7 +4,7 @@ ends, a gradient arrives, the step is over) turned into chunk-group work.
 A short facade over the classes that each do one job: :class:`~ds_patrickstar.chunks.chunk_map.ChunkMap`
 (what is where), :class:`~ds_patrickstar.groups.residency.GroupResidency` (gathered groups and their
 collectives), :class:`~ds_patrickstar.groups.keep.KeepPolicy` (whether a group stays gathered),
-:class:`~ds_patrickstar.groups.straddle.JoinedBuffers` (straddling tensors) and
+:class:`~ds_patrickstar.groups.group.ChunkGroup` (one group, with its joined buffers) and
 :class:`~ds_patrickstar.groups.grads.GradientSink` (gradients, reduce-scatters, the norm). With one
 rank every collective is a no-op and the same code runs.
 
@@ -45,10 +45,10 @@ from ..run_state import RunState
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink
+from .group import build_groups
 from .keep import KeepPolicy
 from .reductions import InFlightReductions
 from .residency import GroupResidency
-from .straddle import JoinedBuffers
 
 _S = TensorState
 
@@ -74,13 +74,14 @@ class ChunkManager:
         self.store = store
         self.placement = placement
         self.run = run
-        self.joined = JoinedBuffers(chunk_map, store.accel)
-        self.plan = GatherPlan(chunk_map, comm, placement, accumulate) if placement.budgeted() else None
-        self.residency = GroupResidency(
-            chunk_map, comm, store, self.joined, placement, self.plan, prefetch_groups, accumulate
+        self.groups = build_groups(chunk_map, comm, store, placement, accumulate)
+        sizes = [group.nbytes for group in self.groups]
+        self.plan = GatherPlan(sizes, comm, placement) if placement.budgeted() else None
+        self.residency = GroupResidency(chunk_map, comm, self.groups, placement, self.plan, prefetch_groups)
+        self.keep = KeepPolicy(comm, self.residency, self.plan, keep_gathered)
+        self.grads = GradientSink(
+            chunk_map, self.groups, comm, store, self.residency, self.keep, reductions, placement, accumulate
         )
-        self.keep = KeepPolicy(chunk_map, comm, self.residency, self.plan, keep_gathered)
-        self.grads = GradientSink(chunk_map, comm, store, self.residency, self.keep, reductions, placement, accumulate)
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
@@ -100,11 +101,12 @@ class ChunkManager:
             self.residency.use(self.map.chunks[chunk_id], keep, training)
         backward = self.run.in_backward()  # a backward use, or a recomputation for one: not over before it says so
         for info in infos:
-            need = self.joined.rejoin_bytes(info)
+            joined = self.groups[self.map.group_of_info(info)].joined
+            need = joined.rejoin_bytes(info)
             if need:
                 self.placement.make_room(need, set(keep))
-            self.joined.rejoin(info)
-            self.joined.join(info)
+            joined.rejoin(info)
+            joined.join(info)
             info.start_compute()
             users = self._backward_users if backward else self._forward_users
             users[info] = users.get(info, 0) + 1
@@ -132,7 +134,7 @@ class ChunkManager:
             return
         saved = self.run.saves_for_backward()  # a backward will read it; a no-grad forward releases
         for group in sorted(groups):
-            if all(t.state is _S.HOLD_AFTER_FWD for t in self.map.group_tensors(group)):
+            if all(t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors):
                 if saved:
                     self.keep.keep(group)
                 else:
@@ -152,8 +154,8 @@ class ChunkManager:
         if self.comm.world_size == 1:
             return
         for group in sorted(groups):
-            if group in self.residency.present and all(
-                t.state is _S.HOLD_AFTER_FWD for t in self.map.group_tensors(group)
+            if self.residency.is_present(group) and all(
+                t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors
             ):
                 self.keep.keep(group)
 
@@ -166,7 +168,7 @@ class ChunkManager:
             return False
         mine = set(infos)
         groups = {self.map.group_of_info(info) for info in infos}
-        return all(g in self.residency.present or set(self.map.group_tensors(g)) <= mine for g in groups)
+        return all(self.residency.is_present(g) or set(self.groups[g].tensors) <= mine for g in groups)
 
     # ---- gradients and the step -------------------------------------------------------
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:

@@ -15,15 +15,15 @@ buffer back and fills it again from them (a local copy, no communication), so a 
 every group gathered does not also hold a second copy of every straddling tensor. Autograd's
 saved views of the parameter stay valid across the free (its storage is resized, not replaced). Its
 gradient is copied piece by piece into the slots, as any gradient is copied into its slot. At
-most ``W - 1`` tensors per group straddle, so the extra memory is a few tensors while gathered.
+most ``W - 1`` tensors per group straddle, so the extra memory is a few tensors while gathered;
+a gathered group counts its joined buffers, a kept one too (see [Note: chunk group bytes]).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..chunks.chunk import TensorInfo
-from ..chunks.chunk_map import ChunkMap
+from ..chunks.chunk import Chunk, TensorInfo
 from ..memory.accelerator import Accelerator
 
 
@@ -42,31 +42,33 @@ def _nbytes(info: TensorInfo) -> int:
 
 
 class JoinedBuffers:
-    """Memory and contents of the joined buffers; see [Note: straddling tensors]."""
+    """Memory and contents of one chunk group's joined buffers; see [Note: straddling tensors]."""
 
-    def __init__(self, chunk_map: ChunkMap, accel: Accelerator) -> None:
-        self._map = chunk_map
+    def __init__(self, straddling: list[TensorInfo], chunks: list[Chunk], accel: Accelerator) -> None:
+        self._straddling = straddling  # the group's tensors with pieces in several chunks
+        self._chunks = chunks  # every chunk of the map, by id
         self._accel = accel
         self._unjoined: set[TensorInfo] = set()  # backed, not filled since the last gather
 
-    def missing_bytes(self, group: int) -> int:
-        """Accelerator bytes the joined buffers of ``group`` take when it is gathered now."""
-        return sum(_nbytes(info) for info in self._map.straddling(group) if not _backed(info))
+    def missing_bytes(self) -> int:
+        """Accelerator bytes the joined buffers take when the group is gathered now."""
+        return sum(_nbytes(info) for info in self._straddling if not _backed(info))
 
-    def charge_gathered(self, group: int) -> None:
-        """``group`` is being all-gathered: its joined buffers get memory now, contents at first use."""
-        for info in self._map.straddling(group):
+    def charge_gathered(self) -> None:
+        """The group is being all-gathered: its joined buffers get memory now, contents at first use."""
+        for info in self._straddling:
             self._accel.materialize(_joined(info), "chunk", f"{info.name} (joined)")
             self._unjoined.add(info)
 
-    def drop(self, group: int) -> None:
-        """The joined buffers of ``group`` go; their values stay in the pieces."""
-        for info in self._map.straddling(group):
+    def drop(self) -> None:
+        """The joined buffers go; their values stay in the pieces."""
+        for info in self._straddling:
             if _backed(info):
                 self._accel.free(_joined(info), "chunk")
             self._unjoined.discard(info)
 
-    def rejoin_bytes(self, info: TensorInfo) -> int:
+    @staticmethod
+    def rejoin_bytes(info: TensorInfo) -> int:
         """Bytes :meth:`rejoin` will allocate: a straddling tensor of a kept group whose buffer went."""
         return _nbytes(info) if info.straddles and not _backed(info) else 0
 
@@ -86,4 +88,4 @@ class JoinedBuffers:
         self._unjoined.discard(info)
         joined = _joined(info)
         for piece in info.pieces:
-            joined[piece.in_param].copy_(self._map.chunks[piece.chunk_id].ready()[piece.in_chunk])
+            joined[piece.in_param].copy_(self._chunks[piece.chunk_id].ready()[piece.in_chunk])

@@ -24,7 +24,7 @@ from ..groups.comm import ChunkComm
 from ..memory.accelerator import Accelerator, HostAccelerator
 from ..memory.cuda import CudaAccelerator
 from ..memory.emulated import EmulatedAccelerator
-from ..memory.preflight import check_budget_holds, check_fits, group_bytes, plan_for_rank
+from ..memory.preflight import check_budget_holds, check_fits, largest_group_bytes, plan_for_rank
 from ..optim.chunk_adam import adamw_mode
 from .config import PatrickStarConfig
 from .host_share import default_keep_gathered
@@ -189,6 +189,5 @@ def make_accelerator(
         accumulate,
     )
     check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size, on_disk)
-    largest = max((s.capacity for s in specs), default=0)
-    check_budget_holds(budget, group_bytes(largest, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
+    check_budget_holds(budget, largest_group_bytes(specs, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
     return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)

@@ -12,11 +12,11 @@ gives each rank's owned elements. Model data per rank is
 
 With placement these bytes may live on the accelerator (up to its budget) or on the host,
 so the run fits when they are at most budget + available host memory; and the budget must hold
-the most one moment needs at once, a gathered chunk group (:func:`check_budget_holds`), or the
-first step would fail. One implementation,
-used by ``deepspeed.initialize``, by ``python -m ds_patrickstar.plan`` (the same functions on a
-parameter count, a GPT shape or a Hugging Face config.json built on ``meta``) and by the tests
-that compare it with a real run's counters.
+the most one moment needs at once, a chunk group in use (:func:`largest_group_bytes`, see
+[Note: chunk group bytes] in chunks/group_bytes.py, and :func:`check_budget_holds`), or the first
+step would fail. One implementation, used by ``deepspeed.initialize``, by
+``python -m ds_patrickstar.plan`` (the same functions on a parameter count, a GPT shape or a Hugging
+Face config.json built on ``meta``) and by the tests that compare it with a real run's counters.
 """
 
 from __future__ import annotations
@@ -24,8 +24,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..chunks.group_bytes import ACC_BYTES_PER_ELEMENT, planned_group_bytes
+from ..chunks.layout import ChunkSpec
+
 OPTIM_BYTES_PER_ELEMENT = 12  # fp32 master + momentum + variance
-ACC_BYTES_PER_ELEMENT = 4
+
+__all__ = [
+    "ACC_BYTES_PER_ELEMENT",
+    "OPTIM_BYTES_PER_ELEMENT",
+    "ModelDataPlan",
+    "check_budget_holds",
+    "check_fits",
+    "largest_fitting_params",
+    "largest_group_bytes",
+    "local_world_size",
+    "plan_for_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -77,24 +91,23 @@ def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size
     )
 
 
-def group_bytes(capacity: int, lp_bytes: int, world_size: int, accumulate: bool) -> int:
-    """Accelerator bytes a moment using one chunk group of ``capacity``-element chunks takes: with
-    ``W > 1`` its storage of ``W`` chunks beside the owned chunk (see [Note: gathered group storage]
-    in memory/store.py), the owned fp32 accumulator with gradient accumulation, and with ``W > 1``
-    a micro-step's gradient buffer; ``placement.chunk_needs`` counts per moment from the built map
-    (and the joined buffers of straddling tensors)."""
-    chunk = capacity * lp_bytes
-    storage = world_size * chunk if world_size > 1 else 0
-    extra = ACC_BYTES_PER_ELEMENT * capacity + storage if accumulate else 0
-    return storage + chunk + extra
+def largest_group_bytes(specs: list[ChunkSpec], lp_bytes: int, world_size: int, accumulate: bool) -> int:
+    """The most a moment using one chunk group of the chunk plan takes on the accelerator
+    (:attr:`~ds_patrickstar.chunks.group_bytes.GroupBytes.peak`, see [Note: chunk group bytes] in
+    chunks/group_bytes.py); ``placement.chunk_needs`` counts per moment from the built map."""
+    return max((size.peak for size in planned_group_bytes(specs, lp_bytes, world_size, accumulate)), default=0)
 
 
 def check_budget_holds(budget: int, need: int, world_size: int) -> None:
     """Raise ``ValueError`` when the accelerator budget cannot hold ``need`` bytes, the largest chunk
-    group a moment gathers (:func:`group_bytes`), before any activation."""
+    group a moment gathers (:func:`largest_group_bytes`), before any activation."""
     if need <= budget:
         return
-    what = "its storage of all ranks' chunks beside this rank's chunk" if world_size > 1 else "one chunk"
+    what = (
+        "its storage of all ranks' chunks beside this rank's chunk and its joined buffers"
+        if world_size > 1
+        else "one chunk"
+    )
     raise ValueError(
         f"zero_optimization.device_budget={budget:,} B cannot hold the largest chunk group a moment uses "
         f"({need:,} B: {what}, with what gradient accumulation adds), let alone activations; "

@@ -6,11 +6,12 @@ The plans made from a trace (which optimizer states live on the accelerator, see
 [Note: auto activation offload]) need, per moment, the accelerator bytes that cannot move then.
 Those are the chunks held at that moment (:meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`:
 the moment's own and those of the modules recomputed before it whose backward has not come, in
-use until then), each with its chunk group gathered
-(:meth:`~ds_patrickstar.chunks.chunk_map.ChunkMap.group_bytes`). With gradient accumulation each
-micro-step of the traced iteration (:meth:`~ds_patrickstar.placement.tracer.Trace.micro_steps`)
-adds what it holds then (see [Note: gradient accumulation] in groups/grads.py), not what any
-micro-step might:
+use until then), each with its chunk group gathered: storage, owned chunk and joined buffers
+(:meth:`~ds_patrickstar.chunks.chunk_map.ChunkMap.group_bytes`, see [Note: chunk group bytes] in
+chunks/group_bytes.py). With gradient accumulation each micro-step of the traced iteration
+(:meth:`~ds_patrickstar.placement.tracer.Trace.micro_steps`) adds the other parts of a group as
+it holds them then (see [Note: gradient accumulation] in groups/grads.py), not as any micro-step
+might:
 
 * a held group's fp32 accumulator from the moment it comes into being: in the first micro-step,
   with ``W > 1``, at the group's micro-step reduce-scatter (during its last backward moment), with
@@ -20,10 +21,6 @@ micro-step might:
   [Note: flat group buffers] in groups/flat.py) from the group's first backward moment of the
   micro-step to its last, whether or not the group is held then (a recomputation may run between
   two of its gradients); the boundary reduce-scatters in the group's own storage.
-
-Counting every accumulator and one buffer at every moment (as before) planned, at two ranks with two
-micro-steps, 46 kB where the first micro-step's backward holds 39 kB (no accumulators yet, two
-buffers) and the boundary's 34 kB (no buffer), and "auto" offloaded a block per micro-step more than needed.
 """
 
 from __future__ import annotations
@@ -38,8 +35,9 @@ def chunk_needs(trace: Trace, chunk_map: ChunkMap, accumulate: bool) -> list[int
     """Per moment of ``trace``, the accelerator bytes of the chunks in use then; see
     [Note: chunk bytes per moment]."""
     world = chunk_map.world_size
+    sizes = [chunk_map.group_bytes(g, accumulate) for g in range(chunk_map.num_groups)]
     groups = [{chunk_id // world for chunk_id in chunks} for chunks in trace.held_chunks()]
-    needs = [sum(chunk_map.group_bytes(g, False) for g in held) for held in groups]
+    needs = [sum(sizes[g].storage + sizes[g].owned + sizes[g].joined for g in held) for held in groups]
     if not accumulate:
         return needs
     micro = trace.micro_steps()
@@ -51,10 +49,10 @@ def chunk_needs(trace: Trace, chunk_map: ChunkMap, accumulate: bool) -> list[int
             span = spans.get((0, group))
             born = span is not None and index >= (span[1] if world > 1 else span[0])
             if step > 0 or born:
-                needs[index] += chunk_map.accumulator_bytes(group)
-        if world > 1 and step != boundary:
+                needs[index] += sizes[group].accumulator
+        if step != boundary:
             open_groups = (g for (k, g), (first, last) in spans.items() if k == step and first <= index <= last)
-            needs[index] += sum(chunk_map.buffer_bytes(g) for g in open_groups)
+            needs[index] += sum(sizes[g].grad_buffer for g in open_groups)
     return needs
 
 

@@ -1,0 +1,213 @@
+"""``gpu_suite.py``'s JSON as Markdown: the parts derived from the throughput trials (step breakdown, host
+memory), the tables of ``gpu_suite.md``, and ``--to-docs``, which puts them into docs/benchmarks.md between
+the ``gpu-suite`` markers of its "GPU suite" section."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GIB, MB = 2**30, 1e6
+BEGIN, END = "<!-- gpu-suite:begin -->", "<!-- gpu-suite:end -->"
+FLOPS_FORMULA = ("TFLOPS = (6 * N + 12 * L * H * T) * tokens / step time / 1e12, N the parameters in matmuls "
+                 "(without the position table; the tied embedding once), L layers, H width, T sequence length: "
+                 "the attention term 12 L H T is included (tflops_6n in the JSON leaves it out); no recomputation, "
+                 "no optimizer")
+NOT_BUILT = [{"row": "LoRA past GPU memory", "reason": "not run: feature not built"},
+             {"row": "dynamic padding", "reason": "not run: feature not built"}]
+PART_TITLES = {"builds": "JIT builds of the ops", "gpu_tests": "GPU tests (`pytest -m gpu`)",
+               "throughput": "throughput, three sizes", "max_model": "largest model at a capped host memory",
+               "breakdown": "where the step goes", "host_memory": "host memory against the counters"}
+
+
+def _measured(parts: dict) -> list[dict]:
+    return [t for t in parts.get("throughput", {}).get("trials", []) if t["status"] == "measured"]
+
+
+def _breakdown_row(trial: dict) -> dict:
+    phases, last = trial["phases_s"], trial["records"][-1]
+    adam = trial.get("adam_s") or {}
+    cpu_adam = adam.get("adam_host_s") if trial["backend"] == "ours" else adam.get("adam_s")
+    row = {"size": trial["size"], "backend": trial["backend"], "step_s": trial["step_s"], **phases,
+           "timing": trial["timing"], "adam_s": adam.get("adam_s"),
+           "cpu_adam_s": cpu_adam if trial["backend"] != "zero3" else None}
+    counters, pinned = last.get("counters"), trial.get("pinned")
+    if counters:
+        row.update({k: counters.get(k) for k in ("bytes_to_device", "bytes_to_host", "evictions",
+                                                 "adam_chunks_host", "adam_chunks_device")})
+        row["transfer_s"] = (counters["bytes_to_device"] / pinned["h2d_bytes_per_s"]
+                             + counters["bytes_to_host"] / pinned["d2h_bytes_per_s"]) if pinned else None
+    return row
+
+
+def _host_row(trial: dict) -> dict:
+    host, counters = trial["host"], trial["records"][-1].get("counters") or {}
+    stats = host.get("cuda_host_memory_stats") or {}
+    counted = counters.get("host_bytes_allocated")
+    return {"size": trial["size"], "backend": trial["backend"], "rss_bytes": host["rss_bytes"],
+            "peak_rss_bytes": host["peak_rss_bytes"], "cuda_host_allocated_bytes": stats.get("allocated_bytes.current"),
+            "cuda_host_peak_bytes": stats.get("allocated_bytes.peak"), "cuda_host_note": host.get(
+                "cuda_host_memory_stats_note"), "counted_host_bytes": counted,
+            "model_bytes_host": counters.get("model_bytes_host"), "model_data_bytes": host.get("model_data_bytes"),
+            "rss_minus_counted_bytes": host["rss_bytes"] - counted if counted is not None else None}
+
+
+def derived_parts(parts: dict) -> dict:
+    """Parts 4 and 5, from part 2's measured trials (no trial of their own)."""
+    trials = _measured(parts)
+    if not trials:
+        why = {"status": "skipped", "reason": "derived from the throughput trials, and none was measured"}
+        return {"breakdown": dict(why), "host_memory": dict(why)}
+    return {"breakdown": {"status": "measured", "source": "throughput trials", "rows": [_breakdown_row(t)
+                                                                                       for t in trials]},
+            "host_memory": {"status": "measured", "source": "throughput trials", "rows": [_host_row(t)
+                                                                                          for t in trials]}}
+
+
+def _f(value, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
+    return "" if value is None else fmt.format(value / scale)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _machine(meta: dict) -> list[str]:
+    gib = _f(meta.get("gpu_memory_bytes"), "{:.0f} GiB", GIB)
+    line = (f"**Machine.** {meta['gpu']}{f' ({gib})' if gib else ''}, driver {meta.get('driver')}, torch "
+            f"{meta['torch']} (CUDA {meta.get('cuda')}), DeepSpeed {meta.get('deepspeed')}, Python {meta['python']}, "
+            f"{meta['cpus']} CPUs, {meta['host_memory_bytes'] / GIB:.0f} GiB host memory; {meta['date']}, commit "
+            f"{meta.get('git_commit')}; {_f(meta.get('wall_s'), '{:.0f}')} s of a {meta['budget_s']:.0f} s budget.")
+    out = [line, "", f"`{meta['command']}`", ""]
+    if meta["dry_run"]:
+        out += ["**Dry run**: ours on the strict emulated accelerator, stock ZeRO-3 on the CPU, tiny sizes: a check "
+                "that the suite runs, not GPU figures.", ""]
+    return out
+
+
+def _part_note(name: str, part: dict) -> str:
+    if part.get("status") != "measured":
+        return part.get("reason") or part.get("error") or ""
+    if name == "builds":
+        return "; ".join(f"{op}: {'ok' if r['ok'] else 'FAILED ' + r.get('error', '')[-100:]} {r['seconds']:.0f} s"
+                         for op, r in part["ops"].items())
+    if name == "gpu_tests":
+        counts = ", ".join(f"{part[k]} {k}" for k in ("passed", "failures", "errors", "skipped") if k in part)
+        return f"{part.get('outcome')}: {counts}"
+    if name == "throughput":
+        trials = part["trials"]
+        left = [f"{t['size']} {t['backend']}: {t.get('reason') or t.get('error', '')[-120:]}"
+                for t in trials if t["status"] != "measured"]
+        return f"{sum(t['status'] == 'measured' for t in trials)} of {len(trials)} trials measured" + (
+            "; " + "; ".join(left) if left else "")
+    if name == "max_model":
+        return "; ".join(f"{b}: {r.get('stopped') or r.get('reason') or 'done'}" for b, r in part["backends"].items())
+    return f"from the {part.get('source')}"
+
+
+def _parts(result: dict) -> list[str]:
+    rows = []
+    for name, title in PART_TITLES.items():
+        part = result["parts"].get(name, {"status": "not reached"})
+        used = _f(part.get("seconds_used"), "{:.0f}")
+        rows.append([title, part["status"], f"{used} ({_f(part.get('deadline_s'), '{:.0f}')})" if used else "",
+                     _part_note(name, part).replace("|", "/").replace("\n", " ")])
+    rows += [[r["row"], "not run", "", r["reason"]] for r in result["not_run"]]
+    return ["**Parts.**", "", *_table(["part", "status", "seconds (deadline)", "note"], rows), ""]
+
+
+def _throughput(result: dict) -> list[str]:
+    part = result["parts"].get("throughput", {})
+    trials = [t for t in part.get("trials", []) if t["status"] == "measured"]
+    if not trials:
+        return []
+    ratio = {r["size"]: r for r in part["ratios"]}
+    rows = []
+    for t in trials:
+        r = ratio.get(t["size"], {})
+        versus = r.get("ours_over_zero3_offload") if t["backend"] == "ours" else None
+        rows.append([t["size"], f"{t['params'] / 1e6:.4g} M", t["backend"] + (" (stand-in)" if t.get("stand_in")
+                                                                              else ""),
+                     f"{t['step_s'] * 1e3:.1f}", f"{t['tokens_per_s']:.1f}", f"{t['tflops']:.3g}",
+                     _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB), f"{t['host']['peak_rss_bytes'] / GIB:.2f}",
+                     _f(versus, "{:.2f}x"), _f(r.get("practicality", {}).get(t["backend"]), "{:.2f}x")])
+    first = trials[0]
+    return [f"**Throughput** (batch {first['batch']} x {first['seq_len']} tokens, median of the timed steps). "
+            f"{result['flops']}.", "",
+            *_table(["model", "params", "backend", "step (ms)", "tokens/s", "TFLOPS", "GPU max (GiB)",
+                     "peak RSS (GiB)", "ours / ZeRO-3 offload", "practicality (/ no offload)"], rows), ""]
+
+
+def _breakdown(result: dict) -> list[str]:
+    rows = result["parts"].get("breakdown", {}).get("rows", [])
+    if not rows:
+        return []
+    body = [[r["size"], r["backend"], f"{r['step_s'] * 1e3:.1f}", *(f"{r[k] * 1e3:.1f}" for k in
+            ("forward", "backward", "step", "other")), _f(r.get("adam_s"), "{:.1f}", 1e-3),
+             _f(r.get("cpu_adam_s"), "{:.1f}", 1e-3), _f(r.get("bytes_to_device"), "{:.1f}", MB),
+             _f(r.get("bytes_to_host"), "{:.1f}", MB), _f(r.get("transfer_s"), "{:.1f}", 1e-3),
+             "" if r.get("adam_chunks_host") is None else f"{r['adam_chunks_host']}/{r['adam_chunks_device']}"]
+            for r in rows]
+    return ["**Where the step goes** (ms, median; phases by CUDA events on the current stream, or the clock on "
+            "the CPU; `engine.step()` holds the optimizer; Adam: host wall time in the optimizer's Adam, its methods "
+            "wrapped in the trial (ours: `adam.apply`, with the copies it waits for; ZeRO-3: its inner optimizer's "
+            "`step`), CPU Adam: of that, the host kernel (ours: `adam._update` on host chunks; ZeRO-3 offload: all "
+            "of it); ours' MB moved are its counters' bytes_to_device / bytes_to_host of the last step, their ms at "
+            "the pinned bandwidth measured in the trial).", "",
+            *_table(["model", "backend", "step", "forward", "backward", "engine.step()", "other", "Adam", "CPU Adam",
+                     "MB to device", "MB to host", "transfers (ms)", "Adam chunks host/device"], body), ""]
+
+
+def _host_memory(result: dict) -> list[str]:
+    rows = result["parts"].get("host_memory", {}).get("rows", [])
+    if not rows:
+        return []
+    body = [[r["size"], r["backend"], f"{r['rss_bytes'] / GIB:.3f}", f"{r['peak_rss_bytes'] / GIB:.3f}",
+             _f(r["cuda_host_allocated_bytes"], "{:.3f}", GIB) or (r.get("cuda_host_note") or ""),
+             _f(r["cuda_host_peak_bytes"], "{:.3f}", GIB), _f(r["counted_host_bytes"], "{:.3f}", GIB),
+             _f(r["model_bytes_host"], "{:.3f}", GIB), _f(r.get("model_data_bytes"), "{:.3f}", GIB),
+             _f(r["rss_minus_counted_bytes"], "{:.3f}", GIB)] for r in rows]
+    return ["**Host memory** (GiB, after the last step; RSS from psutil, the CUDA host allocator from "
+            "`torch.cuda.host_memory_stats()`, ours' counted bytes from its counters: host_bytes_allocated, "
+            "model_bytes_host; model data on all devices from `bench_utils.model_data_bytes`, which for ZeRO-3 "
+            "counts its partitions, fp32 masters, gradients and Adam states wherever they live).", "",
+            *_table(["model", "backend", "RSS", "peak RSS", "CUDA host allocated", "CUDA host peak",
+                     "counted host bytes", "model data on host", "model data, all devices", "RSS - counted"],
+                   body), ""]
+
+
+def _max_model(result: dict) -> list[str]:
+    part = result["parts"].get("max_model", {})
+    if not part.get("backends"):
+        return []
+    rows = []
+    for name, found in part["backends"].items():
+        if found.get("status") == "skipped":
+            rows.append([name, "", "", "", "", "", "", "0", found["reason"]])
+            continue
+        best = next((t for t in found["tries"] if t["depth"] == found["largest_depth"]), None)
+        steps = (best or {}).get("step_times") or []
+        rows.append([name + (" (stand-in)" if found.get("stand_in") else ""), _f(found["largest_depth"], "{:.0f}"),
+                     _f(best and best["params"], "{:.4g} M", 1e6), _f(best and best["peak_host_bytes"], "{:.2f}", GIB),
+                     _f(steps[-1] if steps else None, "{:.2f}"), _f(found["smallest_failed_depth"], "{:.0f}"),
+                     "yes" if found["exact"] else "no: a lower bound", str(len(found["tries"])),
+                     found.get("stopped") or ""])
+    return [f"**Largest model** (width {part['width']}, sequence {part['seq_len']}, 2 steps per try, host memory "
+            f"capped at {part['host_cap_gib']:.1f} GiB for all the try's processes).", "",
+            *_table(["backend", "largest depth", "params", "peak host (GiB)", "step (s)", "smallest failed depth",
+                     "exact", "tries", "stopped"], rows), ""]
+
+
+def render(result: dict) -> str:
+    lines = [*_machine(result["meta"]), *_parts(result), *_throughput(result), *_breakdown(result),
+             *_host_memory(result), *_max_model(result)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def to_docs(json_path: Path, docs: Path) -> None:
+    """Replace what stands between the gpu-suite markers of ``docs`` by the tables of ``json_path``."""
+    text = docs.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{docs} has no {BEGIN} ... {END} markers (the 'GPU suite' section)")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    docs.write_text(f"{head}{BEGIN}\n{render(json.loads(json_path.read_text()))}{END}{tail}")

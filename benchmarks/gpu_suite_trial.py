@@ -1,0 +1,247 @@
+"""One trial of ``gpu_suite.py``: one backend at one model size, in a process of its own.
+
+    python benchmarks/gpu_suite_trial.py --backend ours --model gpt2-medium --batch 4 --seq-len 512 --json OUT.json
+
+Builds the GPT (``gpt_model.py`` preset, ``--overrides`` a JSON dict of ``GPTConfig`` fields), initializes
+the backend with the config a user would take from ``configs/`` (``compare_zero3.backend_config``), trains
+``--warmup`` untimed then ``--steps`` timed steps on random tokens and writes one JSON: per timed step the wall
+time (synchronized) and the forward / backward / ``engine.step()`` times (CUDA events on the current stream on
+CUDA, ``time.perf_counter`` on the CPU), ours' counters of the step (bytes moved, Adam chunks on host/device,
+host bytes), the host's RSS (now and peak), ``torch.cuda.host_memory_stats()`` where torch has it, the GPU's
+peak allocation and, on CUDA, the pinned copy bandwidth both ways (to turn ours' bytes moved into seconds).
+
+Backends: ``ours`` (stage "patrickstar"; ``--emulate-budget B`` runs it on the strict emulated accelerator with
+``device_budget`` B, the dry run), ``zero3-offload`` (stock ZeRO-3, ``offload_param`` + ``offload_optimizer``
+to the CPU; on a machine without CUDA plain ZeRO-3 on the CPU stands in for it) and ``zero3`` (no offload).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_utils as bu
+import gpt_model
+from compare_zero3 import backend_config
+
+BACKENDS = ("ours", "zero3-offload", "zero3")
+PHASES = ("forward", "backward", "step")
+COUNTER_KEYS = ("bytes_to_device", "bytes_to_host", "evictions", "adam_chunks_host", "adam_chunks_device",
+                "host_bytes_allocated", "model_bytes_host", "model_bytes_device", "peak_device_bytes")
+PINNED_PROBE_BYTES = 256 * 2**20
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=BACKENDS, required=True)
+    p.add_argument("--model", default="tiny", choices=sorted(gpt_model.PRESETS))
+    p.add_argument("--overrides", default="{}", help="JSON dict of GPTConfig fields over the preset")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--emulate-budget", type=int, default=None,
+                   help="ours on the strict emulated accelerator with this device_budget (no CUDA)")
+    p.add_argument("--json", required=True)
+    return p.parse_args(argv)
+
+
+def trial_config(args, cuda: bool) -> dict:
+    """The backend's config from ``configs/``, with this trial's batch."""
+    backend = "patrickstar" if args.backend == "ours" else "zero3"
+    config = bu.load_config(backend_config(backend, offload=args.backend == "zero3-offload"))
+    config["train_micro_batch_size_per_gpu"] = args.batch
+    config["gradient_accumulation_steps"] = 1
+    if args.backend == "ours" and args.emulate_budget is not None:
+        if cuda:
+            raise SystemExit("--emulate-budget is for a machine without CUDA")
+        config["zero_optimization"].update(emulate_accelerator=True, device_budget=args.emulate_budget)
+    return config
+
+
+class PhaseTimer:
+    """Seconds of each phase of a step: CUDA events on the current stream where CUDA is, else the wall clock
+    (the CPU runs every phase synchronously, so the clock after a phase is its end)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.marks: list[tuple[str, object, object]] = []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def phase(self, name: str, fn, *args):
+        start = self._mark()
+        out = fn(*args)
+        self.marks.append((name, start, self._mark()))
+        return out
+
+    def take(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = {}
+        for name, start, end in self.marks:
+            out[name] = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+        self.marks = []
+        return out
+
+
+class AdamClock:
+    """Host wall seconds per step in the optimizer's Adam, by wrapping bound methods of this process's engine (ours
+    and DeepSpeed expose no such timer): ours' ``adam.apply`` (every owned chunk's update, with the copies it waits
+    for) and its ``adam._update`` calls on host tensors (the CPU Adam kernel, synchronous); stock ZeRO-3's inner
+    ``optimizer.step`` (its CPU Adam with offload; on the GPU without offload only the launches). Where the engine
+    has none of these it reports nothing."""
+
+    def __init__(self, engine, backend: str):
+        self.seconds: dict[str, float] = {}
+        self.keys: list[str] = []
+        opt = getattr(engine, "optimizer", None)
+        if backend == "ours":
+            adam = getattr(opt, "adam", None)
+            self._wrap(adam, "apply", "adam_s")
+            self._wrap(adam, "_update", "adam_host_s", lambda _chunk, data, *rest, **kw: data.device.type == "cpu")
+        else:
+            self._wrap(getattr(opt, "optimizer", None), "step", "adam_s")
+
+    def _wrap(self, owner, name: str, key: str, when=None) -> None:
+        inner = getattr(owner, name, None)
+        if not callable(inner):
+            return
+
+        def timed(*args, **kwargs):
+            if when is not None and not when(*args, **kwargs):
+                return inner(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self.keys.append(key)
+
+    def take(self) -> dict[str, float]:
+        out = {key: self.seconds.get(key, 0.0) for key in self.keys}
+        self.seconds = {}
+        return out
+
+
+def pinned_bandwidth() -> dict | None:
+    """Bytes/s of a pinned host -> device and device -> host copy (CUDA only)."""
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(PINNED_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(PINNED_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out[f"{name}_bytes_per_s"] = 3 * PINNED_PROBE_BYTES / (time.perf_counter() - start)
+    return out
+
+
+def host_memory(cuda: bool) -> dict:
+    """The host's RSS now and at its peak, and the CUDA caching host allocator's statistics where present."""
+    out = {"rss_bytes": bu.host_rss_bytes(), "peak_rss_bytes": bu.host_peak_rss_bytes(),
+           "cuda_host_memory_stats": None}
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)
+    if not cuda:
+        out["cuda_host_memory_stats_note"] = "no CUDA"
+    elif stats_fn is None:
+        out["cuda_host_memory_stats_note"] = f"torch {torch.__version__} has no torch.cuda.host_memory_stats"
+    else:
+        stats = stats_fn()
+        out["cuda_host_memory_stats"] = {k: v for k, v in stats.items() if k.endswith(".current") or
+                                         k.endswith(".peak")}
+    return out
+
+
+def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
+    gen, adam = torch.Generator().manual_seed(0), AdamClock(engine, args.backend)
+    records = []
+    for i in range(args.warmup + args.steps):
+        tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=gen).to(device)
+        if timer.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        _, loss = timer.phase("forward", engine, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        timer.phase("backward", engine.backward, loss)
+        timer.phase("step", engine.step)
+        if timer.cuda:
+            torch.cuda.synchronize()
+        record = {"wall_s": time.perf_counter() - start, "loss": loss.item(), **timer.take()}
+        record["other"] = record["wall_s"] - sum(record[k] for k in PHASES)
+        record.update(adam.take())
+        if hasattr(engine, "get_patrickstar_counters"):
+            counters = engine.get_patrickstar_counters()
+            record["counters"] = {k: counters[k] for k in COUNTER_KEYS if k in counters}
+        if i >= args.warmup:
+            records.append(record)
+    return records
+
+
+def summarize(args, cfg, n_params: int, records: list[dict]) -> dict:
+    step_s = statistics.median(r["wall_s"] for r in records)
+    tokens = args.batch * args.seq_len
+    flops = gpt_model.flops_per_token(cfg, n_params, args.seq_len) * tokens
+    return {"step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+            "tflops": flops / step_s / 1e12, "tflops_6n": 6 * n_params * tokens / step_s / 1e12,
+            "phases_s": {k: statistics.median(r[k] for r in records) for k in (*PHASES, "other")},
+            "adam_s": {k: statistics.median(r[k] for r in records) for k in ("adam_s", "adam_host_s")
+                       if k in records[0]},
+            "final_loss": records[-1]["loss"]}
+
+
+def run(args) -> dict:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    import ds_patrickstar  # noqa: F401  (registers stage "patrickstar")
+
+    cuda = torch.cuda.is_available()
+    config = trial_config(args, cuda)
+    torch.manual_seed(0)
+    cfg = gpt_model.get_config(args.model, **json.loads(args.overrides))
+    model = gpt_model.GPT(cfg)
+    n_params = gpt_model.count_params(model, exclude_position_embedding=True)
+    start = time.perf_counter()
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    init_s = time.perf_counter() - start
+    records = train(args, engine, get_accelerator().current_device_name(), PhaseTimer(cuda), cfg.vocab_size)
+    host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
+    host["model_data_bytes"] = bu.model_data_bytes(engine, "patrickstar" if args.backend == "ours" else 3)
+    return {"backend": args.backend, "model": args.model, "overrides": json.loads(args.overrides),
+            "params": gpt_model.count_params_for_config(cfg), "params_matmul": n_params, "batch": args.batch,
+            "seq_len": args.seq_len, "init_s": init_s, "timing": "cuda events" if cuda else "perf_counter",
+            "emulated": args.backend == "ours" and args.emulate_budget is not None,
+            **summarize(args, cfg, n_params, records), "records": records, "host": host,
+            "gpu_max_allocated_bytes": gpu_max, "pinned": pinned_bandwidth()}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    bu.add_repo_to_path()
+    bu.setup_single_process_env()
+    result = run(args)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

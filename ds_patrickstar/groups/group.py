@@ -1,0 +1,195 @@
+"""One chunk group: its members, its all-gather and release, whether it is kept, its joined buffers,
+its reduce-scatter and its bytes.
+
+A chunk group is the unit of the collectives (see [Note: chunk groups] in groups/comm.py): with
+``W`` ranks the ``W`` chunks one all-gather fills, each owned by one rank; with one rank, one chunk.
+:class:`ChunkGroup` holds what concerns one group; the classes that decide across groups (which are
+gathered and in what order, :class:`~ds_patrickstar.groups.residency.GroupResidency`; which stay
+kept, :class:`~ds_patrickstar.groups.keep.KeepPolicy`; where gradients go,
+:class:`~ds_patrickstar.groups.grads.GradientSink`) hold a list of them. Its bytes are
+:class:`~ds_patrickstar.chunks.group_bytes.GroupBytes` (see [Note: chunk group bytes]).
+
+[Note: chunk group states]
+``RELEASED``: the other ranks' chunks are not here (with one rank: the chunk has not been on the
+accelerator yet; once gathered, a group of one rank stays so, its chunk moved by placement only).
+``GATHERED``: all-gathered (the collective maybe still in flight), in use or about to be. ``KEPT``:
+gathered, its use over, kept for its next use (see [Note: kept groups]); keeping a kept group again
+leaves it kept. A use makes a kept group ``GATHERED``; any gathered group may be released. A group
+never goes from ``RELEASED`` to ``KEPT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+import torch
+
+from ..chunks.chunk import Chunk, TensorInfo
+from ..chunks.chunk_map import ChunkMap
+from ..chunks.group_bytes import GroupBytes
+from ..chunks.state import IllegalTransition, TensorState
+from ..memory.pending import Pending
+from ..memory.store import ChunkStore
+from ..placement.interface import Placement
+from .comm import ChunkComm, PendingCollective
+from .straddle import JoinedBuffers
+
+
+class GroupState(Enum):
+    RELEASED = "released"
+    GATHERED = "gathered"
+    KEPT = "kept"
+
+
+_S = GroupState
+_TRANSITIONS = {
+    _S.RELEASED: {_S.GATHERED},
+    _S.GATHERED: {_S.RELEASED, _S.KEPT},
+    _S.KEPT: {_S.GATHERED, _S.RELEASED, _S.KEPT},
+}
+
+
+class ChunkGroup:
+    """One chunk group; see the module docstring."""
+
+    def __init__(
+        self,
+        index: int,
+        members: list[Chunk],
+        tensors: list[TensorInfo],
+        nbytes: GroupBytes,
+        joined: JoinedBuffers,
+        comm: ChunkComm,
+        store: ChunkStore,
+        placement: Placement,
+    ) -> None:
+        self.index = index
+        self.members = members
+        self.owned = members[comm.rank]  # this rank's chunk
+        self.tensors = tensors  # every tensor with a piece here, once, in layout order
+        self.nbytes = nbytes
+        self.joined = joined
+        self._comm, self._store, self._placement = comm, store, placement
+        self.state = _S.GATHERED if all(c.is_materialized for c in members) else _S.RELEASED
+        self.fresh = False  # gathered (maybe still in flight) and not used since
+        self.prefetched = False  # gathered ahead of use and not used since
+        # a micro-step's flat gradient buffer (see [Note: flat group buffers])
+        self.grad_buffer: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"ChunkGroup({self.index}, {self.state.value})"
+
+    @property
+    def present(self) -> bool:
+        return self.state is not _S.RELEASED
+
+    @property
+    def kept(self) -> bool:
+        return self.state is _S.KEPT
+
+    def _to(self, state: GroupState) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"chunk group {self.index}: {self.state.value} -> {state.value}")
+        self.state = state
+
+    @property
+    def chunk_ids(self) -> set[int]:
+        return {c.chunk_id for c in self.members}
+
+    # ---- gather and release ---------------------------------------------------------
+    def gather_bytes(self) -> int:
+        """Accelerator bytes gathering the group takes now: its storage (see [Note: gathered group
+        storage]), the owned chunk and its joined buffers, where not there yet."""
+        owned, nbytes = self.owned, self.nbytes
+        missing = nbytes.owned + owned.acc_nbytes if not owned.is_materialized or owned.on_host else 0
+        if self._comm.world_size > 1 and not self._store.group_storage(self.members).untyped_storage().nbytes():
+            missing += nbytes.storage
+        return missing + self.joined.missing_bytes()
+
+    def gather(self, fill: bool, keep: frozenset[int]) -> None:
+        """Issue the all-gather into the group's storage: its result is on every member's pending
+        list, and waited on by whoever uses a member. ``fill=False``: no all-gather, the other ranks'
+        slots are zeroed (every slot is about to receive a gradient). ``keep``: chunks placement
+        must not evict to make room."""
+        members, owned = self.members, self.owned
+        needed = set(keep) | self.chunk_ids
+        self._placement.make_room(self.gather_bytes(), needed)  # the whole group at once: owned chunk, storage
+        self._placement.bring(owned, needed)
+        self._store.materialize(owned)
+        if self._comm.world_size > 1:
+            self._store.materialize_group(members, owned)
+            flat = self._store.group_storage(members)
+            if fill:
+                pending = self._comm.all_gather_async(flat, owned.ready())
+                for chunk in members:
+                    chunk.pending.append(pending)
+                self.joined.charge_gathered()  # filled at first use (see JoinedBuffers.join)
+            else:
+                for chunk in members:
+                    if chunk is not owned:
+                        chunk.ready().zero_()
+        if self.state is _S.RELEASED:
+            self._to(_S.GATHERED)
+        self.fresh = True
+
+    def release(self, until: Pending | None = None) -> None:
+        """The other ranks' chunks go (the storage: now, once the collectives on it completed, or
+        with ``until``, a reduce-scatter reading it, when that completes)."""
+        self.joined.drop()
+        self._store.release_group(self.members, self.owned, until)
+        # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
+        # gathered again; ours must read the same, or a later "all used in this forward" test
+        # (after_forward) would differ between ranks and so would the collectives.
+        for info in self.owned.tensors:
+            if info.state is TensorState.HOLD_AFTER_FWD:
+                info.settle()
+        self._to(_S.RELEASED)
+        self.fresh = self.prefetched = False
+
+    def keep(self) -> None:
+        """The group's use is over and it stays gathered for the next: its pieces stay, their joined
+        copies go (see [Note: straddling tensors])."""
+        self._to(_S.KEPT)
+        self.joined.drop()
+
+    def unkeep(self) -> None:
+        """The group is used again (or reduced): no longer kept."""
+        if self.state is _S.KEPT:
+            self._to(_S.GATHERED)
+
+    # ---- reduce-scatter -----------------------------------------------------------------
+    def reduce_scatter(self, then: Callable[[Chunk], None]) -> PendingCollective:
+        """Launch the reduce-scatter of the group's gradients in place in its storage (the owned
+        slot copied into its landing slot first); when it completes the owned slot gets its piece,
+        the storage goes and ``then(owned)`` runs (see [Note: gathered group storage] and
+        [Note: asynchronous collectives]). The caller releases the group until then."""
+        members, owned, rank = self.members, self.owned, self._comm.rank
+        self._placement.bring(owned, self.chunk_ids)
+        flat = self._store.group_storage(members)
+        landing = flat[rank * owned.capacity : (rank + 1) * owned.capacity]
+        for chunk in members:  # the all-gather into the storage completed
+            chunk.wait_pending()
+        with torch.no_grad():
+            landing.copy_(owned.ready())
+
+        @torch.no_grad()
+        def into_slot() -> None:
+            owned.ready().copy_(landing)
+            self._store.free_group(members)
+            then(owned)
+
+        return self._comm.reduce_scatter_mean_single_async(flat, after=into_slot)
+
+
+def build_groups(
+    chunk_map: ChunkMap, comm: ChunkComm, store: ChunkStore, placement: Placement, accumulate: bool
+) -> list[ChunkGroup]:
+    """Every chunk group of ``chunk_map``, in order."""
+    groups = []
+    for index in range(chunk_map.num_groups):
+        joined = JoinedBuffers(chunk_map.straddling(index), chunk_map.chunks, store.accel)
+        nbytes = chunk_map.group_bytes(index, accumulate)
+        members, tensors = chunk_map.group_members(index), chunk_map.group_tensors(index)
+        groups.append(ChunkGroup(index, members, tensors, nbytes, joined, comm, store, placement))
+    return groups

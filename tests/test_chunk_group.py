@@ -1,0 +1,129 @@
+"""One chunk group (groups/group.py): its bytes, counted alike by the gather plan, the keep decision
+and the pre-flight (see [Note: chunk group bytes]), and its states (see [Note: chunk group states]).
+Built on the host at two ranks without a process group: nothing here runs a collective."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harness
+
+
+def _groups(accumulate: bool):
+    """Two ranks, rank 0, fp32: 143 elements in one group of two 72-element chunks; the first
+    weight (100 elements) straddles the cut."""
+    from ds_patrickstar.chunks.chunk_map import ChunkMap
+    from ds_patrickstar.chunks.layout import plan_chunks
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.groups.comm import ChunkComm
+    from ds_patrickstar.groups.group import build_groups
+    from ds_patrickstar.memory.accelerator import HostAccelerator
+    from ds_patrickstar.memory.binding import build_chunk_map
+    from ds_patrickstar.memory.store import ChunkStore
+    from ds_patrickstar.placement.interface import NullPlacement
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 3))
+    comm = ChunkComm(None, StepCounters())
+    comm.world_size = 2
+    store = ChunkStore(HostAccelerator(), comm.counters, movable=False)
+    specs = plan_chunks([list(model.named_parameters())], 1000, 2)
+    chunk_map = build_chunk_map(ChunkMap(2, 0), specs, store, lambda p: True)
+    assert [info.numel for info in chunk_map.straddling(0)] == [100]
+    return specs, chunk_map, comm, build_groups(chunk_map, comm, store, NullPlacement(), accumulate)
+
+
+def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
+    """Two ranks, gradient accumulation, a tensor straddling the two chunks of its group: the room the
+    gather plan leaves for a group a later moment holds is what that group adds to the gathered bytes
+    the keep decision compares with the room: its storage, this rank's chunk, the joined buffer and
+    the accumulator; and the pre-flight, from the chunk plan, counts the group alike."""
+    from ds_patrickstar.chunks.group_bytes import planned_group_bytes
+    from ds_patrickstar.groups.gather_plan import GatherPlan
+    from ds_patrickstar.groups.residency import GroupResidency
+    from ds_patrickstar.placement.interface import NullPlacement
+    from ds_patrickstar.placement.runtime import PlacementRuntime
+    from ds_patrickstar.placement.tracer import Moment, Trace
+
+    specs, chunk_map, comm, groups = _groups(accumulate=True)
+    assert [g.nbytes for g in groups] == planned_group_bytes(specs, 4, 2, True)  # the pre-flight's count
+    residency = GroupResidency(chunk_map, comm, groups, NullPlacement(), None, 0)
+    before = residency.gathered_bytes
+    residency.gather(0, fill=False)
+    counted = residency.gathered_bytes - before
+    assert counted == 3 * 72 * 4 + 100 * 4 + 72 * 4  # storage of two chunks, own chunk, joined, accumulator
+
+    trace = Trace()
+    trace.add(Moment("fwd:0", (0,), 0))
+    trace.add(Moment("step", (), 0))
+
+    class Placement:
+        gathered_rooms = PlacementRuntime.gathered_rooms
+
+        @staticmethod
+        def last_iteration():
+            return trace
+
+        @staticmethod
+        def recorded_moment() -> tuple[int, str]:
+            return 0, "fwd:0"
+
+        @staticmethod
+        def movable_room() -> int:
+            return 10_000
+
+    plan = GatherPlan([g.nbytes for g in groups], comm, Placement())
+    comm.agree = lambda values: values  # type: ignore[method-assign]
+    plan.agree()
+    assert plan.allows_keep(10_000 - counted) and not plan.allows_keep(10_000 - counted + 1)
+
+
+def test_a_group_moves_only_between_the_states_its_table_allows():
+    from ds_patrickstar.chunks.state import IllegalTransition
+    from ds_patrickstar.groups.group import GroupState
+
+    _, _, _, (group,) = _groups(accumulate=False)
+    assert group.state is GroupState.RELEASED and not group.present
+    with pytest.raises(IllegalTransition, match="released -> kept"):
+        group.keep()
+    group.gather(fill=False, keep=frozenset())
+    assert group.present and group.fresh
+    group.keep()
+    group.keep()  # kept again: still kept
+    assert group.kept
+    group.unkeep()
+    assert group.state is GroupState.GATHERED
+    group.release()
+    assert group.state is GroupState.RELEASED and not group.fresh
+
+
+def test_one_rank_with_accumulation_and_a_keep_limit_between_groups_trains():
+    """One rank, gradient accumulation, ``keep_gathered`` between one and two groups' bytes: nothing is
+    gathered at one rank, so nothing is kept (trimming the kept groups looped forever: releasing a
+    group does nothing at one rank). An alarm turns a hang into a failure."""
+    import signal
+
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    harness.ensure_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    cfg = harness.make_config("patrickstar", chunk_size=1100, gas=2)
+    cfg["zero_optimization"]["keep_gathered"] = int(1.5 * 1100 * 4)
+
+    def hung(*_):
+        raise TimeoutError("training did not finish in 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        for _ in range(4):
+            engine.backward(engine(torch.randn(4, 32)).pow(2).mean())
+            engine.step()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert engine.global_steps == 2
+    engine.destroy()
