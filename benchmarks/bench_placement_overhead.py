@@ -75,6 +75,7 @@ from ds_patrickstar.integration.config import PatrickStarConfig  # noqa: E402
 from ds_patrickstar.memory.binding import build_chunk_map  # noqa: E402
 from ds_patrickstar.memory.emulated import EmulatedAccelerator  # noqa: E402
 from ds_patrickstar.memory.store import ChunkStore  # noqa: E402
+from ds_patrickstar.run_state import RunState  # noqa: E402
 
 
 def describe_machine() -> str:
@@ -109,8 +110,9 @@ class Setup:
         chunk_map = build_chunk_map(ChunkMap(1, 0), specs, store, has_values=lambda p: True)
         options = PatrickStarConfig(emulate_accelerator=True, device_budget=self.budget, chunk_size=elems)
         reductions = InFlightReductions()
-        self.runtime = make_placement(options, accel, store, self.counters, chunk_map, reductions)
-        self.manager = ChunkManager(chunk_map, comm, store, self.runtime, reductions, accumulate=False,
+        self.run = RunState()  # moved here as the hooks and the optimizer move it (see [Note: run state])
+        self.runtime = make_placement(options, accel, store, self.counters, chunk_map, reductions, False, self.run)
+        self.manager = ChunkManager(chunk_map, comm, store, self.runtime, reductions, self.run, accumulate=False,
                                     keep_gathered=None, prefetch_groups=1)
         self.setup_s = time.perf_counter() - t0
         assert len(self.manager.map.chunks) == n, (len(self.manager.map.chunks), n)
@@ -143,9 +145,12 @@ class Setup:
         t0 = time.perf_counter()
         self.runtime.tracer.start_iteration(())
         with torch.enable_grad():  # a no-grad moment would not advance the trace
+            self.run.start_forward(grad=True)
             for m, infos in enumerate(self.moments):
                 manager.access(infos, f"fwd:{m}")
                 manager.after_forward(infos)
+            self.run.end_forward()
+            self.run.backward_hook()
             for m in range(len(self.moments) - 1, -1, -1):
                 infos = self.moments[m]
                 manager.access(infos, f"bwd:{m}")
@@ -154,7 +159,10 @@ class Setup:
         t1 = time.perf_counter()
         choose_s = self.choose_s
         manager.end_backward(boundary=True)
+        self.run.end_backward()
+        self.run.start_step()
         manager.finish_step()
+        self.run.end_step()
         t2 = time.perf_counter()
         return t1 - t0, choose_s, t2 - t1, self.counters.as_dict()
 
