@@ -68,3 +68,17 @@ def test_readme_documents_every_config_key():
     text = README.read_text()
     missing = [k for k in _user_keys() if f"`{k}`" not in text and f"`{k.rpartition('.')[2]}`" not in text]
     assert not missing, f"config keys README.md does not document: {missing}"
+
+
+def test_the_note_index_lists_every_note_where_it_lives():
+    """docs/architecture.md indexes every ``[Note: X]`` header of the package with the module that holds it."""
+    package = REPO / "ds_patrickstar"
+    headers = {}
+    for path in [*package.rglob("*.py"), REPO / "ds_patrickstar_autoload.py"]:
+        for match in re.finditer(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]\s*$", path.read_text(), re.M):
+            where = path.relative_to(package) if path.is_relative_to(package) else path.relative_to(REPO)
+            headers[match.group(1)] = str(where)
+    index = dict(re.findall(r"^\| \[Note: ([^\]]+)\] \| `([^`]+)` \|", (REPO / "docs" / "architecture.md").read_text(), re.M))
+    wrong = {name: (where, index.get(name)) for name, where in headers.items() if index.get(name) != where}
+    assert not wrong, f"Note -> (module, index entry): {wrong}"
+    assert not set(index) - set(headers), f"indexed Notes no module holds: {sorted(set(index) - set(headers))}"
