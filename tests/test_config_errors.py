@@ -262,3 +262,17 @@ def test_a_model_parallel_mpu_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"mpu=\.\.\.\) with a model-parallel world size of 2 .* pass no mpu"):
         _init(_config(), model=model, mpu=mpu)
     assert all(p.data_ptr() == ptr and torch.equal(p, v) for p, (ptr, v) in zip(model.parameters(), before))
+
+
+def test_a_trainable_parameter_in_no_param_group_is_named_in_a_warning(caplog):
+    """It is never updated (issue 32, item 3): initialize says which, and how to include or freeze it."""
+    model = _model()
+    with caplog.at_level(logging.WARNING):
+        engine = _init(_config(), model=model, model_parameters=model[0].parameters())
+    warned = [r.getMessage() for r in caplog.records if "in no optimizer param group" in r.getMessage()]
+    assert len(warned) == 1 and "2.weight, 2.bias" in warned[0] and "2 trainable" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _init(_config())  # every parameter in the optimizer: no warning
+    assert not [r for r in caplog.records if "in no optimizer param group" in r.getMessage()]
+    engine.destroy()

@@ -128,7 +128,24 @@ def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> lis
             "the model has no trainable parameters (requires_grad=True) in the optimizer's "
             "param groups; stage 'patrickstar' has nothing to train"
         )
+    _warn_left_out(names, groups)
     return groups
+
+
+def _warn_left_out(names: dict[torch.nn.Parameter, str], groups: list[list[tuple[str, torch.nn.Parameter]]]) -> None:
+    """Trainable parameters in no param group are never updated: they stay outside the chunks, as
+    frozen ones do (their gradients are neither kept nor averaged across ranks); say which."""
+    grouped = {param for group in groups for _, param in group}
+    left_out = [name for param, name in names.items() if param.requires_grad and param not in grouped]
+    if left_out:
+        shown = ", ".join(left_out[:8]) + (f" and {len(left_out) - 8} more" if len(left_out) > 8 else "")
+        logger.warning(
+            "ds_patrickstar: %d trainable parameter(s) are in no optimizer param group and will not be "
+            "trained (kept outside the chunks, as frozen ones are): %s. Pass model_parameters="
+            "model.parameters(), or set requires_grad=False on parameters you mean to freeze",
+            len(left_out),
+            shown,
+        )
 
 
 def resolve_budget(device_budget: int | float | None, device: torch.device, emulate: bool) -> int:
