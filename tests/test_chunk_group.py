@@ -127,3 +127,42 @@ def test_one_rank_with_accumulation_and_a_keep_limit_between_groups_trains():
         signal.signal(signal.SIGALRM, previous)
     assert engine.global_steps == 2
     engine.destroy()
+
+
+def test_ranks_whose_iterations_differ_get_no_plan_and_are_told_once(caplog):
+    """The ranks' traces differ (2 moments here, 3 on another rank): no plan, one warning, then debug."""
+    import logging
+
+    from ds_patrickstar.groups.gather_plan import GatherPlan
+    from ds_patrickstar.placement.runtime import PlacementRuntime
+    from ds_patrickstar.placement.tracer import Moment, Trace
+
+    _, _, comm, groups = _groups(accumulate=False)
+    trace = Trace()
+    trace.add(Moment("fwd:0", (0,), 0))
+    trace.add(Moment("step", (), 0))
+
+    class Placement:
+        gathered_rooms = PlacementRuntime.gathered_rooms
+
+        @staticmethod
+        def last_iteration():
+            return trace
+
+        @staticmethod
+        def recorded_moment() -> tuple[int, str]:
+            return 0, "fwd:0"
+
+        @staticmethod
+        def movable_room() -> int:
+            return 10_000
+
+    plan = GatherPlan([g.nbytes for g in groups], comm, Placement())
+    comm.agree = lambda values: [values[0], -3, *values[2:]]  # type: ignore[method-assign]  # another rank: 3
+    with caplog.at_level(logging.DEBUG, logger="ds_patrickstar.groups.gather_plan"):
+        plan.agree()
+        plan.agree()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ds_patrickstar.groups.gather_plan"]
+    assert [level for level, _ in said] == [logging.WARNING, logging.DEBUG], said
+    assert "this rank 2 moments; the ranks 2 to 3" in said[0][1], said
+    assert not plan.allows_keep(0) and not plan.allows_prefetch(0)

@@ -33,6 +33,7 @@ boundary's reduce-scatter runs in the group's own storage and needs no room of i
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Callable
 
@@ -40,6 +41,8 @@ from ..chunks.group_bytes import GroupBytes
 from ..placement.interface import Placement
 from ..placement.tracer import Trace
 from .comm import ChunkComm
+
+logger = logging.getLogger(__name__)
 
 
 class GatherPlan:
@@ -54,6 +57,7 @@ class GatherPlan:
         self._labels: list[str] = []
         self._keep: list[int] = []
         self._ahead: list[int] = []
+        self._said_differ = False  # the ranks' iterations differed once: said, then only at debug level
 
     def agree(self) -> None:
         """At the step, on every rank: agree the plan for the next iteration from the one just done."""
@@ -67,8 +71,22 @@ class GatherPlan:
         agreed = self._comm.agree([count, -count, checksum, -checksum, *keep, *ahead])
         if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:  # the ranks' iterations differ: no plan
             self._labels, self._keep, self._ahead = [], [], []
+            self._say_differ(count, most=-agreed[1], fewest=agreed[0])
             return
         self._labels, self._keep, self._ahead = labels, agreed[4 : 4 + count], agreed[4 + count :]
+
+    def _say_differ(self, count: int, most: int, fewest: int) -> None:
+        log = logger.debug if self._said_differ else logger.warning
+        self._said_differ = True
+        log(
+            "ds_patrickstar: the data-parallel ranks' last iterations differ (this rank %d moments; the ranks "
+            "%d to %d, or the same count in another order): no gather plan for the next iteration, so no chunk "
+            "group is kept or gathered ahead of its use in it. Ranks differ when they run different modules "
+            "or orders (routing, data-dependent control flow); said once, then at debug level",
+            count,
+            fewest,
+            most,
+        )
 
     def _held(self, trace: Trace) -> Callable[[int], int]:
         """Per moment, room for the groups it holds (at least one; a recomputed module's until its
