@@ -192,7 +192,8 @@ class PatrickStarEngine(DeepSpeedEngine):
             )
         finally:
             self.optimizer.checkpoint_folder = None
-        commit.sync_saved_files(save_dir, tag)
+        if getattr(self, "local_rank", 0) <= 0:  # one rank per host (-1: unknown, so every rank)
+            commit.sync_saved_files(save_dir, tag)
         dist.barrier()
         if self.global_rank == 0:
             commit.write_marker(save_dir, tag)

@@ -6,7 +6,7 @@ DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a 
 folder, or, when it writes into an existing tag, a folder of old and new files. So a save is a
 commit: before any rank writes a file of the tag, rank 0 removes the tag's completion marker and
 makes that removal durable (the folder is fsynced), then a barrier; DeepSpeed saves (with
-``save_latest=False``); every rank fsyncs the tag's files it can see, a barrier, and rank 0 writes
+``save_latest=False``); the first rank of each host fsyncs the tag's files, a barrier, and rank 0 writes
 ``ds_patrickstar_complete.json`` (every file of the tag and its size) and then ``latest``, each by
 write-to-temporary, fsync, ``os.replace`` and an fsync of the folder. A tag without a valid marker
 is refused on load with a message naming what is missing, so a save that dies part way, also
@@ -67,7 +67,9 @@ def begin_save(save_dir: str, tag: str) -> None:
 
 
 def sync_saved_files(save_dir: str, tag: str) -> None:
-    """Every rank, after its part of the save: the tag's files it can see reach the disk."""
+    """The first rank of each host, after the host's part of the save: the tag's files it can see reach
+    the disk (an fsync flushes what this host wrote, whichever of its processes wrote it; on storage
+    shared by hosts each host flushes its own writes)."""
     folder = os.path.join(save_dir, tag)
     for name in _tag_files(folder):
         fd = os.open(os.path.join(folder, name), os.O_RDONLY)
