@@ -3,10 +3,9 @@ and the pre-flight (see [Note: chunk group bytes]), and its states (see [Note: c
 Built on the host at two ranks without a process group: nothing here runs a collective."""
 from __future__ import annotations
 
+import harness
 import pytest
 import torch
-
-import harness
 
 
 def _groups(accumulate: bool):
@@ -32,6 +31,30 @@ def _groups(accumulate: bool):
     return specs, chunk_map, comm, build_groups(chunk_map, comm, store, NullPlacement(), accumulate)
 
 
+
+class _OneMomentPlacement:
+    """What the gather plan asks of placement, for a traced iteration of one forward moment and the
+    step, a movable room of 10,000 B, now at that forward moment."""
+
+    @staticmethod
+    def gathered_rooms(trace, held):
+        from ds_patrickstar.placement.runtime import gathered_rooms
+
+        return gathered_rooms([m.non_model for m in trace.moments], 10_000, held)
+
+    @staticmethod
+    def last_iteration():
+        from ds_patrickstar.placement.tracer import Moment, Trace
+
+        trace = Trace()
+        trace.add(Moment("fwd:0", (0,), 0))
+        trace.add(Moment("step", (), 0))
+        return trace
+
+    @staticmethod
+    def recorded_moment() -> tuple[int, str]:
+        return 0, "fwd:0"
+
 def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
     """Two ranks, gradient accumulation, a tensor straddling the two chunks of its group: the room the
     gather plan leaves for a group a later moment holds is what that group adds to the gathered bytes
@@ -41,8 +64,6 @@ def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
     from ds_patrickstar.groups.gather_plan import GatherPlan
     from ds_patrickstar.groups.residency import GroupResidency
     from ds_patrickstar.placement.interface import NullPlacement
-    from ds_patrickstar.placement.runtime import PlacementRuntime
-    from ds_patrickstar.placement.tracer import Moment, Trace
 
     specs, chunk_map, comm, groups = _groups(accumulate=True)
     assert [g.nbytes for g in groups] == planned_group_bytes(specs, 4, 2, True)  # the pre-flight's count
@@ -52,26 +73,7 @@ def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
     counted = residency.gathered_bytes - before
     assert counted == 3 * 72 * 4 + 100 * 4 + 72 * 4  # storage of two chunks, own chunk, joined, accumulator
 
-    trace = Trace()
-    trace.add(Moment("fwd:0", (0,), 0))
-    trace.add(Moment("step", (), 0))
-
-    class Placement:
-        gathered_rooms = PlacementRuntime.gathered_rooms
-
-        @staticmethod
-        def last_iteration():
-            return trace
-
-        @staticmethod
-        def recorded_moment() -> tuple[int, str]:
-            return 0, "fwd:0"
-
-        @staticmethod
-        def movable_room() -> int:
-            return 10_000
-
-    plan = GatherPlan([g.nbytes for g in groups], comm, Placement())
+    plan = GatherPlan([g.nbytes for g in groups], comm, _OneMomentPlacement())
     comm.agree = lambda values: values  # type: ignore[method-assign]
     plan.agree()
     assert plan.allows_keep(10_000 - counted) and not plan.allows_keep(10_000 - counted + 1)
@@ -134,30 +136,9 @@ def test_ranks_whose_iterations_differ_get_no_plan_and_are_told_once(caplog):
     import logging
 
     from ds_patrickstar.groups.gather_plan import GatherPlan
-    from ds_patrickstar.placement.runtime import PlacementRuntime
-    from ds_patrickstar.placement.tracer import Moment, Trace
 
     _, _, comm, groups = _groups(accumulate=False)
-    trace = Trace()
-    trace.add(Moment("fwd:0", (0,), 0))
-    trace.add(Moment("step", (), 0))
-
-    class Placement:
-        gathered_rooms = PlacementRuntime.gathered_rooms
-
-        @staticmethod
-        def last_iteration():
-            return trace
-
-        @staticmethod
-        def recorded_moment() -> tuple[int, str]:
-            return 0, "fwd:0"
-
-        @staticmethod
-        def movable_room() -> int:
-            return 10_000
-
-    plan = GatherPlan([g.nbytes for g in groups], comm, Placement())
+    plan = GatherPlan([g.nbytes for g in groups], comm, _OneMomentPlacement())
     comm.agree = lambda values: [values[0], -3, *values[2:]]  # type: ignore[method-assign]  # another rank: 3
     with caplog.at_level(logging.DEBUG, logger="ds_patrickstar.groups.gather_plan"):
         plan.agree()
