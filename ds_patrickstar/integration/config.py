@@ -76,8 +76,11 @@ class PatrickStarConfig(BaseModel):
     of being released and all-gathered again. None (default): as much as the memory holds. On a
     run without placement that is decided from the host memory the ranks of this host share: each
     rank's share is the available memory at initialize divided by the ranks on the host
-    (LOCAL_WORLD_SIZE / LOCAL_SIZE), and half of what the planner's model data per rank leaves of
-    it may stay gathered; when that covers every group, every group stays (as ZeRO-3's defaults
+    (LOCAL_WORLD_SIZE / LOCAL_SIZE), and half of what is left of it after everything a step
+    allocates with no group kept (the planner's model data per rank, the groups in use and
+    prefetched, gradient-accumulation buffers, gradients, a tenth of the model data and 0.5 GiB of
+    non-model memory) may stay gathered; near the cap that is nothing (release after use). When
+    it covers every group, every group stays (as ZeRO-3's defaults
     keep every parameter of a model under 1e9 elements gathered: one all-gather per group and
     step, the full low-precision model on each rank), else the kept bytes are limited to it (the
     same limit on every rank; see [Note: default kept groups from host memory]). With placement,

@@ -27,7 +27,7 @@ from ..memory.emulated import EmulatedAccelerator
 from ..memory.preflight import check_budget_holds, check_fits, largest_group_bytes, plan_for_rank
 from ..optim.chunk_adam import adamw_mode
 from .config import PatrickStarConfig
-from .host_share import default_keep_gathered
+from .host_share import default_keep_gathered, step_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ def plan_run(
     if keep_gathered is None and isinstance(accel, HostAccelerator):  # see [Note: default kept groups from host memory]
         owners = [owner_of(i, comm.world_size) for i in range(len(specs))]
         rank_plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
-        keep_gathered = default_keep_gathered(module, rank_plan, comm)
+        step = step_bytes(specs, dtype.itemsize, comm.world_size, accumulate, options.prefetch_groups)
+        keep_gathered = default_keep_gathered(module, rank_plan, step, comm)
     return RunPlan(adamw, counters, comm, specs, spilled, accel, keep_gathered)
 
 
