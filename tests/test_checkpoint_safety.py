@@ -104,3 +104,33 @@ def test_a_save_into_an_existing_tag_that_dies_part_way_is_refused_not_loaded_mi
     assert engine.global_steps == 2
     assert all(torch.equal(expected[k], v) for k, v in engine.module.state_dict().items())
     engine.destroy()
+
+
+@pytest.mark.parametrize("damage", ["one_byte_of_optim", "one_byte_of_model", "optim_removed"])
+def test_a_damaged_file_is_refused_naming_tag_file_problem_and_the_previous_tag(tmp_path, damage):
+    """[Note: crash-safe save]: the marker holds each file's CRC-32, so one flipped byte (same size) is
+    refused, naming the tag, the file, what is wrong and the complete tag to load instead, which loads."""
+    from ds_patrickstar.io.checkpoint import CheckpointError
+
+    engine = _engine_with_a_checkpoint(tmp_path)  # tag "t"
+    engine.save_checkpoint(str(tmp_path), tag="prev")
+    engine.backward(engine(torch.randn(8, 8, dtype=torch.bfloat16)).float().sum())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    pattern = "*optim_states.pt" if damage != "one_byte_of_model" else "*model_states.pt"
+    (path,) = (tmp_path / "t").glob(pattern)
+    if damage == "optim_removed":
+        path.unlink()
+        problem = f"is missing {path.name}"
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        problem = f"has {path.name} whose crc32 is .* corrupted"
+    for tag in ("t", None):  # None: `latest`, which names "t"
+        with pytest.raises(CheckpointError, match=rf"tag 't' .*{problem}.*tag='prev'"):
+            engine.load_checkpoint(str(tmp_path), tag=tag)
+    engine.load_checkpoint(str(tmp_path), tag="prev")
+    assert engine.global_steps == 1
+    engine.destroy()
+
