@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -134,3 +137,27 @@ def test_a_damaged_file_is_refused_naming_tag_file_problem_and_the_previous_tag(
     assert engine.global_steps == 1
     engine.destroy()
 
+
+def test_a_resave_into_the_same_tag_killed_anywhere_is_refused_or_resumes_exactly(tmp_path):
+    """Issue 32, item 1: tag "last" saved at step 2 (and "step2"), re-saved at step 4 and SIGKILLed at
+    each of eight points of that save (tests/scripts/resave_kill.py). Until the new marker is in place
+    the tag, and ``latest`` which names it, are refused, naming "step2" to load instead; once it is,
+    "last" resumes at step 4 to the uninterrupted run's losses; "step2" always resumes exactly."""
+    script = pathlib.Path(__file__).parent / "scripts" / "resave_kill.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT@@")]
+    result = json.loads(line[len("@@RESULT@@"):])
+    reference = result.pop("reference")
+    assert len(result) == 8
+    for point, got in result.items():
+        assert got["step2"] == {"global_steps": 2, "losses": reference[2:4]}, point
+        latest = got["latest"]
+        if "refused" not in latest:  # whatever loaded is one step's state: it trains as the run did
+            step = latest["global_steps"]
+            assert latest["losses"] == reference[step : step + 2], f"{point}: a mixed checkpoint loaded: {latest}"
+        if point == "marker_written_latest_not":
+            assert latest.get("global_steps") == 4, (point, latest)
+        else:
+            refused = latest.get("refused", "")
+            assert "tag 'last'" in refused and "incomplete" in refused and "tag='step2'" in refused, (point, latest)
