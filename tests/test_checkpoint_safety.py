@@ -161,3 +161,18 @@ def test_a_resave_into_the_same_tag_killed_anywhere_is_refused_or_resumes_exactl
         else:
             refused = latest.get("refused", "")
             assert "tag 'last'" in refused and "incomplete" in refused and "tag='step2'" in refused, (point, latest)
+
+
+def test_a_decoupled_checkpoint_writer_is_refused_before_the_tag_is_touched(tmp_path, monkeypatch):
+    """DeepSpeed's decoupled writers (and DataStates) write the files after save_checkpoint returns:
+    the marker could not vouch for them, so the save is refused, naming the setting; the tag stays."""
+    from ds_patrickstar.io.checkpoint import CheckpointError
+
+    engine = _engine_with_a_checkpoint(tmp_path)  # tag "t", step 1
+    monkeypatch.setattr(engine.checkpoint_engine, "is_decoupled", lambda: True)
+    with pytest.raises(CheckpointError, match=r"after save_checkpoint returns.*'decoupled': true"):
+        engine.save_checkpoint(str(tmp_path), tag="t")
+    monkeypatch.undo()
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    assert engine.global_steps == 1
+    engine.destroy()

@@ -178,6 +178,12 @@ class PatrickStarEngine(DeepSpeedEngine):
     # ---- checkpoints (see [Note: checkpoint format], [Note: crash-safe save]) --------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        if self.checkpoint_engine.is_decoupled():
+            raise commit.CheckpointError(
+                f"{type(self.checkpoint_engine).__name__} writes the checkpoint's files after save_checkpoint "
+                f"returns, so the completion marker could not list them whole (see [Note: crash-safe save]); "
+                f"remove 'checkpoint': {{'writer': {{'decoupled': true}}}} or 'datastates_ckpt' from the config"
+            )
         if self.global_rank == 0:
             commit.begin_save(save_dir, tag)
         dist.barrier()
