@@ -144,7 +144,7 @@ def test_a_resave_into_the_same_tag_killed_anywhere_is_refused_or_resumes_exactl
     the tag, and ``latest`` which names it, are refused, naming "step2" to load instead; once it is,
     "last" resumes at step 4 to the uninterrupted run's losses; "step2" always resumes exactly."""
     script = pathlib.Path(__file__).parent / "scripts" / "resave_kill.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT@@")]
     result = json.loads(line[len("@@RESULT@@"):])
