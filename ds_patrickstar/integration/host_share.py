@@ -14,8 +14,8 @@ storage] in memory/store.py). The ranks on one host share its memory, so ``keep_
 * divided by the ranks on this host (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from
   DeepSpeed's launcher, else every rank of the run: each host decides for its own ranks).
 
-From the share, before any group may be kept, comes what a step allocates with no group kept
-(:func:`step_bytes`, from the chunk plan):
+Before any group may be kept, the share must hold what a step allocates with no group kept (the
+model data, and :func:`step_bytes` from the chunk plan for the parts after it):
 
 * the model data per rank ``M`` (:func:`~ds_patrickstar.memory.preflight.plan_for_rank`: the owned
   low-precision chunks, fp32 master, momentum, variance and, with gradient accumulation, the
