@@ -1,6 +1,6 @@
 """Rank jobs for tests/test_moe_generate.py: a tiny Hugging Face Mixtral whose experts are modules of
 their own (as transformers 4.x builds them: each rank's tokens run different expert modules), trained
-on 2 ranks.
+on 2 ranks; and Hugging Face ``generate`` on 2 ranks with a different length on each.
 
 transformers 5 keeps a Mixtral's experts as one module of 3-D weights, so every rank runs the same
 modules whatever the routing; :class:`ExpertList` puts them back into one module per expert, with
@@ -111,3 +111,34 @@ def train_moe(rank, world_size, stage, gas=1, leaf_classes=None, set_leaf=False,
     else:
         weights = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
     return {"losses": losses, "weights": weights, "experts_run": sorted(experts_run), "evictions": evictions}
+
+
+def generate_after_step(rank, world_size, stage, budget=None):
+    """One training step, then ``generate`` with 3 new tokens on rank 0 and 7 on rank 1; the tokens, and
+    whether the model carries the mark that turns ``synced_gpus`` on, before and after ``destroy``."""
+    import deepspeed
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig
+
+    import ds_patrickstar  # noqa: F401
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=VOCAB - 1)
+    ds_config = moe_config(stage, budget=budget)
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (as the Trainer and accelerate set it; held by reference)
+    model = transformers.GPT2LMHeadModel(config)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    ids = _batch(rank, 0)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.eval()
+    prompt = _batch(rank, 1)[:2, :4]
+    new = 3 if rank == 0 else 7
+    with torch.no_grad():
+        out = engine.module.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                     pad_token_id=0)
+    marked = getattr(model, "_is_fsdp_managed_module", False)
+    engine.destroy()
+    return {"tokens": out, "marked": marked, "marked_after_destroy": getattr(model, "_is_fsdp_managed_module", False)}

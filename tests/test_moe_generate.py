@@ -1,17 +1,18 @@
-"""Models whose modules differ by rank (issue 31, item 2).
+"""Models whose modules differ by rank, and generation with data parallelism (issue 31, items 2 and 3).
 
 A tiny Hugging Face Mixtral with one module per expert (tests/moe_workers.py), each rank's tokens routed
 to other experts, on 2 real processes: with DeepSpeed's leaf modules it trains as stock ZeRO-3 does with
 the same leaves (losses and fp32 weights at tests/test_data_parallel.py's tolerances), also with
 placement on the strict emulated accelerator under a budget that evicts and with gradient accumulation;
-without a leaf every rank raises the error that names the module and the fix, in time.
+without a leaf every rank raises the error that names the module and the fix, in time. ``generate``
+with a different number of new tokens on each rank completes with ZeRO-3's tokens.
 """
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from moe_workers import ExpertList, train_moe
+from moe_workers import ExpertList, generate_after_step, train_moe
 from multiproc import WorkerError, run_ranks
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU, as tests/test_data_parallel.py
@@ -52,6 +53,17 @@ def test_ranks_running_different_modules_without_a_leaf_raise_in_time():
     assert "RanksDiverged" in message and "did not finish" not in message and "died" not in message, message
     assert "model.layers.0.mlp.experts.experts." in message, message
     assert "set_z3_leaf_modules(model, [ExpertList])" in message and '"classes": ["ExpertList"]' in message, message
+
+
+def test_generate_with_different_lengths_on_two_ranks_matches_zero3():
+    """After a training step, rank 0 generates 3 tokens and rank 1 seven (with placement): the rank done
+    first keeps running forwards until both are (synced_gpus), and the tokens are ZeRO-3's."""
+    ref = run_ranks(generate_after_step, 2, 3, timeout=300)
+    ours = run_ranks(generate_after_step, 2, "patrickstar", 2 * BUDGET, timeout=300)
+    assert [r["tokens"].shape[1] for r in ref] == [4 + 3, 4 + 7]
+    for mine, theirs in zip(ours, ref):
+        assert torch.equal(mine["tokens"], theirs["tokens"]), (mine["tokens"], theirs["tokens"])
+        assert (mine["marked"], mine["marked_after_destroy"], theirs["marked"]) == (True, False, False)
 
 
 def test_leaf_module_key_is_handed_to_deepspeed():
