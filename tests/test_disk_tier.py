@@ -563,6 +563,71 @@ def test_a_real_full_disk_fails_the_step_naming_file_and_errno(tmp_path, monkeyp
         fresh.destroy()
 
 
+# ---- the swap folder's lock ------------------------------------------------------------------
+def _try_swap_folder(rank, world_size, root):
+    from ds_patrickstar.disk.swap_files import SwapFiles
+    from ds_patrickstar.disk.swap_lock import SwapFolderBusy
+
+    try:
+        files = SwapFiles(root, 0, {0: 4096})
+    except SwapFolderBusy as err:
+        return str(err)
+    files.close()
+    return "took"
+
+
+def test_a_swap_folder_in_use_is_refused_naming_its_holder(tmp_path):
+    """Another process over a live run's swap folder is refused with the folder, the holder and the
+    ways out, and leaves the files alone, also where the manifest names another host (shared storage,
+    where a process id says nothing); so is a second engine of this process; closed, the folder is free."""
+    import socket
+
+    from ds_patrickstar.disk.swap_files import MANIFEST, SwapFiles
+    from ds_patrickstar.disk.swap_lock import SwapFolderBusy, lock_path
+
+    held = SwapFiles(str(tmp_path), 0, {0: 4096})
+    manifest = os.path.join(held.folder, MANIFEST)
+    with open(manifest) as f:
+        record = json.load(f)
+    with open(manifest, "w") as f:
+        json.dump({**record, "host": "another-host"}, f)
+    [refused] = run_ranks(_try_swap_folder, 1, str(tmp_path))
+    assert f"the swap folder {held.folder!r} is in use by another run" in refused, refused
+    assert f"process {os.getpid()} on host {socket.gethostname()}" in refused, refused
+    assert "another nvme_path" in refused and lock_path(held.folder) in refused, refused
+    assert os.path.isfile(held.path(0)), "the refused run left the holder's files alone"
+    with pytest.raises(SwapFolderBusy, match="this process: an engine that was not destroyed"):
+        SwapFiles(str(tmp_path), 0, {0: 4096})
+    held.close()
+    assert not os.path.exists(lock_path(held.folder))
+    assert run_ranks(_try_swap_folder, 1, str(tmp_path)) == ["took"]
+
+
+def _race_for_swap_folders(rank, world_size, root, rounds):
+    import torch.distributed as dist
+
+    from ds_patrickstar.disk.swap_files import SwapFiles
+    from ds_patrickstar.disk.swap_lock import SwapFolderBusy
+
+    outcomes = []
+    for i in range(rounds):
+        dist.barrier()
+        try:
+            files, outcome = SwapFiles(os.path.join(root, str(i)), 0, {0: 4096}), "took"
+        except SwapFolderBusy:
+            files, outcome = None, "refused"
+        dist.barrier()  # the one that took it holds it until both have tried
+        if files is not None:
+            files.close()
+        outcomes.append(outcome)
+    return outcomes
+
+
+def test_two_runs_starting_together_exactly_one_takes_the_folder(tmp_path):
+    a, b = run_ranks(_race_for_swap_folders, 2, str(tmp_path), 5)
+    assert all(sorted(pair) == ["refused", "took"] for pair in zip(a, b)), (a, b)
+
+
 # ---- kill -9 mid-step, fp16, reshard --------------------------------------------------------
 class _Records(logging.Handler):
     def __init__(self):
@@ -601,6 +666,8 @@ def _killed_mid_step(rank, world_size, swap, ckpt):
 def _resume_and_reference(rank, world_size, swap, ckpt, reference_swap):
     with open(os.path.join(swap, "ds_patrickstar_swap", "rank0", "manifest.json")) as f:
         left = json.load(f)
+    with open(os.path.join(swap, "ds_patrickstar_swap", "rank0.lock")) as f:
+        lock_left = json.load(f)
     records = _Records()
     logging.getLogger("ds_patrickstar").addHandler(records)
     try:
@@ -615,7 +682,7 @@ def _resume_and_reference(rank, world_size, swap, ckpt, reference_swap):
     _steps(engine, 2)
     reference = (_steps(engine, 2, seed=1), engine.get_fp32_state_dict())
     engine.destroy()
-    return {"left": left, "log": records.messages, "resumed": resumed, "reference": reference}
+    return {"left": left, "lock_left": lock_left, "log": records.messages, "resumed": resumed, "reference": reference}
 
 
 def test_kill_9_mid_step_then_resume_from_the_checkpoint(tmp_path):
@@ -626,6 +693,8 @@ def test_kill_9_mid_step_then_resume_from_the_checkpoint(tmp_path):
         run_ranks(_killed_mid_step, 1, swap, ckpt)
     [out] = run_ranks(_resume_and_reference, 1, swap, ckpt, str(tmp_path / "reference"))
     assert out["left"]["clean"] is False, "the killed run's manifest says it stopped mid-step"
+    with pytest.raises(ProcessLookupError):  # its lock file stayed; the kernel released its lock
+        os.kill(out["lock_left"]["pid"], 0)
     assert any("removing stale swap files" in m and "stopped mid-step" in m for m in out["log"]), out["log"]
     assert out["resumed"][0] == out["reference"][0]
     assert all(torch.equal(out["resumed"][1][n], v) for n, v in out["reference"][1].items())
