@@ -21,6 +21,9 @@ class StepCounters:
     """prefetched all-gathers whose group was then used"""
     agreements: int = 0
     """all-reduces agreeing the gather plan across ranks (placement, see [Note: agreed gather plan])"""
+    lockstep_checks: int = 0
+    """small all-reduces agreeing each chunk-group collective before it is issued (data parallel, see
+    [Note: ranks in lockstep])"""
     peak_kept_gathered_bytes: int = 0
     """highest bytes of chunk-group storage kept gathered between uses (see [Note: kept groups])"""
     bytes_to_device: int = 0
