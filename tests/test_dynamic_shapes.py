@@ -68,3 +68,25 @@ def test_validation_forwards_between_steps_leave_the_trace_and_the_budget_alone(
     plain = ds.gpt_run(ds.gpt_config("patrickstar", ds.TWIN_BUDGET), fixed)
     # the training moments are placed as without the validations: the same device Adam every step
     assert [c["adam_chunks_device"] for c in ours["counters"]] == [c["adam_chunks_device"] for c in plain["counters"]]
+
+
+def test_the_envelope_and_the_warning_when_re_traces_repeat(caplog):
+    import logging
+
+    import torch as t
+
+    from ds_patrickstar.placement.shapes import RETRACE_LIMIT, RetraceLog, RetraceReason, covers, widen
+
+    a, b = (((2, 20), t.int64),), (((4, 9), t.int64),)
+    envelope = widen(a, b)
+    assert envelope == (((4, 20), t.int64),) and covers(envelope, a) and covers(envelope, b)
+    assert not covers(envelope, (((2, 21), t.int64),)) and not covers(envelope, (((2, 20), t.float32),))
+    log = RetraceLog(logging.getLogger("ds_patrickstar.placement.tracer"))
+    with caplog.at_level(logging.INFO, logger="ds_patrickstar.placement.tracer"):
+        for _ in range(RETRACE_LIMIT + 2):
+            log.new_iteration()
+            log.retraced(RetraceReason.SHAPE, "input shapes changed")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "re-traces in the last" in warnings[0].getMessage(), caplog.text
+    assert "inputs larger than every traced shape" in warnings[0].getMessage()
+    assert log.caption().startswith(f"re-traced {RETRACE_LIMIT + 2}x")
