@@ -37,6 +37,7 @@ VOCAB = 256
 TWIN = dict(n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)
 TWIN_BUDGET = 1_700_000  # B: below the model's 2.1 MB of fp32 parameters and optimizer states
 TWIN_BATCH = 2
+HF_BUDGET = 6_000_000  # B: the HF GPT-2 (3.5 MB of fp32 parameters and optimizer states) and its activations
 
 
 def changing_lengths(steps: int, longest: int, seed: int = 0) -> list[int]:
@@ -155,13 +156,31 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=int, default=TWIN_BUDGET, help="device budget of the twin target, B")
     parser.add_argument("--hf", action="store_true", help="also the Hugging Face dynamic-padding run")
     parser.add_argument("--hf-steps", type=int, default=10)
+    parser.add_argument("--hf-budget", type=int, default=HF_BUDGET, help="ours' device budget in the HF run, B")
+    parser.add_argument("--no-twin", action="store_true", help="skip the twin target (with --hf)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     bu.setup_single_process_env()
-    result = {"twin": twin_target(args.steps, args.warmup, args.budget)}
-    twin = result["twin"]
-    print(f"twin target, lengths {twin['lengths']}, budget {twin['budget']:,} B, means over steps {args.warmup}+")
+    result: dict = {}
+    if not args.no_twin:
+        result["twin"] = twin_target(args.steps, args.warmup, args.budget)
+        print_twin(result["twin"], args.warmup)
+    if args.hf:
+        hf = {}
+        for stage in ("patrickstar", 3):
+            for dynamic in (True, False):
+                key = f"{'ours' if stage == 'patrickstar' else 'zero3'} {'dynamic' if dynamic else 'fixed'}"
+                hf[key] = hf_padding_run(stage, dynamic, args.hf_steps, 64, 4, args.hf_budget)
+                print(f"hf {key:<14} {hf[key]['tokens_per_s']:>9.0f} real tokens/s")
+        result["hf"] = hf
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def print_twin(twin: dict, warmup: int) -> None:
+    print(f"twin target, lengths {twin['lengths']}, budget {twin['budget']:,} B, means over steps {warmup}+")
     print(f"{'run':<10}{'prefetches':>12}{'adam dev':>10}{'adam host':>11}{'re-traces':>11}")
     for name, row in twin["rows"].items():
         print(f"{name:<10}{row['prefetches']:>12.1f}{row['adam_chunks_device']:>10.1f}"
@@ -169,17 +188,6 @@ def main(argv=None) -> int:
     print(f"changing/fixed: prefetches {twin['prefetch_ratio']:.2f}x, device Adam chunks "
           f"{twin['adam_device_ratio']:.2f}x; losses vs ZeRO-3 (changing length): max rel "
           f"{twin['loss_rel_vs_zero3']:.1e}")
-    if args.hf:
-        hf = {}
-        for stage in ("patrickstar", 3):
-            for dynamic in (True, False):
-                key = f"{'ours' if stage == 'patrickstar' else 'zero3'} {'dynamic' if dynamic else 'fixed'}"
-                hf[key] = hf_padding_run(stage, dynamic, args.hf_steps, 64, 4, None)
-                print(f"hf {key:<14} {hf[key]['tokens_per_s']:>9.0f} real tokens/s")
-        result["hf"] = hf
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ def test_dry_run_measures_or_skips_every_part_with_a_reason(dry_run):
     assert "no CUDA" in result["parts"]["gpu_tests"]["reason"]
     assert {r["row"] for r in result["not_run"]} == {"LoRA past GPU memory"}
     padding = {(t["backend"], t["padding"]): t for t in result["parts"]["dynamic_padding"]["trials"]}
-    for trial in padding.values():  # measured, or skipped with the reason (the deadline on a busy machine)
-        assert trial.get("tokens_per_s", 0) > 0 if trial["status"] == "measured" else trial["reason"], trial
+    for trial in padding.values():  # measured, or not with the reason (the deadline on a busy machine)
+        assert trial["tokens_per_s"] > 0 if trial["status"] == "measured" else trial.get("reason") or trial["error"]
     assert padding[("zero3-offload", "dynamic")]["status"] == "skipped"
     assert all(r["reason"] == "not run: feature not built" for r in result["not_run"])
     meta = result["meta"]
