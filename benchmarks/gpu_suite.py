@@ -20,7 +20,11 @@ and no trial dies in one. Then:
 4. ``breakdown`` and 5. ``host_memory``: derived from part 2's trials (forward, backward, ``engine.step()``, the
    host time in Adam and in its CPU kernel, ours' bytes moved and their seconds at the measured pinned bandwidth;
    RSS and the CUDA host allocator's statistics against ours' counted host bytes);
-6. the LoRA and dynamic-padding rows: listed as "not run: feature not built" until those features exist.
+6. ``dynamic_padding``: tokens/s of a GPT-2-medium-class model whose batches are padded to their own longest
+   sequence (a length per step) beside the same run at the longest length, ours (device budget below the
+   model: 8 bytes/param) and ZeRO-3 offload, one process per trial (``gpu_suite_trial.py --dynamic-padding``);
+   the dry run measures ours only, at the smallest dry size;
+7. the LoRA row: listed as "not run: feature not built" until that feature exists.
 
 It writes ``gpu_suite.json`` and ``gpu_suite.md`` into ``--out`` (rewritten after every trial, so a run cut short
 still leaves what it measured). ``--dry-run`` runs ours on the strict emulated accelerator and stock ZeRO-3 on the
@@ -50,7 +54,8 @@ from gpu_suite_max_model import run_max_model
 log = logging.getLogger("gpu_suite")
 REPO = HERE.parent
 TRIAL = HERE / "gpu_suite_trial.py"
-SHARES = {"builds": 0.3, "gpu_tests": 0.25, "throughput": 0.45, "max_model": 0.2}  # of what the parts before left
+# of what the parts before left
+SHARES = {"builds": 0.3, "gpu_tests": 0.25, "throughput": 0.45, "max_model": 0.2, "dynamic_padding": 0.05}
 BUILDS = {  # op: the Python that builds (or loads from the cache) it
     "ours cuda": "from ds_patrickstar.optim.kernels import adam_backend_name as n; assert n('cuda') == 'cuda_fused'",
     "ours cpu": "from ds_patrickstar.optim.kernels import adam_backend_name as n; assert n('cpu') == 'cpu_fused'",
@@ -73,7 +78,10 @@ DRY_STOCK_SKIP = {
     "zero3-offload": "dry run: stock ZeRO-3 runs at the smallest size only",
     "zero3": "dry run: on the CPU, ZeRO-3 without offload is the run that stands in for ZeRO-3 offload",
     "max_model": "dry run: stock ZeRO-3's search is ours' with another backend name, and costs ~10 s per try",
+    "dynamic_padding": "dry run: stock ZeRO-3 costs ~10 s per trial; its throughput part runs it once",
 }
+DYNAMIC_SIZE = ("gpt2-medium", "gpt2-medium", {})
+DYNAMIC_BUDGET_BYTES_PER_PARAM = 8  # ours' device budget: half the model's 16 bytes/param
 
 
 def parse_args(argv=None):
@@ -261,6 +269,41 @@ def run_throughput(ctx, args, deadline: float) -> dict:
     return {"status": "measured", "trials": trials, "ratios": ratios(trials)}
 
 
+def run_dynamic_padding(ctx, args, deadline: float) -> dict:
+    """Part 6: dynamic padding against a fixed length, ours and ZeRO-3 offload, tokens/s side by side."""
+    name, preset, overrides = DRY_SIZES[0] if args.dry_run else DYNAMIC_SIZE
+    params = gpt_model.count_params_for_config(gpt_model.get_config(preset, **overrides))
+    trials = []
+    for backend in OFFLOADED:
+        for padding in ("fixed", "dynamic"):
+            head = {"size": name, "backend": backend, "padding": padding}
+            left = deadline - time.monotonic()
+            if args.dry_run and backend != "ours":
+                trials.append({**head, "status": "skipped", "reason": DRY_STOCK_SKIP["dynamic_padding"]})
+                continue
+            if left < args.min_trial_s:
+                trials.append({**head, "status": "skipped", "reason": f"deadline: {left:.0f} s left"})
+                continue
+            extra = ["--dynamic-padding"] if padding == "dynamic" else []
+            if backend == "ours" and not args.dry_run:
+                extra += ["--device-budget", str(DYNAMIC_BUDGET_BYTES_PER_PARAM * params)]
+            with tempfile.TemporaryDirectory() as tmp:
+                out, port = Path(tmp) / "trial.json", free_port()
+                cmd = trial_command(args, backend, preset, overrides, out) + extra
+                code, output = run_process(cmd, left, {**ctx.child_env, "MASTER_PORT": str(port)}, REPO, ctx.cuda)
+                max_model.remove_shm_buffers(port)
+                if code != 0 or not out.exists():
+                    trials.append({**head, "status": "failed", "error": failure(code, output)})
+                    continue
+                result = json.loads(out.read_text())
+            trials.append({**head, "status": "measured", "tokens_per_s": result["tokens_per_s"],
+                           "counters": [r.get("counters", {}) for r in result["records"]]})
+            ctx.part_progress("dynamic_padding", {"status": "measured", "trials": trials})
+    if not any(t["status"] == "measured" for t in trials):
+        return {**skipped("no trial was measured (see trials)"), "trials": trials}
+    return {"status": "measured", "trials": trials}
+
+
 # ------------------------------------------------------------------ the run
 class Suite:
     """The run's state: what the parts measured so far, written to ``--out`` after every trial."""
@@ -290,7 +333,8 @@ class Suite:
         runners = {"builds": lambda d: run_builds(self, d), "gpu_tests": lambda d: run_gpu_tests(self, d),
                    "throughput": lambda d: run_throughput(self, self.args, d),
                    "max_model": lambda d: run_max_model(self, self.args, d, DRY_DEVICE_BYTES,
-                                                        DRY_STOCK_SKIP["max_model"])}
+                                                        DRY_STOCK_SKIP["max_model"]),
+                   "dynamic_padding": lambda d: run_dynamic_padding(self, self.args, d)}
         shares = {name: share for name, share in SHARES.items() if name in self.args.parts}
         for name, runner in runners.items():
             if name not in shares:

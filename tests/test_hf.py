@@ -134,3 +134,13 @@ def test_hf_trainer_script_runs_as_a_user_runs_it(tmp_path):
     found = re.search(r"perplexity\s*=\s*([0-9.eE+-]+)", log)
     assert found, log[-3000:]
     assert float(found.group(1)) < 256, found.group(0)
+
+
+def test_trainer_evaluates_and_predicts_before_training_as_zero3_does(tmp_path):
+    """Trainer.evaluate()/predict() before train() (Hugging Face's ZeRO inference path): the eval loss and
+    the predictions' loss of stock ZeRO-3."""
+    ref = run_ranks(hf_workers.trainer_eval_before_train, 1, "gpt2", 3, str(tmp_path / "zero3"), timeout=TIMEOUT)[0]
+    ours = run_ranks(hf_workers.trainer_eval_before_train, 1, "gpt2", "patrickstar", str(tmp_path / "ps"),
+                     timeout=TIMEOUT)[0]
+    assert ours["engine"] == "PatrickStarEngine", ours
+    _assert_losses([ours["eval_loss"], ours["predict_loss"]], [ref["eval_loss"], ref["predict_loss"]])

@@ -60,11 +60,15 @@ class TrainingFlow:
     def root_forward_start(self, inputs: Any) -> None:
         if inside_backward():  # the whole model checkpointed: its recomputation
             return
-        training = torch.is_grad_enabled()  # else an evaluation forward: placed greedily, not traced
+        training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
+        if training and self.run.forward_without_backward():
+            self.placement.drop_forward()  # see [Note: moments and the trace]
         if self.run.start_forward(training):
             self.placement.start_iteration(inputs, self.optim_states)
         if not training:
+            self.placement.evaluation_begins()  # see [Note: evaluation moments]
             return
+        self.placement.forward_begins()
         offloader, meter = self.placement.activation_policy(), self.placement.meter()
         if offloader is not None:  # its hooks count what stays, as the meter's would
             offloader.start_forward()
