@@ -175,8 +175,18 @@ class ChunkManager:
         self.grads.take_grad(info, grad, boundary)
 
     def end_backward(self, boundary: bool) -> None:
+        """The backward epilogue: frozen tensors whose backward use no post-backward ended are done (see
+        [Note: frozen chunks]), then the gradients' (:meth:`GradientSink.end_backward`); at the boundary
+        no frozen group stays gathered through the step."""
         self._backward_users.clear()
         self._forward_users.clear()
+        for info in self.map.infos():
+            if not info.trainable and info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
+                info.settle()
+        if boundary and self.comm.world_size > 1:
+            for group in self.groups:
+                if not group.owned.trainable and group.present:
+                    self.residency.release(group.index)
         self.grads.end_backward(boundary)
 
     def grads_ready(self) -> bool:

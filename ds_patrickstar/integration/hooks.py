@@ -8,10 +8,11 @@
   the module's outputs (tensors found inside tuples, lists, dicts and dataclasses) that
   fires when backward reaches the module: its params -> ``COMPUTE`` again;
 * module post-backward (only on modules holding a parameter another module holds too, a
-  tied weight): an identity autograd function on the module's inputs whose backward runs
-  once the module's backward is over; its tensors that still wait for a gradient stop
-  being used (see [Note: tied weights between backward uses]);
-* per-parameter post-accumulate-grad hook: autograd has summed every use of the
+  tied weight, or a frozen parameter): an identity autograd function on the module's inputs
+  whose backward runs once the module's backward is over; its tensors that still wait for a
+  gradient stop being used (see [Note: tied weights between backward uses]), and so do its
+  frozen tensors, which wait for none (see [Note: frozen chunks]);
+* per-parameter post-accumulate-grad hook (trainable parameters only): autograd has summed every use of the
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
   (see [Note: gradient in the param slot]).
@@ -123,7 +124,7 @@ class HookRegistry:
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
             if infos:
                 tied = any(holders[id(i.param)] > 1 for i in infos)
-                self._register_module(sub, infos, tied)
+                self._register_module(sub, infos, infos if tied else [i for i in infos if not i.trainable])
         # after the root module's own post-forward: the training forward is over once its uses are
         self._handles.append(module.register_forward_hook(lambda mod, args, output: target.root_forward_end()))
         self._handles.append(
@@ -146,17 +147,18 @@ class HookRegistry:
         seen: set[int] = set()
         for param in module.parameters():
             info = info_of(param)
-            if info is not None and id(param) not in seen:
+            if info is not None and info.trainable and id(param) not in seen:
                 seen.add(id(param))
                 self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(info)))
 
-    def _register_module(self, sub: torch.nn.Module, infos: list[TensorInfo], tied: bool) -> None:
+    def _register_module(self, sub: torch.nn.Module, infos: list[TensorInfo], post: list[TensorInfo]) -> None:
+        """``post``: the tensors whose backward use a post-backward ends (none: no post-backward)."""
         target = self._target
 
         def pre_forward(mod: torch.nn.Module, args: Any) -> Any:
             target.pre_forward(mod, infos)
-            if tied and torch.is_grad_enabled() and not inside_backward():
-                return _mark_post_backward(args, lambda: target.post_backward(mod, infos))
+            if post and torch.is_grad_enabled() and not inside_backward():
+                return _mark_post_backward(args, lambda: target.post_backward(mod, post))
             return None
 
         def post_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:

@@ -8,7 +8,7 @@ gathered storage of every group, the whole model in bf16/fp16 (see [Note: gather
 storage] in memory/store.py). The ranks on one host share its
 memory, so ``keep_gathered: None`` (the default) is decided at initialize from
 
-* the host's available memory at that moment, plus the trainable parameters' own bytes (freed once
+* the host's available memory at that moment, plus the chunk parameters' own bytes (freed once
   the chunks hold their values and initialize returns, see [Note: initialize as a transaction]),
 * the ranks on this host (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from DeepSpeed's
   launcher, else every rank of the run),
@@ -54,7 +54,7 @@ def default_keep_gathered(module: torch.nn.Module, plan: ModelDataPlan, comm: Ch
     """The default ``keep_gathered`` of a run without placement, the same on every rank."""
     if comm.world_size == 1:
         return None
-    own = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad and not p.is_meta)
+    own = sum(p.numel() * p.element_size() for p in module.parameters() if p.is_floating_point() and not p.is_meta)
     local_ranks = local_world_size(comm.world_size)
     limit = keep_limit(plan, psutil.virtual_memory().available + own, local_ranks)
     every_group = every_group_bytes(plan)

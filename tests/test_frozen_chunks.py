@@ -1,0 +1,162 @@
+"""Frozen parameters in chunks of their own kind (see [Note: frozen chunks]): a LoRA-style stack (frozen base
+linears, rank-4 adapters) and a model with layers frozen by hand train like stock ZeRO-3 on the strict twin
+at a device budget below the frozen base, at 1 and 2 ranks; their tensors refuse a gradient state; activation
+offload does not copy frozen weights. Tolerances are those of tests/test_vs_zero3.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multiproc import run_ranks
+from quirk_models import D_IN, N_CLASSES, classification_batches
+
+HID, LAYERS, RANK = 128, 6, 4
+STEPS = 3
+SEED = 11
+
+
+class LoraLinear(nn.Module):
+    """A frozen base linear and a trainable rank-``RANK`` adapter beside it, with a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(HID, HID)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Linear(HID, RANK, bias=False)
+        self.lora_B = nn.Linear(RANK, HID, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.gelu(self.base(h) + self.lora_B(self.lora_A(h)))
+
+
+class LoraStack(nn.Module):
+    """A frozen input projection (no gradient reaches it), LoRA layers, a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HID)
+        self.inp.requires_grad_(False)
+        self.layers = nn.ModuleList([LoraLinear() for _ in range(LAYERS)])
+        self.head = nn.Linear(HID, N_CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.head(h).float(), y)
+
+
+class HandFrozen(nn.Module):
+    """An MLP whose middle layers are frozen by hand: the first layer's gradient flows through them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HID)
+        self.layers = nn.ModuleList([nn.Linear(HID, HID) for _ in range(LAYERS)])
+        for layer in self.layers:
+            layer.requires_grad_(False)
+        self.head = nn.Linear(HID, N_CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inp(x))
+        for layer in self.layers:
+            h = h + F.gelu(layer(h))
+        return F.cross_entropy(self.head(h).float(), y)
+
+
+MODELS = {"lora": LoraStack, "hand": HandFrozen}
+
+
+def build(name: str):
+    def model_fn(seed: int):
+        torch.manual_seed(seed)
+        return MODELS[name](), classification_batches(seed)
+
+    return model_fn
+
+
+def frozen_bytes(name: str, dtype: str) -> int:
+    size = 4 if dtype == "fp32" else 2
+    return size * sum(p.numel() for p in MODELS[name]().parameters() if not p.requires_grad)
+
+
+def budget(name: str, dtype: str) -> int:
+    """Three quarters of the frozen base's bytes: the base cannot be on the device at once."""
+    return frozen_bytes(name, dtype) * 3 // 4
+
+
+def _train(rank, world_size, name, dtype, stage, gas, extra=None):
+    from harness import make_config, run_training
+
+    import ds_patrickstar  # noqa: F401
+
+    if stage == 3:
+        config = make_config(3, dtype, gas=gas)
+    else:
+        config = make_config("patrickstar", dtype, gas=gas, chunk_size=4096, extra_zero=extra or {})
+    if world_size > 1:
+        config.pop("train_batch_size")
+    return run_training(build(name), config, STEPS, SEED)
+
+
+def _check(ours, ref, dtype):
+    from test_vs_zero3 import check
+
+    check(ours, ref, dtype)
+    assert set(ref.frozen) and set(ours.frozen) == set(ref.frozen)
+
+
+@pytest.mark.parametrize(
+    "name,dtype,gas,world_size",
+    [("lora", "fp32", 1, 1), ("lora", "bf16", 2, 1), ("hand", "fp32", 2, 1), ("lora", "bf16", 2, 2)],
+)
+def test_frozen_base_larger_than_the_budget_matches_zero3(name, dtype, gas, world_size):
+    """The strict twin's budget holds three quarters of the frozen base: the frozen chunks are evicted
+    and brought back (and, at two ranks, gathered) every step, and losses and weights equal ZeRO-3's."""
+    extra = {"emulate_accelerator": True, "device_budget": budget(name, dtype)}
+    ref = run_ranks(_train, world_size, name, dtype, 3, gas, memo=True)
+    ours = run_ranks(_train, world_size, name, dtype, "patrickstar", gas, extra)
+    for rank in range(world_size):
+        _check(ours[rank], ref[rank], dtype)
+        moved = [c["bytes_to_device"] for c in ours[rank].counters[1:]]
+        assert all(m > 0 for m in moved), moved
+        assert all(c["peak_model_bytes_device"] <= budget(name, dtype) for c in ours[rank].counters)
+
+
+def test_frozen_tensor_has_no_gradient_state():
+    from ds_patrickstar.chunks.chunk import Piece, TensorInfo
+    from ds_patrickstar.chunks.kind import ChunkKind
+    from ds_patrickstar.chunks.state import IllegalTransition, TensorState
+
+    param = nn.Parameter(torch.zeros(4), requires_grad=False)
+    info = TensorInfo("w", param, [Piece(0, 0, 0, 4)], 4, param.shape, -1, kind=ChunkKind.FROZEN)
+    info.start_compute()
+    info.end_forward()
+    info.start_compute()
+    info.end_backward_use()
+    with pytest.raises(IllegalTransition, match="frozen"):
+        info.grad_written()
+    info.settle()
+    assert info.state is TensorState.HOLD
+
+
+def _offloaded(rank, world_size):
+    from harness import make_config, run_training
+
+    import ds_patrickstar  # noqa: F401
+
+    extra = {"emulate_accelerator": True, "device_budget": 4 << 20, "offload_activations": "all"}
+    config = make_config("patrickstar", "fp32", chunk_size=4096, extra_zero=extra)
+    result = run_training(build("lora"), config, 2, SEED)
+    return [c["activation_bytes_offloaded"] for c in result.counters]
+
+
+def test_activation_offload_leaves_frozen_weights_alone():
+    """Autograd saves each base linear's weight for backward: a frozen chunk payload is model data, so
+    offload copies the layers' activations only (a few kB), never the frozen weights (64 kB per layer)."""
+    (offloaded,) = run_ranks(_offloaded, 1)
+    weight = HID * HID * 4
+    assert all(0 < moved < weight for moved in offloaded), offloaded
