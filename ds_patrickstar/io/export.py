@@ -75,6 +75,7 @@ class ChunkExport:
         self.optim_states = optim_states
         self.accel = accel
         self._consumed: list[str] = []
+        self.skip_frozen = False  # state_dict() leaves frozen parameters out (exclude_frozen_parameters)
 
     # ---- streaming out ------------------------------------------------------------------
     def _group_on_host(
@@ -100,6 +101,8 @@ class ChunkExport:
         frozen group has none: its values in fp32, see [Note: frozen chunks])."""
         for group in range(self.map.num_groups):
             members = self.map.group_members(group)
+            if self.skip_frozen and not self.map.is_trainable_group(group):
+                continue
             if fp32_masters and not self.map.is_trainable_group(group):
                 hosts = self._group_on_host(group, lambda c: c.ready(), torch.float32, "frozen values")
             elif fp32_masters:
@@ -109,6 +112,20 @@ class ChunkExport:
             else:
                 hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
             yield members, hosts
+
+    @contextlib.contextmanager
+    def without_frozen(self, skip: bool = True) -> Iterator[None]:
+        """Inside the block (``skip``), ``state_dict()`` gathers no frozen group: DeepSpeed's
+        ``exclude_frozen_parameters`` drops those entries, so their values are never read."""
+        self.skip_frozen = skip
+        try:
+            yield
+        finally:
+            self.skip_frozen = False
+
+    def frozen_names(self, module: torch.nn.Module) -> set[str]:
+        """Every name of every frozen chunk parameter."""
+        return {n for info, names in self.names(module, "").items() if not info.trainable for n in names}
 
     def names(self, module: torch.nn.Module, prefix: str) -> dict[TensorInfo, list[str]]:
         """Every name (aliases of tied or shared parameters included) of every chunk parameter."""
