@@ -168,6 +168,32 @@ def test_truncated_foreign_and_other_model_checkpoints_are_refused(tmp_path):
         run_ranks(_load_tag, 1, str(stock), None)
 
 
+
+def test_a_file_only_one_rank_reads_back_damaged_is_refused_on_every_rank(tmp_path):
+    """[Note: crash-safe save]: at 2 ranks each reads back half the files' digests; one byte of the
+    file that rank 1 checks (the second of the sorted listing: rank 0's optimizer file) is flipped,
+    and both ranks refuse the load naming it (neither goes on into the load's collectives alone)."""
+    run_ranks(_save_half, 2, str(tmp_path))
+    tag = (tmp_path / "latest").read_text().strip()
+    names = sorted(p.name for p in (tmp_path / tag).iterdir() if p.name != "ds_patrickstar_complete.json")
+    damaged = tmp_path / tag / names[1]
+    assert "zero_pp_rank_0" in damaged.name
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    refusals = run_ranks(_refusal, 2, str(tmp_path), timeout=120)
+    assert all(f"{damaged.name} whose crc32 is" in refusal for refusal in refusals), refusals
+
+
+def _refusal(rank, world_size, ckpt_dir):
+    from ds_patrickstar.io.commit import CheckpointError
+
+    try:
+        _load_tag(rank, world_size, ckpt_dir, None)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
 def _save_stock(rank, world_size, ckpt_dir):
     engine = _engine(stage=3)
     _train(engine, _batches()[:1])

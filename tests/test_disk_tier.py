@@ -4,11 +4,13 @@ the same values: only where the states wait between steps differs); the step cou
 checkpoints, bad input and faults."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import math
 import os
+import subprocess
 
 import pytest
 import torch
@@ -346,11 +348,60 @@ def test_idle_keys_warn_with_their_names(caplog):
             "device": "nvme", "nvme_path": "/tmp", "io_backend": "libaio"}}})
 
 
-def test_io_backend_choice(caplog):
-    """"auto" says which backend it took and why; "aio" where it cannot work names the key and the way out."""
+class _StandInAioHandle:
+    """DeepSpeed 0.19.8's ``aio_handle`` as its source reads (``csrc/aio``), for machines without
+    libaio: ``sync_pread``/``sync_pwrite`` open the file by name with ``O_DIRECT`` and return -1 only
+    when it does not open, else the number of operations completed; the result of each libaio
+    completion (``io_event.res``) is never read, so a failed read or write inside a request is lost."""
+
+    def __init__(self, *settings):
+        pass
+
+    def _run(self, buffer, path, offset, write):
+        try:
+            fd = os.open(path, (os.O_WRONLY if write else os.O_RDONLY) | os.O_DIRECT)
+        except OSError:
+            return -1
+        try:
+            call = os.pwritev if write else os.preadv
+            call(fd, [memoryview(buffer.numpy())], offset)
+        except OSError:
+            pass  # io_pgetevents reaped the completion; its res (-ENOSPC, -EIO) is not looked at
+        finally:
+            os.close(fd)
+        return 1
+
+    def sync_pwrite(self, buffer, path, offset):
+        return self._run(buffer, path, offset, write=True)
+
+    def sync_pread(self, buffer, path, offset):
+        return self._run(buffer, path, offset, write=False)
+
+    def new_cpu_locked_tensor(self, numel, example):
+        from ds_patrickstar.disk.io import aligned_empty
+
+        return aligned_empty(numel)
+
+    def free_cpu_locked_tensor(self, tensor):
+        return True
+
+
+def stand_in_aio(monkeypatch):
+    """Make the disk tier see a built, loadable async_io op: :class:`_StandInAioHandle`."""
+    import types
+
+    op = types.SimpleNamespace(aio_handle=_StandInAioHandle)
+    for module in ("ds_patrickstar.disk.tier", "ds_patrickstar.disk.aio"):
+        monkeypatch.setattr(f"{module}.load_async_io", lambda: (op, ""), raising=False)
+        monkeypatch.setattr(f"{module}.async_io_built", lambda: True, raising=False)
+
+
+def test_io_backend_choice(caplog, monkeypatch):
+    """"auto" is "threads", which checks every read and write, and says so, also where the async_io op
+    is built; "aio" warns what it does not check; where it cannot work it names the key and the way out."""
     from ds_patrickstar.disk.config import NvmeOffload
     from ds_patrickstar.disk.tier import make_disk_io
-    from ds_patrickstar.disk.aio import AioDiskIO, async_io_built, load_async_io, lock_problem
+    from ds_patrickstar.disk.aio import AioDiskIO, lock_problem
     from ds_patrickstar.disk.io import ThreadDiskIO
 
     assert "raise `ulimit -l`" in lock_problem(2**30, limit=8 << 20, privileged=False)
@@ -358,12 +409,15 @@ def test_io_backend_choice(caplog):
     with pytest.raises(ValueError, match=r'io_backend="aio" cannot be used: .*O_DIRECT.* use "threads"'):
         make_disk_io(NvmeOffload(nvme_path="/dev/shm", io_backend="aio"), direct=False, poison=False)
     caplog.set_level("INFO")
-    io = make_disk_io(NvmeOffload(nvme_path="/dev/shm"), direct=False, poison=False)
-    assert isinstance(io, ThreadDiskIO) and '"threads" (io_backend "auto": the file system' in caplog.text
-    io.close()
+    stand_in_aio(monkeypatch)
     io = make_disk_io(NvmeOffload(nvme_path="/tmp"), direct=True, poison=False)
-    assert isinstance(io, AioDiskIO if async_io_built() and not load_async_io()[1] else ThreadDiskIO)
-    assert 'disk tier I/O: "aio"' in caplog.text or "async_io" in caplog.text
+    assert isinstance(io, ThreadDiskIO) and '"threads" (io_backend "auto": it sees the result of every' in caplog.text
+    io.close()
+    caplog.clear()
+    io = make_disk_io(NvmeOffload(nvme_path="/tmp", io_backend="aio"), direct=True, poison=False)
+    assert isinstance(io, AioDiskIO)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "does not check the result of each libaio completion" in caplog.text
     io.close()
 
 
@@ -446,6 +500,134 @@ def test_disk_full_fails_the_step_and_the_checkpoint_stays(tmp_path):
     fresh.destroy()
 
 
+@contextlib.contextmanager
+def _tiny_tmpfs(path, size):
+    """A tmpfs of ``size`` mounted at ``path`` (skip where mounting needs a privilege this process lacks)."""
+    os.makedirs(path)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield str(path)
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _rewrites_need_space(swap):
+    """Make each swap file's rewrite need new blocks, then fill the file system but one page: what a
+    copy-on-write or thinly provisioned disk does to an in-place rewrite. (The swap files lose their
+    blocks, which reads then return as zeros; the manifest's rewrite takes the one page and frees one.)"""
+    folder = os.path.join(swap, "ds_patrickstar_swap", "rank0")
+    files = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".swap")]
+    for path in files:
+        size = os.path.getsize(path)
+        os.truncate(path, 0)
+        os.truncate(path, size)
+    filler = os.open(os.path.join(swap, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(filler, bytes(4096))
+    except OSError as err:
+        assert err.errno == errno.ENOSPC
+    os.ftruncate(filler, os.fstat(filler).st_size - 4096)
+    os.close(filler)
+    return files
+
+
+@pytest.mark.parametrize("aio_built", [False, True])
+def test_a_real_full_disk_fails_the_step_naming_file_and_errno(tmp_path, monkeypatch, aio_built):
+    """A rewrite of a swap file that meets a full file system (a tiny tmpfs) fails the step with
+    ENOSPC and the file's name, with io_backend "auto" also where DeepSpeed's async_io op is built
+    (``aio_built``: a stand-in of the op, which does not see the error); the last checkpoint then
+    reloads and trains exactly."""
+    if aio_built:
+        stand_in_aio(monkeypatch)
+    ckpt = str(tmp_path / "ckpt")
+    with _tiny_tmpfs(tmp_path / "tmpfs", "1m") as swap:
+        engine = _engine(swap)
+        _steps(engine, 1)
+        engine.save_checkpoint(ckpt, tag="good")
+        expected = _steps(engine, 1, seed=1)
+        engine.load_checkpoint(ckpt)
+        files = _rewrites_need_space(swap)
+        with pytest.raises(OSError) as failed:
+            _steps(engine, 1, seed=1)
+        assert failed.value.errno == errno.ENOSPC and "failed with ENOSPC" in str(failed.value), failed.value
+        assert failed.value.filename in files, (failed.value, files)
+        engine.destroy()
+        os.unlink(os.path.join(swap, "filler"))
+        fresh = _engine(swap)
+        fresh.load_checkpoint(ckpt)
+        assert _steps(fresh, 1, seed=1) == expected
+        fresh.destroy()
+
+
+# ---- the swap folder's lock ------------------------------------------------------------------
+def _try_swap_folder(rank, world_size, root):
+    from ds_patrickstar.disk.swap_files import SwapFiles
+    from ds_patrickstar.disk.swap_lock import SwapFolderBusy
+
+    try:
+        files = SwapFiles(root, 0, {0: 4096})
+    except SwapFolderBusy as err:
+        return str(err)
+    files.close()
+    return "took"
+
+
+def test_a_swap_folder_in_use_is_refused_naming_its_holder(tmp_path):
+    """Another process over a live run's swap folder is refused with the folder, the holder and the
+    ways out, and leaves the files alone, also where the manifest names another host (shared storage,
+    where a process id says nothing); so is a second engine of this process; closed, the folder is free."""
+    import socket
+
+    from ds_patrickstar.disk.swap_files import MANIFEST, SwapFiles
+    from ds_patrickstar.disk.swap_lock import SwapFolderBusy, lock_path
+
+    held = SwapFiles(str(tmp_path), 0, {0: 4096})
+    manifest = os.path.join(held.folder, MANIFEST)
+    with open(manifest) as f:
+        record = json.load(f)
+    with open(manifest, "w") as f:
+        json.dump({**record, "host": "another-host"}, f)
+    [refused] = run_ranks(_try_swap_folder, 1, str(tmp_path))
+    assert f"the swap folder {held.folder!r} is in use by another run" in refused, refused
+    assert f"process {os.getpid()} on host {socket.gethostname()}" in refused, refused
+    assert "another nvme_path" in refused and lock_path(held.folder) in refused, refused
+    assert os.path.isfile(held.path(0)), "the refused run left the holder's files alone"
+    with pytest.raises(SwapFolderBusy, match="this process: an engine that was not destroyed"):
+        SwapFiles(str(tmp_path), 0, {0: 4096})
+    held.close()
+    assert not os.path.exists(lock_path(held.folder))
+    assert run_ranks(_try_swap_folder, 1, str(tmp_path)) == ["took"]
+
+
+def _race_for_swap_folders(rank, world_size, root, rounds):
+    import torch.distributed as dist
+
+    from ds_patrickstar.disk.swap_files import SwapFiles
+    from ds_patrickstar.disk.swap_lock import SwapFolderBusy
+
+    outcomes = []
+    for i in range(rounds):
+        dist.barrier()
+        try:
+            files, outcome = SwapFiles(os.path.join(root, str(i)), 0, {0: 4096}), "took"
+        except SwapFolderBusy:
+            files, outcome = None, "refused"
+        dist.barrier()  # the one that took it holds it until both have tried
+        if files is not None:
+            files.close()
+        outcomes.append(outcome)
+    return outcomes
+
+
+def test_two_runs_starting_together_exactly_one_takes_the_folder(tmp_path):
+    a, b = run_ranks(_race_for_swap_folders, 2, str(tmp_path), 5)
+    assert all(sorted(pair) == ["refused", "took"] for pair in zip(a, b)), (a, b)
+
+
 # ---- kill -9 mid-step, fp16, reshard --------------------------------------------------------
 class _Records(logging.Handler):
     def __init__(self):
@@ -484,6 +666,8 @@ def _killed_mid_step(rank, world_size, swap, ckpt):
 def _resume_and_reference(rank, world_size, swap, ckpt, reference_swap):
     with open(os.path.join(swap, "ds_patrickstar_swap", "rank0", "manifest.json")) as f:
         left = json.load(f)
+    with open(os.path.join(swap, "ds_patrickstar_swap", "rank0.lock")) as f:
+        lock_left = json.load(f)
     records = _Records()
     logging.getLogger("ds_patrickstar").addHandler(records)
     try:
@@ -498,7 +682,7 @@ def _resume_and_reference(rank, world_size, swap, ckpt, reference_swap):
     _steps(engine, 2)
     reference = (_steps(engine, 2, seed=1), engine.get_fp32_state_dict())
     engine.destroy()
-    return {"left": left, "log": records.messages, "resumed": resumed, "reference": reference}
+    return {"left": left, "lock_left": lock_left, "log": records.messages, "resumed": resumed, "reference": reference}
 
 
 def test_kill_9_mid_step_then_resume_from_the_checkpoint(tmp_path):
@@ -509,6 +693,8 @@ def test_kill_9_mid_step_then_resume_from_the_checkpoint(tmp_path):
         run_ranks(_killed_mid_step, 1, swap, ckpt)
     [out] = run_ranks(_resume_and_reference, 1, swap, ckpt, str(tmp_path / "reference"))
     assert out["left"]["clean"] is False, "the killed run's manifest says it stopped mid-step"
+    with pytest.raises(ProcessLookupError):  # its lock file stayed; the kernel released its lock
+        os.kill(out["lock_left"]["pid"], 0)
     assert any("removing stale swap files" in m and "stopped mid-step" in m for m in out["log"]), out["log"]
     assert out["resumed"][0] == out["reference"][0]
     assert all(torch.equal(out["resumed"][1][n], v) for n, v in out["reference"][1].items())

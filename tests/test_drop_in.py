@@ -10,6 +10,7 @@ import configparser
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -136,12 +137,76 @@ def test_stage_registers_when_transformers_probes_deepspeed_first(tmp_path):
     assert "engine: PatrickStarEngine" in done.stdout
 
 
-def test_wheel_ships_the_autoload_hook_into_site_packages(tmp_path):
-    out = tmp_path / "wheel"
-    _ok(_run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT, "-w", str(out)]))
-    (wheel,) = out.glob("ds_patrickstar-*.whl")
+_REGISTERED = """import deepspeed
+print("registered:", getattr(deepspeed.initialize, "_ds_patrickstar_wrapper", False))
+"""
+
+_PEFT_FIRST = """import importlib.util, site, sys
+site.addsitedir(sys.argv[1])  # as site-packages: runs ds_patrickstar_autoload.pth
+probes, find_spec = [], importlib.util.find_spec
+importlib.util.find_spec = lambda name, *args: probes.append(name) or find_spec(name, *args)
+import peft  # imports transformers and accelerate, whose is_deepspeed_available() probes deepspeed
+importlib.util.find_spec = find_spec
+assert "deepspeed" in probes and "deepspeed" not in sys.modules and "ds_patrickstar" not in sys.modules, probes
+""" + _REGISTERED
+
+
+def test_stage_registers_when_peft_is_imported_first(tmp_path):
+    """Issue 32, item 2: ``import peft`` (transformers, accelerate: find_spec("deepspeed") probes)
+    before ``import deepspeed``, in a fresh interpreter: the stage registers on the real import."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install peft, or the hf extra)")
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copy(os.path.join(ROOT, "ds_patrickstar_autoload.pth"), site_dir)
+    (tmp_path / "peft_first.py").write_text(_PEFT_FIRST)
+    done = _ok(_run([sys.executable, "peft_first.py", str(site_dir)], cwd=tmp_path))
+    assert "registered: True" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The package built as a wheel (once for this module), or a skip saying why it cannot be; built
+    from a copy of the tree without build outputs (an in-tree build/ would carry stale files in)."""
+    out, tree = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("tree") / "src"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                               ".ruff_cache", ".benchmarks", "runs", "out", "*.png"))
+    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(tree), "-w",
+                  str(out)])
+    if built.returncode != 0:
+        pytest.skip(f"cannot build a wheel here (pip wheel --no-build-isolation failed): {built.stderr[-500:]}")
+    (path,) = out.glob("ds_patrickstar-*.whl")
+    return path
+
+
+def test_wheel_ships_the_autoload_hook_into_site_packages(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "ds_patrickstar_autoload.pth" in names and "ds_patrickstar_autoload.py" in names  # the wheel's root
+
+
+_FROM_THE_WHEEL = """import site, sys
+assert "ds_patrickstar_autoload" not in sys.modules  # nothing on this interpreter's own paths installs it
+site.addsitedir(sys.argv[1])  # the folder pip installed the wheel into, as site-packages: runs its .pth
+hook = sys.modules["ds_patrickstar_autoload"]
+assert hook.__file__.startswith(sys.argv[1]) and "ds_patrickstar" not in sys.modules, hook.__file__
+""" + _REGISTERED + """import ds_patrickstar
+assert ds_patrickstar.__file__.startswith(sys.argv[1]), ds_patrickstar.__file__
+"""
+
+
+def test_stage_registers_from_the_hook_a_wheel_installs(wheel, tmp_path):
+    """Issue 32, item 2: the wheel installed by pip (``--target``, a folder then read as
+    site-packages), in a fresh interpreter without the working tree on its path: the wheel's own
+    .pth installs the hook, and ``import deepspeed`` registers the stage from the installed package."""
+    target = tmp_path / "site"
+    installed = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                      str(target), str(wheel)])
+    if installed.returncode != 0:
+        pytest.skip(f"pip cannot install the wheel into a folder here: {installed.stderr[-500:]}")
+    (tmp_path / "from_wheel.py").write_text(_FROM_THE_WHEEL)
+    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-s", "from_wheel.py", str(target)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert "registered: True" in _ok(done).stdout
 
 
 # ---- 3: one process without a launcher --------------------------------------------------

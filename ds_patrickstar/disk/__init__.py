@@ -3,9 +3,9 @@
 Owns its configuration (``config.py``: ``offload_optimizer`` with ``device: nvme``), how many
 chunks spill and the host bytes that saves (``budget.py``), the file I/O (``io.py``: the
 interface, page-aligned buffers and the thread backend; ``aio.py``: DeepSpeed's ``aio_handle``),
-the swap files and their folder (``swap_files.py``), their layout in pieces (``swap_layout.py``),
-the spilled states with their read-ahead and step stream (``states.py``) and the tier's set-up at
-initialize (``tier.py``).
+the swap files and their folder (``swap_files.py``), the folder's lock (``swap_lock.py``), their
+layout in pieces (``swap_layout.py``), the spilled states with their read-ahead and step stream
+(``states.py``) and the tier's set-up at initialize (``tier.py``).
 May import: ``optim``, ``groups``, ``activations``, ``placement``, ``memory``, ``chunks`` and the
 leaf modules.
 """

@@ -22,10 +22,14 @@ while reaping). Two things of that op shape this adapter:
 Buffers that are not page-locked go through a page-locked bounce buffer of the op (allocated per
 request); :meth:`AioDiskIO.empty` hands out page-locked buffers (DeepSpeed's pinned-tensor
 manager) that skip that copy. The op reports an error as a return value of -1 (a file that does
-not open, a bad size, with the reason on stderr), raised here as ``OSError``; it does not check
-the result of each libaio completion, so a device error mid-request goes unnoticed there (the
-thread backend raises it). Reads past the end of a file are refused here before the op, which
-would abort the process.
+not open, a bad size, with the reason on stderr), raised here as ``OSError``. It never reads the
+result of a libaio completion (``io_event.res``: the bytes done or the negative error number):
+``io_pgetevents`` only counts completions, and ``sync_pread``/``sync_pwrite``/``wait`` return the
+number of operations completed, not bytes. A read or write that fails inside a request (``EIO``
+from the device, ``ENOSPC`` where an in-place rewrite needs new blocks: copy-on-write or thinly
+provisioned storage) is therefore invisible here: ``io_backend: "auto"`` takes the thread
+backend, which sees every result, and an explicit ``"aio"`` logs :data:`AIO_UNCHECKED`. Reads
+past the end of a file are refused here before the op, which would abort the process.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ from .io import ALIGNMENT, DiskIO, aligned_empty
 
 logger = logging.getLogger(__name__)
 
+AIO_UNCHECKED = (
+    'disk tier I/O: "aio" (DeepSpeed\'s aio_handle): the op does not check the result of each libaio '
+    "completion, so a read or write that fails inside a request (a device error, a full copy-on-write or "
+    "thin file system) goes unnoticed and the optimizer states on disk can be wrong without an error; "
+    'io_backend "threads" (and "auto") checks every read and write'
+)
+"""Logged as a warning when ``io_backend`` is ``"aio"``; see [Note: aio disk I/O]."""
+
 STREAMS = 2
 """Requests served at once (a read ahead and a write behind), each on its own handles."""
 
@@ -67,7 +79,7 @@ def load_async_io() -> tuple[Any | None, str]:
 
 def async_io_built() -> bool:
     """Whether the async_io op is installed or JIT-built already: loading it then takes seconds,
-    where a first JIT build takes minutes (``io_backend: "auto"`` does not start one)."""
+    where a first JIT build takes minutes."""
     try:
         from deepspeed.git_version_info import installed_ops
         from torch.utils.cpp_extension import _get_build_directory

@@ -10,11 +10,11 @@ does. ``buffer_size`` (named after the buffers of DeepSpeed's ``offload_param``,
 ours: the piece each buffer holds, master, momentum and variance of that many elements (see
 [Note: swap pieces]; rounded up to a multiple of 1024). ``io_backend`` (ours too) picks the
 implementation of the tier's I/O: ``"threads"`` (threads calling ``preadv``/``pwritev``, no build
-step), ``"aio"`` (DeepSpeed's ``aio_handle``, the libaio engine of ZeRO-Infinity; needs
-``libaio-dev`` to build and a file system that takes ``O_DIRECT`` and page-lockable buffers) or
-``"auto"`` (the default: ``"aio"`` where the op is built already and loads, the files take
-``O_DIRECT`` and the buffers can be page-locked, else ``"threads"``, with a log line saying which
-and why; see [Note: aio disk I/O]). The top-level ``aio`` block's ``intra_op_parallelism``
+step, every result checked), ``"aio"`` (DeepSpeed's ``aio_handle``, the libaio engine of
+ZeRO-Infinity; needs ``libaio-dev`` to build and a file system that takes ``O_DIRECT`` and
+page-lockable buffers; it does not check each libaio completion, logged as a warning, see
+[Note: aio disk I/O]) or ``"auto"`` (the default: ``"threads"``, the backend that sees every
+failed read and write, with a log line saying so). The top-level ``aio`` block's ``intra_op_parallelism``
 (``thread_count`` in older DeepSpeed) is the number of I/O threads and its ``block_size`` the part
 of a request each thread reads or writes at a time, for both backends; ``queue_depth``,
 ``single_submit`` and ``overlap_events`` are settings of the ``aio_handle`` (warned about with
@@ -73,7 +73,8 @@ class NvmeOffload(BaseModel):
 
     io_backend: Literal["auto", "threads", "aio"] = "auto"
     """The implementation of the tier's I/O (``offload_optimizer.io_backend``): ``"threads"``,
-    ``"aio"`` (DeepSpeed's ``aio_handle``) or ``"auto"``."""
+    ``"aio"`` (DeepSpeed's ``aio_handle``, which does not check each completion) or ``"auto"``
+    (``"threads"``)."""
 
     queue_depth: int = Field(default=8, ge=1, le=1024)
     """Requests each ``aio_handle`` thread keeps in flight (``aio.queue_depth``)."""

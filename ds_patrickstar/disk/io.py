@@ -2,13 +2,15 @@
 
 [Note: disk I/O]
 :class:`DiskIO` reads or writes one host buffer at one offset of an open file and returns a
-:class:`DiskPending` whose :meth:`~DiskPending.wait` returns once the bytes are there (or raises
-the ``OSError`` the system call raised: a full disk, an I/O error). :class:`ThreadDiskIO` is the
-implementation that needs no build step: a few threads calling ``os.preadv``/``os.pwritev``, which
-release the GIL, each request cut into ``block_size`` pieces so that the threads share one large
-request. Files opened with ``O_DIRECT`` bypass the page cache; their buffers, offsets and lengths
-are multiples of :data:`ALIGNMENT` (:func:`aligned_empty`; :meth:`DiskIO.empty` gives the buffers an
-implementation serves best). DeepSpeed's ``aio_handle`` is the second implementation
+:class:`DiskPending` whose :meth:`~DiskPending.wait` returns once the bytes are there, or raises
+an ``OSError`` naming the request, the file (:meth:`DiskPending.of_file`) and the error number
+(``ENOSPC``: a full disk, ``EIO``: a device error) that the system call returned.
+:class:`ThreadDiskIO` is the implementation that needs no build step and sees the result of every
+system call: a few threads calling ``os.preadv``/``os.pwritev``, which release the GIL, each
+request cut into ``block_size`` pieces so that the threads share one large request. Files opened
+with ``O_DIRECT`` bypass the page cache; their buffers, offsets and lengths are multiples of
+:data:`ALIGNMENT` (:func:`aligned_empty`; :meth:`DiskIO.empty` gives the buffers an implementation
+serves best). DeepSpeed's ``aio_handle`` is the second implementation
 (:class:`~ds_patrickstar.disk.aio.AioDiskIO`, see [Note: aio disk I/O]).
 
 Under the strict emulated accelerator (``poison=True``) a read fills its destination with NaN at
@@ -22,6 +24,7 @@ Every request is counted: bytes read and written, seconds the threads spent in s
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -51,10 +54,16 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 class DiskPending(Pending):
     """A read or write in flight; :meth:`wait` returns when it has completed or raises its error."""
 
-    def __init__(self, io: DiskIO, futures: list[Future[float]], finish: object = None) -> None:
-        self._io, self._futures, self._finish = io, futures, finish
+    def __init__(self, io: DiskIO, futures: list[Future[float]], what: str, finish: object = None) -> None:
+        self._io, self._futures, self._what, self._finish = io, futures, what, finish
+        self._path = ""
         self._waited = False
         self._error: BaseException | None = None
+
+    def of_file(self, path: str) -> DiskPending:
+        """Name ``path`` in this request's error; returns ``self``."""
+        self._path = path
+        return self
 
     def wait(self) -> None:
         """Return once the request completed; raise its error (again at every later wait)."""
@@ -71,8 +80,8 @@ class DiskPending(Pending):
                 except OSError as err:
                     errors.append(err)
             if errors:
-                self._error = errors[0]
-                raise errors[0]
+                self._error = _named(errors[0], self._what, self._path)
+                raise self._error from errors[0]
             if callable(self._finish):
                 self._finish()
         finally:
@@ -105,10 +114,11 @@ class DiskIO:
 
     def read(self, fd: int, offset: int, dst: torch.Tensor) -> DiskPending:
         """Read ``dst.nbytes`` bytes at ``offset`` into ``dst`` (contiguous, host)."""
-        self.bytes_read += dst.numel() * dst.element_size()
-        if not self.poison:
-            return DiskPending(self, self._submit(fd, offset, _bytes_of(dst), write=False))
         nbytes = dst.numel() * dst.element_size()
+        self.bytes_read += nbytes
+        what = f"read of {nbytes:,} bytes at offset {offset:,}"
+        if not self.poison:
+            return DiskPending(self, self._submit(fd, offset, _bytes_of(dst), write=False), what)
         staging = aligned_empty(nbytes)[:nbytes]
         futures = self._submit(fd, offset, staging, write=False)
         dst.view(torch.uint8).view(-1).fill_(0xFF)  # NaN in every float dtype until waited on
@@ -116,14 +126,16 @@ class DiskIO:
         def arrive() -> None:
             _bytes_of(dst).copy_(staging)
 
-        return DiskPending(self, futures, arrive)
+        return DiskPending(self, futures, what, arrive)
 
     def write(self, fd: int, offset: int, src: torch.Tensor) -> DiskPending:
         """Write ``src`` (contiguous, host) at ``offset``; ``src`` must not change until waited on."""
-        self.bytes_written += src.numel() * src.element_size()
+        nbytes = src.numel() * src.element_size()
+        self.bytes_written += nbytes
+        what = f"write of {nbytes:,} bytes at offset {offset:,}"
         futures = self._submit(fd, offset, _bytes_of(src), write=True)
         if not self.poison:
-            return DiskPending(self, futures)
+            return DiskPending(self, futures, what)
         version = src._version
 
         def check() -> None:
@@ -132,7 +144,7 @@ class DiskIO:
                     "disk tier: the source of a pending write was overwritten before the write was waited on"
                 )
 
-        return DiskPending(self, futures, check)
+        return DiskPending(self, futures, what, check)
 
     def _submit(self, fd: int, offset: int, data: torch.Tensor, write: bool) -> list[Future[float]]:
         raise NotImplementedError
@@ -186,3 +198,12 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("disk tier: I/O buffers must be contiguous host tensors")
     return tensor.view(-1).view(torch.uint8)
+
+
+def _named(err: OSError, what: str, path: str) -> OSError:
+    """``err`` as an ``OSError`` of the same number saying which request of which file failed."""
+    where = path or "a swap file"
+    if err.errno is None:
+        return OSError(f"disk tier: {what} of {where} failed: {err}")
+    name = errno.errorcode.get(err.errno, f"errno {err.errno}")
+    return OSError(err.errno, f"disk tier: {what} failed with {name} ({err.strerror or err})", where)

@@ -15,7 +15,7 @@ depend on gradients, so at the first backward moment of the boundary micro-step
 the step takes that stream over, and anything else that reaches the states first (an fp16
 overflow's restore, a checkpoint) waits for those reads and drops them. The manifest's ``clean``
 flag is false from the first write of a step until its last write completed; a failed read or
-write fails the step with its error.
+write fails the step with its error, naming the swap file and the error number (see [Note: disk I/O]).
 
 Outside the step (checkpoints, ``state_dict``, an overflow's restore) a spilled chunk is reached
 piece by piece through a one-piece cache (:meth:`DiskStates.slices`): read on first use, written
@@ -121,12 +121,14 @@ class DiskStates:
     def read(self, unit: Unit, slot: _Slot) -> DiskPending:
         chunk_id, index = unit
         piece = self.layouts[chunk_id][index]
-        return self.io.read(self.files.fds[chunk_id], piece.offset, slot.record(piece))
+        pending = self.io.read(self.files.fds[chunk_id], piece.offset, slot.record(piece))
+        return pending.of_file(self.files.path(chunk_id))
 
     def write(self, unit: Unit, slot: _Slot) -> DiskPending:
         chunk_id, index = unit
         piece = self.layouts[chunk_id][index]
-        return self.io.write(self.files.fds[chunk_id], piece.offset, slot.record(piece))
+        pending = self.io.write(self.files.fds[chunk_id], piece.offset, slot.record(piece))
+        return pending.of_file(self.files.path(chunk_id))
 
     @torch.no_grad()
     def initialize(self, chunk_id: int, values: torch.Tensor) -> None:

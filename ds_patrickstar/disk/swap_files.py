@@ -15,10 +15,10 @@ the folder alone, since another run may own it by then.
 The files are scratch, not a checkpoint: every run writes its states into them at initialize
 and a checkpoint copies them out (see [Note: disk tier checkpoints]). ``manifest.json`` records
 the run id, the process and the host that own the folder and a ``clean`` flag (false from the
-first write of an optimizer step until its last write completed). A folder whose manifest names
-a live process of this host is refused (two runs would overwrite each other's states); any other
-files found there (a finished run, or one killed mid-step: ``clean`` false) are stale and removed
-with a warning, never read.
+first write of an optimizer step until its last write completed). The folder is locked for the
+run's life before anything in it is read, removed or written (see [Note: swap folder lock]): a
+folder another run holds is refused; files found in a folder that is not held (a finished run, or
+one killed mid-step: ``clean`` false) are stale and removed with a warning, never read.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass
 
 from .io import ALIGNMENT, aligned_empty
+from .swap_lock import SwapLock
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,9 @@ class SwapFiles:
         self.sizes = dict(sizes)
         self.clean = True
         self.closed = False
-        self._take_folder()
+        self._lock = SwapLock.acquire(self.folder, self.run_id)
         try:
+            self._take_folder()
             self.direct = direct and _direct_io_works(self.folder)
             if direct and not self.direct:
                 logger.warning(
@@ -121,7 +123,7 @@ class SwapFiles:
             self._open_files()
             self._write_manifest()
         except BaseException:
-            self.close(remove=True)  # the folder is ours: _take_folder made it
+            self.close(remove=True)  # the folder is ours: we hold its lock
             raise
 
     def _open_files(self) -> None:
@@ -135,6 +137,7 @@ class SwapFiles:
         return os.path.join(self.folder, f"chunk{chunk_id}.swap")
 
     def _take_folder(self) -> None:
+        """Remove what an earlier run left (under the lock: no run holds it) and make the folder."""
         manifest = os.path.join(self.folder, MANIFEST)
         if os.path.isfile(manifest):
             try:
@@ -142,12 +145,6 @@ class SwapFiles:
                     old = json.load(f)
             except (OSError, ValueError):
                 old = {}
-            pid, host = old.get("pid"), old.get("host")
-            if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() and _alive(pid):
-                raise ValueError(
-                    f"zero_optimization.offload_optimizer.nvme_path: {self.folder!r} holds the swap files of "
-                    f"a run that is still going (process {pid}); give each run its own nvme_path"
-                )
             logger.warning(
                 "ds_patrickstar: removing stale swap files in %s (run %s, %s); swap files are scratch, "
                 "a run resumes from a checkpoint",
@@ -180,27 +177,20 @@ class SwapFiles:
         os.replace(tmp, path)
 
     def close(self, remove: bool = True) -> None:
-        """Close the files; ``remove``: delete the folder (the states were scratch). Closing again does
-        nothing: the folder may belong to a later run by then."""
+        """Close the files; ``remove``: delete the folder (the states were scratch); then release the
+        folder's lock. Closing again does nothing: the folder may belong to a later run by then."""
         if self.closed:
             return
         self.closed = True
         fds, self.fds = self.fds, {}
-        for fd in fds.values():
-            os.close(fd)
-        self.sizes = {}
-        if remove and os.path.isdir(self.folder):
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        try:
+            for fd in fds.values():
+                os.close(fd)
+            self.sizes = {}
+            if remove and os.path.isdir(self.folder):
+                shutil.rmtree(self.folder, ignore_errors=True)
+        finally:
+            self._lock.release()
 
 
 def _direct_io_works(folder: str) -> bool:

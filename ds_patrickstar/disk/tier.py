@@ -14,7 +14,7 @@ from ..chunks.chunk_map import owner_of
 from ..chunks.layout import ChunkSpec
 from ..groups.comm import ChunkComm
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_specs
-from .aio import AioDiskIO, async_io_built, load_async_io, lock_problem
+from .aio import AIO_UNCHECKED, AioDiskIO, load_async_io, lock_problem
 from .budget import disk_buffer_bytes, record_bytes, spilled_chunks
 from .config import NvmeOffload
 from .io import DiskIO, ThreadDiskIO
@@ -28,6 +28,11 @@ HOST_MARGIN_FRACTION = 0.10
 """Of the host's total memory, left out of the default host budget (activations, the framework,
 the page cache), at least :data:`HOST_MARGIN_MIN` bytes."""
 HOST_MARGIN_MIN = 1 << 30
+
+AUTO_REASON = (
+    "it sees the result of every read and write, where DeepSpeed's aio_handle does not check each libaio "
+    'completion; ask for "aio" explicitly to use it anyway'
+)
 
 
 def resolve_host_budget(host_budget: int | float | None, world_size: int) -> int:
@@ -110,25 +115,19 @@ def open_disk_states(nvme: NvmeOffload | None, spilled: dict[int, int], rank: in
 def make_disk_io(nvme: NvmeOffload, direct: bool, poison: bool, locked: int = 0) -> DiskIO:
     """The I/O backend ``offload_optimizer.io_backend`` asks for (see [Note: disk tier configuration]);
     ``locked``: bytes of buffers the ``aio_handle`` would page-lock."""
-    key = "zero_optimization.offload_optimizer.io_backend"
-    why = "" if direct else f"the file system of nvme_path={nvme.nvme_path!r} does not take O_DIRECT"
-    if not why and nvme.io_backend != "threads":
-        why = lock_problem(locked)
-    if not why and nvme.io_backend == "auto" and not async_io_built():
-        why = 'DeepSpeed\'s async_io op is not built yet (io_backend "aio" builds it at its first use, minutes)'
-    if not why and nvme.io_backend != "threads":
-        why = load_async_io()[1]
-    if nvme.io_backend == "aio" and why:
-        raise ValueError(
-            f'{key}="aio" cannot be used: {why}. DeepSpeed\'s aio_handle needs libaio-dev (to build its '
-            'async_io op), O_DIRECT on nvme_path\'s file system and page-lockable buffers; or use "threads" '
-            '(or "auto", which falls back to it)'
-        )
-    if nvme.io_backend == "threads" or why:
+    if nvme.io_backend != "aio":
         if nvme.io_backend == "auto":
-            logger.info('ds_patrickstar: disk tier I/O: "threads" (io_backend "auto": %s)', why)
+            logger.info('ds_patrickstar: disk tier I/O: "threads" (io_backend "auto": %s)', AUTO_REASON)
         return ThreadDiskIO(nvme.threads, nvme.block_size, poison=poison)
-    logger.info('ds_patrickstar: disk tier I/O: "aio" (DeepSpeed\'s aio_handle, io_backend "%s")', nvme.io_backend)
+    why = "" if direct else f"the file system of nvme_path={nvme.nvme_path!r} does not take O_DIRECT"
+    why = why or lock_problem(locked) or load_async_io()[1]
+    if why:
+        raise ValueError(
+            f'zero_optimization.offload_optimizer.io_backend="aio" cannot be used: {why}. DeepSpeed\'s aio_handle '
+            "needs libaio-dev (to build its async_io op), O_DIRECT on nvme_path's file system and page-lockable "
+            'buffers; or use "threads" (or "auto", which is "threads")'
+        )
+    logger.warning("ds_patrickstar: %s", AIO_UNCHECKED)
     return AioDiskIO(
         nvme.block_size, nvme.queue_depth, nvme.single_submit, nvme.overlap_events, nvme.threads, poison=poison
     )

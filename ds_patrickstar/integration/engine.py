@@ -178,6 +178,12 @@ class PatrickStarEngine(DeepSpeedEngine):
     # ---- checkpoints (see [Note: checkpoint format], [Note: crash-safe save]) --------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        if self.checkpoint_engine.is_decoupled():
+            raise commit.CheckpointError(
+                f"{type(self.checkpoint_engine).__name__} writes the checkpoint's files after save_checkpoint "
+                f"returns, so the completion marker could not list them whole (see [Note: crash-safe save]); "
+                f"remove 'checkpoint': {{'writer': {{'decoupled': true}}}} or 'datastates_ckpt' from the config"
+            )
         if self.global_rank == 0:
             commit.begin_save(save_dir, tag)
         dist.barrier()
@@ -195,8 +201,10 @@ class PatrickStarEngine(DeepSpeedEngine):
         if getattr(self, "local_rank", 0) <= 0:  # one rank per host (-1: unknown, so every rank)
             commit.sync_saved_files(save_dir, tag)
         dist.barrier()
+        shares: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, commit.record_files(save_dir, tag, dist.get_rank(), dist.get_world_size()))
         if self.global_rank == 0:
-            commit.write_marker(save_dir, tag)
+            commit.write_marker(save_dir, tag, shares)
             if save_latest:
                 commit.atomic_write_text(os.path.join(save_dir, "latest"), tag)
         dist.barrier()
@@ -225,9 +233,22 @@ class PatrickStarEngine(DeepSpeedEngine):
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         tag = commit.resolve_tag(load_dir, tag)
-        commit.verify_complete(load_dir, tag)
+        self._verify_on_every_rank(load_dir, tag)
         checkpoint.check_model_file(self.optimizer.chunk_map, load_dir, tag)
         return super().load_checkpoint(load_dir, tag, **kwargs)
+
+    def _verify_on_every_rank(self, load_dir: str, tag: str) -> None:
+        """Each rank reads back its share of the tag's files; every rank raises the first problem found."""
+        try:
+            commit.verify_complete(load_dir, tag, dist.get_rank(), dist.get_world_size())
+            problem = None
+        except commit.CheckpointError as err:
+            problem = str(err)
+        problems: list = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise commit.CheckpointError(first)
 
     def _copy_recovery_script(self, save_path):
         """DeepSpeed's zero_to_fp32.py cannot read our format; ours is python -m ds_patrickstar.zero_to_fp32."""

@@ -6,22 +6,37 @@ DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a 
 folder, or, when it writes into an existing tag, a folder of old and new files. So a save is a
 commit: before any rank writes a file of the tag, rank 0 removes the tag's completion marker and
 makes that removal durable (the folder is fsynced), then a barrier; DeepSpeed saves (with
-``save_latest=False``); the first rank of each host fsyncs the tag's files, a barrier, and rank 0 writes
-``ds_patrickstar_complete.json`` (every file of the tag and its size) and then ``latest``, each by
-write-to-temporary, fsync, ``os.replace`` and an fsync of the folder. A tag without a valid marker
-is refused on load with a message naming what is missing, so a save that dies part way, also
-into an existing tag, is never loaded half old and half new; ``latest`` only ever names a tag
+``save_latest=False``); the first rank of each host fsyncs the tag's files, a barrier; every rank
+reads back its share of the files (every ``world_size``-th of the sorted listing) for their sizes
+and CRC-32s, rank 0 gathers them and writes ``ds_patrickstar_complete.json`` (every file of the
+tag, its size and digest) and then ``latest``, each by write-to-temporary, fsync, ``os.replace``
+and an fsync of the folder. A load (every rank checking its share, all ranks agreeing before any
+reads a file) refuses a tag without a marker, or with a listed file missing, of another size or
+of another digest, naming the tag, the file and the problem, and the complete tags to load
+instead. So a save that dies part way, also into an existing tag, is never loaded half old and
+half new, and a file changed after its save is never loaded; ``latest`` only ever names a tag
 whose marker was written (re-saving the tag ``latest`` names makes it unloadable until that save
-completes: a tag per step keeps the previous checkpoint loadable throughout).
+completes: a tag per step keeps the previous checkpoint loadable throughout). Markers that list
+sizes only (no digests) load with their sizes checked.
+
+The digest is ``zlib.crc32``, read in blocks: it guards against torn, truncated, zeroed or
+bit-flipped files, not against a deliberate forgery, and it runs several times faster than the
+standard library's cryptographic hashes, so reading a save back costs a fraction of writing it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
+from collections.abc import Iterable
 
 MARKER = "ds_patrickstar_complete.json"
 FORMAT = "ds_patrickstar/2"  # of the optimizer files and the marker (see [Note: checkpoint format])
+DIGEST = "crc32"
+_BLOCK = 4 << 20
+
+FileRecords = dict[str, dict[str, int | str]]  # file name -> {"size": bytes, "crc32": 8 hex digits}
 
 
 class CheckpointError(ValueError):
@@ -56,6 +71,23 @@ def _tag_files(folder: str) -> list[str]:
     ]
 
 
+def file_record(path: str) -> dict[str, int | str]:
+    """The file's size and CRC-32 (read in blocks into one buffer)."""
+    crc, size = 0, 0
+    buffer = bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"size": size, DIGEST: f"{crc:08x}"}
+
+
+def _share(names: list[str], rank: int, world_size: int) -> list[str]:
+    return names[rank::world_size]
+
+
+# ---- save ---------------------------------------------------------------------------
 def begin_save(save_dir: str, tag: str) -> None:
     """Rank 0, before any file of the tag is written: its marker goes, durably, so that a save that
     dies part way leaves a tag that is refused on load; see [Note: crash-safe save]."""
@@ -79,12 +111,30 @@ def sync_saved_files(save_dir: str, tag: str) -> None:
             os.close(fd)
 
 
-def write_marker(save_dir: str, tag: str) -> None:
+def record_files(save_dir: str, tag: str, rank: int = 0, world_size: int = 1) -> FileRecords:
+    """Every rank, after every file of the tag is written: the records of this rank's share of them."""
     folder = os.path.join(save_dir, tag)
-    files = {name: os.path.getsize(os.path.join(folder, name)) for name in _tag_files(folder)}
-    atomic_write_text(os.path.join(folder, MARKER), json.dumps({"format": FORMAT, "tag": tag, "files": files}))
+    return {name: file_record(os.path.join(folder, name)) for name in _share(_tag_files(folder), rank, world_size)}
 
 
+def write_marker(save_dir: str, tag: str, shares: Iterable[FileRecords] | None = None) -> None:
+    """Rank 0: the marker listing every file of the tag with its record, from the ranks' ``shares``
+    (:func:`record_files` on every rank) or, without them, read here."""
+    folder = os.path.join(save_dir, tag)
+    files: FileRecords = {}
+    for share in shares if shares is not None else [record_files(save_dir, tag)]:
+        files.update(share)
+    unrecorded = sorted(set(_tag_files(folder)) - files.keys())
+    if unrecorded:
+        raise CheckpointError(
+            f"checkpoint {folder!r}: no rank read back {unrecorded[:5]}; the ranks see different files in the "
+            f"tag folder (save_dir must be one folder that every rank sees, or on every host the same)"
+        )
+    marker = {"format": FORMAT, "tag": tag, "digest": DIGEST, "files": dict(sorted(files.items()))}
+    atomic_write_text(os.path.join(folder, MARKER), json.dumps(marker))
+
+
+# ---- load ---------------------------------------------------------------------------
 def resolve_tag(load_dir: str, tag: str | None) -> str:
     if tag is not None:
         return str(tag)
@@ -98,26 +148,63 @@ def resolve_tag(load_dir: str, tag: str | None) -> str:
         return f.read().strip()
 
 
-def verify_complete(load_dir: str, tag: str) -> None:
-    """Raise :class:`CheckpointError` unless the tag's marker lists files that are all there, whole."""
+def complete_tags(load_dir: str) -> list[str]:
+    """The tags in ``load_dir`` with a completion marker, the newest save first."""
+    markers = {}
+    for name in os.listdir(load_dir):
+        marker = os.path.join(load_dir, name, MARKER)
+        if os.path.isfile(marker):
+            markers[name] = os.path.getmtime(marker)
+    return sorted(markers, key=lambda name: -markers[name])
+
+
+def _recovery(load_dir: str, tag: str) -> str:
+    others = [name for name in complete_tags(load_dir) if name != tag]
+    if not others:
+        return "No other tag in this folder has a completion marker: resume from an earlier save elsewhere, if any."
+    shown = ", ".join(repr(name) for name in others[:5])
+    return (
+        f"Load the previous complete tag instead: engine.load_checkpoint({load_dir!r}, tag={others[0]!r}) "
+        f"(tags with a completion marker here, newest first: {shown})."
+    )
+
+
+def _file_problem(folder: str, name: str, saved: int | dict, read_digest: bool) -> str | None:
+    path = os.path.join(folder, name)
+    size = saved if isinstance(saved, int) else int(saved["size"])
+    if not os.path.isfile(path):
+        return f"is missing {name}"
+    if os.path.getsize(path) != size:
+        return (
+            f"has {name} of {os.path.getsize(path)} bytes where {size} were written: it is truncated "
+            f"or was modified after the save"
+        )
+    if read_digest and isinstance(saved, dict) and DIGEST in saved:
+        found = file_record(path)[DIGEST]
+        if found != saved[DIGEST]:
+            return (
+                f"has {name} whose {DIGEST} is {found} where {saved[DIGEST]} was written: its contents are "
+                f"corrupted or were modified after the save"
+            )
+    return None
+
+
+def verify_complete(load_dir: str, tag: str, rank: int = 0, world_size: int = 1) -> None:
+    """Raise :class:`CheckpointError` unless the tag's marker lists files that are all there, of
+    their sizes, and (this rank's share of them) of their digests; see [Note: crash-safe save]."""
     folder = os.path.join(load_dir, tag)
     if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint tag {tag!r} does not exist in {load_dir!r}")
+        raise CheckpointError(f"checkpoint tag {tag!r} does not exist in {load_dir!r}. {_recovery(load_dir, tag)}")
     marker = os.path.join(folder, MARKER)
     if not os.path.isfile(marker):
         raise CheckpointError(
-            f"checkpoint {folder!r} is incomplete or not a ds_patrickstar checkpoint: it has no "
-            f"{MARKER} (a save was interrupted, or it was written by another backend). "
-            f"Load an earlier tag."
+            f"checkpoint tag {tag!r} ({folder!r}) is incomplete or not a ds_patrickstar checkpoint: it has no "
+            f"{MARKER} (a save was interrupted, or it was written by another backend). {_recovery(load_dir, tag)}"
         )
     with open(marker) as f:
         files = json.load(f)["files"]
-    for name, size in files.items():
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint {folder!r} is missing {name}")
-        if os.path.getsize(path) != size:
-            raise CheckpointError(
-                f"checkpoint file {path!r} has {os.path.getsize(path)} bytes, {size} were "
-                f"written: it is truncated or was modified"
-            )
+    mine = set(_share(sorted(files), rank, world_size))
+    for name, saved in files.items():
+        problem = _file_problem(folder, name, saved, name in mine)
+        if problem:
+            raise CheckpointError(f"checkpoint tag {tag!r} ({folder!r}) {problem}. {_recovery(load_dir, tag)}")
