@@ -20,12 +20,15 @@ and no trial dies in one. Then:
 4. ``breakdown`` and 5. ``host_memory``: derived from part 2's trials (forward, backward, ``engine.step()``, the
    host time in Adam and in its CPU kernel, ours' bytes moved and their seconds at the measured pinned bandwidth;
    RSS and the CUDA host allocator's statistics against ours' counted host bytes);
-6. ``lora``, with the time the parts above leave (it takes none of theirs): LoRA (adapters of rank ``--lora-rank``
+6. ``dynamic_padding``: tokens/s of a GPT-2-medium-class model whose batches are padded to their own longest
+   sequence (a length per step) beside the same run at the longest length, ours (device budget below the
+   model: 8 bytes/param) and ZeRO-3 offload, one process per trial (``gpu_suite_trial.py --dynamic-padding``);
+   the dry run measures ours only, at the smallest dry size;
+7. ``lora``, with the time the parts above leave (it takes none of theirs): LoRA (adapters of rank ``--lora-rank``
    on every linear layer of the blocks, the rest frozen) of a base larger than ours' device budget
    (``--lora-budget``; dry: the emulated accelerator at half the frozen base),
    ours against ZeRO-3 with ``offload_param``/``offload_optimizer`` on the CPU: tokens/s, GPU max allocated,
    peak RSS and the losses; the dry run measures ours only (stock ZeRO-3's ~10 s start);
-7. the dynamic-padding row: listed as "not run: feature not built" until that feature exists.
 
 It writes ``gpu_suite.json`` and ``gpu_suite.md`` into ``--out`` (rewritten after every trial, so a run cut short
 still leaves what it measured). ``--dry-run`` runs ours on the strict emulated accelerator and stock ZeRO-3 on the
@@ -55,7 +58,8 @@ from gpu_suite_max_model import run_max_model
 log = logging.getLogger("gpu_suite")
 REPO = HERE.parent
 TRIAL = HERE / "gpu_suite_trial.py"
-SHARES = {"builds": 0.3, "gpu_tests": 0.25, "throughput": 0.45, "max_model": 0.2}  # of what the parts before left
+# of what the parts before left
+SHARES = {"builds": 0.3, "gpu_tests": 0.25, "throughput": 0.45, "max_model": 0.2, "dynamic_padding": 0.05}
 LAST = "lora"  # runs with what the parts above left
 BUILDS = {  # op: the Python that builds (or loads from the cache) it
     "ours cuda": "from ds_patrickstar.optim.kernels import adam_backend_name as n; assert n('cuda') == 'cuda_fused'",
@@ -80,7 +84,10 @@ DRY_STOCK_SKIP = {
     "zero3": "dry run: on the CPU, ZeRO-3 without offload is the run that stands in for ZeRO-3 offload",
     "max_model": "dry run: stock ZeRO-3's search is ours' with another backend name, and costs ~10 s per try",
     "lora": "dry run: stock ZeRO-3's LoRA trial is the GPU's comparison; it costs ~10 s to start here",
+    "dynamic_padding": "dry run: stock ZeRO-3 costs ~10 s per trial; its throughput part runs it once",
 }
+DYNAMIC_SIZE = ("gpt2-medium", "gpt2-medium", {})
+DYNAMIC_BUDGET_BYTES_PER_PARAM = 8  # ours' device budget: half the model's 16 bytes/param
 LORA_GPU_SIZE = ("gpt-1.3b", "gpt-1.3b", {})  # a bf16 base of ~2.6 GB against ours' 1 GiB device budget
 DRY_LORA = {"chunk_size": 8192, "budget": 200_000}  # the tiny base's frozen bf16 chunks take ~220 kB
 
@@ -309,6 +316,38 @@ def run_lora(ctx, args, deadline: float) -> dict:
         ctx.part_progress("lora", {"status": "measured", "trials": trials})
     if not any(t["status"] == "measured" for t in trials):
         return {**skipped("no LoRA trial was measured (see trials)"), "trials": trials}
+def run_dynamic_padding(ctx, args, deadline: float) -> dict:
+    """Part 6: dynamic padding against a fixed length, ours and ZeRO-3 offload, tokens/s side by side."""
+    name, preset, overrides = DRY_SIZES[0] if args.dry_run else DYNAMIC_SIZE
+    params = gpt_model.count_params_for_config(gpt_model.get_config(preset, **overrides))
+    trials = []
+    for backend in OFFLOADED:
+        for padding in ("fixed", "dynamic"):
+            head = {"size": name, "backend": backend, "padding": padding}
+            left = deadline - time.monotonic()
+            if args.dry_run and backend != "ours":
+                trials.append({**head, "status": "skipped", "reason": DRY_STOCK_SKIP["dynamic_padding"]})
+                continue
+            if left < args.min_trial_s:
+                trials.append({**head, "status": "skipped", "reason": f"deadline: {left:.0f} s left"})
+                continue
+            extra = ["--dynamic-padding"] if padding == "dynamic" else []
+            if backend == "ours" and not args.dry_run:
+                extra += ["--device-budget", str(DYNAMIC_BUDGET_BYTES_PER_PARAM * params)]
+            with tempfile.TemporaryDirectory() as tmp:
+                out, port = Path(tmp) / "trial.json", free_port()
+                cmd = trial_command(args, backend, preset, overrides, out) + extra
+                code, output = run_process(cmd, left, {**ctx.child_env, "MASTER_PORT": str(port)}, REPO, ctx.cuda)
+                max_model.remove_shm_buffers(port)
+                if code != 0 or not out.exists():
+                    trials.append({**head, "status": "failed", "error": failure(code, output)})
+                    continue
+                result = json.loads(out.read_text())
+            trials.append({**head, "status": "measured", "tokens_per_s": result["tokens_per_s"],
+                           "counters": [r.get("counters", {}) for r in result["records"]]})
+            ctx.part_progress("dynamic_padding", {"status": "measured", "trials": trials})
+    if not any(t["status"] == "measured" for t in trials):
+        return {**skipped("no trial was measured (see trials)"), "trials": trials}
     return {"status": "measured", "trials": trials}
 
 
@@ -342,6 +381,7 @@ class Suite:
                    "throughput": lambda d: run_throughput(self, self.args, d),
                    "max_model": lambda d: run_max_model(self, self.args, d, DRY_DEVICE_BYTES,
                                                         DRY_STOCK_SKIP["max_model"]),
+                   "dynamic_padding": lambda d: run_dynamic_padding(self, self.args, d),
                    "lora": lambda d: run_lora(self, self.args, d)}
         shares = {name: share for name, share in SHARES.items() if name in self.args.parts}
         for name, runner in runners.items():

@@ -12,11 +12,11 @@ FLOPS_FORMULA = ("TFLOPS = (6 * N + 12 * L * H * T) * tokens / step time / 1e12,
                  "(without the position table; the tied embedding once), L layers, H width, T sequence length: "
                  "the attention term 12 L H T is included (tflops_6n in the JSON leaves it out); no recomputation, "
                  "no optimizer")
-NOT_BUILT = [{"row": "dynamic padding", "reason": "not run: feature not built"}]
+NOT_BUILT: list[dict] = []
 PART_TITLES = {"builds": "JIT builds of the ops", "gpu_tests": "GPU tests (`pytest -m gpu`)",
-               "throughput": "throughput, three sizes", "lora": "LoRA past GPU memory",
-               "max_model": "largest model at a capped host memory",
-               "breakdown": "where the step goes", "host_memory": "host memory against the counters"}
+               "throughput": "throughput, three sizes", "max_model": "largest model at a capped host memory",
+               "breakdown": "where the step goes", "host_memory": "host memory against the counters",
+               "dynamic_padding": "dynamic padding against a fixed length", "lora": "LoRA past GPU memory"}
 
 
 def _measured(parts: dict) -> list[dict]:
@@ -101,6 +101,10 @@ def _part_note(name: str, part: dict) -> str:
             "; " + "; ".join(left) if left else "")
     if name == "lora":
         return "; ".join(f"{t['backend']}: {t['status']} {t.get('reason') or t.get('error', '')[-120:]}".strip()
+                         for t in part["trials"])
+    if name == "dynamic_padding":
+        return "; ".join(f"{t['backend']} {t['padding']}: " + (f"{t['tokens_per_s']:.0f} tokens/s"
+                         if t["status"] == "measured" else t.get("reason") or t.get("error", "")[-120:])
                          for t in part["trials"])
     if name == "max_model":
         return "; ".join(f"{b}: {r.get('stopped') or r.get('reason') or 'done'}" for b, r in part["backends"].items())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -32,7 +33,8 @@ from compare_zero3 import backend_config
 
 BACKENDS = ("ours", "zero3-offload", "zero3")
 PHASES = ("forward", "backward", "step")
-COUNTER_KEYS = ("bytes_to_device", "bytes_to_host", "evictions", "adam_chunks_host", "adam_chunks_device",
+COUNTER_KEYS = ("prefetches", "retraces_shape", "tide_replans",
+                "bytes_to_device", "bytes_to_host", "evictions", "adam_chunks_host", "adam_chunks_device",
                 "host_bytes_allocated", "model_bytes_host", "model_bytes_device", "peak_device_bytes",
                 "frozen_bytes_device", "frozen_bytes_host")
 PINNED_PROBE_BYTES = 256 * 2**20
@@ -47,11 +49,14 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dynamic-padding", action="store_true",
+                   help="each step's sequences padded to their own longest: a length per step in [seq-len/4, "
+                        "seq-len], the first at seq-len; tokens/s counts the tokens each step ran")
+    p.add_argument("--device-budget", type=int, default=None, help="ours on CUDA: zero_optimization.device_budget")
     p.add_argument("--emulate-budget", type=int, default=None,
                    help="ours on the strict emulated accelerator with this device_budget (no CUDA)")
     p.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank on every linear layer of the "
                    "blocks, the rest frozen (0: train everything)")
-    p.add_argument("--device-budget", type=int, default=None, help="ours on CUDA: device_budget in bytes")
     p.add_argument("--chunk-size", type=int, default=None, help="ours: chunk_size (elements) over the config's")
     p.add_argument("--json", required=True)
     return p.parse_args(argv)
@@ -67,7 +72,7 @@ def trial_config(args, cuda: bool) -> dict:
         if cuda:
             raise SystemExit("--emulate-budget is for a machine without CUDA")
         config["zero_optimization"].update(emulate_accelerator=True, device_budget=args.emulate_budget)
-    if args.backend == "ours" and args.device_budget is not None:
+    elif args.backend == "ours" and args.device_budget is not None:
         config["zero_optimization"]["device_budget"] = args.device_budget
     if args.backend == "ours" and args.chunk_size is not None:
         config["zero_optimization"]["chunk_size"] = args.chunk_size
@@ -206,9 +211,13 @@ def host_memory(cuda: bool) -> dict:
 
 def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
     gen, adam = torch.Generator().manual_seed(0), AdamClock(engine, args.backend)
+    lengths = random.Random(0)
     records = []
     for i in range(args.warmup + args.steps):
-        tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=gen).to(device)
+        length = args.seq_len
+        if args.dynamic_padding and i:
+            length = lengths.randint(max(1, args.seq_len // 4), args.seq_len)
+        tokens = torch.randint(0, vocab, (args.batch, length + 1), generator=gen).to(device)
         if timer.cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -217,7 +226,8 @@ def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
         timer.phase("step", engine.step)
         if timer.cuda:
             torch.cuda.synchronize()
-        record = {"wall_s": time.perf_counter() - start, "loss": loss.item(), **timer.take()}
+        record = {"wall_s": time.perf_counter() - start, "loss": loss.item(), "tokens": args.batch * length,
+                  **timer.take()}
         record["other"] = record["wall_s"] - sum(record[k] for k in PHASES)
         record.update(adam.take())
         if hasattr(engine, "get_patrickstar_counters"):
@@ -231,6 +241,9 @@ def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
 def summarize(args, cfg, n_params: int, records: list[dict]) -> dict:
     step_s = statistics.median(r["wall_s"] for r in records)
     tokens = args.batch * args.seq_len
+    if args.dynamic_padding:  # steps of different lengths: the tokens they ran over the seconds they took
+        step_s = sum(r["wall_s"] for r in records) / len(records)
+        tokens = sum(r["tokens"] for r in records) / len(records)
     flops = gpt_model.flops_per_token(cfg, n_params, args.seq_len) * tokens
     return {"step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
             "tflops": flops / step_s / 1e12, "tflops_6n": 6 * n_params * tokens / step_s / 1e12,

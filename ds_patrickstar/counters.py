@@ -21,6 +21,9 @@ class StepCounters:
     """prefetched all-gathers whose group was then used"""
     agreements: int = 0
     """all-reduces agreeing the gather plan across ranks (placement, see [Note: agreed gather plan])"""
+    lockstep_checks: int = 0
+    """small all-reduces agreeing each chunk-group collective before it is issued (data parallel, see
+    [Note: ranks in lockstep])"""
     peak_kept_gathered_bytes: int = 0
     """highest bytes of chunk-group storage kept gathered between uses (see [Note: kept groups])"""
     bytes_to_device: int = 0
@@ -31,6 +34,13 @@ class StepCounters:
     recompute_moments: int = 0
     """moments of activation-checkpoint recomputation (a module's forward run again inside backward;
     see [Note: recomputation in the trace])"""
+    retraces_shape: int = 0
+    """1 when this step's iteration was traced anew for inputs larger than every traced shape (see
+    [Note: traces across input shapes])"""
+    retraces_order: int = 0
+    """1 when this step's iteration was traced anew for a different sequence of moments"""
+    tide_replans: int = 0
+    """1 when a batch's tide rose above the plan this step and the plans were made again from it"""
     activation_bytes_offloaded: int = 0
     """saved activation bytes copied accelerator -> host (see [Note: activation offload])"""
     activation_bytes_restored: int = 0

@@ -147,6 +147,12 @@ class RunState:
         self._move(Phase.IDLE)
 
     # ---- questions -----------------------------------------------------------------
+    def forward_without_backward(self) -> bool:
+        """The last training forward ended and no backward followed it (yet): a forward or the step
+        now makes it a forward without backward (a validation loss under grad mode)."""
+        phase = self._before_eval if self.phase is Phase.EVAL_FORWARD else self.phase
+        return phase is Phase.FORWARD_DONE
+
     def trains(self) -> bool:
         """A moment now is a training moment."""
         return self.phase in _TRAINING

@@ -218,3 +218,18 @@ def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=Non
         result["base_in_frozen_chunks"] = bool(frozen) and all(
             chunk_map.info(p) is not None and not chunk_map.info(p).trainable for p in frozen)
     return result
+
+
+def trainer_eval_before_train(rank, world_size, kind, stage, out_dir):
+    """``evaluate()`` and ``predict()`` on a Trainer that has not trained (Hugging Face's ZeRO inference
+    path), then ``train()`` is not called: the eval loss and the predictions' loss."""
+    import transformers
+
+    import ds_patrickstar  # noqa: F401
+
+    trainer = transformers.Trainer(model=tiny_model(kind), args=_args(out_dir, stage, 1),
+                                   eval_dataset=TokenData(n=8, seed=1))
+    metrics = trainer.evaluate()
+    predicted = trainer.predict(TokenData(n=8, seed=2))
+    return {"eval_loss": metrics["eval_loss"], "predict_loss": predicted.metrics["test_loss"],
+            "engine": type(trainer.model_wrapped).__name__}

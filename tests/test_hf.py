@@ -152,3 +152,13 @@ def test_peft_lora_trainer_matches_zero3_saves_adapters_and_resumes(tmp_path):
     resumed = run_ranks(hf_workers.peft_run, 1, "patrickstar", str(tmp_path / "ps"), 4, 2,
                         str(tmp_path / "ps" / "checkpoint-2"), timeout=TIMEOUT)[0]
     _assert_losses(resumed["losses"], ours["losses"])  # steps 1 and 2 from the checkpoint's log history
+
+
+def test_trainer_evaluates_and_predicts_before_training_as_zero3_does(tmp_path):
+    """Trainer.evaluate()/predict() before train() (Hugging Face's ZeRO inference path): the eval loss and
+    the predictions' loss of stock ZeRO-3."""
+    ref = run_ranks(hf_workers.trainer_eval_before_train, 1, "gpt2", 3, str(tmp_path / "zero3"), timeout=TIMEOUT)[0]
+    ours = run_ranks(hf_workers.trainer_eval_before_train, 1, "gpt2", "patrickstar", str(tmp_path / "ps"),
+                     timeout=TIMEOUT)[0]
+    assert ours["engine"] == "PatrickStarEngine", ours
+    _assert_losses([ours["eval_loss"], ours["predict_loss"]], [ref["eval_loss"], ref["predict_loss"]])

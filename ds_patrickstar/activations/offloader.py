@@ -137,6 +137,12 @@ class ActivationOffloader:
             sum(s.nbytes for s in self._records),
         )
 
+    def drop_forward(self) -> None:
+        """The last forward had no backward (see [Note: moments and the trace]): its segments leave
+        this iteration's records."""
+        dropped = {id(segment) for segment in self._forward}
+        self._records = [segment for segment in self._records if id(segment) not in dropped]
+
     # ---- segments ---------------------------------------------------------------------
     def start_forward(self) -> None:
         self._forward, self._current = [], None

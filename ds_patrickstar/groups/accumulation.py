@@ -66,7 +66,9 @@ class ScatteredAccumulation:
         if owned.acc is None and owned.acc_host is None:
             self._placement.make_room(group.nbytes.accumulator, keep)
         self._store.accumulator(owned)
-        pending = self._comm.reduce_scatter_mean_single_async(buf, after=lambda: self._add_owned(owned, buf))
+        pending = self._comm.reduce_scatter_mean_single_async(
+            buf, f"micro-step reduce-scatter of chunk group {index}", after=lambda: self._add_owned(owned, buf)
+        )
         owned.pending.append(pending)  # the owned chunk (and its accumulator) stays until it completes
         self._reductions.add(pending)
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator, HostAccelerator
 from ..memory.pending import Pending
+from .lockstep import Lockstep
 
 # the names of torch >= 2.13 (gloo and NCCL); the older names before
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -87,6 +88,7 @@ class ChunkComm:
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
         self.counters = counters
+        self.lockstep = Lockstep(group, self.world_size, self.rank, counters)  # see [Note: ranks in lockstep]
         self.accel: Accelerator = HostAccelerator()
         self.poison = False
         self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # strict emulation only
@@ -101,12 +103,14 @@ class ChunkComm:
         self._staging.clear()
 
     # ---- collectives --------------------------------------------------------------
-    def all_gather_async(self, flat: torch.Tensor, mine: torch.Tensor) -> PendingCollective:
+    def all_gather_async(self, flat: torch.Tensor, mine: torch.Tensor, what: str) -> PendingCollective:
         """Every rank's ``mine`` into its piece of ``flat`` (the group's storage: ``W`` pieces of
         ``mine``'s size, see [Note: gathered group storage]), in place, once waited on. ``mine``
-        must not change until then."""
+        must not change until then. ``what``: the collective in words, the same on every rank (see
+        [Note: ranks in lockstep])."""
         if self.world_size == 1:
             return PendingCollective(None, lambda: None)
+        self.lockstep.check(what)
         numel = mine.numel()
         others = [piece for r, piece in enumerate(flat.split(numel)) if r != self.rank]
         output = flat
@@ -131,13 +135,15 @@ class ChunkComm:
         return PendingCollective(work, finish)
 
     def reduce_scatter_mean_single_async(
-        self, flat: torch.Tensor, after: Callable[[], None] = lambda: None
+        self, flat: torch.Tensor, what: str, after: Callable[[], None] = lambda: None
     ) -> PendingCollective:
         """Average the ``W`` equal pieces of ``flat`` over ranks into this rank's piece, in place
         (``reduce_scatter_single``: no list, no flattening temporary), when waited on; then
-        ``after()``. ``flat`` may not change or be freed until then."""
+        ``after()``. ``flat`` may not change or be freed until then. ``what``: as for
+        :meth:`all_gather_async`."""
         if self.world_size == 1:
             return PendingCollective(None, after)
+        self.lockstep.check(what)
         numel = flat.numel() // self.world_size
         mine = flat[self.rank * numel : (self.rank + 1) * numel]
         with torch.no_grad():

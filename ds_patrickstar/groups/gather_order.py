@@ -1,9 +1,10 @@
 """Which chunk group will be needed next: the order the previous step gathered them in.
 
 [Note: gather order]
-Every rank runs the same modules in the same order, so the sequence of chunk groups a
-training step all-gathers (forward, then backward for the groups not kept) repeats from
-step to step. :class:`GatherOrder` records the sequence of the current step (a group
+Every rank runs the same modules in the same order (a leaf module counts as one, see
+[Note: leaf modules]; ranks that differ are stopped, see [Note: ranks in lockstep]), so the
+sequence of chunk groups a training step all-gathers (forward, then backward for the groups
+not kept) repeats from step to step. :class:`GatherOrder` records the sequence of the current step (a group
 enters it at its first use after each gather) and, from the previous step's sequence,
 tells which groups come next, so the chunk manager can issue their all-gathers ahead of
 use (see [Note: asynchronous collectives]). A group used out of the recorded order (the

@@ -92,15 +92,17 @@ class GradientSink:
         return [len(group.tensors) for group in self._groups]
 
     @torch.no_grad()
-    def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
-        """Consume ``param.grad`` into the tensor's pieces on the accelerator."""
+    def take_grad(self, info: TensorInfo, grad: torch.Tensor | None, boundary: bool) -> None:
+        """Consume ``param.grad`` into the tensor's pieces on the accelerator; None: a zero gradient
+        (a leaf module's tensor this rank did not use, see [Note: leaf modules])."""
         if not self.accumulate and not boundary:
             raise RuntimeError("a non-boundary micro-step without gradient accumulation")
-        flat = grad.reshape(-1)
+        flat = grad.reshape(-1) if grad is not None else None
         keep = set(info.chunk_ids)
         group = self._map.group_of_info(info)
         if self._scattered is not None and not boundary:
-            self._scattered.add(info, flat)
+            if flat is not None:  # the group's buffer starts zeroed
+                self._scattered.add(info, flat)
             info.settle()
             self._count(group, self._reduce_micro_step)
             return
@@ -109,15 +111,17 @@ class GradientSink:
         for piece in info.pieces:
             chunk = self._map.chunks[piece.chunk_id]
             self._placement.bring(chunk, keep)  # a gradient is never written through a host round trip
-            part = flat[piece.in_param]
+            part = flat[piece.in_param] if flat is not None else None
             if self.accumulate and self._scattered is None:
                 if chunk.acc is None and chunk.acc_host is None:
                     self._placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, keep)
                 acc_slot = self._store.accumulator(chunk)[piece.in_chunk]
-                acc_slot.add_(part.to(acc_slot.dtype))
+                if part is not None:
+                    acc_slot.add_(part.to(acc_slot.dtype))
                 part = acc_slot
             if boundary:
-                chunk.ready()[piece.in_chunk].copy_(part)
+                slot = chunk.ready()[piece.in_chunk]
+                slot.copy_(part) if part is not None else slot.zero_()
         if not boundary:
             info.settle()
             return

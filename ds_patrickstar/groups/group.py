@@ -121,7 +121,7 @@ class ChunkGroup:
             self._store.materialize_group(members, owned)
             flat = self._store.group_storage(members)
             if fill:
-                pending = self._comm.all_gather_async(flat, owned.ready())
+                pending = self._comm.all_gather_async(flat, owned.ready(), f"all-gather of chunk group {self.index}")
                 for chunk in members:
                     chunk.pending.append(pending)
                 self.joined.charge_gathered()  # filled at first use (see JoinedBuffers.join)
@@ -179,7 +179,9 @@ class ChunkGroup:
             self._store.free_group(members)
             then(owned)
 
-        return self._comm.reduce_scatter_mean_single_async(flat, after=into_slot)
+        return self._comm.reduce_scatter_mean_single_async(
+            flat, f"reduce-scatter of chunk group {self.index}", after=into_slot
+        )
 
 
 def build_groups(

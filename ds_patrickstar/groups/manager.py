@@ -47,6 +47,7 @@ from .gather_plan import GatherPlan
 from .grads import GradientSink
 from .group import build_groups
 from .keep import KeepPolicy
+from .leaves import LeafGradients
 from .reductions import InFlightReductions
 from .residency import GroupResidency
 
@@ -82,6 +83,7 @@ class ChunkManager:
         self.grads = GradientSink(
             chunk_map, self.groups, comm, store, self.residency, self.keep, reductions, placement, accumulate
         )
+        self.leaves = LeafGradients(self.grads)  # see [Note: leaf modules]
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
@@ -92,6 +94,7 @@ class ChunkManager:
         ``COMPUTE``, and (with placement) check the budget and prefetch the next moment. A training
         moment keeps and prefetches groups; see [Note: run state]."""
         ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
+        self.comm.lockstep.moment(label)  # see [Note: ranks in lockstep]
         if self.run.recomputing():  # see [Note: recomputation in the trace]
             self.comm.counters.recompute_moments += 1
         self.placement.begin_moment(label, ids)
@@ -174,12 +177,19 @@ class ChunkManager:
     def take_grad(self, info: TensorInfo, grad: torch.Tensor, boundary: bool) -> None:
         self.grads.take_grad(info, grad, boundary)
 
+    def end_forward(self) -> None:
+        """The root module's forward is over: the ranks agree they all are here (see [Note: ranks in lockstep])."""
+        self.comm.lockstep.check("the end of a forward")
+
     def end_backward(self, boundary: bool) -> None:
-        """The backward epilogue: frozen tensors whose backward use no post-backward ended are done (see
-        [Note: frozen chunks]), then the gradients' (:meth:`GradientSink.end_backward`); at the boundary
-        no frozen group stays gathered through the step."""
+        """The backward epilogue: the ranks agree they all are here, the leaf modules' gradients not
+        handed over yet go (see [Note: leaf modules]), frozen tensors whose backward use no post-backward
+        ended are done (see [Note: frozen chunks]; at the boundary no frozen group stays gathered through
+        the step), then every group's gradients."""
+        self.comm.lockstep.check("the end of a backward")
         self._backward_users.clear()
         self._forward_users.clear()
+        self.leaves.end_backward(boundary)
         for info in self.map.infos():
             if not info.trainable and info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
                 info.settle()

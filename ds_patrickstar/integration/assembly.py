@@ -70,6 +70,7 @@ from ..run_state import RunState
 from .config import PatrickStarConfig
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
+from .leaf_modules import divergence_advice, leaf_tensors
 from .planning import VALUES_LOST, RunPlan, plan_run
 
 logger = logging.getLogger(__name__)
@@ -301,9 +302,11 @@ def assemble(
             stepped_groups={c.group_index for c in chunk_map.chunks if c.trainable},
         )
         export = ChunkExport(chunk_map, comm, accel, optim_states)
-        flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary, run)
+        leaves = leaf_tensors(module, chunk_map.info)  # see [Note: leaf modules]
+        comm.lockstep.advice = divergence_advice(module)  # see [Note: ranks in lockstep]
+        flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary, run, leaves)
         hooks = HookRegistry(
-            module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations)
+            module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations), leaves
         )
     except BaseException:
         _give_back_logged(chunk_map, has_values, hooks, disk, accel)

@@ -4,8 +4,9 @@
 DeepSpeed's own config model rejects a string stage and unknown zero keys, and its
 engine compares the stage numerically. So :func:`split_config` validates our keys with
 :class:`PatrickStarConfig`, and hands DeepSpeed a sanitized copy of the user's dict in
-which ``zero_optimization`` is ``{"stage": 0}``. The engine then runs DeepSpeed's
-stage-0 code paths for everything that is not ZeRO (precision flags, batch sizes, LR
+which ``zero_optimization`` is ``{"stage": 0}`` (plus the user's ``leaf_module`` block, which
+DeepSpeed's engine applies to the model as for any stage: see [Note: leaf modules]). The engine
+then runs DeepSpeed's stage-0 code paths for everything that is not ZeRO (precision flags, batch sizes, LR
 schedulers, monitors, checkpoint layout) and our optimizer for the rest. The user's
 original dict stays visible as ``engine.config``.
 """
@@ -138,6 +139,17 @@ class PatrickStarConfig(BaseModel):
     """On a CPU-only machine, run the placement machinery against an emulated accelerator of
     device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""
 
+    leaf_module: dict[str, Any] | None = None
+    """Leaf modules, as DeepSpeed reads them for ZeRO-3. ``classes`` (class names,
+    plain or qualified), ``names`` (module names as ``named_modules()`` gives them) and
+    ``name_suffixes`` (the ends of such names); a string counts as a list of one. A leaf module's
+    whole subtree is gathered at its forward on every rank and its gradients are reduced at the end
+    of its backward, zero for what a rank did not run: for mixture-of-experts blocks whose ranks
+    route their tokens to different experts (see [Note: leaf modules]).
+    ``deepspeed.utils.set_z3_leaf_modules(model, [cls])`` before ``deepspeed.initialize`` does the
+    same from code. Left out: DeepSpeed's default classes (the sparse MoE blocks of Hugging Face's
+    Mixtral, Qwen2-MoE and Qwen3-MoE); ``{"classes": []}``: none."""
+
     def ineffective_keys(self, placement_runs: bool) -> list[str]:
         """The keys the user set that do nothing in a run with (or without) placement: placement runs
         on a CUDA device or with ``emulate_accelerator``; ``static_fraction`` only with ``placement:
@@ -151,6 +163,26 @@ class PatrickStarConfig(BaseModel):
             keys = ("placement", "static_fraction", "device_budget", "offload_activations")
             return [k for k in keys if k in set_keys]
         return ["static_fraction"] if self.placement == "auto" and "static_fraction" in set_keys else []
+
+    @field_validator("leaf_module", mode="before")
+    @classmethod
+    def _leaf_module(cls, value: Any) -> Any:
+        """Checked by DeepSpeed's own model of the block; kept as written, for DeepSpeed to apply."""
+        if value is None:
+            return value
+        from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
+
+        try:
+            DeepSpeedZeroLeafModuleConfig.model_validate(value)
+        except ValidationError as err:
+            said = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'the block'}: {e['msg']}" for e in err.errors())
+        except TypeError as err:
+            said = str(err)
+        else:
+            return value
+        raise ValueError(
+            f'{said}; write {{"classes": [...], "names": [...], "name_suffixes": [...]}} (lists of strings)'
+        )
 
     @field_validator("device_budget", "host_budget")
     @classmethod
@@ -349,4 +381,6 @@ def split_config(config: dict[str, Any]) -> tuple[PatrickStarConfig, dict[str, A
     check_optimizer_block(config)
     sanitized = copy.deepcopy(config)
     sanitized["zero_optimization"] = {"stage": 0}
+    if options.leaf_module is not None:  # DeepSpeed's engine marks the leaf modules (see [Note: leaf modules])
+        sanitized["zero_optimization"]["leaf_module"] = copy.deepcopy(options.leaf_module)
     return options, sanitized

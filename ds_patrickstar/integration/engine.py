@@ -30,6 +30,7 @@ from ..io import checkpoint, commit
 from ..io.export import host_parameters
 from ..io.init import DeferredModel, swap_deferred
 from .config import PatrickStarConfig, check_reduction_settings, torch_adam_from_block
+from .hf_compat import unsynchronize_generation
 from .zero_optimizer import PatrickStarOptimizer
 
 
@@ -37,6 +38,7 @@ class PatrickStarEngine(DeepSpeedEngine):
     def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
         self._patrickstar_config = patrickstar_config
         self._deferred: DeferredModel | None = None  # meta parameters, materialized into chunks (see io/init.py)
+        self.generation_synced: list[torch.nn.Module] = []  # see [Note: generation in step]
         # The module stays where it was built: chunks are built on the host and placement brings
         # them to the accelerator when used, so a model larger than the device can start.
         super().__init__(*args, dont_change_device=True, **kwargs)
@@ -56,6 +58,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         try:
             super().destroy()
         finally:
+            unsynchronize_generation(self.generation_synced)
+            self.generation_synced = []
             for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
                 handle = getattr(self, name, None)
                 if handle is not None:

@@ -1,4 +1,5 @@
-"""Hugging Face accelerate: the ZeRO stage it copies out of the config, and its process count.
+"""Hugging Face: the ZeRO stage accelerate copies out of the config, its process count, and ranks kept
+together through ``generate``.
 
 [Note: accelerate's zero_stage]
 accelerate copies ``zero_optimization.stage`` into ``DeepSpeedPlugin.zero_stage`` and
@@ -16,12 +17,33 @@ numbers as stage 3 does. Parameters, gradients and optimizer states are partitio
 (gradients are reduce-scattered in backward and accumulated by the engine), so accelerate
 takes its ZeRO >= 2 path: no ``no_sync``, the boundary is passed to the engine. Nothing is
 changed when accelerate was never imported, nor for plugins of other stages.
+
+[Note: generation in step]
+With data parallelism every rank must run every forward (each one gathers chunk groups, see
+[Note: chunk groups]), but ``generate`` stops a rank's loop when its own sequences are done: the
+other ranks' next forward would wait forever in its all-gather. Hugging Face keeps the ranks
+together with ``synced_gpus``: a rank whose sequences are done goes on running forwards (their
+tokens dropped) until every rank's are, as it agrees with one all-reduce per token. ``generate``
+turns it on by itself when ``is_deepspeed_zero3_enabled()`` or ``is_fsdp_managed_module(model)``
+holds and the world has more than one process. The first reads the ``HfDeepSpeedConfig`` and
+answers for ZeRO-3 everywhere (``zero.Init`` in ``from_pretrained``, gathered saving, ...), so it
+must stay false for "patrickstar"; the second reads an attribute of the model,
+``_is_fsdp_managed_module``, and nothing but the ``synced_gpus`` defaults asks it (``generate``,
+``Seq2SeqTrainer``, a few speech models; a Trainer's loading by transformers' own distributed
+plan does too, which a "patrickstar" run does not use). So :func:`synchronize_generation`, called
+by the one registration point for a "patrickstar" initialize with more than one rank, sets that
+attribute on every module of the model that has a ``generate`` (the model, and the base model a
+PEFT model wraps), and ``destroy`` removes it: ``generate`` then runs as under ZeRO-3, with the same
+tokens. The forwards of a rank that is done are evaluation forwards like the others (see
+[Note: run state]).
 """
 
 from __future__ import annotations
 
 import sys
 from numbers import Real
+
+import torch
 
 from .config import STAGE_NAME
 
@@ -77,3 +99,26 @@ def accelerate_num_processes() -> int | None:
     if state is None:
         return None
     return state.PartialState._shared_state.get("num_processes")
+
+
+SYNCED = "_is_fsdp_managed_module"  # what transformers' is_fsdp_managed_module reads
+
+
+def synchronize_generation(model: torch.nn.Module, world_size: int) -> list[torch.nn.Module]:
+    """Make Hugging Face's ``generate`` keep ``world_size`` > 1 ranks together on ``model``; returns the
+    modules marked (see [Note: generation in step])."""
+    if world_size <= 1:
+        return []
+    marked = [
+        m for m in model.modules() if callable(getattr(type(m), "generate", None)) and not getattr(m, SYNCED, False)
+    ]
+    for module in marked:
+        setattr(module, SYNCED, True)
+    return marked
+
+
+def unsynchronize_generation(marked: list[torch.nn.Module]) -> None:
+    """Undo :func:`synchronize_generation` (``destroy``: the model is a plain one again)."""
+    for module in marked:
+        if getattr(module, SYNCED, False):
+            delattr(module, SYNCED)

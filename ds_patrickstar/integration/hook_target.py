@@ -10,7 +10,7 @@ gradients to the manager, and routes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -42,6 +42,7 @@ class TrainingFlow:
         optim_states: OptimizerStates,
         is_boundary: Callable[[], bool],
         run: RunState,
+        leaves: Mapping[torch.nn.Module, list[TensorInfo]] | None = None,
     ) -> None:
         self.module = module
         self.manager = manager
@@ -51,17 +52,23 @@ class TrainingFlow:
         self.export = export
         self.is_boundary = is_boundary
         self._module_names = {m: n for n, m in module.named_modules()}
+        # see [Note: leaf modules]
+        self._leaves = {m: manager.leaves.add(self._module_names[m], infos) for m, infos in (leaves or {}).items()}
         self._meter_ctx: AbstractContextManager[Any] | None = None
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
         if inside_backward():  # the whole model checkpointed: its recomputation
             return
-        training = torch.is_grad_enabled()  # else an evaluation forward: placed greedily, not traced
+        training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
+        if training and self.run.forward_without_backward():
+            self.placement.drop_forward()  # see [Note: moments and the trace]
         if self.run.start_forward(training):
             self.placement.start_iteration(inputs, self.optim_states)
         if not training:
+            self.placement.evaluation_begins()  # see [Note: evaluation moments]
             return
+        self.placement.forward_begins()
         offloader, meter = self.placement.activation_policy(), self.placement.meter()
         if offloader is not None:  # its hooks count what stays, as the meter's would
             offloader.start_forward()
@@ -75,6 +82,7 @@ class TrainingFlow:
         if inside_backward():
             return
         self.run.end_forward()
+        self.manager.end_forward()  # see [Note: ranks in lockstep]
         offloader = self.placement.activation_policy()
         if self._meter_ctx is not None and offloader is not None:
             offloader.end_forward()
@@ -119,6 +127,14 @@ class TrainingFlow:
     def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         self.run.backward_hook()
         self.manager.backward_use_over(infos)
+
+    def leaf_called(self, module: torch.nn.Module) -> None:
+        self.manager.leaves.called(self._leaves[module])
+
+    def leaf_backward_over(self, module: torch.nn.Module) -> None:
+        """One forward call's backward of a leaf module is over (see [Note: leaf modules])."""
+        self.run.backward_hook()
+        self.manager.leaves.backward_over(self._leaves[module], self.is_boundary())
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
         self.run.backward_hook()

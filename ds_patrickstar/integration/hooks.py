@@ -15,7 +15,11 @@
 * per-parameter post-accumulate-grad hook (trainable parameters only): autograd has summed every use of the
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
-  (see [Note: gradient in the param slot]).
+  (see [Note: gradient in the param slot]);
+* a leaf module (DeepSpeed's ``set_z3_leaf_modules``) is hooked as one module holding every
+  parameter of its subtree, nothing inside it is hooked, and its parameters get no
+  post-accumulate-grad hook: a post-backward mark on its inputs hands their gradients over
+  together (see [Note: leaf modules]).
 With the emulated accelerator's meter or ``offload_activations``, a forward pre-hook on each block
 (the model's repeated layers) sees its inputs and marks where its saved tensors begin (see
 [Note: activation offload] and [Note: held inputs]).
@@ -34,7 +38,7 @@ labelled ``rec:``; see [Note: recomputation in the trace]).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +63,10 @@ class HookTarget(Protocol):
 
     def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
+    def leaf_called(self, module: torch.nn.Module) -> None: ...
+
+    def leaf_backward_over(self, module: torch.nn.Module) -> None: ...
+
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None: ...
 
     def before_load_state_dict(self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None: ...
@@ -68,17 +76,20 @@ class HookTarget(Protocol):
     def after_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
 
 
-def _mark_post_backward(args: tuple, callback: Callable[[], None]) -> tuple | None:
-    """``args`` with its positional tensors that require grad passed through :class:`_PostBackward`
+def _mark_post_backward(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict] | None:
+    """``args`` and ``kwargs`` with their tensors that require grad passed through :class:`_PostBackward`
     (None, leaving the arguments as they are, when there is none: no post-backward then)."""
     where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not where:
+    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not where and not keys:
         return None
-    marked = _PostBackward.apply(callback, *(args[i] for i in where))
-    replaced = list(args)
+    marked = _PostBackward.apply(callback, *(args[i] for i in where), *(kwargs[k] for k in keys))
+    replaced, named = list(args), dict(kwargs)
     for i, tensor in zip(where, marked):
         replaced[i] = tensor
-    return tuple(replaced)
+    for k, tensor in zip(keys, marked[len(where) :]):
+        named[k] = tensor
+    return tuple(replaced), named
 
 
 class _PostBackward(torch.autograd.Function):
@@ -106,7 +117,9 @@ class HookRegistry:
         info_of: Callable[[torch.Tensor], TensorInfo | None],
         target: HookTarget,
         blocks: Sequence[torch.nn.Module] = (),
+        leaves: Mapping[torch.nn.Module, list[TensorInfo]] | None = None,
     ) -> None:
+        leaves = leaves or {}
         self._target = target
         self._handles: list[RemovableHandle] = [
             module.register_forward_pre_hook(
@@ -120,7 +133,13 @@ class HookRegistry:
                 )
             )
         holders = Counter(id(p) for sub in module.modules() for p in sub.parameters(recurse=False))
+        inside = {id(m) for leaf in leaves for m in leaf.modules() if m is not leaf}
         for sub in module.modules():
+            if id(sub) in inside:
+                continue
+            if sub in leaves:
+                self._register_module(sub, leaves[sub], [], leaf=True)
+                continue
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
             if infos:
                 tied = any(holders[id(i.param)] > 1 for i in infos)
@@ -144,22 +163,30 @@ class HookRegistry:
                 lambda mod, incompatible_keys: target.after_load_state_dict(incompatible_keys)
             )
         )
-        seen: set[int] = set()
+        seen = {id(i.param) for infos in leaves.values() for i in infos}  # handed over by their leaf
         for param in module.parameters():
             info = info_of(param)
             if info is not None and info.trainable and id(param) not in seen:
                 seen.add(id(param))
                 self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(info)))
 
-    def _register_module(self, sub: torch.nn.Module, infos: list[TensorInfo], post: list[TensorInfo]) -> None:
-        """``post``: the tensors whose backward use a post-backward ends (none: no post-backward)."""
+    def _register_module(
+        self, sub: torch.nn.Module, infos: list[TensorInfo], post: list[TensorInfo], leaf: bool = False
+    ) -> None:
+        """``post``: the tensors whose backward use a post-backward ends (none: no post-backward); ``leaf``:
+        a leaf module (see [Note: leaf modules])."""
         target = self._target
 
-        def pre_forward(mod: torch.nn.Module, args: Any) -> Any:
+        def pre_forward(mod: torch.nn.Module, args: Any, kwargs: dict) -> Any:
             target.pre_forward(mod, infos)
-            if post and torch.is_grad_enabled() and not inside_backward():
-                return _mark_post_backward(args, lambda: target.post_backward(mod, post))
-            return None
+            if not (post or leaf) or not torch.is_grad_enabled() or inside_backward():
+                return None
+            if not leaf:
+                return _mark_post_backward(args, kwargs, lambda: target.post_backward(mod, post))
+            marked = _mark_post_backward(args, kwargs, lambda: target.leaf_backward_over(mod))
+            if marked is not None:  # else the backward epilogue hands its gradients over
+                target.leaf_called(mod)
+            return marked
 
         def post_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
             target.post_forward(mod, infos)
@@ -170,7 +197,7 @@ class HookRegistry:
                         outputs, lambda grads: target.pre_backward(mod, infos), mode="any"
                     )
 
-        self._handles.append(sub.register_forward_pre_hook(pre_forward))
+        self._handles.append(sub.register_forward_pre_hook(pre_forward, with_kwargs=True))
         self._handles.append(sub.register_forward_hook(post_forward))
 
     def _grad_hook(self, info: TensorInfo) -> Callable[[torch.Tensor], None]:

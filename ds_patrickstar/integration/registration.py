@@ -8,7 +8,8 @@ wrapper resolves the config exactly as DeepSpeed does (``config``, ``config_para
 the original arguments, untouched. Code that did ``from deepspeed import initialize``
 before importing ds_patrickstar keeps the original function, so import ds_patrickstar
 first. For a "patrickstar" run the wrapper also adapts the ZeRO stage accelerate copied out
-of the config (see [Note: accelerate's zero_stage]). A single process started without a
+of the config (see [Note: accelerate's zero_stage]) and, with more than one rank, has Hugging
+Face's ``generate`` keep the ranks together (see [Note: generation in step]). A single process started without a
 launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]). A
 "patrickstar" initialize that fails leaves the model as it was (see
 [Note: initialize as a transaction]).
@@ -34,7 +35,7 @@ import deepspeed
 
 from .config import is_patrickstar, split_config
 from .ds_checkpointing import configure_from_our_config
-from .hf_compat import accelerate_num_processes, adapt_accelerate
+from .hf_compat import accelerate_num_processes, adapt_accelerate, synchronize_generation
 from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
 from .save_compat import keep_host_copies
@@ -130,6 +131,7 @@ def _initialize_patrickstar(
         configure_gc = getattr(engine, "_configure_python_gc", None)  # DeepSpeed >= 0.19.8 (disable_python_gc)
         if configure_gc is not None:
             configure_gc()
+        engine.generation_synced = synchronize_generation(model, dist.get_world_size())  # [Note: generation in step]
     except BaseException:
         roll_back(engine, saved)
         raise

@@ -128,6 +128,8 @@ class PatrickStarOptimizer(ZeROOptimizer):
                 "optimizer step() called before backward() reached the gradient accumulation "
                 "boundary; call engine.backward(loss) (or loss.backward()) first"
             )
+        if self.run.forward_without_backward():
+            self.placement.drop_forward()  # see [Note: moments and the trace]
         self.run.start_step()  # see [Note: run state]
         try:
             self._step()

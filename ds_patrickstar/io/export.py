@@ -91,7 +91,7 @@ class ChunkExport:
         try:
             mine = flat[rank * capacity : (rank + 1) * capacity]
             mine.copy_(values_of(members[rank]))
-            self.comm.all_gather_async(flat, mine).wait()  # in place, as a group is gathered
+            self.comm.all_gather_async(flat, mine, f"{what} all-gather of chunk group {group}").wait()  # in place
             return list(flat.to("cpu", copy=True).split(capacity))
         finally:
             self.accel.free(flat, "gather")

@@ -60,6 +60,8 @@ class ActivationPolicy(Protocol):
 
     def start_forward(self) -> None: ...
 
+    def drop_forward(self) -> None: ...
+
     def enter_block(self, block: int, inputs: list[torch.Tensor]) -> None: ...
 
     def end_forward(self) -> None: ...
@@ -83,6 +85,19 @@ class Placement(Protocol):
     def last_iteration(self) -> Trace | None: ...
 
     def start_iteration(self, inputs: object, states: StatePlacement) -> None: ...
+
+    def evaluation_begins(self) -> None:
+        """A forward under ``no_grad`` begins (see [Note: evaluation moments])."""
+        ...
+
+    def forward_begins(self) -> None:
+        """A training forward begins."""
+        ...
+
+    def drop_forward(self) -> None:
+        """The last training forward had no backward: its moments leave the iteration (see
+        [Note: moments and the trace])."""
+        ...
 
     def meter(self) -> SavedTensorMeter | None: ...
 
@@ -135,6 +150,15 @@ class NullPlacement:
         return None
 
     def start_iteration(self, inputs: object, states: StatePlacement) -> None:
+        pass
+
+    def evaluation_begins(self) -> None:
+        pass
+
+    def forward_begins(self) -> None:
+        pass
+
+    def drop_forward(self) -> None:
         pass
 
     def meter(self) -> SavedTensorMeter | None:

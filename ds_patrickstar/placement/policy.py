@@ -192,6 +192,12 @@ class Placer:
             if chunk in self._resident:
                 self._queue.push(chunk, self._priority(chunk))
 
+    def rekey(self, trace: Trace | None, moment: int) -> None:
+        """Priorities made afresh from ``trace`` at ``moment`` (an evaluation begins or ends, a forward
+        was taken back; see [Note: evaluation moments])."""
+        self._trace = trace
+        self._rekey_all(moment)
+
     def _rekey_all(self, moment: int) -> None:
         self._base, self._moment = 0, moment
         self._queue.clear()

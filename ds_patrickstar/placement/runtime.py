@@ -20,6 +20,8 @@ from ..memory.store import ChunkStore
 from ..run_state import RunState
 from .interface import NO_TIDE, ActivationPolicy, InFlightReductions, StatePlacement
 from .policy import Placer
+from .positions import TracePositions
+from .shapes import RetraceReason
 from .tide_plot import plot_tide
 from .tracer import MemoryTracer, SavedTensorMeter, Trace
 
@@ -51,6 +53,8 @@ class PlacementRuntime:
         self.tide: list[tuple[int, int, int, int]] = []
         self.stranded_peak = 0  # the most stranded allocator bytes at a moment this iteration
         self.activations: ActivationPolicy | None = None  # see [Note: activation offload]
+        self.positions = TracePositions(placer.budget // 64)  # see [Note: evaluation moments]
+        self._at = -1  # the trace position the current moment is placed at (-1: none)
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
     def model_bytes_on_device(self) -> int:
@@ -99,16 +103,29 @@ class PlacementRuntime:
     # ---- moments ------------------------------------------------------------------
     def begin_moment(self, label: str, chunk_ids: tuple[int, ...]) -> None:
         """A recorded moment (a training moment or the step, see [Note: run state]) advances the trace;
-        any other (an evaluation forward's) is placed greedily without touching the trace or the tide."""
-        recording = self.run.records()
-        if recording:
-            self.moment = self.tracer.record(label, chunk_ids, self.ledger)
-            self.label = label
+        any other (an evaluation forward's) is a moment of its own, placed without touching the trace
+        or the tide (see [Note: evaluation moments])."""
+        trace = self.tracer.current_trace()
+        if self.run.records():
+            self.positions.training_moment()
+            self.moment = self._at = self.tracer.record(label, chunk_ids, self.ledger)
+            self.label, trace = label, self.tracer.current_trace()
             if self.moment == 0:
                 self.tide = []
                 self.stranded_peak = 0
-        new_iteration = recording and self.moment == 0
-        self.placer.touch(chunk_ids, self.tracer.current_trace(), self.moment, new_iteration)
+            new_iteration = self.moment == 0
+        else:
+            at = self.positions.evaluation_moment(label, trace)
+            trace, self._at, new_iteration = (trace, at, False) if at is not None else (None, -1, False)
+        if self.positions.take_rekey():
+            self.placer.rekey(trace, self._at)
+            new_iteration = False
+        self.placer.touch(chunk_ids, trace, self._at, new_iteration)
+
+    def _plan_trace(self) -> Trace | None:
+        """The trace the current moment is placed from (None while tracing or off the trace)."""
+        trace = self.tracer.current_trace()
+        return trace if self.run.records() or self._at >= 0 else None
 
     def make_room(self, need: int, keep: set[int]) -> None:
         """Evict until ``need`` more bytes of model data fit beside the tide. Evictions whose copies
@@ -116,8 +133,8 @@ class PlacementRuntime:
         new victims are chosen only for what those will not free, then the oldest are waited on."""
         accel = self.store.accel
         accel.reclaim()
-        trace = self.tracer.current_trace()
-        headroom = self._headroom(trace, self.moment)
+        trace = self._plan_trace()
+        headroom = self._headroom(trace, self._at)
         over = self.ledger.total + need - headroom
         if over <= 0:
             return
@@ -161,12 +178,17 @@ class PlacementRuntime:
                 f"{self.ledger.non_model - non_model:,} B exceed the accelerator budget of "
                 f"{self.placer.budget:,} B at moment {self.moment}"
             )
+        trace = self._plan_trace()
         if self.run.records():
             offloaded = self.activations.host_bytes if self.activations is not None else 0
             self.tide.append((self.moment, model, non_model, offloaded))
+            if trace is not None:
+                self.positions.note_tide(trace, self.moment, non_model)
         note_peaks(self.counters, self.ledger, non_model, self.tracer.meter)
-        trace = self.tracer.current_trace()
-        ahead = self.placer.prefetch(trace, self.moment)
+        in_training = self.run.records() or (
+            trace is not None and self.positions.prefetches_in_evaluation(trace, self._at)
+        )
+        ahead = self.placer.prefetch(trace, self._at) if in_training else ()
         for chunk_id in ahead:
             chunk = self.chunks[chunk_id]
             if chunk.on_host and self._room_for_prefetch(self._bytes(chunk), trace, in_use | set(ahead)):
@@ -180,9 +202,9 @@ class PlacementRuntime:
         if self._fits(nbytes, trace):
             return True
         accel = self.store.accel
-        headroom = self._headroom(trace, self.moment + 1)
+        headroom = self._headroom(trace, self._at + 1)
         short = self.ledger.total + nbytes - headroom - accel.in_flight_bytes()
-        victims = self.placer.victims_used_after(short, self._evictable(keep), self.moment + 1) if short > 0 else []
+        victims = self.placer.victims_used_after(short, self._evictable(keep), self._at + 1) if short > 0 else []
         if victims is None:
             return False
         self._evict_all(victims)
@@ -201,7 +223,7 @@ class PlacementRuntime:
         return gathered_rooms([m.non_model for m in trace.moments], self.movable_room(), held)
 
     def _fits(self, nbytes: int, trace: Trace | None) -> bool:
-        return self.ledger.total + nbytes <= self._headroom(trace, self.moment + 1)
+        return self.ledger.total + nbytes <= self._headroom(trace, self._at + 1)
 
     def after_use(self, chunk: Chunk) -> None:
         if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
@@ -243,7 +265,10 @@ class PlacementRuntime:
         if not self.tide:
             raise RuntimeError(NO_TIDE)
         trace, title = self.tracer.last_iteration(), f"ds_patrickstar tide ({self.placer.policy} placement)"
+        if self.tracer.retraced is not None:
+            title += f", re-traced: {self.tracer.retraced.value}"
         recomputations = trace.recomputations() if trace is not None else None
+        caption = "\n".join(line for line in (self.tracer.log.caption(), caption) if line)
         return plot_tide(self.tide, self.placer.budget, path, title, recomputations, caption)
 
     # ---- iterations and the step (see [Note: optimizer-state placement]) ----------------
@@ -252,20 +277,42 @@ class PlacementRuntime:
         trace when the input shapes changed); before a (re-)trace every optimizer state goes to the
         host, so that the new tide is measured without them."""
         self.tracer.start_iteration(tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs)))
+        self.moment = self.positions.forward_mark = -1
         if self.tracer.tracing:
             states.all_to_host()
         if self.activations is not None:
             self.activations.start_iteration(self.tracer)
 
+    def evaluation_begins(self) -> None:
+        """A forward under ``no_grad`` begins (see [Note: evaluation moments])."""
+        self.positions.evaluation_begins()
+
+    def forward_begins(self) -> None:
+        """A training forward begins: where :meth:`drop_forward` would take its moments back to."""
+        self.positions.forward_mark = self.moment
+
+    def drop_forward(self) -> None:
+        """The last training forward had no backward: its moments leave the iteration (see
+        [Note: moments and the trace])."""
+        mark = self.positions.forward_mark
+        self.tracer.rewind(mark)
+        self.moment = self._at = mark
+        self.tide = [entry for entry in self.tide if entry[0] <= mark]
+        self.positions.drop_after(mark)
+        if self.activations is not None:
+            self.activations.drop_forward()
+
     def begin_step(self, states: StatePlacement) -> None:
         """The optimizer step is a moment; after a (re-)trace, the optimizer states are re-placed and
         the step uses only the chunks whose states live on the accelerator."""
+        self.tracer.cover_previous()  # before any plan is made from a trace for larger inputs
+        self.counters.retraces_shape = int(self.tracer.retraced is RetraceReason.SHAPE)
+        self.counters.retraces_order = int(self.tracer.retraced is RetraceReason.ORDER)
         trace = self.tracer.current_trace()
-        if trace is not None and trace is not states.trace_planned:
-            states.plan(trace, self.placer.budget, self.placer.policy, self._chunk_needs(trace), self._largest_chunk)
-            step_moment = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
-            if step_moment is not None:
-                trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
+        if trace is not None:
+            if raise_tide(trace, self.positions.take_over(), states):
+                self.counters.tide_replans += 1
+            plan_states(trace, states, self.placer, self._chunk_needs, self._largest_chunk)
         self.begin_moment("step", tuple(sorted(states.on_device)))
         traced = self.tracer.last_iteration() if self.tracer.tracing else None
         if self.activations is not None and traced is not None:
@@ -274,6 +321,30 @@ class PlacementRuntime:
 
     def end_step(self) -> None:
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
+
+
+def raise_tide(trace: Trace, over: dict[int, int], states: StatePlacement) -> bool:
+    """Where a batch's tide rose above the plan (``over``: moment -> bytes measured), the trace plans
+    for it and the optimizer states are planned again; see [Note: traces across input shapes]."""
+    for index, non_model in over.items():
+        trace.raise_tide(index, non_model)
+    if over:
+        states.trace_planned = None
+        logger.info("ds_patrickstar: the tide rose above the plan at %d moment(s); re-planning from it", len(over))
+    return bool(over)
+
+
+def plan_states(
+    trace: Trace, states: StatePlacement, placer: Placer, chunk_needs: Callable[[Trace], list[int]], chunk: int
+) -> None:
+    """After a (re-)trace or a re-plan, the optimizer states are re-placed and the step uses only the
+    chunks whose states live on the accelerator (see [Note: optimizer-state placement])."""
+    if trace is states.trace_planned:
+        return
+    states.plan(trace, placer.budget, placer.policy, chunk_needs(trace), chunk)
+    step_moment = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
+    if step_moment is not None:
+        trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
 
 
 def gathered_rooms(tides: list[int], base: int, held: Callable[[int], int]) -> tuple[list[int], list[int]]:

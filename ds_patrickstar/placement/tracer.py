@@ -12,13 +12,22 @@ next use of a chunk and the non-model memory to plan for. An iteration begins at
 training forward after a step; its moments are the recorded ones of [Note: run state] (training
 moments and the step): an evaluation forward's moments are placed but not traced.
 
-An iteration whose inputs have other shapes than the traced one (another sequence length
-or batch size), or whose moments differ from the trace (control flow: a different number
-of moments, or another module at a moment, noticed at the first differing moment), is
-traced anew and its trace replaces the old one, so a stale trace is never used silently
-(the log says so). While tracing, placement is conservative (least recently used
+An iteration whose inputs are larger than every traced shape is traced anew, and its trace covers
+the shapes seen; a batch whose tide rises above the plan re-plans at the step (see
+[Note: traces across input shapes]). An iteration whose moments differ from the trace (control
+flow: a different number of moments, or another module at a moment, noticed at the first
+differing moment) is traced anew and its trace replaces the old one, so a stale trace is never
+used silently (the log says so). While tracing, placement is conservative (least recently used
 eviction, no prefetch). A new trace also re-plans where optimizer states live (see
 [Note: optimizer-state placement]).
+A training forward with no backward after it (a validation loss under grad mode: another forward
+or the step follows it) is not part of the iteration: its moments are taken back
+(:meth:`MemoryTracer.rewind`), and where it was the iteration's first forward the next one begins
+the iteration again, so such a forward neither changes the trace nor holds an iteration open.
+The meter's saved-tensor hooks keep a detached tensor (the same storage, no autograd history): a
+saved output of a node kept as itself would hold the node that saves it, a cycle through autograd's
+graph that Python's collector does not see, and a forward never followed by a backward (which frees
+what it saved) would keep its activations, and the tide, for good.
 
 [Note: recomputation in the trace]
 Activation checkpointing (``torch.utils.checkpoint``, reentrant or not, ``deepspeed.checkpointing``,
@@ -61,6 +70,7 @@ import torch
 from ..memory.accelerator import Accelerator
 from ..memory.caching_allocator import CachingAllocatorModel
 from ..memory.ledger import DeviceLedger
+from .shapes import RetraceLog, RetraceReason, Signature, covers, widen
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +88,11 @@ class Moment:
     label: str
     chunks: tuple[int, ...]
     non_model: int
+    traced: int = -1  # the tide as traced, before any plan changed it (-1: ``non_model``)
+
+    @property
+    def measured(self) -> int:
+        return self.non_model if self.traced < 0 else self.traced
 
 
 @dataclass
@@ -113,13 +128,36 @@ class Trace:
             self._uses[chunk].remove(index)
         for chunk in chunks:
             bisect.insort(self._uses.setdefault(chunk, []), index)
-        self.moments[index] = Moment(old.label, tuple(chunks), old.non_model)
+        self.moments[index] = Moment(old.label, tuple(chunks), old.non_model, old.measured)
 
     def set_non_model(self, index: int, non_model: int) -> None:
         """The tide planned at moment ``index`` (activation offload re-plans it, see
         [Note: auto activation offload])."""
         old = self.moments[index]
-        self.moments[index] = Moment(old.label, old.chunks, non_model)
+        self.moments[index] = Moment(old.label, old.chunks, non_model, old.measured)
+
+    def raise_tide(self, index: int, non_model: int) -> None:
+        """A batch's tide at moment ``index`` rose above the plan: plan for it from now on (see
+        [Note: traces across input shapes])."""
+        old = self.moments[index]
+        self.moments[index] = Moment(old.label, old.chunks, max(old.non_model, non_model), max(old.measured, non_model))
+
+    def cover(self, other: Trace) -> bool:
+        """Where ``other`` has the same moments, the higher traced tide of the two at each; returns
+        whether it had (see [Note: traces across input shapes])."""
+        if [m.label for m in other.moments] != [m.label for m in self.moments]:
+            return False
+        for index, (mine, theirs) in enumerate(zip(self.moments, other.moments)):
+            tide = max(mine.measured, theirs.measured)
+            self.moments[index] = Moment(mine.label, mine.chunks, tide, tide)
+        return True
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` moments."""
+        for moment in self.moments[length:]:
+            for chunk in moment.chunks:
+                self._uses[chunk] = [i for i in self._uses[chunk] if i < length]
+        del self.moments[length:]
 
     def held_chunks(self) -> list[tuple[int, ...]]:
         """Per moment, the chunks in use then: the moment's own and those of the modules recomputed
@@ -218,7 +256,7 @@ class SavedTensorMeter:
         storage = tensor.untyped_storage()
         if self._is_model(storage) or storage.nbytes() == 0:
             return tensor
-        holder = _Saved(tensor)
+        holder = _Saved(tensor.detach())  # not the tensor itself: see [Note: moments and the trace]
         weakref.finalize(holder, self._release, self._count(storage))
         return holder
 
@@ -252,7 +290,8 @@ class _Saved:
 
 
 class MemoryTracer:
-    """Records the moments of one iteration; see [Note: moments and the trace]."""
+    """Records the moments of one iteration; see [Note: moments and the trace] and
+    [Note: traces across input shapes]."""
 
     def __init__(self, accel: Accelerator, meter: SavedTensorMeter | None) -> None:
         self.accel = accel
@@ -261,7 +300,11 @@ class MemoryTracer:
         self._recording = Trace()
         self.moment = -1
         self.tracing = True
-        self.signature: tuple = ()
+        self.signature: Signature = ()  # the envelope of the traced input shapes
+        self.log = RetraceLog(logger)
+        self.retraced: RetraceReason | None = None  # why this iteration is traced anew (None: not a re-trace)
+        self._covered: Trace | None = None  # the trace a re-trace for larger inputs covers too
+        self._diverged_at = NEVER  # the moment a re-trace for another order began at
 
     def non_model_now(self, ledger: DeviceLedger) -> int:
         """Non-model accelerator bytes now; on CUDA also what the allocator's peak since the previous
@@ -282,17 +325,45 @@ class MemoryTracer:
         trace = self._recording if self.tracing else self.trace
         return trace if trace is not None and len(trace) else None
 
-    def start_iteration(self, signature: tuple = ()) -> None:
+    def start_iteration(self, signature: Signature = ()) -> None:
         """Called at the first forward after an optimizer step, with the shapes of the inputs."""
+        self.log.new_iteration()
+        self.retraced = None
         if self.tracing and len(self._recording):
             self.trace, self._recording = self._recording, Trace()
             self.tracing = False
             logger.info("ds_patrickstar: traced %d moments", len(self.trace))
-        if not self.tracing and signature != self.signature:
-            logger.info("ds_patrickstar: input shapes changed from %s to %s; re-tracing", self.signature, signature)
-            self.tracing, self._recording = True, Trace()
-        self.signature = signature
+        if not self.tracing and not covers(self.signature, signature):
+            self._retrace(
+                RetraceReason.SHAPE, f"input shapes changed from {self.signature} to {signature}", covered=self.trace
+            )
+        self.signature = widen(self.signature, signature)
         self.moment = -1
+
+    def _retrace(self, reason: RetraceReason, detail: str, covered: Trace | None = None) -> None:
+        self.log.retraced(reason, detail)
+        self.tracing, self.retraced, self._covered = True, reason, covered
+        self._recording = Trace()
+        self._diverged_at = NEVER
+
+    def cover_previous(self) -> None:
+        """At the step of an iteration traced for larger inputs: its tide covers the previous trace's
+        (see [Note: traces across input shapes])."""
+        if self.tracing and self._covered is not None:
+            self._recording.cover(self._covered)
+        self._covered = None
+
+    def rewind(self, moment: int) -> None:
+        """The moments after ``moment`` are taken back (a forward without a backward, see
+        [Note: moments and the trace]); a re-trace that began among them is undone."""
+        self.moment = moment
+        if not self.tracing:
+            return
+        if self._diverged_at > moment and self._diverged_at != NEVER:
+            self.tracing, self.retraced, self._diverged_at = False, None, NEVER
+            self._recording = Trace()
+            return
+        self._recording.truncate(moment + 1)
 
     def record(self, label: str, chunks: tuple[int, ...], ledger: DeviceLedger) -> int:
         """Advance to the next moment; returns its index."""
@@ -301,13 +372,12 @@ class MemoryTracer:
         if trace is not None:
             expected = trace.moments[self.moment] if self.moment < len(trace) else None
             if expected is None or expected.label != label:
-                logger.info(
-                    "ds_patrickstar: iteration differs from the trace at moment %d (%s); re-tracing", self.moment, label
+                self._retrace(
+                    RetraceReason.ORDER, f"iteration differs from the trace at moment {self.moment} ({label})"
                 )
-                self._recording = Trace()
                 for moment in trace.moments[: self.moment]:
                     self._recording.add(moment)
-                self.tracing = True
+                self._diverged_at = self.moment
         if self.tracing:
             self._recording.add(Moment(label, chunks, self.non_model_now(ledger)))
         return self.moment

@@ -1,0 +1,106 @@
+"""What the ranks' agreement before each collective costs (see [Note: ranks in lockstep]): step time of a
+2-rank GPT with the checks, and with them patched out, alternating in one run, per chunk size.
+
+    python benchmarks/bench_lockstep.py                       # chunk sizes 8192 (keep_gathered 0) and 65536
+    python benchmarks/bench_lockstep.py --chunks 65536 --steps 10 --repeats 3
+
+CPU and gloo, two processes on this machine; per trial the median step after two warm-up steps, per
+side the best trial.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+
+def _rank(rank: int, world: int, store: str, checks: bool, chunk: int, keep: int | None, steps: int, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=store.rsplit("_", 1)[-1])
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    import deepspeed
+    from gpt_model import GPT, GPTConfig
+
+    import ds_patrickstar  # noqa: F401
+    from ds_patrickstar.groups import lockstep
+
+    if not checks:
+        lockstep.Lockstep.check = lambda self, what: None  # the "off" side only
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=256))
+    zero = {"stage": "patrickstar", "chunk_size": chunk, **({} if keep is None else {"keep_gathered": keep})}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (4, 65), generator=gen)
+        start = time.perf_counter()
+        logits = engine(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256).float(), tokens[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+    counters = engine.get_patrickstar_counters()
+    if rank == 0:
+        kept = sorted(times[2:])
+        out.put((kept[len(kept) // 2], counters["lockstep_checks"], counters["all_gathers"],
+                 counters["reduce_scatters"]))
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+def _trial(checks: bool, chunk: int, keep: int | None, steps: int) -> tuple:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:  # DeepSpeed names its shared-memory buffers after MASTER_PORT
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tempfile.mktemp(prefix="bench_lockstep_", suffix=f"_{port}")
+    procs = [ctx.Process(target=_rank, args=(r, 2, store, checks, chunk, keep, steps, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    if os.path.exists(store):
+        os.remove(store)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", default="8192,65536", help="chunk sizes (elements), comma-separated")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2, help="off/on pairs per chunk size")
+    args = parser.parse_args()
+    print("| chunk_size | keep_gathered | checks per step | all-gathers | reduce-scatters | step off (ms) | "
+          "step on (ms) | on / off |")
+    print("|---|---|---|---|---|---|---|---|")
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        keep = 0 if chunk <= 8192 else None  # small chunks, nothing kept: the most collectives per step
+        off, on = [], []
+        for _ in range(args.repeats):
+            off.append(_trial(False, chunk, keep, args.steps))
+            on.append(_trial(True, chunk, keep, args.steps))
+        t_off, t_on = min(r[0] for r in off) * 1e3, min(r[0] for r in on) * 1e3  # the best of the repeats
+        checks, gathers, scatters = on[0][1], on[0][2], on[0][3]
+        print(f"| {chunk} | {'default' if keep is None else keep} | {checks} | {gathers} | {scatters} | "
+              f"{t_off:.1f} | {t_on:.1f} | {t_on / t_off:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Placement on the inputs people feed (issue 31): a sequence length that changes every step, dynamic
+padding with "auto" activation offload, and a validation forward under grad mode between steps, on
+the strict emulated accelerator with a budget below the model, against stock ZeRO-3 on the same
+batches (tolerances: tests/test_vs_zero3.py, fp32). The runs are benchmarks/dynamic_shapes.py's."""
+import os
+import sys
+
+import pytest
+import torch
+from test_vs_zero3 import TOL
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import dynamic_shapes as ds
+
+LENGTHS = [20, 32, 9, 16, 24, 23]  # the longest second: one re-trace, then the trace covers every length
+WARMUP = 2
+
+
+@pytest.fixture(scope="module")
+def zero3(dist):
+    return ds.gpt_run(ds.gpt_config(3), LENGTHS)
+
+
+def _losses(ours, ref):
+    tol = TOL["fp32"]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=tol["loss_rtol"], atol=tol["loss_atol"])
+
+
+def test_changing_length_prefetches_and_keeps_device_adam_as_a_fixed_length_does(zero3):
+    changing = ds.gpt_run(ds.gpt_config("patrickstar", ds.TWIN_BUDGET), LENGTHS)
+    fixed = ds.gpt_run(ds.gpt_config("patrickstar", ds.TWIN_BUDGET), [max(LENGTHS)] * len(LENGTHS))
+    _losses(changing["losses"], zero3["losses"])
+    after = {name: run["counters"][WARMUP:] for name, run in (("changing", changing), ("fixed", fixed))}
+    prefetches = {name: sum(c["prefetches"] for c in counters) for name, counters in after.items()}
+    assert prefetches["fixed"] > 0 and prefetches["changing"] >= 0.8 * prefetches["fixed"], prefetches
+    device_adam = {name: [c["adam_chunks_device"] for c in counters] for name, counters in after.items()}
+    assert min(device_adam["fixed"]) > 0 and device_adam["changing"] == device_adam["fixed"], device_adam
+    # one re-trace, for the longer sequence at step 1, with its reason
+    assert [c["retraces_shape"] for c in changing["counters"]] == [0, 1, 0, 0, 0, 0]
+    assert sum(c["retraces_order"] + c["tide_replans"] for c in changing["counters"]) == 0
+
+
+def test_dynamic_padding_with_auto_activation_offload_plans_once(zero3):
+    """"auto" offloads every block in a traced iteration only: with the budget's room for every block's
+    activations, nothing once the trace covers the lengths."""
+    run = ds.gpt_run(ds.gpt_config("patrickstar", 4_000_000, offload_activations="auto"), LENGTHS)
+    _losses(run["losses"], zero3["losses"])
+    offloaded = [c["activation_bytes_offloaded"] for c in run["counters"]]
+    assert offloaded[0] > 0 and offloaded[1] > 0 and offloaded[WARMUP:] == [0] * (len(LENGTHS) - WARMUP), offloaded
+
+
+def _validate(engine, step, tokens):
+    """A validation loss under grad mode (no backward) after steps 1 and 3, and a no_grad one after 4."""
+    if step not in (1, 3, 4):
+        return None
+    with torch.set_grad_enabled(step != 4):
+        logits = engine(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, ds.VOCAB), tokens[:, 1:].reshape(-1)).item()
+
+
+def test_validation_forwards_between_steps_leave_the_trace_and_the_budget_alone(dist):
+    fixed = [max(LENGTHS)] * len(LENGTHS)
+    ref = ds.gpt_run(ds.gpt_config(3), fixed, between=_validate)
+    ours = ds.gpt_run(ds.gpt_config("patrickstar", ds.TWIN_BUDGET), fixed, between=_validate)
+    _losses(ours["losses"], ref["losses"])
+    _losses([v for v in ours["between"] if v is not None], [v for v in ref["between"] if v is not None])
+    assert sum(c["retraces_shape"] + c["retraces_order"] + c["tide_replans"] for c in ours["counters"]) == 0
+    plain = ds.gpt_run(ds.gpt_config("patrickstar", ds.TWIN_BUDGET), fixed)
+    # the training moments are placed as without the validations: the same device Adam every step
+    assert [c["adam_chunks_device"] for c in ours["counters"]] == [c["adam_chunks_device"] for c in plain["counters"]]
+
+
+def test_the_envelope_and_the_warning_when_re_traces_repeat(caplog):
+    import logging
+
+    import torch as t
+
+    from ds_patrickstar.placement.shapes import RETRACE_LIMIT, RetraceLog, RetraceReason, covers, widen
+
+    a, b = (((2, 20), t.int64),), (((4, 9), t.int64),)
+    envelope = widen(a, b)
+    assert envelope == (((4, 20), t.int64),) and covers(envelope, a) and covers(envelope, b)
+    assert not covers(envelope, (((2, 21), t.int64),)) and not covers(envelope, (((2, 20), t.float32),))
+    log = RetraceLog(logging.getLogger("ds_patrickstar.placement.tracer"))
+    with caplog.at_level(logging.INFO, logger="ds_patrickstar.placement.tracer"):
+        for _ in range(RETRACE_LIMIT + 2):
+            log.new_iteration()
+            log.retraced(RetraceReason.SHAPE, "input shapes changed")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "re-traces in the last" in warnings[0].getMessage(), caplog.text
+    assert "inputs larger than every traced shape" in warnings[0].getMessage()
+    assert log.caption().startswith(f"re-traced {RETRACE_LIMIT + 2}x")
