@@ -316,6 +316,9 @@ def run_lora(ctx, args, deadline: float) -> dict:
         ctx.part_progress("lora", {"status": "measured", "trials": trials})
     if not any(t["status"] == "measured" for t in trials):
         return {**skipped("no LoRA trial was measured (see trials)"), "trials": trials}
+    return {"status": "measured", "trials": trials}
+
+
 def run_dynamic_padding(ctx, args, deadline: float) -> dict:
     """Part 6: dynamic padding against a fixed length, ours and ZeRO-3 offload, tokens/s side by side."""
     name, preset, overrides = DRY_SIZES[0] if args.dry_run else DYNAMIC_SIZE
