@@ -24,7 +24,11 @@ and no trial dies in one. Then:
    sequence (a length per step) beside the same run at the longest length, ours (device budget below the
    model: 8 bytes/param) and ZeRO-3 offload, one process per trial (``gpu_suite_trial.py --dynamic-padding``);
    the dry run measures ours only, at the smallest dry size;
-7. the LoRA row: listed as "not run: feature not built" until that feature exists.
+7. ``lora``, with the time the parts above leave (it takes none of theirs): LoRA (adapters of rank ``--lora-rank``
+   on every linear layer of the blocks, the rest frozen) of a base larger than ours' device budget
+   (``--lora-budget``; dry: the emulated accelerator at half the frozen base),
+   ours against ZeRO-3 with ``offload_param``/``offload_optimizer`` on the CPU: tokens/s, GPU max allocated,
+   peak RSS and the losses; the dry run measures ours only (stock ZeRO-3's ~10 s start);
 
 It writes ``gpu_suite.json`` and ``gpu_suite.md`` into ``--out`` (rewritten after every trial, so a run cut short
 still leaves what it measured). ``--dry-run`` runs ours on the strict emulated accelerator and stock ZeRO-3 on the
@@ -56,6 +60,7 @@ REPO = HERE.parent
 TRIAL = HERE / "gpu_suite_trial.py"
 # of what the parts before left
 SHARES = {"builds": 0.3, "gpu_tests": 0.25, "throughput": 0.45, "max_model": 0.2, "dynamic_padding": 0.05}
+LAST = "lora"  # runs with what the parts above left
 BUILDS = {  # op: the Python that builds (or loads from the cache) it
     "ours cuda": "from ds_patrickstar.optim.kernels import adam_backend_name as n; assert n('cuda') == 'cuda_fused'",
     "ours cpu": "from ds_patrickstar.optim.kernels import adam_backend_name as n; assert n('cpu') == 'cpu_fused'",
@@ -78,10 +83,13 @@ DRY_STOCK_SKIP = {
     "zero3-offload": "dry run: stock ZeRO-3 runs at the smallest size only",
     "zero3": "dry run: on the CPU, ZeRO-3 without offload is the run that stands in for ZeRO-3 offload",
     "max_model": "dry run: stock ZeRO-3's search is ours' with another backend name, and costs ~10 s per try",
+    "lora": "dry run: stock ZeRO-3's LoRA trial is the GPU's comparison; it costs ~10 s to start here",
     "dynamic_padding": "dry run: stock ZeRO-3 costs ~10 s per trial; its throughput part runs it once",
 }
 DYNAMIC_SIZE = ("gpt2-medium", "gpt2-medium", {})
 DYNAMIC_BUDGET_BYTES_PER_PARAM = 8  # ours' device budget: half the model's 16 bytes/param
+LORA_GPU_SIZE = ("gpt-1.3b", "gpt-1.3b", {})  # a bf16 base of ~2.6 GB against ours' 1 GiB device budget
+DRY_LORA = {"chunk_size": 8192, "budget": 200_000}  # the tiny base's frozen bf16 chunks take ~220 kB
 
 
 def parse_args(argv=None):
@@ -89,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="folder for gpu_suite.json and gpu_suite.md ($OUT on the lent machine)")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock seconds for everything (480; dry 60)")
     p.add_argument("--dry-run", action="store_true", help="this CPU: emulated accelerator, tiny sizes")
-    p.add_argument("--parts", default=",".join(SHARES), help="which parts to run (the others are skipped)")
+    p.add_argument("--parts", default=",".join([*SHARES, LAST]), help="which parts to run (the others are skipped)")
     p.add_argument("--sizes", default=",".join(s[0] for s in GPU_SIZES), help="presets of gpt_model.py (GPU)")
     p.add_argument("--batch", type=int, default=None, help="micro-batch (8; dry 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512; dry 16)")
@@ -100,21 +108,23 @@ def parse_args(argv=None):
     p.add_argument("--max-width", type=int, default=2048, help="max_model: width of the GPT (dry 64)")
     p.add_argument("--max-grow", type=float, default=1.5, help="max_model: factor of the walk up")
     p.add_argument("--max-depth", type=int, default=96, help="max_model: deepest try (dry 1)")
+    p.add_argument("--lora-rank", type=int, default=16, help="lora: rank of the adapters (dry 4)")
+    p.add_argument("--lora-budget", type=float, default=1.0, help="lora: ours' device_budget in GiB (GPU)")
     p.add_argument("--to-docs", metavar="JSON", help="write that suite JSON's tables into --docs and exit")
     p.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"), help="page --to-docs rewrites")
     args = p.parse_args(argv)
     if not args.to_docs and not args.out:
         p.error("--out is required (or --to-docs JSON)")
     args.parts = [part for part in args.parts.split(",") if part]
-    if set(args.parts) - set(SHARES):
-        p.error(f"--parts: unknown {sorted(set(args.parts) - set(SHARES))}; choose from {list(SHARES)}")
+    if set(args.parts) - {*SHARES, LAST}:
+        p.error(f"--parts: unknown {sorted(set(args.parts) - {*SHARES, LAST})}; choose from {[*SHARES, LAST]}")
     dry = args.dry_run
     for name, gpu, cpu in (("budget_s", 480.0, 60.0), ("batch", 8, 2), ("seq_len", 512, 16),
                            ("min_trial_s", 30.0, 3.0), ("warmup", 2, 1), ("steps", 3, 2)):
         if getattr(args, name) is None:
             setattr(args, name, cpu if dry else gpu)
     if dry:
-        args.max_width, args.max_depth = 64, 1
+        args.max_width, args.max_depth, args.lora_rank = 64, 1, 4
     return args
 
 
@@ -269,6 +279,46 @@ def run_throughput(ctx, args, deadline: float) -> dict:
     return {"status": "measured", "trials": trials, "ratios": ratios(trials)}
 
 
+# ------------------------------------------------------------------ part 6: LoRA past GPU memory
+def lora_command(args, backend: str, json_path: Path) -> list[str]:
+    """One LoRA trial: the largest throughput size's base (dry) or ``LORA_GPU_SIZE``, ours capped below it."""
+    _, preset, overrides = DRY_SIZES[-1] if args.dry_run else LORA_GPU_SIZE
+    cmd = trial_command(args, backend, preset, overrides, json_path) + ["--lora", str(args.lora_rank)]
+    if backend != "ours":
+        return cmd
+    if args.dry_run:  # trial_command gave the dry device; the LoRA trial's is below the frozen base
+        cmd[cmd.index("--emulate-budget") + 1] = str(DRY_LORA["budget"])
+        return cmd + ["--chunk-size", str(DRY_LORA["chunk_size"])]
+    return cmd + ["--device-budget", str(int(args.lora_budget * 2**30))]
+
+
+def run_lora(ctx, args, deadline: float) -> dict:
+    trials = []
+    for backend in OFFLOADED:
+        head = {"size": (DRY_SIZES[-1] if args.dry_run else LORA_GPU_SIZE)[0], "backend": backend}
+        if args.dry_run and backend != "ours":
+            trials.append({**head, "status": "skipped", "reason": DRY_STOCK_SKIP["lora"]})
+            continue
+        left = deadline - time.monotonic()
+        if left < args.min_trial_s:
+            trials.append({**head, "status": "skipped", "reason": f"deadline: {left:.0f} s left"})
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out, port = Path(tmp) / "trial.json", free_port()
+            code, output = run_process(lora_command(args, backend, out), left,
+                                       {**ctx.child_env, "MASTER_PORT": str(port)}, REPO, ctx.cuda)
+            max_model.remove_shm_buffers(port)
+            if code != 0 or not out.exists():
+                trials.append({**head, "status": "failed", "error": failure(code, output)})
+                continue
+            trials.append({**head, "status": "measured", **json.loads(out.read_text())})
+        log.info("lora %s: %s", backend, trials[-1]["status"])
+        ctx.part_progress("lora", {"status": "measured", "trials": trials})
+    if not any(t["status"] == "measured" for t in trials):
+        return {**skipped("no LoRA trial was measured (see trials)"), "trials": trials}
+    return {"status": "measured", "trials": trials}
+
+
 def run_dynamic_padding(ctx, args, deadline: float) -> dict:
     """Part 6: dynamic padding against a fixed length, ours and ZeRO-3 offload, tokens/s side by side."""
     name, preset, overrides = DRY_SIZES[0] if args.dry_run else DYNAMIC_SIZE
@@ -334,13 +384,14 @@ class Suite:
                    "throughput": lambda d: run_throughput(self, self.args, d),
                    "max_model": lambda d: run_max_model(self, self.args, d, DRY_DEVICE_BYTES,
                                                         DRY_STOCK_SKIP["max_model"]),
-                   "dynamic_padding": lambda d: run_dynamic_padding(self, self.args, d)}
+                   "dynamic_padding": lambda d: run_dynamic_padding(self, self.args, d),
+                   "lora": lambda d: run_lora(self, self.args, d)}
         shares = {name: share for name, share in SHARES.items() if name in self.args.parts}
         for name, runner in runners.items():
-            if name not in shares:
+            if name not in shares and name != LAST or name not in self.args.parts:
                 self.part_progress(name, skipped("not among --parts"))
                 continue
-            deadline = budget.deadline(shares, name)
+            deadline = budget.deadline(shares, name) if name != LAST else time.monotonic() + budget.left()
             started = time.monotonic()
             try:
                 part = runner(deadline)

@@ -12,11 +12,11 @@ FLOPS_FORMULA = ("TFLOPS = (6 * N + 12 * L * H * T) * tokens / step time / 1e12,
                  "(without the position table; the tied embedding once), L layers, H width, T sequence length: "
                  "the attention term 12 L H T is included (tflops_6n in the JSON leaves it out); no recomputation, "
                  "no optimizer")
-NOT_BUILT = [{"row": "LoRA past GPU memory", "reason": "not run: feature not built"}]
+NOT_BUILT: list[dict] = []
 PART_TITLES = {"builds": "JIT builds of the ops", "gpu_tests": "GPU tests (`pytest -m gpu`)",
                "throughput": "throughput, three sizes", "max_model": "largest model at a capped host memory",
                "breakdown": "where the step goes", "host_memory": "host memory against the counters",
-               "dynamic_padding": "dynamic padding against a fixed length"}
+               "dynamic_padding": "dynamic padding against a fixed length", "lora": "LoRA past GPU memory"}
 
 
 def _measured(parts: dict) -> list[dict]:
@@ -99,6 +99,9 @@ def _part_note(name: str, part: dict) -> str:
                 for t in trials if t["status"] != "measured"]
         return f"{sum(t['status'] == 'measured' for t in trials)} of {len(trials)} trials measured" + (
             "; " + "; ".join(left) if left else "")
+    if name == "lora":
+        return "; ".join(f"{t['backend']}: {t['status']} {t.get('reason') or t.get('error', '')[-120:]}".strip()
+                         for t in part["trials"])
     if name == "dynamic_padding":
         return "; ".join(f"{t['backend']} {t['padding']}: " + (f"{t['tokens_per_s']:.0f} tokens/s"
                          if t["status"] == "measured" else t.get("reason") or t.get("error", "")[-120:])
@@ -139,6 +142,19 @@ def _throughput(result: dict) -> list[str]:
             f"{result['flops']}.", "",
             *_table(["model", "params", "backend", "step (ms)", "tokens/s", "TFLOPS", "GPU max (GiB)",
                      "peak RSS (GiB)", "ours / ZeRO-3 offload", "practicality (/ no offload)"], rows), ""]
+
+
+def _lora(result: dict) -> list[str]:
+    trials = [t for t in result["parts"].get("lora", {}).get("trials", []) if t["status"] == "measured"]
+    if not trials:
+        return []
+    rows = [[t["size"], f"{t['params'] / 1e6:.4g} M", f"{t['trainable_params'] / 1e6:.3g} M", t["backend"],
+             f"{t['tokens_per_s']:.1f}", _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
+             f"{t['host']['peak_rss_bytes'] / GIB:.2f}", ", ".join(f"{x:.4f}" for x in t["losses"])] for t in trials]
+    return [f"**LoRA past GPU memory** (rank {trials[0]['lora']} adapters on every linear layer of the blocks, "
+            f"the rest frozen; ours' device budget below the frozen base).", "",
+            *_table(["model", "params", "trainable", "backend", "tokens/s", "GPU max (GiB)", "peak RSS (GiB)",
+                     "losses"], rows), ""]
 
 
 def _breakdown(result: dict) -> list[str]:
@@ -203,7 +219,7 @@ def _max_model(result: dict) -> list[str]:
 
 def render(result: dict) -> str:
     lines = [*_machine(result["meta"]), *_parts(result), *_throughput(result), *_breakdown(result),
-             *_host_memory(result), *_max_model(result)]
+             *_host_memory(result), *_lora(result), *_max_model(result)]
     return "\n".join(lines).rstrip() + "\n"
 
 

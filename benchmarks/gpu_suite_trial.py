@@ -35,7 +35,8 @@ BACKENDS = ("ours", "zero3-offload", "zero3")
 PHASES = ("forward", "backward", "step")
 COUNTER_KEYS = ("prefetches", "retraces_shape", "tide_replans",
                 "bytes_to_device", "bytes_to_host", "evictions", "adam_chunks_host", "adam_chunks_device",
-                "host_bytes_allocated", "model_bytes_host", "model_bytes_device", "peak_device_bytes")
+                "host_bytes_allocated", "model_bytes_host", "model_bytes_device", "peak_device_bytes",
+                "frozen_bytes_device", "frozen_bytes_host")
 PINNED_PROBE_BYTES = 256 * 2**20
 
 
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--device-budget", type=int, default=None, help="ours on CUDA: zero_optimization.device_budget")
     p.add_argument("--emulate-budget", type=int, default=None,
                    help="ours on the strict emulated accelerator with this device_budget (no CUDA)")
+    p.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank on every linear layer of the "
+                   "blocks, the rest frozen (0: train everything)")
+    p.add_argument("--chunk-size", type=int, default=None, help="ours: chunk_size (elements) over the config's")
     p.add_argument("--json", required=True)
     return p.parse_args(argv)
 
@@ -70,7 +74,33 @@ def trial_config(args, cuda: bool) -> dict:
         config["zero_optimization"].update(emulate_accelerator=True, device_budget=args.emulate_budget)
     elif args.backend == "ours" and args.device_budget is not None:
         config["zero_optimization"]["device_budget"] = args.device_budget
+    if args.backend == "ours" and args.chunk_size is not None:
+        config["zero_optimization"]["chunk_size"] = args.chunk_size
     return config
+
+
+class LoraLinear(torch.nn.Module):
+    """A frozen linear layer and a trainable rank-``rank`` adapter beside it (B starts at zero, as in PEFT)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int):
+        super().__init__()
+        self.base = base
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def add_lora(model: torch.nn.Module, rank: int) -> None:
+    """Freeze every parameter, then put a LoRA adapter beside every linear layer of the blocks."""
+    model.requires_grad_(False)
+    for block in model.blocks:
+        for owner in list(block.modules()):
+            for name, child in list(owner.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(owner, name, LoraLinear(child, rank))
 
 
 class PhaseTimer:
@@ -235,8 +265,11 @@ def run(args) -> dict:
     cfg = gpt_model.get_config(args.model, **json.loads(args.overrides))
     model = gpt_model.GPT(cfg)
     n_params = gpt_model.count_params(model, exclude_position_embedding=True)
+    if args.lora:
+        add_lora(model, args.lora)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     start = time.perf_counter()
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)
     init_s = time.perf_counter() - start
     records = train(args, engine, get_accelerator().current_device_name(), PhaseTimer(cuda), cfg.vocab_size)
     host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
@@ -244,7 +277,8 @@ def run(args) -> dict:
     return {"backend": args.backend, "model": args.model, "overrides": json.loads(args.overrides),
             "params": gpt_model.count_params_for_config(cfg), "params_matmul": n_params, "batch": args.batch,
             "seq_len": args.seq_len, "init_s": init_s, "timing": "cuda events" if cuda else "perf_counter",
-            "emulated": args.backend == "ours" and args.emulate_budget is not None,
+            "emulated": args.backend == "ours" and args.emulate_budget is not None, "lora": args.lora,
+            "trainable_params": sum(p.numel() for p in trainable), "losses": [r["loss"] for r in records],
             **summarize(args, cfg, n_params, records), "records": records, "host": host,
             "gpu_max_allocated_bytes": gpu_max, "pinned": pinned_bandwidth()}
 

@@ -66,6 +66,10 @@ class StepCounters:
     """model data on the accelerator at the end of the step (chunks, accumulators, optimizer states)"""
     model_bytes_host: int = 0
     """model data on the host at the end of the step (chunks, accumulators, optimizer states)"""
+    frozen_bytes_device: int = 0
+    """of ``model_bytes_device``, this rank's frozen chunks (see [Note: frozen chunks]): their payload only"""
+    frozen_bytes_host: int = 0
+    """of ``model_bytes_host``, this rank's frozen chunks"""
     host_bytes_allocated: int = 0
     """host bytes the host pool holds at the end of the step: ``model_bytes_host`` as allocated
     (pinned on a GPU) plus at most one chunk's cached buffers (see [Note: pinned host memory])"""

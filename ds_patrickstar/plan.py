@@ -1,7 +1,9 @@
 """The planner's command line: ``python -m ds_patrickstar.plan``. Will a model fit, and where would
 its model data live? The arithmetic is the pre-flight check's (:mod:`ds_patrickstar.memory.preflight`,
 see [Note: pre-flight]) on the chunk plan ``deepspeed.initialize`` would make, from a parameter
-count, a GPT shape or a Hugging Face ``config.json`` built on ``meta``.
+count, a GPT shape or a Hugging Face ``config.json`` built on ``meta``; with ``--frozen-params``, a
+frozen base beside them (a LoRA run: the adapters trainable, the base in frozen chunks, see
+[Note: frozen chunks]).
 """
 
 from __future__ import annotations
@@ -17,17 +19,23 @@ from .memory.preflight import (
     OPTIM_BYTES_PER_ELEMENT,
     largest_fitting_params,
     largest_group_bytes,
-    plan_for_rank,
+    plan_for_specs,
 )
 
 __all__ = ["capacities_for", "main", "plan_report", "sizes_from_gpt", "sizes_from_hf_config", "specs_for"]
 
 
-def specs_for(shapes: list[int], chunk_size: int, world_size: int) -> list[ChunkSpec]:
+def specs_for(
+    shapes: list[int], chunk_size: int, world_size: int, frozen_shapes: list[int] | None = None
+) -> list[ChunkSpec]:
     """The chunk plan ``deepspeed.initialize`` makes for a model given its trainable tensors' sizes (in
-    registration order), without building anything."""
+    registration order) and its frozen ones', without building anything."""
     named = [(str(i), torch.nn.Parameter(torch.empty(n, device="meta"))) for i, n in enumerate(shapes)]
-    return plan_chunks([named], chunk_size, world_size)
+    frozen = [
+        (f"frozen{i}", torch.nn.Parameter(torch.empty(n, device="meta"), requires_grad=False))
+        for i, n in enumerate(frozen_shapes or [])
+    ]
+    return plan_chunks([named], chunk_size, world_size, frozen)
 
 
 def capacities_for(shapes: list[int], chunk_size: int, world_size: int) -> list[int]:
@@ -78,17 +86,18 @@ def plan_report(
     host_bytes: int,
     disk_buffers: int | None = None,
     disk_piece: int = PIECE_ELEMENTS,
+    frozen_sizes: list[int] | None = None,
 ) -> dict:
     """Rank 0's model data (the rank with the most), where it would live, the most a chunk group in
     use takes on the accelerator (which a ``device_budget`` must hold, see [Note: chunk group bytes]),
     and the largest model that fits; ``disk_buffers`` (the disk tier's ``buffer_count``;
     ``disk_piece``: its ``buffer_size``): the states that do not fit the host go to disk (see
-    [Note: disk tier plan])."""
-    specs = specs_for(sizes, chunk_size, world_size)
+    [Note: disk tier plan]); ``frozen_sizes``: the frozen tensors' sizes (see [Note: frozen chunks])."""
+    specs = specs_for(sizes, chunk_size, world_size, frozen_sizes)
     capacities = [spec.capacity for spec in specs]
     group = largest_group_bytes(specs, lp_bytes, world_size, accumulate)
     owners = [owner_of(i, world_size) for i in range(len(capacities))]
-    plans = [plan_for_rank(capacities, owners, r, lp_bytes, accumulate) for r in range(world_size)]
+    plans = [plan_for_specs(specs, world_size, r, lp_bytes, accumulate) for r in range(world_size)]
     rank = max(range(world_size), key=lambda r: plans[r].model_data_bytes)
     plan = plans[rank]
     need = plan.model_data_bytes
@@ -96,7 +105,7 @@ def plan_report(
     available = device_budget + host_bytes
     disk: dict = {}
     if disk_buffers is not None:
-        owned = {i: c for i, c in enumerate(capacities) if owners[i] == rank}
+        owned = {i: c for i, c in enumerate(capacities) if owners[i] == rank and specs[i].kind.trainable}
         piece = piece_elements(disk_piece)
         other = need - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
         spilled = spilled_chunks(owned, other, host_bytes + device_budget, disk_buffers, piece)
@@ -115,6 +124,8 @@ def plan_report(
         }
     return {
         "parameters": sum(sizes),
+        "frozen_parameters": sum(frozen_sizes or []),
+        "frozen_bytes_per_rank": plan.frozen_bytes,
         "chunks": len(capacities),
         "model_data_bytes_per_rank": need,
         "bytes_per_owned_parameter": plan.bytes_per_owned_element,
@@ -148,6 +159,11 @@ def _bytes(text: str) -> int:
     return int(float(low))
 
 
+def _full_chunks(n: int, chunk_size: int) -> list[int]:
+    """``n`` parameters as tensors that fill chunks."""
+    return [chunk_size] * (n // chunk_size) + ([n % chunk_size] if n % chunk_size else [])
+
+
 def main(argv: list[str] | None = None) -> dict:
     """``python -m ds_patrickstar.plan``: will it fit? See [Note: pre-flight]."""
     import argparse
@@ -164,6 +180,13 @@ def main(argv: list[str] | None = None) -> dict:
     what.add_argument("--params", type=float, help="a parameter count (e.g. 1.3e9), packed in full chunks")
     what.add_argument("--hf-config", help="a Hugging Face config.json (or its folder); needs transformers")
     what.add_argument("--gpt", help="benchmarks/gpt_model.GPT as WIDTHxDEPTH[xVOCAB[xSEQ]], e.g. 2048x28")
+    parser.add_argument(
+        "--frozen-params",
+        type=float,
+        default=0,
+        help="frozen parameters beside the trainable ones (e.g. a LoRA base of 7e9 with --params for the "
+        "adapters): the payload only, 2 bytes each in bf16/fp16, 4 in fp32",
+    )
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--device-mem", default="0", help="accelerator budget per rank, e.g. 72GiB (0: none)")
     parser.add_argument("--host-mem", required=True, help="host memory free for model data per rank, e.g. 22GiB")
@@ -192,12 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.world_size < 1:
         parser.error(f"--world-size={args.world_size}: use an integer >= 1")
     if args.params is not None:
-        n = int(args.params)
-        sizes = [args.chunk_size] * (n // args.chunk_size) + ([n % args.chunk_size] if n % args.chunk_size else [])
+        sizes = _full_chunks(int(args.params), args.chunk_size)
     elif args.hf_config is not None:
         sizes = sizes_from_hf_config(args.hf_config)
     else:
         sizes = sizes_from_gpt(args.gpt)
+    frozen = _full_chunks(int(args.frozen_params), args.chunk_size)
     report = plan_report(
         sizes,
         args.chunk_size,
@@ -208,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         _bytes(args.host_mem),
         args.disk,
         args.disk_piece,
+        frozen,
     )
     gib = 2**30
     print(
@@ -221,6 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"{' + 4 per parameter for gradient accumulation' if args.gradient_accumulation else ''})"
         f"{spilled if args.disk is not None else ''}"
     )
+    if frozen:
+        lp = 4 if args.dtype == "fp32" else 2
+        print(
+            f"of which frozen: {report['frozen_parameters'] / 1e6:,.1f}M parameters, "
+            f"{report['frozen_bytes_per_rank'] / gib:.2f} GiB per rank ({lp} bytes per owned frozen parameter: "
+            f"no gradient, master or optimizer state)"
+        )
     print(
         f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
         f"take), {report['on_host_bytes'] / gib:.2f} GiB or more on the host"

@@ -182,6 +182,44 @@ def trainer_checkpointing_run(rank, world_size, kind, stage, out_dir, steps=3):
     return result
 
 
+def tiny_lora():
+    """The tiny Llama as a PEFT LoRA model: rank-4 adapters on the attention projections, the base frozen."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "o_proj"])
+    model = peft.get_peft_model(tiny_model("llama"), config)
+    torch.manual_seed(1)  # LoRA's B starts at zero: give it values, so every adapter learns from step 1
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    return model
+
+
+def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=None):
+    """A PEFT LoRA model through the Trainer: train (or resume), save_model; the losses, the files
+    save_model wrote and the adapter weights in them."""
+    import transformers
+    from safetensors.torch import load_file
+
+    import ds_patrickstar  # noqa: F401
+
+    trainer = transformers.Trainer(model=tiny_lora(), args=_args(out_dir, stage, steps, save_steps=save_steps),
+                                   train_dataset=TokenData())
+    trainer.train(resume_from_checkpoint=resume)
+    final = os.path.join(out_dir, "final")
+    trainer.save_model(final)
+    trainer.accelerator.wait_for_everyone()
+    result = {"losses": _losses(trainer), "files": sorted(os.listdir(final)),
+              "adapters": load_file(os.path.join(final, "adapter_model.safetensors"))}
+    if stage == "patrickstar":  # every frozen base weight in a frozen chunk
+        chunk_map = trainer.model_wrapped.optimizer.chunk_map
+        frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
+        result["base_in_frozen_chunks"] = bool(frozen) and all(
+            chunk_map.info(p) is not None and not chunk_map.info(p).trainable for p in frozen)
+    return result
+
+
 def trainer_eval_before_train(rank, world_size, kind, stage, out_dir):
     """``evaluate()`` and ``predict()`` on a Trainer that has not trained (Hugging Face's ZeRO inference
     path), then ``train()`` is not called: the eval loss and the predictions' loss."""

@@ -136,6 +136,24 @@ def test_hf_trainer_script_runs_as_a_user_runs_it(tmp_path):
     assert float(found.group(1)) < 256, found.group(0)
 
 
+def test_peft_lora_trainer_matches_zero3_saves_adapters_and_resumes(tmp_path):
+    """A ``peft.get_peft_model`` LoRA Llama through the Trainer: the frozen base in frozen chunks, the
+    adapters trained like stock ZeRO-3's, ``save_model`` writes the adapter files PEFT writes (as under
+    ZeRO-3) with the same adapter weights, and a resume from the step-2 checkpoint repeats steps 3 and 4."""
+    pytest.importorskip("peft")
+    ref = run_ranks(hf_workers.peft_run, 1, 3, str(tmp_path / "zero3"), timeout=TIMEOUT)[0]
+    ours = run_ranks(hf_workers.peft_run, 1, "patrickstar", str(tmp_path / "ps"), timeout=TIMEOUT)[0]
+    _assert_losses(ours["losses"], ref["losses"])
+    assert ours["base_in_frozen_chunks"]
+    assert ours["files"] == ref["files"] and "adapter_model.safetensors" in ours["files"]
+    assert set(ours["adapters"]) == set(ref["adapters"]) and ours["adapters"]
+    for name, value in ours["adapters"].items():
+        torch.testing.assert_close(value, ref["adapters"][name], rtol=1e-4, atol=1e-5)
+    resumed = run_ranks(hf_workers.peft_run, 1, "patrickstar", str(tmp_path / "ps"), 4, 2,
+                        str(tmp_path / "ps" / "checkpoint-2"), timeout=TIMEOUT)[0]
+    _assert_losses(resumed["losses"], ours["losses"])  # steps 1 and 2 from the checkpoint's log history
+
+
 def test_trainer_evaluates_and_predicts_before_training_as_zero3_does(tmp_path):
     """Trainer.evaluate()/predict() before train() (Hugging Face's ZeRO inference path): the eval loss and
     the predictions' loss of stock ZeRO-3."""

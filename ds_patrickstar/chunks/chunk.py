@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kind import ChunkKind
 from .state import ChunkState, IllegalTransition, TensorState, check_transition
 
 
@@ -62,7 +63,7 @@ class Piece:
 
 @dataclass(eq=False)
 class TensorInfo:
-    """Our metadata for one trainable parameter (nothing is stored on the ``nn.Parameter``).
+    """Our metadata for one chunk parameter, trainable or frozen (nothing is stored on the ``nn.Parameter``).
 
     ``pieces`` says where its elements live: one piece, or (data parallel) several pieces in
     consecutive chunks of one chunk group, whose values are copied into ``joined`` while the group
@@ -78,6 +79,11 @@ class TensorInfo:
     joined: torch.Tensor | None = None  # the parameter's own buffer when it straddles chunks
     released: set[int] = field(default_factory=set)  # chunks of its pieces released on this rank
     bound: bool = False  # the parameter is a view of its chunk (or its joined buffer): see memory/binding.py
+    kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind.trainable
 
     @property
     def straddles(self) -> bool:
@@ -88,7 +94,7 @@ class TensorInfo:
         return [piece.chunk_id for piece in self.pieces]
 
     def transition(self, new: TensorState) -> None:
-        check_transition(self.state, new, self.name)
+        check_transition(self.state, new, self.name, self.kind)
         self.state = new
 
     # Named moves: what the hooks and the optimizer call.
@@ -150,6 +156,11 @@ class Chunk:
     acc_host: torch.Tensor | None = None  # ... and while the chunk is away from the accelerator
     pending: list = field(default_factory=list)  # copies into or out of this chunk not yet waited on
     prefetched: bool = False
+    kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind.trainable
 
     @property
     def used(self) -> int:

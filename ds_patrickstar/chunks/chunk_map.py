@@ -1,4 +1,5 @@
-"""The chunk map: every chunk of one model and every trainable parameter's :class:`TensorInfo`.
+"""The chunk map: every chunk of one model and every chunk parameter's :class:`TensorInfo`, trainable
+or frozen (see [Note: frozen chunks] in chunks/kind.py).
 
 Chunks come in groups of ``W`` (the data-parallel world size); chunk ``g*W + r`` of group ``g``
 is owned by rank ``r`` (see [Note: chunk groups] in ``groups/comm.py``). The map is built from the
@@ -36,7 +37,7 @@ class ChunkMap:
         """Append one chunk group (``W`` specs); returns its chunks and its tensors' new metadata."""
         members = []
         for spec in specs:
-            chunk = Chunk(len(self.chunks), spec.capacity, spec.dtype, spec.group_index)
+            chunk = Chunk(len(self.chunks), spec.capacity, spec.dtype, spec.group_index, kind=spec.kind)
             self.chunks.append(chunk)
             members.append(chunk)
         infos: dict[torch.nn.Parameter, TensorInfo] = {}
@@ -44,7 +45,9 @@ class ChunkMap:
             for name, param, offset, start, numel in spec.members:
                 info = infos.get(param)
                 if info is None:
-                    info = infos[param] = TensorInfo(name, param, [], param.numel(), param.shape, spec.group_index)
+                    info = infos[param] = TensorInfo(
+                        name, param, [], param.numel(), param.shape, spec.group_index, kind=spec.kind
+                    )
                 piece = Piece(chunk.chunk_id, offset, start, numel)
                 info.pieces.append(piece)
                 chunk.append(info, piece)
@@ -58,6 +61,10 @@ class ChunkMap:
     def owned_chunks(self) -> list[Chunk]:
         return [c for c in self.chunks if self.is_owned(c)]
 
+    def trainable_owned(self) -> list[Chunk]:
+        """The owned chunks of trainable parameters: those with optimizer states."""
+        return [c for c in self.chunks if c.trainable and self.is_owned(c)]
+
     def owns_any(self, info: TensorInfo) -> bool:
         return any(self.is_owned(self.chunks[cid]) for cid in info.chunk_ids)
 
@@ -67,6 +74,9 @@ class ChunkMap:
 
     def infos(self) -> list[TensorInfo]:
         return list(self._infos.values())
+
+    def trainable_infos(self) -> list[TensorInfo]:
+        return [info for info in self._infos.values() if info.trainable]
 
     def chunk_of(self, info: TensorInfo) -> Chunk:
         """The chunk of a tensor's first piece (all its pieces are in that chunk's group)."""
@@ -84,6 +94,9 @@ class ChunkMap:
     @property
     def num_groups(self) -> int:
         return len(self.chunks) // self.world_size
+
+    def is_trainable_group(self, group: int) -> bool:
+        return self.chunks[group * self.world_size].trainable
 
     def group_members(self, group: int) -> list[Chunk]:
         return self.chunks[group * self.world_size : (group + 1) * self.world_size]
@@ -107,7 +120,8 @@ class ChunkMap:
         in chunks/group_bytes.py)."""
         members = self.group_members(group)
         joined = sum(info.numel for info in self.straddling(group))
-        return group_bytes(members[0].capacity, members[0].dtype.itemsize, self.world_size, accumulate, joined)
+        grads = accumulate and members[0].trainable  # see [Note: frozen chunks]
+        return group_bytes(members[0].capacity, members[0].dtype.itemsize, self.world_size, grads, joined)
 
     def model_storages(self) -> set[int]:
         """The storages model data lives in on the accelerator (payloads and joined buffers)."""

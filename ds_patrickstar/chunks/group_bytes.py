@@ -22,7 +22,8 @@ storage, owned chunk, joined buffers and accumulator. A kept group gives its joi
 until its next use, which takes them again; it is kept *for* that use, so it counts what the use
 takes. The most a moment using the group takes is :attr:`GroupBytes.peak`, the gathered group and a
 gradient buffer. ``keep_gathered`` limits :attr:`GroupBytes.members`, the bytes of the group's
-``W`` chunks (see [Note: kept groups] in groups/keep.py).
+``W`` chunks (see [Note: kept groups] in groups/keep.py). A group of frozen chunks (see
+[Note: frozen chunks] in chunks/kind.py) never has an accumulator or a gradient buffer.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def group_bytes(
 
 def planned_group_bytes(specs: list[ChunkSpec], lp_bytes: int, world_size: int, accumulate: bool) -> list[GroupBytes]:
     """The bytes of every chunk group of a chunk plan (``world_size`` consecutive specs per group),
-    before anything is built."""
+    before anything is built; ``lp_bytes``: the bytes of an element of every chunk (the training dtype's)."""
     sizes = []
     for first in range(0, len(specs), world_size):
         members = specs[first : first + world_size]
@@ -89,5 +90,6 @@ def planned_group_bytes(specs: list[ChunkSpec], lp_bytes: int, world_size: int, 
             for param in dict.fromkeys(p for _, p, _, _, _ in spec.members):
                 holders[param] = holders.get(param, 0) + 1
         joined = sum(param.numel() for param, count in holders.items() if count > 1)
-        sizes.append(group_bytes(members[0].capacity, lp_bytes, world_size, accumulate, joined))
+        grads = accumulate and members[0].kind.trainable
+        sizes.append(group_bytes(members[0].capacity, lp_bytes, world_size, grads, joined))
     return sizes

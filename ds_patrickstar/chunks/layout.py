@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kind import FROZEN_PARAM_GROUP, ChunkKind
+
 logger = logging.getLogger(__name__)
 
 ALIGN = 32
@@ -58,6 +60,7 @@ class ChunkSpec:
     dtype: torch.dtype
     # (name, param, offset in the chunk, start in the flattened param, numel): a parameter's piece
     members: list[tuple[str, torch.nn.Parameter, int, int, int]] = field(default_factory=list)
+    kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
 
 
 def plan_first_fit(named: list[tuple[str, torch.nn.Parameter]], chunk_size: int) -> list[list[tuple]]:
@@ -134,22 +137,44 @@ def _cut(run: list[tuple[str, torch.nn.Parameter]], total: int, world_size: int)
 
 
 def plan_chunks(
-    named_groups: list[list[tuple[str, torch.nn.Parameter]]], chunk_size: int, world_size: int
+    named_groups: list[list[tuple[str, torch.nn.Parameter]]],
+    chunk_size: int,
+    world_size: int,
+    frozen: list[tuple[str, torch.nn.Parameter]] | None = None,
+    frozen_dtype: torch.dtype | None = None,
 ) -> list[ChunkSpec]:
-    """The chunk layout of every param group, in chunk groups of ``world_size``; see
-    [Note: chunk layout] and [Note: balanced chunk groups]."""
+    """The chunk layout of every param group, in chunk groups of ``world_size``, then the chunks of the
+    ``frozen`` parameters (in ``frozen_dtype``, by default their own); see [Note: chunk layout],
+    [Note: balanced chunk groups] and [Note: frozen chunks]."""
     specs: list[ChunkSpec] = []
     for group_index, named in enumerate(named_groups):
         dtype = named[0][1].dtype if named else torch.float32
+        specs += _plan_kind(named, chunk_size, world_size, group_index, dtype, ChunkKind.TRAINABLE)
+    if frozen:
+        dtype = frozen_dtype or frozen[0][1].dtype
+        specs += _plan_kind(frozen, chunk_size, world_size, FROZEN_PARAM_GROUP, dtype, ChunkKind.FROZEN)
+    return specs
+
+
+def _plan_kind(
+    named: list[tuple[str, torch.nn.Parameter]],
+    chunk_size: int,
+    world_size: int,
+    group_index: int,
+    dtype: torch.dtype,
+    kind: ChunkKind,
+) -> list[ChunkSpec]:
+    """The chunk groups of one param group (or of the frozen parameters)."""
+    if world_size == 1:
+        groups = [[[(n, p, o, 0, p.numel()) for n, p, o in plan]] for plan in plan_first_fit(named, chunk_size)]
+    else:
+        groups = _plan_straddled(named, chunk_size, world_size)
+    specs: list[ChunkSpec] = []
+    for members in groups:
+        # A chunk is as large as its contents need; the members of a group share one size
+        # for the collectives.
+        capacity = max(1, max(o + k for plan in members for _, _, o, _, k in plan))
         if world_size == 1:
-            groups = [[[(n, p, o, 0, p.numel()) for n, p, o in plan]] for plan in plan_first_fit(named, chunk_size)]
-        else:
-            groups = _plan_straddled(named, chunk_size, world_size)
-        for members in groups:
-            # A chunk is as large as its contents need; the members of a group share one size
-            # for the collectives.
-            capacity = max(1, max(o + k for plan in members for _, _, o, _, k in plan))
-            if world_size == 1:
-                capacity = _align(capacity)
-            specs += [ChunkSpec(group_index, capacity, dtype, plan) for plan in members]
+            capacity = _align(capacity)
+        specs += [ChunkSpec(group_index, capacity, dtype, plan, kind) for plan in members]
     return specs

@@ -11,7 +11,9 @@ Every trainable parameter has a :class:`TensorState`:
 * ``HOLD_AFTER_BWD``: its slot holds its *gradient* (see [Note: gradient in the param slot]).
 
 The legal moves are the table :data:`_LEGAL`; anything else raises
-:class:`IllegalTransition`. Using a tensor whose slot holds a gradient for compute is
+:class:`IllegalTransition`. A frozen parameter (see [Note: frozen chunks]) never holds a gradient:
+its table, :data:`_LEGAL_FROZEN`, has no ``HOLD_AFTER_BWD``, and its backward use ends in
+``HOLD_AFTER_FWD`` like a forward use. Using a tensor whose slot holds a gradient for compute is
 illegal: that is what catches a forward that would read a gradient as a weight.
 
 A chunk's state is derived from its tensors (:attr:`~ds_patrickstar.chunks.chunk.Chunk.state`):
@@ -22,6 +24,8 @@ anything else is ``HOLD`` (movable).
 from __future__ import annotations
 
 import enum
+
+from .kind import ChunkKind
 
 
 class IllegalTransition(RuntimeError):
@@ -53,11 +57,24 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
 }
 
 
-def check_transition(old: TensorState, new: TensorState, name: str = "tensor") -> None:
-    if new not in _LEGAL[old]:
+_LEGAL_FROZEN: dict[TensorState, frozenset[TensorState]] = {
+    _S.FREE: frozenset({_S.HOLD}),
+    _S.HOLD: frozenset({_S.FREE, _S.COMPUTE}),
+    _S.COMPUTE: frozenset({_S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD}),
+    _S.HOLD_AFTER_FWD: frozenset({_S.FREE, _S.HOLD, _S.COMPUTE}),
+    _S.HOLD_AFTER_BWD: frozenset(),
+}
+_TABLES = {ChunkKind.TRAINABLE: _LEGAL, ChunkKind.FROZEN: _LEGAL_FROZEN}
+
+
+def check_transition(
+    old: TensorState, new: TensorState, name: str = "tensor", kind: ChunkKind = ChunkKind.TRAINABLE
+) -> None:
+    legal = _TABLES[kind]
+    if new not in legal[old]:
         raise IllegalTransition(
-            f"{name}: illegal tensor state transition {old.name} -> {new.name}; "
-            f"from {old.name} only {sorted(s.name for s in _LEGAL[old])} are allowed"
+            f"{name}: illegal tensor state transition {old.name} -> {new.name} ({kind.value} tensor); "
+            f"from {old.name} only {sorted(s.name for s in legal[old])} are allowed"
         )
 
 

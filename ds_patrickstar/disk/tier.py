@@ -13,7 +13,7 @@ import torch
 from ..chunks.chunk_map import owner_of
 from ..chunks.layout import ChunkSpec
 from ..groups.comm import ChunkComm
-from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_rank
+from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_specs
 from .aio import AIO_UNCHECKED, AioDiskIO, load_async_io, lock_problem
 from .budget import disk_buffer_bytes, record_bytes, spilled_chunks
 from .config import NvmeOffload
@@ -59,9 +59,10 @@ def plan_disk_tier(
     (``nvme``: ``zero_optimization.offload_optimizer`` when it names a disk, else None)."""
     if nvme is None:
         return {}
-    owners = [owner_of(i, comm.world_size) for i in range(len(specs))]
-    plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
-    owned = {i: s.capacity for i, s in enumerate(specs) if owners[i] == comm.rank}
+    plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
+    owned = {  # only trainable chunks have optimizer states
+        i: s.capacity for i, s in enumerate(specs) if owner_of(i, comm.world_size) == comm.rank and s.kind.trainable
+    }
     budget = resolve_host_budget(host_budget, comm.world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
     chosen = spilled_chunks(owned, other, budget, nvme.buffer_count, nvme.buffer_size)

@@ -85,6 +85,8 @@ class GradientSink:
         )
         self.reduced: set[int] = set()  # groups whose reduce-scatter was issued this step
         self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
+        # frozen groups get no gradient and are never reduced (see [Note: frozen chunks])
+        self._trainable = [group.index for group in groups if group.owned.trainable]
 
     def _group_sizes(self) -> list[int]:
         return [len(group.tensors) for group in self._groups]
@@ -165,8 +167,8 @@ class GradientSink:
         """Backward epilogue: at the boundary every group gets its gradients and is reduced; before
         it, the gathered groups are kept for the next micro-step (see [Note: kept groups])."""
         if not boundary:
-            if self._scattered is not None:  # every group is reduced once per micro-step
-                for group in range(len(self._groups)):
+            if self._scattered is not None:  # every trainable group is reduced once per micro-step
+                for group in self._trainable:
                     if group not in self.reduced:
                         self.reduced.add(group)
                         self._scattered.reduce(group)  # kept below, with the other present groups
@@ -178,7 +180,7 @@ class GradientSink:
             for group in reversed(self._residency.present()):  # the first groups of the forward stay longest
                 self._keep.keep(group)
             return
-        for group in range(len(self._groups)):
+        for group in self._trainable:
             if group in self.reduced:
                 continue
             if not self._residency.is_present(group):
@@ -204,7 +206,7 @@ class GradientSink:
             self._pending[group] -= 1
 
     def grads_ready(self) -> bool:
-        return len(self.reduced) == len(self._groups)
+        return self.reduced.issuperset(self._trainable)
 
     def next_step(self) -> None:
         """No group has gradients any more."""
@@ -217,7 +219,7 @@ class GradientSink:
         """Sum over ranks of the squared norms of the owned gradient slots (fp32), each read where
         it lives (accelerator or host) through :meth:`Chunk.ready`."""
         partial: dict[torch.device, torch.Tensor] = {}
-        for chunk in self._map.owned_chunks():
+        for chunk in self._map.trainable_owned():
             data = chunk.ready()[: chunk.used]
             sq = partial.setdefault(data.device, torch.zeros((), dtype=torch.float32, device=data.device))
             # in slices: the fp32 upcast of a whole large chunk would be a large temporary

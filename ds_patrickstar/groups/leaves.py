@@ -79,5 +79,7 @@ class LeafGradients:
     def _hand_over(self, leaf: Leaf, boundary: bool) -> None:
         leaf.handed = True
         for info in leaf.infos:
+            if not info.trainable:  # a frozen tensor has no gradient (see [Note: frozen chunks])
+                continue
             grad, info.param.grad = info.param.grad, None
             self._sink.take_grad(info, grad, boundary)  # None: a zero gradient

@@ -183,11 +183,20 @@ class ChunkManager:
 
     def end_backward(self, boundary: bool) -> None:
         """The backward epilogue: the ranks agree they all are here, the leaf modules' gradients not
-        handed over yet go (see [Note: leaf modules]), then every group's."""
+        handed over yet go (see [Note: leaf modules]), frozen tensors whose backward use no post-backward
+        ended are done (see [Note: frozen chunks]; at the boundary no frozen group stays gathered through
+        the step), then every group's gradients."""
         self.comm.lockstep.check("the end of a backward")
         self._backward_users.clear()
         self._forward_users.clear()
         self.leaves.end_backward(boundary)
+        for info in self.map.infos():
+            if not info.trainable and info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
+                info.settle()
+        if boundary and self.comm.world_size > 1:
+            for group in self.groups:
+                if not group.owned.trainable and group.present:
+                    self.residency.release(group.index)
         self.grads.end_backward(boundary)
 
     def grads_ready(self) -> bool:

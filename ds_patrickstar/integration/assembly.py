@@ -291,7 +291,7 @@ def assemble(
         store, placement, manager = _build_chunks(
             module, options, plan, chunk_map, has_values, device, deferred, accumulate, run
         )
-        owned = chunk_map.owned_chunks()
+        owned = chunk_map.trainable_owned()  # frozen chunks have no optimizer states (see [Note: frozen chunks])
         optim_states = OptimizerStates(owned, accel, start_on_device=not plan.movable, disk=disk)
         adam = ChunkAdam(
             owned,
@@ -299,7 +299,7 @@ def assemble(
             basic_optimizer.param_groups,
             plan.adamw,
             placement,
-            stepped_groups={c.group_index for c in chunk_map.chunks},
+            stepped_groups={c.group_index for c in chunk_map.chunks if c.trainable},
         )
         export = ChunkExport(chunk_map, comm, accel, optim_states)
         leaves = leaf_tensors(module, chunk_map.info)  # see [Note: leaf modules]
@@ -362,7 +362,7 @@ def _build_chunks(
     )
     if deferred:  # values from each module's own init, into the owned chunks only (see io/init.py)
         deferred.materialize(chunk_map)
-    module.to(device)  # buffers and frozen parameters; chunk parameters are views already there
+    module.to(device)  # buffers (and non-float frozen parameters); chunk parameters are views already there
     return store, placement, manager
 
 

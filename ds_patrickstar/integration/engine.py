@@ -214,6 +214,27 @@ class PatrickStarEngine(DeepSpeedEngine):
         dist.barrier()
         return saved
 
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """DeepSpeed's, with frozen groups not even gathered when they are left out (see [Note: frozen chunks])."""
+        with self.optimizer.export.without_frozen(exclude_frozen_parameters):
+            return super().module_state_dict(destination, prefix, keep_vars, exclude_frozen_parameters)
+
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False, **kwargs):
+        """DeepSpeed's; a checkpoint saved with ``exclude_frozen_parameters=True`` (it holds none of the
+        frozen parameters) leaves the model's own frozen values, and every other key must match."""
+        frozen = self.optimizer.export.frozen_names(self.module)
+        module = checkpoint["module"]
+        if not strict or custom_load_fn is not None or not frozen or any(name in module for name in frozen):
+            return super().load_module_state_dict(checkpoint, strict, custom_load_fn, fetch_z3_params, **kwargs)
+        result = self.module.load_state_dict(module, strict=False)
+        missing = sorted(set(result.missing_keys) - frozen)
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"checkpoint module state does not match the model: missing {missing[:5]}, "
+                f"unexpected {sorted(result.unexpected_keys)[:5]}"
+            )
+        return None
+
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         tag = commit.resolve_tag(load_dir, tag)
         self._verify_on_every_rank(load_dir, tag)

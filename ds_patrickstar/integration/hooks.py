@@ -8,10 +8,11 @@
   the module's outputs (tensors found inside tuples, lists, dicts and dataclasses) that
   fires when backward reaches the module: its params -> ``COMPUTE`` again;
 * module post-backward (only on modules holding a parameter another module holds too, a
-  tied weight): an identity autograd function on the module's inputs whose backward runs
-  once the module's backward is over; its tensors that still wait for a gradient stop
-  being used (see [Note: tied weights between backward uses]);
-* per-parameter post-accumulate-grad hook: autograd has summed every use of the
+  tied weight, or a frozen parameter): an identity autograd function on the module's inputs
+  whose backward runs once the module's backward is over; its tensors that still wait for a
+  gradient stop being used (see [Note: tied weights between backward uses]), and so do its
+  frozen tensors, which wait for none (see [Note: frozen chunks]);
+* per-parameter post-accumulate-grad hook (trainable parameters only): autograd has summed every use of the
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
   (see [Note: gradient in the param slot]);
@@ -137,12 +138,12 @@ class HookRegistry:
             if id(sub) in inside:
                 continue
             if sub in leaves:
-                self._register_module(sub, leaves[sub], tied=False, leaf=True)
+                self._register_module(sub, leaves[sub], [], leaf=True)
                 continue
             infos = [i for p in sub.parameters(recurse=False) if (i := info_of(p)) is not None]
             if infos:
                 tied = any(holders[id(i.param)] > 1 for i in infos)
-                self._register_module(sub, infos, tied)
+                self._register_module(sub, infos, infos if tied else [i for i in infos if not i.trainable])
         # after the root module's own post-forward: the training forward is over once its uses are
         self._handles.append(module.register_forward_hook(lambda mod, args, output: target.root_forward_end()))
         self._handles.append(
@@ -165,19 +166,23 @@ class HookRegistry:
         seen = {id(i.param) for infos in leaves.values() for i in infos}  # handed over by their leaf
         for param in module.parameters():
             info = info_of(param)
-            if info is not None and id(param) not in seen:
+            if info is not None and info.trainable and id(param) not in seen:
                 seen.add(id(param))
                 self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(info)))
 
-    def _register_module(self, sub: torch.nn.Module, infos: list[TensorInfo], tied: bool, leaf: bool = False) -> None:
+    def _register_module(
+        self, sub: torch.nn.Module, infos: list[TensorInfo], post: list[TensorInfo], leaf: bool = False
+    ) -> None:
+        """``post``: the tensors whose backward use a post-backward ends (none: no post-backward); ``leaf``:
+        a leaf module (see [Note: leaf modules])."""
         target = self._target
 
         def pre_forward(mod: torch.nn.Module, args: Any, kwargs: dict) -> Any:
             target.pre_forward(mod, infos)
-            if not (tied or leaf) or not torch.is_grad_enabled() or inside_backward():
+            if not (post or leaf) or not torch.is_grad_enabled() or inside_backward():
                 return None
             if not leaf:
-                return _mark_post_backward(args, kwargs, lambda: target.post_backward(mod, infos))
+                return _mark_post_backward(args, kwargs, lambda: target.post_backward(mod, post))
             marked = _mark_post_backward(args, kwargs, lambda: target.leaf_backward_over(mod))
             if marked is not None:  # else the backward epilogue hands its gradients over
                 target.leaf_called(mod)

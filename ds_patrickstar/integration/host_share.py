@@ -8,7 +8,7 @@ gathered storage of every group, the whole model in bf16/fp16 (see [Note: gather
 storage] in memory/store.py). The ranks on one host share its memory, so ``keep_gathered: None``
 (the default) is decided at initialize. Each rank's *share* is
 
-* the host's available memory at that moment, plus the bytes the trainable parameters' own
+* the host's available memory at that moment, plus the bytes the chunk parameters' own
   storages hold (freed once the chunks hold their values and initialize returns, see
   [Note: initialize as a transaction]; a parameter built under ``Init`` holds none),
 * divided by the ranks on this host (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from
@@ -91,11 +91,11 @@ def keep_limit(plan: ModelDataPlan, host_available: int, local_ranks: int, step:
 
 
 def own_bytes(module: torch.nn.Module) -> int:
-    """Bytes the trainable parameters' own storages hold, each storage once (an empty storage, as
-    under ``Init``, holds none)."""
+    """Bytes the chunk parameters' own storages hold (trainable and frozen floating-point ones), each
+    storage once (an empty storage, as under ``Init``, holds none)."""
     storages = {}
     for p in module.parameters():
-        if p.requires_grad and not p.is_meta:
+        if p.is_floating_point() and not p.is_meta:
             storage = p.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

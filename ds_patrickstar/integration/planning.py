@@ -1,6 +1,7 @@
 """Planning a run: everything initialize decides before any parameter of the model changes.
 
-The trainable parameters by param group, the chunk layout, the disk tier's spill plan and the check of
+The trainable parameters by param group and the frozen ones (see [Note: frozen chunks]), the
+chunk layout, the disk tier's spill plan and the check of
 its folder, the pre-flight check (see [Note: pre-flight]: it runs on the chunk plan before any chunk
 or optimizer state is allocated, so a model that does not fit is refused before memory goes), the
 accelerator and the default ``keep_gathered`` (from the host memory before any chunk exists). A run
@@ -16,7 +17,6 @@ import psutil
 import torch
 from torch.distributed import ProcessGroup
 
-from ..chunks.chunk_map import owner_of
 from ..chunks.layout import ChunkSpec, plan_chunks
 from ..counters import StepCounters
 from ..disk.tier import host_bytes_saved, plan_disk_tier
@@ -24,7 +24,7 @@ from ..groups.comm import ChunkComm
 from ..memory.accelerator import Accelerator, HostAccelerator
 from ..memory.cuda import CudaAccelerator
 from ..memory.emulated import EmulatedAccelerator
-from ..memory.preflight import check_budget_holds, check_fits, largest_group_bytes, plan_for_rank
+from ..memory.preflight import check_budget_holds, check_fits, largest_group_bytes, plan_for_specs
 from ..optim.chunk_adam import adamw_mode
 from .config import PatrickStarConfig
 from .host_share import default_keep_gathered, step_bytes
@@ -75,15 +75,15 @@ def plan_run(
     adamw = adamw_mode(basic_optimizer)  # refuse a non-Adam optimizer before anything is built
     counters = StepCounters()
     comm = ChunkComm(dp_group, counters)
-    specs = plan_chunks(named_param_groups(module, basic_optimizer.param_groups), options.chunk_size, comm.world_size)
+    groups = named_param_groups(module, basic_optimizer.param_groups)
+    specs = plan_chunks(groups, options.chunk_size, comm.world_size, frozen_parameters(module), dtype)
     spilled = plan_disk_tier(options.offload_optimizer, options.host_budget, specs, comm, dtype, accumulate)
     on_disk = host_bytes_saved(options.offload_optimizer, spilled)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
     keep_gathered = options.keep_gathered
     if keep_gathered is None and isinstance(accel, HostAccelerator):  # see [Note: default kept groups from host memory]
-        owners = [owner_of(i, comm.world_size) for i in range(len(specs))]
-        rank_plan = plan_for_rank([s.capacity for s in specs], owners, comm.rank, dtype.itemsize, accumulate)
+        rank_plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
         step = step_bytes(specs, dtype.itemsize, comm.world_size, accumulate, options.prefetch_groups)
         keep_gathered = default_keep_gathered(module, rank_plan, step, comm)
     return RunPlan(adamw, counters, comm, specs, spilled, accel, keep_gathered)
@@ -133,16 +133,28 @@ def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> lis
     return groups
 
 
+def frozen_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The floating-point parameters with ``requires_grad=False``, once each, in registration order: the
+    frozen chunks' contents (see [Note: frozen chunks]); other dtypes stay outside the chunks."""
+    seen: set[torch.nn.Parameter] = set()
+    frozen = []
+    for name, param in module.named_parameters():
+        if not param.requires_grad and param.is_floating_point() and param not in seen:
+            seen.add(param)
+            frozen.append((name, param))
+    return frozen
+
+
 def _warn_left_out(names: dict[torch.nn.Parameter, str], groups: list[list[tuple[str, torch.nn.Parameter]]]) -> None:
-    """Trainable parameters in no param group are never updated: they stay outside the chunks, as
-    frozen ones do (their gradients are neither kept nor averaged across ranks); say which."""
+    """Trainable parameters in no param group are never updated: they stay outside the chunks (their
+    gradients are neither kept nor averaged across ranks); say which."""
     grouped = {param for group in groups for _, param in group}
     left_out = [name for param, name in names.items() if param.requires_grad and param not in grouped]
     if left_out:
         shown = ", ".join(left_out[:8]) + (f" and {len(left_out) - 8} more" if len(left_out) > 8 else "")
         logger.warning(
             "ds_patrickstar: %d trainable parameter(s) are in no optimizer param group and will not be "
-            "trained (kept outside the chunks, as frozen ones are): %s. Pass model_parameters="
+            "trained (kept outside the chunks): %s. Pass model_parameters="
             "model.parameters(), or set requires_grad=False on parameters you mean to freeze",
             len(left_out),
             shown,
@@ -199,13 +211,7 @@ def make_accelerator(
         return HostAccelerator()
 
     budget = resolve_budget(options.device_budget, device, emulate)
-    plan = plan_for_rank(
-        [s.capacity for s in specs],
-        [owner_of(i, comm.world_size) for i in range(len(specs))],
-        comm.rank,
-        dtype.itemsize,
-        accumulate,
-    )
+    plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
     check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size, on_disk)
     check_budget_holds(budget, largest_group_bytes(specs, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
     return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)

@@ -227,6 +227,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         optimizer step, applied or skipped (see ``PatrickStarEngine._take_model_step``)."""
         device, host = self.model_data_bytes_split()
         self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
+        self.counters.frozen_bytes_device, self.counters.frozen_bytes_host = self.frozen_bytes_split()
         self.counters.host_bytes_allocated = self.accel.host_pool.allocated
         disk = self.parts.disk
         if disk is not None:
@@ -250,6 +251,12 @@ class PatrickStarOptimizer(ZeROOptimizer):
         device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim")) - self.accel.in_flight_bytes()
         host = self.parts.store.host_bytes + self.optim_states.bytes_on_host()
         return self.placement.split_model_bytes(device, host)
+
+    def frozen_bytes_split(self) -> tuple[int, int]:
+        """This rank's frozen chunks (see [Note: frozen chunks]), ``(on the accelerator, on the host)``."""
+        owned = [c for c in self.chunk_map.chunks if not c.trainable and self.chunk_map.is_owned(c)]
+        host = sum(c.nbytes for c in owned if c.on_host)
+        return self.placement.split_model_bytes(sum(c.nbytes for c in owned) - host, host)
 
     def model_data_bytes(self) -> int:
         """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""

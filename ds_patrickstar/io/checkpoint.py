@@ -108,7 +108,7 @@ def optimizer_state(
     chunk by chunk, piece by piece (see [Note: disk tier checkpoints])."""
     layout = {
         info.name: (tuple(info.shape), [(p.chunk_id, p.offset, p.start, p.numel) for p in info.pieces])
-        for info in chunk_map.infos()
+        for info in chunk_map.trainable_infos()  # frozen ones are in the module state (see [Note: frozen chunks])
     }
     chunks: dict[int, dict[str, Any]] = {}
     for cid in sorted(states.chunks):
@@ -177,7 +177,7 @@ def check_same_model(chunk_map: ChunkMap, saved_layout: dict[str, tuple]) -> Non
 
 def check_same_shapes(chunk_map: ChunkMap, saved_shapes: dict[str, Any]) -> None:
     """Raise :class:`CheckpointError` naming the first differences between the checkpoint and the model."""
-    ours = {info.name: tuple(info.shape) for info in chunk_map.infos()}
+    ours = {info.name: tuple(info.shape) for info in chunk_map.trainable_infos()}
     theirs = {name: tuple(shape) for name, shape in saved_shapes.items()}
     problems = [f"{n} missing from the checkpoint" for n in sorted(ours.keys() - theirs.keys())]
     problems += [
@@ -244,7 +244,7 @@ def _with_folder(sd: Any, path: str) -> Any:
 def _overlapping_saved_chunks(chunk_map: ChunkMap, saved: dict) -> set[int]:
     """Saved chunk ids holding elements of the pieces this rank owns now."""
     chunks = set()
-    for info in chunk_map.infos():
+    for info in chunk_map.trainable_infos():
         ours = [p for p in info.pieces if chunk_map.is_owned(chunk_map.chunks[p.chunk_id])]
         if ours and info.name in saved.get("layout", {}):
             chunks |= {cid for _, _, cid, _ in _overlaps(ours, _entry(saved["layout"][info.name])[1])}
@@ -256,7 +256,7 @@ def load_optimizer_states(
 ) -> dict:
     """Copy the elements of every owned piece from whichever saved rank held them into the states
     (spilled ones piece by piece through the disk tier's cache); returns one saved dict."""
-    owned = {info.name: [p for p in info.pieces if p.chunk_id in states.chunks] for info in chunk_map.infos()}
+    owned = {info.name: [p for p in info.pieces if p.chunk_id in states.chunks] for info in chunk_map.trainable_infos()}
     owned = {name: pieces for name, pieces in owned.items() if pieces}
     covered = dict.fromkeys(owned, 0)
     keys = ("master", "exp_avg", "exp_avg_sq") if load_moments else ("master",)

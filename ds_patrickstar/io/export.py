@@ -12,11 +12,12 @@ against the budget), copied to the host and freed. The accelerator never holds m
 one extra group, so models larger than the accelerator budget can be saved and exported.
 
 ``load_state_dict()`` needs no collective: each rank writes the values of the parameters
-it owns into its chunks (wherever they live) and into their fp32 masters (at the precision
-given), and takes those keys out of torch's own copy step. :func:`ds_patrickstar.load_pretrained`
-streams checkpoint files through the same :meth:`ChunkExport.write_value`. ``get_fp32_state_dict()``
-streams the masters the same way. :func:`ds_patrickstar.gathered_parameters` points every parameter at a host copy for
-the duration of a ``with`` block (for reading; writes are discarded).
+it owns into its chunks (wherever they live) and into their fp32 masters (at the
+precision given; a frozen parameter has none), and takes those keys out of torch's own
+copy step. :func:`ds_patrickstar.load_pretrained` streams checkpoint files through the same
+:meth:`ChunkExport.write_value`. ``get_fp32_state_dict()`` streams the masters the same way.
+:func:`ds_patrickstar.gathered_parameters` points every parameter at a host copy for the
+duration of a ``with`` block (for reading; writes are discarded).
 
 [Note: tied weights saved once]
 Every name of a tied parameter (GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) gets
@@ -74,6 +75,7 @@ class ChunkExport:
         self.optim_states = optim_states
         self.accel = accel
         self._consumed: list[str] = []
+        self.skip_frozen = False  # state_dict() leaves frozen parameters out (exclude_frozen_parameters)
 
     # ---- streaming out ------------------------------------------------------------------
     def _group_on_host(
@@ -83,7 +85,7 @@ class ChunkExport:
         chunk's (ready) tensor. A collective with data parallelism."""
         members = self.map.group_members(group)
         if self.comm.world_size == 1:
-            return [values_of(members[0]).to("cpu", copy=True)]
+            return [values_of(members[0]).to("cpu", dtype, copy=True)]
         capacity, rank = members[0].capacity, self.comm.rank
         flat = self.accel.empty(capacity * len(members), dtype, "gather", f"{what} of chunk group {group}")
         try:
@@ -95,16 +97,35 @@ class ChunkExport:
             self.accel.free(flat, "gather")
 
     def iter_host_groups(self, fp32_masters: bool = False) -> Iterator[tuple[list[Chunk], list[torch.Tensor]]]:
-        """``(members, host values)`` per chunk group: the low-precision values, or the fp32 masters."""
+        """``(members, host values)`` per chunk group: the low-precision values, or the fp32 masters (a
+        frozen group has none: its values in fp32, see [Note: frozen chunks])."""
         for group in range(self.map.num_groups):
             members = self.map.group_members(group)
-            if fp32_masters:
+            if self.skip_frozen and not self.map.is_trainable_group(group):
+                continue
+            if fp32_masters and not self.map.is_trainable_group(group):
+                hosts = self._group_on_host(group, lambda c: c.ready(), torch.float32, "frozen values")
+            elif fp32_masters:
                 hosts = self._group_on_host(
                     group, lambda c: self.optim_states.master_values(c.chunk_id), torch.float32, "fp32 masters"
                 )
             else:
                 hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
             yield members, hosts
+
+    @contextlib.contextmanager
+    def without_frozen(self, skip: bool = True) -> Iterator[None]:
+        """Inside the block (``skip``), ``state_dict()`` gathers no frozen group: DeepSpeed's
+        ``exclude_frozen_parameters`` drops those entries, so their values are never read."""
+        self.skip_frozen = skip
+        try:
+            yield
+        finally:
+            self.skip_frozen = False
+
+    def frozen_names(self, module: torch.nn.Module) -> set[str]:
+        """Every name of every frozen chunk parameter."""
+        return {n for info, names in self.names(module, "").items() if not info.trainable for n in names}
 
     def names(self, module: torch.nn.Module, prefix: str) -> dict[TensorInfo, list[str]]:
         """Every name (aliases of tied or shared parameters included) of every chunk parameter."""

@@ -20,8 +20,9 @@ At ``deepspeed.initialize`` (:class:`DeferredModel`):
    module has one, then the root model's ``_init_weights(module)`` (the Hugging Face
    convention, also used by ``benchmarks/gpt_model.py``). The RNG is seeded from
    ``(seed, module name)`` and the values are written into the slices of the chunks this
-   rank owns; chunks of other ranks are never materialized. A deferred parameter that is
-   in no chunk (frozen) is materialized whole on every rank.
+   rank owns; chunks of other ranks are never materialized. Frozen parameters are in chunks
+   too (see [Note: frozen chunks]); a deferred parameter in no chunk (not floating point, or
+   trainable and in no param group) is materialized whole on every rank.
 
 What "same seed" means: with the same ``seed`` (default: ``torch.initial_seed()`` when the
 ``Init`` block is entered) the values are the same on any world size and any
@@ -267,7 +268,7 @@ class DeferredModel:
     @staticmethod
     def _write(param: nn.Parameter, value: torch.Tensor, chunk_map: ChunkMap) -> None:
         info = chunk_map.info(param)
-        if info is None:  # frozen or outside the optimizer: whole, on every rank
+        if info is None:  # in no chunk: whole, on every rank
             param.data = value.detach().to(param.dtype)
             return
         chunk_map.write_pieces(info, value.detach().reshape(-1), lambda chunk: chunk.ready())

@@ -9,8 +9,9 @@ memory-mapped), so the extra host memory is at most one shard, never a full-mode
 rank. Each rank writes only the parameters of the chunks it owns, into the low-precision slot
 and the fp32 master (at the checkpoint's precision), through
 :meth:`~ds_patrickstar.io.export.ChunkExport.write_value`, the path ``engine.module.load_state_dict``
-takes too. Buffers and parameters that are not in a chunk (frozen) are copied whole on every
-rank. No collective: every rank reads the files itself.
+takes too; frozen parameters are in chunks as well and get their owned slices only (see
+[Note: frozen chunks]). Buffers and parameters that are not in a chunk (not floating point) are
+copied whole on every rank. No collective: every rank reads the files itself.
 """
 
 from __future__ import annotations

@@ -55,11 +55,11 @@ def build_chunk_map(
 
 
 def check_bindable(specs: list[ChunkSpec], has_values: Callable[[torch.nn.Parameter], bool]) -> None:
-    """Raise ``ValueError`` for a parameter that cannot be bound: its dtype is not its chunks', or its
-    storage does not hold the values it should have."""
+    """Raise ``ValueError`` for a parameter that cannot be bound: its dtype is not its chunks' (a frozen
+    one is cast to them, see [Note: frozen chunks]), or its storage does not hold the values it should have."""
     for spec in specs:
         for name, param, *_ in spec.members:
-            if param.dtype != spec.dtype:
+            if param.dtype != spec.dtype and spec.kind.trainable:
                 raise ValueError(
                     f"parameter {name} has dtype {param.dtype} but its param group's chunks "
                     f"hold {spec.dtype}; put parameters of different dtypes in different param groups"
@@ -71,8 +71,8 @@ def check_bindable(specs: list[ChunkSpec], has_values: Callable[[torch.nn.Parame
 @torch.no_grad()
 def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: bool) -> None:
     """The parameter becomes a view of its chunk payload (of its joined buffer when it straddles
-    chunks); its values go into the owned pieces (on the host with placement) when it
-    ``has_values``, and its own storage is dropped."""
+    chunks); its values go into the owned pieces (on the host with placement, cast to the chunk's
+    dtype) when it ``has_values``, and its own storage is dropped."""
     chunk = chunk_map.chunk_of(info)
     if has_values:
         chunk_map.write_pieces(info, info.param.data.reshape(-1), lambda c: c.ready())

@@ -8,7 +8,9 @@ gives each rank's owned elements. Model data per rank is
 * fp32 master, momentum and variance: 12 bytes per owned element;
 * with gradient accumulation, an fp32 accumulator per owned element: 4 bytes (with one rank every
   element is owned; with ``W`` ranks a rank accumulates only what it owns, see
-  [Note: gradient accumulation] in groups/grads.py).
+  [Note: gradient accumulation] in groups/grads.py);
+* frozen parameters (see [Note: frozen chunks] in chunks/kind.py): ``lp_bytes`` per owned frozen
+  element and nothing else.
 
 With placement these bytes may live on the accelerator (up to its budget) or on the host,
 so the run fits when they are at most budget + available host memory; and the budget must hold
@@ -39,15 +41,17 @@ __all__ = [
     "largest_group_bytes",
     "local_world_size",
     "plan_for_rank",
+    "plan_for_specs",
 ]
 
 
 @dataclass(frozen=True)
 class ModelDataPlan:
-    owned_elements: int
-    total_elements: int
+    owned_elements: int  # trainable elements this rank owns
+    total_elements: int  # every chunk element of every rank, both kinds
     lp_bytes: int
     accumulate: bool
+    frozen_elements: int = 0  # frozen elements this rank owns (see [Note: frozen chunks])
 
     @property
     def bytes_per_owned_element(self) -> int:
@@ -57,14 +61,41 @@ class ModelDataPlan:
     def model_data_bytes(self) -> int:
         """Model data on this rank, device and host together."""
         acc = ACC_BYTES_PER_ELEMENT if self.accumulate else 0
-        return self.owned_elements * (self.bytes_per_owned_element + acc)
+        return self.owned_elements * (self.bytes_per_owned_element + acc) + self.frozen_bytes
+
+    @property
+    def frozen_bytes(self) -> int:
+        """The owned frozen chunks: their payload only."""
+        return self.frozen_elements * self.lp_bytes
 
 
 def plan_for_rank(
-    capacities: list[int], owners: list[int], rank: int, lp_bytes: int, accumulate: bool
+    capacities: list[int],
+    owners: list[int],
+    rank: int,
+    lp_bytes: int,
+    accumulate: bool,
+    frozen: list[bool] | None = None,
 ) -> ModelDataPlan:
-    owned = sum(c for c, o in zip(capacities, owners) if o == rank)
-    return ModelDataPlan(owned, sum(capacities), lp_bytes, accumulate)
+    """This rank's model data from the chunks' capacities, owners and (``frozen``) kinds."""
+    kinds = frozen or [False] * len(capacities)
+    owned = sum(c for c, o, f in zip(capacities, owners, kinds) if o == rank and not f)
+    owned_frozen = sum(c for c, o, f in zip(capacities, owners, kinds) if o == rank and f)
+    return ModelDataPlan(owned, sum(capacities), lp_bytes, accumulate, owned_frozen)
+
+
+def plan_for_specs(
+    specs: list[ChunkSpec], world_size: int, rank: int, lp_bytes: int, accumulate: bool
+) -> ModelDataPlan:
+    """:func:`plan_for_rank` of a chunk plan (chunk ``i`` owned by rank ``i % world_size``)."""
+    return plan_for_rank(
+        [s.capacity for s in specs],
+        [i % world_size for i in range(len(specs))],
+        rank,
+        lp_bytes,
+        accumulate,
+        [not s.kind.trainable for s in specs],
+    )
 
 
 def largest_fitting_params(plan: ModelDataPlan, available: int, world_size: int) -> int:
@@ -84,11 +115,19 @@ def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size
     raise ValueError(
         f"the model data needs {need / 2**30:.2f} GiB on this rank ({plan.bytes_per_owned_element} "
         f"bytes per owned parameter x {plan.owned_elements:,} owned elements"
-        f"{', + 4 bytes per owned parameter for gradient accumulation' if plan.accumulate else ''}) but the "
+        f"{', + 4 bytes per owned parameter for gradient accumulation' if plan.accumulate else ''}"
+        f"{_frozen_part(plan)}"
+        f") but the "
         f"accelerator budget ({budget / 2**30:.2f} GiB) plus free host memory give "
         f"{available / 2**30:.2f} GiB; the largest model that would fit has about "
         f"{fits / 1e6:,.0f}M parameters at this world size"
     )
+
+
+def _frozen_part(plan: ModelDataPlan) -> str:
+    if not plan.frozen_elements:
+        return ""
+    return f", + {plan.lp_bytes} bytes x {plan.frozen_elements:,} owned frozen elements"
 
 
 def largest_group_bytes(specs: list[ChunkSpec], lp_bytes: int, world_size: int, accumulate: bool) -> int:
