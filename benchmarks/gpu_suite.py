@@ -22,7 +22,8 @@ and no trial dies in one. Then:
    RSS and the CUDA host allocator's statistics against ours' counted host bytes);
 6. ``dynamic_padding``: tokens/s of a GPT-2-medium-class model whose batches are padded to their own longest
    sequence (a length per step) beside the same run at the longest length, ours (device budget below the
-   model: 8 bytes/param) and ZeRO-3 offload, one process per trial (``gpu_suite_trial.py --dynamic-padding``);
+   model: 6 bytes/param plus 3 GiB for activations) and ZeRO-3 offload, one process per trial
+   (``gpu_suite_trial.py --dynamic-padding``);
    the dry run measures ours only, at the smallest dry size;
 7. ``lora``, with the time the parts above leave (it takes none of theirs): LoRA (adapters of rank ``--lora-rank``
    on every linear layer of the blocks, the rest frozen) of a base larger than ours' device budget
@@ -87,8 +88,9 @@ DRY_STOCK_SKIP = {
     "dynamic_padding": "dry run: stock ZeRO-3 costs ~10 s per trial; its throughput part runs it once",
 }
 DYNAMIC_SIZE = ("gpt2-medium", "gpt2-medium", {})
-DYNAMIC_BUDGET_BYTES_PER_PARAM = 8  # ours' device budget: half the model's 16 bytes/param
-LORA_GPU_SIZE = ("gpt-1.3b", "gpt-1.3b", {})  # a bf16 base of ~2.6 GB against ours' 1 GiB device budget
+DYNAMIC_BUDGET_BYTES_PER_PARAM = 6  # ours' device budget: room for under half of its 14 bytes/param of model data,
+DYNAMIC_ACTIVATION_ROOM = 3 * 2**30  # plus the non-model peak at batch 8 x 512 (2.2 GB + 0.3 GB stranded, H200)
+LORA_GPU_SIZE = ("gpt-1.3b", "gpt-1.3b", {})  # a bf16 base of ~2.6 GB, ~1.1 GB of activations at 8 x 512, 3 GiB budget
 DRY_LORA = {"chunk_size": 8192, "budget": 200_000}  # the tiny base's frozen bf16 chunks take ~220 kB
 
 
@@ -109,7 +111,7 @@ def parse_args(argv=None):
     p.add_argument("--max-grow", type=float, default=1.5, help="max_model: factor of the walk up")
     p.add_argument("--max-depth", type=int, default=96, help="max_model: deepest try (dry 1)")
     p.add_argument("--lora-rank", type=int, default=16, help="lora: rank of the adapters (dry 4)")
-    p.add_argument("--lora-budget", type=float, default=1.0, help="lora: ours' device_budget in GiB (GPU)")
+    p.add_argument("--lora-budget", type=float, default=3.0, help="lora: ours' device_budget in GiB (GPU)")
     p.add_argument("--to-docs", metavar="JSON", help="write that suite JSON's tables into --docs and exit")
     p.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"), help="page --to-docs rewrites")
     args = p.parse_args(argv)
@@ -336,7 +338,7 @@ def run_dynamic_padding(ctx, args, deadline: float) -> dict:
                 continue
             extra = ["--dynamic-padding"] if padding == "dynamic" else []
             if backend == "ours" and not args.dry_run:
-                extra += ["--device-budget", str(DYNAMIC_BUDGET_BYTES_PER_PARAM * params)]
+                extra += ["--device-budget", str(DYNAMIC_BUDGET_BYTES_PER_PARAM * params + DYNAMIC_ACTIVATION_ROOM)]
             with tempfile.TemporaryDirectory() as tmp:
                 out, port = Path(tmp) / "trial.json", free_port()
                 cmd = trial_command(args, backend, preset, overrides, out) + extra
