@@ -184,6 +184,7 @@ def test_wheel_ships_the_autoload_hook_into_site_packages(wheel):
 
 
 _FROM_THE_WHEEL = """import site, sys
+sys.path.extend(site.getsitepackages())  # torch and deepspeed, without running any .pth found there (-S)
 assert "ds_patrickstar_autoload" not in sys.modules  # nothing on this interpreter's own paths installs it
 site.addsitedir(sys.argv[1])  # the folder pip installed the wheel into, as site-packages: runs its .pth
 hook = sys.modules["ds_patrickstar_autoload"]
@@ -204,7 +205,8 @@ def test_stage_registers_from_the_hook_a_wheel_installs(wheel, tmp_path):
         pytest.skip(f"pip cannot install the wheel into a folder here: {installed.stderr[-500:]}")
     (tmp_path / "from_wheel.py").write_text(_FROM_THE_WHEEL)
     env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-s", "from_wheel.py", str(target)], env=env, cwd=tmp_path,
+    # -S: site-packages' own .pth files (an editable install's hook and finder) must not run
+    done = subprocess.run([sys.executable, "-S", "from_wheel.py", str(target)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert "registered: True" in _ok(done).stdout
 
