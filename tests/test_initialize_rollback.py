@@ -314,3 +314,27 @@ def test_closing_swap_files_again_leaves_a_later_runs_folder(tmp_path):
     old.close()
     assert os.path.isfile(new.path(0))
     new.close()
+
+
+def test_hook_registration_failing_part_way_leaves_no_hook_on_the_model():
+    """A registration that raises part way (here ``info_of`` on the second layer's parameters)
+    removes the hooks it had registered: the model is left without any of ours."""
+    from ds_patrickstar.integration.hooks import HookRegistry
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    first = set(map(id, model[0].parameters()))
+
+    def info_of(param):
+        if id(param) not in first:
+            raise RuntimeError("no chunk for this parameter")
+        return None
+
+    with pytest.raises(RuntimeError, match="no chunk"):
+        HookRegistry(model, info_of, target=None)  # type: ignore[arg-type]  # never called: no forward runs
+    hooks = [
+        (name, kind)
+        for name, sub in model.named_modules()
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+        if getattr(sub, kind)
+    ]
+    assert hooks == []

@@ -119,13 +119,27 @@ class HookRegistry:
         blocks: Sequence[torch.nn.Module] = (),
         leaves: Mapping[torch.nn.Module, list[TensorInfo]] | None = None,
     ) -> None:
-        leaves = leaves or {}
         self._target = target
-        self._handles: list[RemovableHandle] = [
+        self._handles: list[RemovableHandle] = []
+        try:
+            self._register_all(module, info_of, blocks, leaves or {})
+        except BaseException:
+            self.remove()  # a registration that fails part way leaves no hook behind
+            raise
+
+    def _register_all(
+        self,
+        module: torch.nn.Module,
+        info_of: Callable[[torch.Tensor], TensorInfo | None],
+        blocks: Sequence[torch.nn.Module],
+        leaves: Mapping[torch.nn.Module, list[TensorInfo]],
+    ) -> None:
+        target = self._target
+        self._handles.append(
             module.register_forward_pre_hook(
                 lambda mod, args, kwargs: target.root_forward_start((args, kwargs)), with_kwargs=True
-            ),
-        ]
+            )
+        )
         for index, block in enumerate(blocks):  # registered before the blocks' own: see [Note: activation offload]
             self._handles.append(
                 block.register_forward_pre_hook(
