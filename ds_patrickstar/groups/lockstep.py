@@ -99,12 +99,21 @@ class Lockstep:
         ).rstrip()
 
 
+def first_difference(moments: list[list[str]]) -> int | None:
+    """The first index at which the ranks' moments differ (a rank with none left there differs), or None."""
+    for index in range(max((len(m) for m in moments), default=0)):
+        if len({m[index] if index < len(m) else None for m in moments}) > 1:
+            return index
+    return None
+
+
 def _first_difference(moments: list[list[str]]) -> str:
     """Where the ranks' moments since their last agreed collective first differ, in words."""
-    length = max(len(m) for m in moments)
-    for index in range(length):
-        seen = [m[index] if index < len(m) else None for m in moments]
-        if len(set(seen)) > 1:
-            ran = "; ".join(f"rank {r}: {s[4:] + ' (' + s[:3] + ')' if s else 'none'}" for r, s in enumerate(seen))
-            return f"The modules they ran first differ after {index} common moments: {ran}."
-    return "They ran the same modules since their last agreed collective; they differ in what they keep or prefetch."
+    index = first_difference(moments)
+    if index is None:
+        return (
+            "They ran the same modules since their last agreed collective; they differ in what they keep or prefetch."
+        )
+    seen = [m[index] if index < len(m) else None for m in moments]
+    ran = "; ".join(f"rank {r}: {s[4:] + ' (' + s[:3] + ')' if s else 'none'}" for r, s in enumerate(seen))
+    return f"The modules they ran first differ after {index} common moments: {ran}."

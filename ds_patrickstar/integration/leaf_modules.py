@@ -15,6 +15,7 @@ import torch
 from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
 
 from ..chunks.chunk import TensorInfo
+from ..groups.lockstep import first_difference
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
@@ -23,8 +24,9 @@ def leaf_tensors(
     module: torch.nn.Module, info_of: Callable[[torch.Tensor], TensorInfo | None]
 ) -> dict[torch.nn.Module, list[TensorInfo]]:
     """Every outermost leaf module of ``module`` (a leaf inside a leaf is part of it, as in ZeRO-3) with the
-    trainable tensors of its subtree, each once, in module order. A parameter inside a leaf that a module
-    outside it holds too raises ``ValueError``: its gradient would be handed over before its last use."""
+    chunk tensors of its subtree (trainable and frozen), each once, in module order. A parameter inside a
+    leaf that a module outside it holds too raises ``ValueError``: its gradient would be handed over before
+    its last use."""
     leaves = get_z3_leaf_modules(module)
     inner = {id(m) for leaf in leaves for m in leaf.modules() if m is not leaf}
     outermost = [leaf for leaf in leaves if id(leaf) not in inner]
@@ -65,11 +67,10 @@ def divergence_advice(module: torch.nn.Module) -> Callable[[list[list[str]]], st
 
 def _first_different_names(moments: list[list[str]]) -> list[str]:
     """The module names of the first moment at which the ranks differ (a rank with no more moments left out)."""
-    for index in range(max((len(m) for m in moments), default=0)):
-        seen = [m[index] for m in moments if index < len(m)]
-        if len(seen) < len(moments) or len(set(seen)) > 1:
-            return sorted({label.split(":", 1)[-1] for label in seen})
-    return []
+    index = first_difference(moments)
+    if index is None:
+        return []
+    return sorted({m[index].split(":", 1)[-1] for m in moments if index < len(m)})
 
 
 def _nearest_block(module: torch.nn.Module, names: list[str]) -> str:
