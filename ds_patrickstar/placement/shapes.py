@@ -19,7 +19,7 @@ goes on (placement makes room from the tide it measures) and, at the step, the t
 those moments is raised to what was measured and everything planned from the tide is planned
 again from it: which optimizer states live on the accelerator, the agreed gather plan; "auto"
 activation offload keeps its blocks and plans with the raised tide (a *re-plan*, counted by
-``tide_replans``). A trace whose order differs (control flow) is traced anew, as before.
+``tide_replans``). A trace whose order differs (control flow) is traced anew.
 
 Every plan made from a trace follows it: the optimizer-state plan, the gather plan and "auto"
 activation offload are made again after a re-trace or a re-plan only. The counters give each
