@@ -69,9 +69,11 @@ def ds_config(args) -> dict:
         cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
     else:  # zero3-nvme: each swapped-in parameter takes one buffer, which must hold the largest (the embedding)
         room = max(10**8, args.vocab * args.width)
-        cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap,
-                                                                  "buffer_size": room,
-                                                                  "buffer_count": args.nvme_buffers}}
+        from bench_utils import ZERO3_MEMORY_TUNED  # fewer parameters live and prefetched: fewer buffers taken
+
+        cfg["zero_optimization"] = {"stage": 3, **ZERO3_MEMORY_TUNED,
+                                    "offload_param": {"device": "nvme", "nvme_path": swap, "buffer_size": room,
+                                                      "buffer_count": args.nvme_buffers}}
         cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                       "overlap_events": True}
     return cfg
