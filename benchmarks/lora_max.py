@@ -12,8 +12,10 @@ builds it as its users would, in a process of its own, and trains ``--steps`` st
 * ``patrickstar-disk``: the same with the frozen chunks on disk (``"offload_param": {"device": "nvme",
   "nvme_path": DIR}`` and ``"host_budget"`` ``--host-budget-gib``);
 * ``zero3-cpu``: stock ZeRO-3 with ``deepspeed.zero.Init`` and ``offload_param`` ``cpu``;
-* ``zero3-nvme``: the same with ``offload_param`` ``nvme`` under ``DIR`` (skipped, with the reason, where
-  DeepSpeed's async_io op does not load: it needs ``libaio-dev``);
+* ``zero3-nvme``: the same with ``offload_param`` ``nvme`` under ``DIR``, ``--nvme-buffers`` parameter buffers
+  and ZeRO-3's memory knobs turned down (``bench_utils.ZERO3_MEMORY_TUNED``): DeepSpeed's defaults run out of
+  buffers at small depths (skipped, with the reason, where DeepSpeed's async_io op does not load: it needs
+  ``libaio-dev``);
 * ``torch``: plain PyTorch, the base built in bf16, the adapters in fp32 under bf16 autocast,
   ``torch.optim.AdamW`` over the adapters.
 
