@@ -69,12 +69,17 @@ def _can_create_in(path: str) -> bool:
         return False
 
 
-def check_swap_path(path: str, probe: PathProbe, needed: int, reusable: int = 0) -> None:
+def check_swap_path(
+    path: str,
+    probe: PathProbe,
+    needed: int,
+    reusable: int = 0,
+    key: str = "zero_optimization.offload_optimizer.nvme_path",
+) -> None:
     """Raise ``ValueError`` naming ``path``, the bytes needed and the bytes free unless the disk tier
     can keep ``needed`` bytes there (``reusable``: bytes of stale swap files that will be removed)."""
     free = probe.free + reusable
     numbers = f"the disk tier needs {needed:,} bytes there ({needed / 2**30:.2f} GiB), {free:,} bytes are free"
-    key = "zero_optimization.offload_optimizer.nvme_path"
     if not probe.exists:
         problem = "does not exist"
     elif not probe.is_dir:

@@ -71,9 +71,11 @@ def plan_disk_tier(
     comm: ChunkComm,
     dtype: torch.dtype,
     accumulate: bool,
+    key: str = "zero_optimization.offload_optimizer.nvme_path",
 ) -> DiskPlan:
     """What goes to disk on this rank (see [Note: disk tier plan]), after checking ``nvme_path`` has room
-    for it (``nvme``: the disk tier's settings when an offload block names a disk, else None)."""
+    for it (``nvme``: the disk tier's settings when an offload block names a disk, else None; ``key``: the
+    ``nvme_path`` key an error names)."""
     if nvme is None:
         return DiskPlan()
     plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
@@ -87,7 +89,7 @@ def plan_disk_tier(
     result = DiskPlan({c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers)
     needed = sum(record_bytes(c) for c in result.spilled.values()) + sum(result.frozen.values())
     folder = rank_folder(nvme.nvme_path, comm.rank)
-    check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder))
+    check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder), key)
     logger.info(
         "ds_patrickstar: disk tier: host budget %.3f GiB; optimizer states of %d of %d owned chunks and %d of %d "
         "owned frozen chunks on disk (%.3f GiB in %s), %.3f GiB of buffers (pieces of %d elements)",

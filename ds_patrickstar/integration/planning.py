@@ -79,7 +79,9 @@ def plan_run(
     groups = named_param_groups(module, basic_optimizer.param_groups)
     specs = plan_chunks(groups, options.chunk_size, comm.world_size, frozen_parameters(module), dtype)
     buffers = frozen_buffer_count(options.offload_optimizer, options.offload_param)
-    disk = plan_disk_tier(options.nvme, buffers, options.host_budget, specs, comm, dtype, accumulate)
+    block = "offload_optimizer" if options.offload_optimizer is not None else "offload_param"
+    key = f"zero_optimization.{block}.nvme_path"
+    disk = plan_disk_tier(options.nvme, buffers, options.host_budget, specs, comm, dtype, accumulate, key)
     on_disk = host_bytes_saved(options.nvme, disk)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
