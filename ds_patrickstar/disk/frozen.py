@@ -23,8 +23,10 @@ lives on the host with no host buffer (``on_host`` and no ``host``), so it takes
   reads on demand. A read in flight is reached only through :meth:`_Read.ready`, which waits for
   it; under the strict emulated accelerator a read not waited on leaves NaN in the buffer.
 * **Let go after use**: where the accelerator is the host (no placement), a frozen chunk on disk
-  is dropped when its use ends (its group released, or, with one rank, its forward or backward
-  use over; nothing is written); with placement it is evicted like any chunk, for free.
+  is dropped (nothing is written) when its group is released, or, with one rank, once its use is
+  over and ``buffer_count`` chunks were brought since (consecutive modules often share a chunk,
+  and backward starts with the chunks forward ended with), and at the end of backward; with
+  placement it is evicted like any chunk, for free.
 * **Read outside training** (checkpoints, exports, :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`
   of a chunk on disk): through the staging buffers, one record read each, dropped at the next step.
 """
@@ -80,10 +82,13 @@ class FrozenDisk:
         self.buffer_bytes = slot * buffer_count
         self._reads: dict[int, _Read] = {}
         self._staging: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._spare: list[torch.Tensor] = []  # staging buffers not in use (at most STAGING_CHUNKS exist)
         self._dirty: set[int] = set()
         self._blank: set[int] = set()  # never written: the preallocated record reads as zeros
         self._writing = 0
         self.order = GatherOrder()
+        self.keep = buffer_count  # chunks brought from disk kept while unused, where the host is the accelerator
+        self._brought: OrderedDict[int, None] = OrderedDict()  # brought and not let go, least recently first
         self.bytes_read = 0  # frozen records read (training and outside it)
         self._counted = 0
         weakref.finalize(self, _close, io, files)
@@ -136,16 +141,18 @@ class FrozenDisk:
         """Write back what was changed and let the staging buffers go."""
         while self._staging:
             self._evict()
+        self._spare.clear()
 
     # ---- outside training: staging -------------------------------------------------------
     def values(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's values in a staging buffer (read on first use; inside :meth:`writing`, changes
-        are written back); valid until two other chunks are staged."""
+        are written back); valid until :data:`STAGING_CHUNKS` other chunks are staged (the buffers are
+        reused)."""
         cid = chunk.chunk_id
         if cid not in self._staging:
             while len(self._staging) >= STAGING_CHUNKS:
                 self._evict()
-            buffer = self.io.empty(self.nbytes[cid])
+            buffer = self._spare.pop() if self._spare else self.io.empty(max(self.nbytes.values()))
             if cid in self._blank:
                 buffer.zero_()
             else:
@@ -160,7 +167,8 @@ class FrozenDisk:
     def _read_into(self, cid: int, buffer: torch.Tensor) -> None:
         read = self._reads.pop(cid, None)
         if read is not None:
-            buffer.copy_(read.ready()[: self.nbytes[cid]])
+            nbytes = self.nbytes[cid]
+            buffer[:nbytes].copy_(read.ready()[:nbytes])
             self._free.append((read.buffer, None))
             return
         self._read(cid, buffer).wait()
@@ -170,6 +178,7 @@ class FrozenDisk:
         if cid in self._dirty:
             self._dirty.discard(cid)
             self._write(cid, buffer).wait()
+        self._spare.append(buffer)
 
     # ---- training: read ahead ------------------------------------------------------------
     def take(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[Pending], None]]:
@@ -177,15 +186,25 @@ class FrozenDisk:
         that copy: the buffer goes back to the pool once it has completed. Issues the next reads."""
         cid = chunk.chunk_id
         self.order.used(cid)
+        self._brought[cid] = None
+        self._brought.move_to_end(cid)
         if cid in self._staging:
-            buffer = self._staging[cid]
-            done: Callable[[Pending], None] = _keep
+            buffer = self._staging.pop(cid)  # the staged values (a checkpoint read them): copied, then spare
+            done: Callable[[Pending], None] = self._sparer(buffer)
         else:
             read = self._reads.pop(cid, None) or _Read(*self._read_fresh(cid))
             buffer = read.ready()
             done = self._giver(buffer)
         self.read_ahead()
         return self._as(chunk, buffer), done
+
+    def surplus(self, keep: int | None = None) -> list[Chunk]:
+        """Chunks brought from disk and still there beyond the ``keep`` (default: :attr:`keep`) most
+        recently brought, least recently first: those to let go."""
+        for cid in [c for c in self._brought if self.chunks[c].on_host]:
+            del self._brought[cid]
+        ids = list(self._brought)
+        return [self.chunks[c] for c in ids[: max(0, len(ids) - (self.keep if keep is None else keep))]]
 
     def read_ahead(self) -> None:
         """Issue the reads of the next frozen chunks of the recorded order, as far as buffers allow."""
@@ -211,6 +230,13 @@ class FrozenDisk:
         return self.bytes_read - counted
 
     # ---- buffers and requests ------------------------------------------------------------
+    def _sparer(self, buffer: torch.Tensor) -> Callable[[Pending], None]:
+        def spare(after: Pending) -> None:
+            after.wait_host()
+            self._spare.append(buffer)
+
+        return spare
+
     def _giver(self, buffer: torch.Tensor) -> Callable[[Pending], None]:
         def give(after: Pending) -> None:
             self._free.append((buffer, after))
@@ -253,10 +279,6 @@ class FrozenDisk:
         self._staging.clear()
         self._free = []
         _close(self.io, self.files)
-
-
-def _keep(after: Pending) -> None:
-    """A staged buffer stays staged: nothing goes back to the pool."""
 
 
 def _close(io: DiskIO, files: SwapFiles) -> None:

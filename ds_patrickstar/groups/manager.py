@@ -134,7 +134,7 @@ class ChunkManager:
             if self.map.is_owned(chunk):
                 self.placement.after_use(chunk)
         if self.comm.world_size == 1:
-            self._let_go(infos)
+            self._let_go()
             return
         saved = self.run.saves_for_backward()  # a backward will read it; a no-grad forward releases
         for group in sorted(groups):
@@ -156,7 +156,7 @@ class ChunkManager:
                 info.end_backward_use()
                 groups.add(self.map.group_of_info(info))
         if self.comm.world_size == 1:
-            self._let_go(infos)
+            self._let_go()
             return
         for group in sorted(groups):
             if self.residency.is_present(group) and all(
@@ -164,11 +164,12 @@ class ChunkManager:
             ):
                 self.keep.keep(group)
 
-    def _let_go(self, infos: list[TensorInfo]) -> None:
-        """With one rank, the frozen chunks on disk of ``infos`` whose use is over go (see [Note: frozen
-        chunks on disk]); with more, they go when their group is released."""
-        for chunk_id in dict.fromkeys(cid for info in infos if not info.trainable for cid in info.chunk_ids):
-            chunk = self.map.chunks[chunk_id]
+    def _let_go(self, keep: int | None = None) -> None:
+        """With one rank, the frozen chunks brought from disk beyond the most recent ``keep`` go where their
+        use is over (see [Note: frozen chunks on disk]); with more, they go when their group is released."""
+        if self.store.disk is None:
+            return
+        for chunk in self.store.disk.surplus(keep):
             self.groups[self.map.group_of(chunk)].let_go(chunk)
 
     def grads_only(self, infos: list[TensorInfo]) -> bool:
@@ -207,7 +208,7 @@ class ChunkManager:
                 if not group.owned.trainable and group.present:
                     self.residency.release(group.index)
         if self.comm.world_size == 1:
-            self._let_go(self.map.infos())
+            self._let_go(keep=0)
         self.grads.end_backward(boundary)
 
     def grads_ready(self) -> bool:

@@ -66,6 +66,10 @@ class DiskChunks(Protocol):
     def next_step(self) -> None:
         """A step is over (the order of reads ahead starts again)."""
 
+    def surplus(self, keep: int | None = None) -> list[Chunk]:
+        """Chunks brought from disk beyond the ``keep`` most recent, least recently brought first."""
+        ...
+
 
 class ChunkStore:
     """Creates, frees and moves chunk buffers; keeps running totals of what is where."""
