@@ -192,15 +192,19 @@ def _resume(rank, world_size, ckpt, swap, exclude):
         torch.save(shifted, os.path.join(ckpt, "shifted.pt"))
         ds_patrickstar.load_pretrained(resumed, os.path.join(ckpt, "shifted.pt"), strict=False)
     resumed.load_checkpoint(ckpt, tag="t")
-    return whole, first + _lora_steps(resumed, 2, 2)
+    from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
+
+    return whole, first + _lora_steps(resumed, 2, 2), set(consolidate_fp32_state_dict(ckpt, "t"))
 
 
 @pytest.mark.parametrize("exclude", [True, False])
 def test_checkpoint_resume_with_the_frozen_base_on_disk_is_exact(tmp_path, exclude):
     """A checkpoint of a run with the frozen base on disk, with or without its frozen values, resumes bit for
-    bit (saving reads the records, loading writes them)."""
-    ((whole, resumed),) = run_ranks(_resume, 1, str(tmp_path / "ckpt"), str(tmp_path / "swap"), exclude)
+    bit (saving reads the records, loading writes them); ``zero_to_fp32`` gives what was saved."""
+    ((whole, resumed, consolidated),) = run_ranks(_resume, 1, str(tmp_path / "ckpt"), str(tmp_path / "swap"), exclude)
     assert resumed == whole
+    frozen = {n for n, p in LoraStack().named_parameters() if not p.requires_grad}
+    assert bool(frozen & consolidated) is not exclude and frozen & consolidated in (set(), frozen)
 
 
 def test_offload_param_nvme_turns_the_tier_on_and_both_blocks_must_agree(caplog):

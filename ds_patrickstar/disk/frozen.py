@@ -90,7 +90,7 @@ class FrozenDisk:
         self.keep = buffer_count  # chunks brought from disk kept while unused, where the host is the accelerator
         self._brought: OrderedDict[int, None] = OrderedDict()  # brought and not let go, least recently first
         self.bytes_read = 0  # frozen records read (training and outside it)
-        self._counted = 0
+        self._counted: tuple[int, float, float] = (0, 0.0, 0.0)
         weakref.finalize(self, _close, io, files)
 
     def adopt(self, chunk: Chunk) -> None:
@@ -224,10 +224,11 @@ class FrozenDisk:
             self._free.append((self._reads.pop(cid).ready(), None))
         self.read_ahead()
 
-    def take_bytes_read(self) -> int:
-        """Bytes of frozen records read since the last call."""
-        counted, self._counted = self._counted, self.bytes_read
-        return self.bytes_read - counted
+    def take_counts(self) -> tuple[int, float, float]:
+        """Since the last call: bytes of frozen records read, seconds of the I/O threads, seconds waited."""
+        now = (self.bytes_read, self.io.io_seconds, self.io.wait_seconds)
+        before, self._counted = self._counted, now
+        return now[0] - before[0], now[1] - before[1], now[2] - before[2]
 
     # ---- buffers and requests ------------------------------------------------------------
     def _sparer(self, buffer: torch.Tensor) -> Callable[[Pending], None]:

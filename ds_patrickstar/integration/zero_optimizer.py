@@ -241,8 +241,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
             self.counters.model_bytes_disk, self.counters.disk_buffer_bytes = disk.bytes_on_disk, disk.buffer_bytes
         frozen = self.parts.frozen_disk
         if frozen is not None:  # its reads go through the same I/O, counted by the states' counts when they exist
-            read = frozen.take_bytes_read()
-            self.counters.disk_bytes_read = read if disk is None else self.counters.disk_bytes_read
+            read, io_seconds, wait_seconds = frozen.take_counts()
+            if disk is None:
+                self.counters.disk_bytes_read, self.counters.disk_io_seconds = read, io_seconds
+                self.counters.disk_wait_seconds = wait_seconds
             self.counters.disk_buffer_bytes += frozen.buffer_bytes
         self.last_step_counters = self.counters.as_dict()
         self.counters.reset()
