@@ -15,7 +15,8 @@ lives on the host with no host buffer (``on_host`` and no ``host``), so it takes
   chunk's values go through a staging buffer of a few chunks that is written back when it is
   evicted or the block ends. Frozen values never change in training: nothing else writes.
 * **Read ahead in trace order**: a chunk is brought (placement's move to the accelerator, or a
-  chunk group's gather) from one of ``buffer_count`` aligned host buffers that a read filled
+  chunk group's gather) from one of ``buffer_count`` aligned host buffers (pinned for the
+  accelerator's copies where it has any) that a read filled
   (:meth:`FrozenDisk.take`), then the buffer goes back once its copy has completed. The
   sequence of frozen chunks brought in a step repeats (every rank runs the same modules, see
   [Note: gather order]): :class:`~ds_patrickstar.groups.gather_order.GatherOrder` records it, and
@@ -91,7 +92,16 @@ class FrozenDisk:
         self._brought: OrderedDict[int, None] = OrderedDict()  # brought and not let go, least recently first
         self.bytes_read = 0  # frozen records read (training and outside it)
         self._counted: tuple[int, float, float] = (0, 0.0, 0.0)
+        self._pinned: list[int] = []  # addresses of read buffers pinned for the accelerator
+        self._unpin: Callable[[int], None] | None = None
         weakref.finalize(self, _close, io, files)
+
+    def pin_buffers(self, pin: Callable[[int, int], None], unpin: Callable[[int], None]) -> None:
+        """Pin the read buffers for asynchronous copies to the accelerator (unpinned at :meth:`close`)."""
+        for buffer, _ in self._free:
+            pin(buffer.data_ptr(), buffer.numel())
+            self._pinned.append(buffer.data_ptr())
+        self._unpin = unpin
 
     def adopt(self, chunk: Chunk) -> None:
         """``chunk`` lives on disk if the plan put it there."""
@@ -277,9 +287,23 @@ class FrozenDisk:
             with contextlib.suppress(OSError):
                 read.ready()
         self._reads.clear()
+        for after in [a for _, a in self._free if a is not None]:
+            with contextlib.suppress(Exception):
+                after.wait_host()  # a copy still reading a buffer completes before it is unpinned
+        self._unpin_all()
         self._staging.clear()
         self._free = []
         _close(self.io, self.files)
+
+    def _unpin_all(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        if self._unpin is not None:
+            for address in pinned:
+                self._unpin(address)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # never closed: the read buffers go with it, unpinned first
+            self._unpin_all()
 
 
 def _close(io: DiskIO, files: SwapFiles) -> None:

@@ -6,6 +6,7 @@ See [Note: disk tier plan] for the arithmetic and [Note: disk tier] for what run
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -121,10 +122,15 @@ def host_bytes_saved(nvme: NvmeOffload | None, plan: DiskPlan) -> int:
 
 
 def open_disk_tier(
-    nvme: NvmeOffload | None, plan: DiskPlan, rank: int, poison: bool
+    nvme: NvmeOffload | None,
+    plan: DiskPlan,
+    rank: int,
+    poison: bool,
+    pins: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
 ) -> tuple[DiskStates | None, FrozenDisk | None]:
     """The swap files and the I/O of the spilled chunks and the frozen chunks on disk (None for a part
-    that holds nothing)."""
+    that holds nothing); ``pins``: the accelerator's pin and unpin of a host range, for the frozen
+    chunks' read buffers."""
     if nvme is None or not (plan.spilled or plan.frozen):
         return None, None
     sizes = {cid: record_bytes(c) for cid, c in plan.spilled.items()} | plan.frozen
@@ -134,6 +140,8 @@ def open_disk_tier(
         io = make_disk_io(nvme, files.direct, poison, buffer_bytes(nvme, plan.spilled) + plan.frozen_buffer_bytes)
         states = DiskStates(files, io, plan.spilled, nvme.buffer_count, nvme.buffer_size) if plan.spilled else None
         frozen = FrozenDisk(files, io, plan.frozen, plan.frozen_buffers) if plan.frozen else None
+        if frozen is not None and pins is not None:
+            frozen.pin_buffers(*pins)
         return states, frozen
     except BaseException:
         if io is not None:

@@ -298,7 +298,8 @@ def assemble(
     try:
         check_bindable(plan.specs, has_values)
         build_kernels({accel.device, torch.device("cpu")} if plan.movable else {accel.device})
-        disk, frozen_disk = open_disk_tier(options.nvme, plan.disk, comm.rank, poison=plan.poison)
+        pins = (accel.pin_host_range, accel.unpin_host_range)
+        disk, frozen_disk = open_disk_tier(options.nvme, plan.disk, comm.rank, plan.poison, pins)
         run = RunState()
         store, placement, manager = _build_chunks(
             module, options, plan, chunk_map, has_values, device, deferred, accumulate, run, frozen_disk

@@ -133,6 +133,14 @@ class Accelerator:
         """Give back a buffer of :meth:`host_empty`; with ``after``, once that copy has completed."""
         self.host_pool.release(tensor, after)
 
+    def pin_host_range(self, address: int, nbytes: int) -> None:
+        """Pin a host range that is not the pool's (the disk tier's read buffers) for asynchronous copies;
+        undo with :meth:`unpin_host_range` before it is freed."""
+        self._pin_host(address, nbytes)
+
+    def unpin_host_range(self, address: int) -> None:
+        self._unpin_host(address)
+
     def _pin_host(self, address: int, nbytes: int) -> None:
         """Pin a host range for asynchronous copies (nothing to do without an accelerator)."""
 
