@@ -13,8 +13,7 @@ import torch
 from .chunks.chunk_map import owner_of
 from .chunks.layout import ChunkSpec, plan_chunks
 from .disk.budget import disk_buffer_bytes, disk_plan, frozen_pool_bytes, record_bytes
-from .disk.io import align_up
-from .disk.swap_layout import PIECE_ELEMENTS, piece_elements
+from .disk.swap_layout import PIECE_ELEMENTS, frozen_record_bytes, piece_elements
 from .memory.preflight import (
     ACC_BYTES_PER_ELEMENT,
     OPTIM_BYTES_PER_ELEMENT,
@@ -107,11 +106,8 @@ def plan_report(
     disk: dict = {}
     if disk_buffers is not None:
         owned = {i: c for i, c in enumerate(capacities) if owners[i] == rank and specs[i].kind.trainable}
-        frozen = {  # see [Note: frozen chunks on disk]: a record is the payload, padded to 4 KiB
-            i: align_up(c * lp_bytes)
-            for i, c in enumerate(capacities)
-            if owners[i] == rank and not specs[i].kind.trainable
-        }
+        mine = [i for i in range(len(capacities)) if owners[i] == rank and not specs[i].kind.trainable]
+        frozen = {i: frozen_record_bytes(capacities[i], lp_bytes) for i in mine}  # [Note: frozen chunks on disk]
         piece = piece_elements(disk_piece)
         other = need - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
         budget = host_bytes + device_budget
@@ -251,7 +247,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"model: {report['parameters'] / 1e6:,.1f}M parameters in {report['chunks']} chunks "
         f"(chunk_size {args.chunk_size:,}), world size {args.world_size}, {args.dtype}"
     )
-    spilled = " (with the disk tier: less the 12 on disk of the spilled chunks' parameters, plus its buffers)"
+    spilled = (
+        " (with the disk tier: less the 12 on disk of the spilled chunks' parameters and the frozen chunks on "
+        "disk, plus its buffers)"
+    )
     print(
         f"model data per rank: {report['model_data_bytes_per_rank'] / gib:.2f} GiB "
         f"({report['bytes_per_owned_parameter']} bytes per owned parameter"
@@ -280,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"disk tier: optimizer states of {report['spilled_chunks']} chunks and {report['frozen_chunks_disk']} "
             f"frozen chunks ({report['frozen_bytes_disk'] / gib:.2f} GiB) on disk, "
             f"{report['on_disk_bytes'] / gib:.2f} GiB per rank; {report['disk_buffer_bytes'] / gib:.2f} GiB of "
-            f"host buffers ({args.disk} + 1 pieces of {report['disk_piece_elements']:,} elements' states); with "
+            f"host buffers ({args.disk} + 1 pieces of {report['disk_piece_elements']:,} elements' states where "
+            f"states spill, {args.disk} frozen chunks where frozen chunks are on disk); with "
             f"every state on disk about "
             f"{report['largest_fitting_params_disk'] / 1e6:,.0f}M parameters fit host and accelerator"
         )

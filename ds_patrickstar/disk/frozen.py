@@ -45,18 +45,13 @@ import torch
 from ..chunks.chunk import Chunk
 from ..groups.gather_order import GatherOrder
 from ..memory.pending import Pending
-from .io import DiskIO, DiskPending, align_up
+from .io import DiskIO, DiskPending
 from .swap_files import SwapFiles
 
 logger = logging.getLogger(__name__)
 
 STAGING_CHUNKS = 2
 """Chunks the staging buffers hold outside training (reads, and the writes of :meth:`FrozenDisk.writing`)."""
-
-
-def record_nbytes(capacity: int, dtype: torch.dtype) -> int:
-    """Bytes of one frozen chunk's record: its owned slice's payload, padded to 4 KiB."""
-    return align_up(capacity * dtype.itemsize)
 
 
 class _Read:

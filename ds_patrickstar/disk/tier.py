@@ -19,11 +19,11 @@ from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_f
 from .aio import AIO_UNCHECKED, AioDiskIO, load_async_io, lock_problem
 from .budget import disk_buffer_bytes, disk_plan, frozen_pool_bytes, record_bytes
 from .config import NvmeOffload
-from .frozen import FrozenDisk, record_nbytes
+from .frozen import FrozenDisk
 from .io import DiskIO, ThreadDiskIO
 from .states import DiskStates
 from .swap_files import PathProbe, SwapFiles, check_swap_path, rank_folder, stale_bytes
-from .swap_layout import piece_elements
+from .swap_layout import frozen_record_bytes, piece_elements
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def plan_disk_tier(
     plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
     mine = [(i, s) for i, s in enumerate(specs) if owner_of(i, comm.world_size) == comm.rank]
     owned = {i: s.capacity for i, s in mine if s.kind.trainable}  # only trainable chunks have optimizer states
-    frozen = {i: record_nbytes(s.capacity, dtype) for i, s in mine if not s.kind.trainable}
+    frozen = {i: frozen_record_bytes(s.capacity, dtype.itemsize) for i, s in mine if not s.kind.trainable}
     budget = resolve_host_budget(host_budget, comm.world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
     buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), frozen_buffers)
