@@ -6,6 +6,9 @@ place at a time: on the accelerator (payload backed, no host buffer) or on the h
 (values in a buffer of the host pool, see [Note: pinned host memory]; payload storage
 resized to zero so the views stay valid and come back to life when the chunk returns,
 see [Note: storage resize]).
+A frozen chunk on disk (see [Note: frozen chunks on disk]) has a third place: away from use it
+is on the host with no host buffer, its values only in its disk record, from which it is brought
+(:meth:`ChunkStore.to_device`) and to which it goes back without a copy (:meth:`ChunkStore.to_host`).
 Model data therefore costs 14 bytes per parameter over device and host together. Chunks
 are built on the host (initialize never needs the model on the accelerator) and placement
 brings them in when used. A chunk owned by another rank exists only while its group is
