@@ -239,3 +239,21 @@ def test_plan_puts_frozen_chunks_on_disk_first_without_accumulation():
     budget = other + 12 * 200_000 - 8192  # two frozen chunks on disk, less one read buffer, make room
     assert disk_plan(states, frozen, other, budget, (3, 1024, 1), frozen_first=True) == (set(), {3, 4})
     assert disk_plan(states, frozen, other, budget, (3, 1024, 1), frozen_first=False) == ({1}, set())
+
+
+def test_a_failed_frozen_read_names_the_error_number_and_the_file(tmp_path):
+    """A read of a frozen record that fails fails the step with an ``OSError`` naming the error number
+    and the swap file, as the optimizer states' reads do."""
+    import errno
+
+    from ds_patrickstar.disk.io import ThreadDiskIO
+
+    class FailingDisk(ThreadDiskIO):
+        def pread(self, fd, buffer, offset):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+
+    engine = _disk_engine(str(tmp_path))
+    _lora_steps(engine, 0, 1)
+    engine.optimizer.parts.frozen_disk.io = FailingDisk()
+    with pytest.raises(OSError, match=r"read of [\d,]+ bytes at offset 0 failed with EIO .*chunk\d+\.swap"):
+        _lora_steps(engine, 1, 1)
