@@ -182,7 +182,10 @@ def _resume(rank, world_size, ckpt, swap, exclude):
     whole = _lora_steps(_disk_engine(swap + "0"), 0, 4)
     engine = _disk_engine(swap + "1")
     first = _lora_steps(engine, 0, 2)
+    frozen_disk = engine.optimizer.parts.frozen_disk
+    before = frozen_disk.bytes_read
     engine.save_checkpoint(ckpt, tag="t", exclude_frozen_parameters=exclude)
+    save_read = frozen_disk.bytes_read - before
     engine.destroy()
     resumed = _disk_engine(swap + "2")
     if not exclude:  # the frozen values on disk differ until the checkpoint restores them
@@ -194,15 +197,19 @@ def _resume(rank, world_size, ckpt, swap, exclude):
     resumed.load_checkpoint(ckpt, tag="t")
     from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
 
-    return whole, first + _lora_steps(resumed, 2, 2), set(consolidate_fp32_state_dict(ckpt, "t"))
+    return whole, first + _lora_steps(resumed, 2, 2), set(consolidate_fp32_state_dict(ckpt, "t")), save_read
 
 
 @pytest.mark.parametrize("exclude", [True, False])
 def test_checkpoint_resume_with_the_frozen_base_on_disk_is_exact(tmp_path, exclude):
     """A checkpoint of a run with the frozen base on disk, with or without its frozen values, resumes bit for
-    bit (saving reads the records, loading writes them); ``zero_to_fp32`` gives what was saved."""
-    ((whole, resumed, consolidated),) = run_ranks(_resume, 1, str(tmp_path / "ckpt"), str(tmp_path / "swap"), exclude)
+    bit (saving reads the records, or with ``exclude_frozen_parameters`` never touches them; loading writes
+    them); ``zero_to_fp32`` gives what was saved."""
+    ((whole, resumed, consolidated, save_read),) = run_ranks(
+        _resume, 1, str(tmp_path / "ckpt"), str(tmp_path / "swap"), exclude
+    )
     assert resumed == whole
+    assert (save_read == 0) is exclude, save_read  # excluded: the records are never read
     frozen = {n for n, p in LoraStack().named_parameters() if not p.requires_grad}
     assert bool(frozen & consolidated) is not exclude and frozen & consolidated in (set(), frozen)
 
