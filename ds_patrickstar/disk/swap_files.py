@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 
 from .io import ALIGNMENT, aligned_empty
-from .swap_lock import SwapLock
+from .swap_lock import KEY, SwapLock
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +108,14 @@ def stale_bytes(folder: str) -> int:
 class SwapFiles:
     """One preallocated file per spilled chunk of this rank; see [Note: swap files]."""
 
-    def __init__(self, root: str, rank: int, sizes: dict[int, int], direct: bool = True) -> None:
+    def __init__(self, root: str, rank: int, sizes: dict[int, int], direct: bool = True, key: str = KEY) -> None:
         self.folder = rank_folder(root, rank)
         self.run_id = uuid.uuid4().hex
         self.fds: dict[int, int] = {}
         self.sizes = dict(sizes)
         self.clean = True
         self.closed = False
-        self._lock = SwapLock.acquire(self.folder, self.run_id)
+        self._lock = SwapLock.acquire(self.folder, self.run_id, key)  # key: the nvme_path errors name
         try:
             self._take_folder()
             self.direct = direct and _direct_io_works(self.folder)

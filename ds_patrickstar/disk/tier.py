@@ -58,6 +58,7 @@ class DiskPlan:
     spilled: dict[int, int] = field(default_factory=dict)
     frozen: dict[int, int] = field(default_factory=dict)
     frozen_buffers: int = 0
+    key: str = "zero_optimization.offload_optimizer.nvme_path"  # the key errors about the folder name
 
     @property
     def frozen_buffer_bytes(self) -> int:
@@ -87,7 +88,9 @@ def plan_disk_tier(
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
     buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), frozen_buffers)
     states, on_disk = disk_plan(owned, frozen, other, budget, buffers, frozen_first=not accumulate)
-    result = DiskPlan({c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers)
+    result = DiskPlan(
+        {c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers, key
+    )
     needed = sum(record_bytes(c) for c in result.spilled.values()) + sum(result.frozen.values())
     folder = rank_folder(nvme.nvme_path, comm.rank)
     check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder), key)
@@ -134,7 +137,7 @@ def open_disk_tier(
     if nvme is None or not (plan.spilled or plan.frozen):
         return None, None
     sizes = {cid: record_bytes(c) for cid, c in plan.spilled.items()} | plan.frozen
-    files = SwapFiles(nvme.nvme_path, rank, sizes)
+    files = SwapFiles(nvme.nvme_path, rank, sizes, key=plan.key)
     io: DiskIO | None = None
     try:
         io = make_disk_io(nvme, files.direct, poison, buffer_bytes(nvme, plan.spilled) + plan.frozen_buffer_bytes)
