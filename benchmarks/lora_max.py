@@ -202,6 +202,7 @@ def attempt(args, backend, depth) -> dict:
     swap = os.path.join(args.disk, "swap") if args.disk else None
     if swap:  # every try starts on an empty swap folder, and leaves none behind
         shutil.rmtree(swap, ignore_errors=True)
+        os.makedirs(swap)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--try", "--backend", backend, "--depth", str(depth),
            "--result", result, *_shared_flags(args)]
     run = max_model.launch_ranks(cmd, 1, args, log)
