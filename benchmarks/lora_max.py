@@ -229,11 +229,13 @@ def _shared_flags(args) -> list[str]:
 
 
 def measured(r) -> dict:
-    """Step time (median over the steps after the first), tokens/s and the last step's reads."""
-    times = r["step_times"][1:] or r["step_times"]
+    """Over the timed steps (all but the first): the median step time and bytes read, tokens/s, and the
+    bytes read over the seconds those steps took (read GB/s)."""
+    times, reads = (r["step_times"][1:], r["read_bytes"][1:]) if len(r["step_times"]) > 1 else \
+        (r["step_times"], r["read_bytes"])
     step = statistics.median(times)
-    return {"step": step, "tokens": r.get("tokens", 0) / step, "read": r["read_bytes"][-1],
-            "read_gbs": r["read_bytes"][-1] / r["step_times"][-1] / 1e9}
+    return {"step": step, "tokens": r.get("tokens", 0) / step, "read": statistics.median(reads),
+            "read_gbs": sum(reads) / sum(times) / 1e9}
 
 
 def table(rows, args, disk_gbs) -> str:
