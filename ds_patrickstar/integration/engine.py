@@ -29,6 +29,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ..io import checkpoint, commit
 from ..io.export import host_parameters
 from ..io.init import DeferredModel, swap_deferred
+from ..memory.host_heap import map_large_allocations
 from .config import PatrickStarConfig, check_reduction_settings, torch_adam_from_block
 from .hf_compat import unsynchronize_generation
 from .zero_optimizer import PatrickStarOptimizer
@@ -39,6 +40,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         self._patrickstar_config = patrickstar_config
         self._deferred: DeferredModel | None = None  # meta parameters, materialized into chunks (see io/init.py)
         self.generation_synced: list[torch.nn.Module] = []  # see [Note: generation in step]
+        if patrickstar_config.nvme is not None:  # from the first allocation of initialize: see [Note: host heap]
+            map_large_allocations()
         # The module stays where it was built: chunks are built on the host and placement brings
         # them to the accelerator when used, so a model larger than the device can start.
         super().__init__(*args, dont_change_device=True, **kwargs)
