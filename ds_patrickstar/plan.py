@@ -12,7 +12,7 @@ import torch
 
 from .chunks.chunk_map import owner_of
 from .chunks.layout import ChunkSpec, plan_chunks
-from .disk.budget import disk_buffer_bytes, disk_plan, frozen_pool_bytes, record_bytes
+from .disk.budget import disk_buffer_bytes, disk_plan, frozen_host_slots, frozen_pool_bytes, record_bytes
 from .disk.swap_layout import PIECE_ELEMENTS, frozen_record_bytes, piece_elements
 from .memory.preflight import (
     ACC_BYTES_PER_ELEMENT,
@@ -111,12 +111,11 @@ def plan_report(
         piece = piece_elements(disk_piece)
         other = need - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
         budget = host_bytes + device_budget
-        spilled, frozen_out = disk_plan(
-            owned, frozen, other, budget, (disk_buffers, piece, disk_buffers), not accumulate
-        )
+        slots = frozen_host_slots(disk_buffers, host_accelerator=device_budget == 0)
+        spilled, frozen_out = disk_plan(owned, frozen, other, budget, (disk_buffers, piece, slots), not accumulate)
         sizes = [frozen[c] for c in frozen_out]
         buffers = disk_buffer_bytes([owned[c] for c in spilled], disk_buffers, piece)
-        buffers += frozen_pool_bytes(sizes, disk_buffers)
+        buffers += frozen_pool_bytes(sizes, slots)
         on_disk = sum(record_bytes(owned[c]) for c in spilled) + sum(sizes)
         need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) - sum(sizes) + buffers
         on_device = min(need, device_budget)

@@ -253,6 +253,32 @@ def test_plan_puts_frozen_chunks_on_disk_first_without_accumulation():
     assert disk_plan(states, frozen, other, budget, (3, 1024, 1), frozen_first=False) == ({1}, set())
 
 
+@pytest.mark.parametrize("host_accelerator", [True, False])
+def test_the_plan_counts_every_host_buffer_of_the_frozen_chunks_on_disk(tmp_path, host_accelerator):
+    """The host bytes the plan counts for frozen chunks on disk are every buffer they take, each the largest
+    record: ``buffer_count`` read buffers, the staging buffers and, where the host is the accelerator, the
+    chunks brought from disk (kept and in use); what stays in RAM and those buffers fit ``host_budget``
+    (see [Note: disk tier plan])."""
+    from ds_patrickstar.chunks.layout import ChunkKind, ChunkSpec
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.disk.config import NvmeOffload
+    from ds_patrickstar.disk.swap_layout import frozen_record_bytes
+    from ds_patrickstar.disk.tier import plan_disk_tier
+    from ds_patrickstar.groups.comm import ChunkComm
+
+    cap, count = 1 << 20, 4
+    specs = [ChunkSpec(0, 4096, torch.bfloat16)] + [
+        ChunkSpec(0, cap, torch.bfloat16, kind=ChunkKind.FROZEN) for _ in range(40)]
+    record = frozen_record_bytes(cap, 2)
+    budget = 24 * record  # 24 of the 40 frozen chunks' bytes
+    plan = plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, budget, specs, ChunkComm(None, StepCounters()),
+                          torch.bfloat16, False, host_accelerator=host_accelerator)
+    buffers = (count + 2 + (count + 2 if host_accelerator else 0)) * record
+    assert plan.frozen_buffer_bytes == buffers
+    in_ram = (40 - len(plan.frozen)) * record + 4096 * 14
+    assert in_ram + buffers <= budget < in_ram + buffers + record
+
+
 def test_a_failed_frozen_read_names_the_error_number_and_the_file(tmp_path):
     """A read of a frozen record that fails fails the step with an ``OSError`` naming the error number
     and the swap file, as the optimizer states' reads do."""

@@ -8,9 +8,12 @@ RAM, and they pass through the tier's host buffers (``buffer_count`` step buffer
 cache, each one piece of the largest spilled chunk: :func:`disk_buffer_bytes`), which count
 against the budget only when something spills. :func:`spilled_chunks` keeps the most chunks in
 RAM for which the states kept, the rest of the model data and the buffers the spilled chunks
-need fit the budget. The run then fits when model data less the spilled states plus the buffers
-is at most budget + available host memory, and the swap folder has room for the spilled records
-(checked at initialize, naming the folder and the numbers).
+need fit the budget. Frozen chunks on disk (see [Note: frozen chunks on disk]) take host buffers
+of their largest record (:func:`frozen_host_slots`): the read buffers and the staging buffers, and
+where the host is the accelerator the chunks brought from disk, kept and in use; they count against
+the budget whenever a frozen chunk is on disk. The run then fits when model data less the spilled
+states plus the buffers is at most budget + available host memory, and the swap folder has room
+for the spilled records (checked at initialize, naming the folder and the numbers).
 """
 
 from __future__ import annotations
@@ -47,9 +50,24 @@ def spilled_chunks(
     return set(ids)
 
 
-def frozen_pool_bytes(sizes: list[int], count: int) -> int:
-    """Host bytes of the read-ahead buffers for frozen chunks of ``sizes`` bytes on disk (none when none is)."""
-    return count * align_up(max(sizes)) if sizes else 0
+FROZEN_STAGING_CHUNKS = 2
+"""Staging buffers of the frozen chunks on disk (their reads and writes outside training), each one record."""
+FROZEN_IN_USE_CHUNKS = 2
+"""Frozen chunks brought from disk that a module uses at once (a weight may straddle two chunks)."""
+
+
+def frozen_host_slots(buffer_count: int, host_accelerator: bool) -> int:
+    """Record-sized host buffers the frozen chunks on disk take (see [Note: disk tier plan]): the
+    ``buffer_count`` read buffers and the staging buffers; where the host is the accelerator, also the
+    chunks brought from disk: the ``buffer_count`` kept after use and those in use."""
+    brought = buffer_count + FROZEN_IN_USE_CHUNKS if host_accelerator else 0
+    return buffer_count + FROZEN_STAGING_CHUNKS + brought
+
+
+def frozen_pool_bytes(sizes: list[int], slots: int) -> int:
+    """Host bytes of ``slots`` buffers (:func:`frozen_host_slots`) for frozen chunks of ``sizes`` bytes
+    on disk, each the largest record (none when none is on disk)."""
+    return slots * align_up(max(sizes)) if sizes else 0
 
 
 def disk_plan(
@@ -62,15 +80,15 @@ def disk_plan(
 ) -> tuple[set[int], set[int]]:
     """The owned chunks whose states go to disk (``states``: id -> capacity) and the owned frozen
     chunks that go to disk (``frozen``: id -> payload bytes; ``other_bytes`` counts them in RAM);
-    ``buffers``: ``(buffer_count, piece, frozen buffer count)``. See [Note: disk tier plan]."""
-    count, piece, frozen_count = buffers
+    ``buffers``: ``(buffer_count, piece, frozen host slots)``. See [Note: disk tier plan]."""
+    count, piece, frozen_slots = buffers
     ids = sorted(frozen)
     all_states = OPTIM_BYTES_PER_ELEMENT * sum(states.values())
 
     def rest(k: int) -> tuple[set[int], int]:  # the last ``k`` frozen chunks on disk, and what stays in RAM
         out = ids[len(ids) - k :] if k else []
         sizes = [frozen[i] for i in out]
-        return set(out), other_bytes - sum(sizes) + frozen_pool_bytes(sizes, frozen_count)
+        return set(out), other_bytes - sum(sizes) + frozen_pool_bytes(sizes, frozen_slots)
 
     if frozen_first:
         for k in range(len(ids) + 1):

@@ -45,13 +45,11 @@ import torch
 from ..chunks.chunk import Chunk
 from ..groups.gather_order import GatherOrder
 from ..memory.pending import Pending
+from .budget import FROZEN_STAGING_CHUNKS
 from .io import DiskIO, DiskPending
 from .swap_files import SwapFiles
 
 logger = logging.getLogger(__name__)
-
-STAGING_CHUNKS = 2
-"""Chunks the staging buffers hold outside training (reads, and the writes of :meth:`FrozenDisk.writing`)."""
 
 
 class _Read:
@@ -78,7 +76,7 @@ class FrozenDisk:
         self.buffer_bytes = slot * buffer_count
         self._reads: dict[int, _Read] = {}
         self._staging: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._spare: list[torch.Tensor] = []  # staging buffers not in use (at most STAGING_CHUNKS exist)
+        self._spare: list[torch.Tensor] = []  # staging buffers not in use (at most FROZEN_STAGING_CHUNKS exist)
         self._dirty: set[int] = set()
         self._blank: set[int] = set()  # never written: the preallocated record reads as zeros
         self._writing = 0
@@ -151,11 +149,11 @@ class FrozenDisk:
     # ---- outside training: staging -------------------------------------------------------
     def values(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's values in a staging buffer (read on first use; inside :meth:`writing`, changes
-        are written back); valid until :data:`STAGING_CHUNKS` other chunks are staged (the buffers are
+        are written back); valid until :data:`FROZEN_STAGING_CHUNKS` other chunks are staged (the buffers are
         reused)."""
         cid = chunk.chunk_id
         if cid not in self._staging:
-            while len(self._staging) >= STAGING_CHUNKS:
+            while len(self._staging) >= FROZEN_STAGING_CHUNKS:
                 self._evict()
             buffer = self._spare.pop() if self._spare else self.io.empty(max(self.nbytes.values()))
             if cid in self._blank:

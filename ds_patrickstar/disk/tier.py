@@ -18,7 +18,7 @@ from ..groups.comm import ChunkComm
 from ..memory.host_heap import map_large_allocations
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_specs
 from .aio import AIO_UNCHECKED, AioDiskIO, load_async_io, lock_problem
-from .budget import disk_buffer_bytes, disk_plan, frozen_pool_bytes, record_bytes
+from .budget import disk_buffer_bytes, disk_plan, frozen_host_slots, frozen_pool_bytes, record_bytes
 from .config import NvmeOffload
 from .frozen import FrozenDisk
 from .io import DiskIO, ThreadDiskIO
@@ -54,16 +54,18 @@ def resolve_host_budget(host_budget: int | float | None, world_size: int) -> int
 @dataclass(frozen=True)
 class DiskPlan:
     """What the disk tier holds for this rank: spilled chunks' states (id -> capacity) and frozen chunks
-    (id -> bytes of their record), and how many host buffers frozen chunks are read into."""
+    (id -> bytes of their record), how many host buffers frozen chunks are read into, and how many
+    record-sized host buffers they take in all (:func:`~ds_patrickstar.disk.budget.frozen_host_slots`)."""
 
     spilled: dict[int, int] = field(default_factory=dict)
     frozen: dict[int, int] = field(default_factory=dict)
     frozen_buffers: int = 0
+    frozen_slots: int = 0
     key: str = "zero_optimization.offload_optimizer.nvme_path"  # the key errors about the folder name
 
     @property
     def frozen_buffer_bytes(self) -> int:
-        return frozen_pool_bytes(list(self.frozen.values()), self.frozen_buffers)
+        return frozen_pool_bytes(list(self.frozen.values()), self.frozen_slots)
 
 
 def plan_disk_tier(
@@ -75,10 +77,11 @@ def plan_disk_tier(
     dtype: torch.dtype,
     accumulate: bool,
     key: str = "zero_optimization.offload_optimizer.nvme_path",
+    host_accelerator: bool = False,
 ) -> DiskPlan:
     """What goes to disk on this rank (see [Note: disk tier plan]), after checking ``nvme_path`` has room
     for it (``nvme``: the disk tier's settings when an offload block names a disk, else None; ``key``: the
-    ``nvme_path`` key an error names)."""
+    ``nvme_path`` key an error names; ``host_accelerator``: the host is the accelerator, no placement)."""
     if nvme is None:
         return DiskPlan()
     plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
@@ -87,10 +90,11 @@ def plan_disk_tier(
     frozen = {i: frozen_record_bytes(s.capacity, dtype.itemsize) for i, s in mine if not s.kind.trainable}
     budget = resolve_host_budget(host_budget, comm.world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
-    buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), frozen_buffers)
+    slots = frozen_host_slots(frozen_buffers, host_accelerator)
+    buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), slots)
     states, on_disk = disk_plan(owned, frozen, other, budget, buffers, frozen_first=not accumulate)
     result = DiskPlan(
-        {c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers, key
+        {c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers, slots, key
     )
     needed = sum(record_bytes(c) for c in result.spilled.values()) + sum(result.frozen.values())
     folder = rank_folder(nvme.nvme_path, comm.rank)

@@ -81,7 +81,8 @@ def plan_run(
     buffers = frozen_buffer_count(options.offload_optimizer, options.offload_param)
     block = "offload_optimizer" if options.offload_optimizer is not None else "offload_param"
     key = f"zero_optimization.{block}.nvme_path"
-    disk = plan_disk_tier(options.nvme, buffers, options.host_budget, specs, comm, dtype, accumulate, key)
+    host = not placement_runs(options, device)
+    disk = plan_disk_tier(options.nvme, buffers, options.host_budget, specs, comm, dtype, accumulate, key, host)
     on_disk = host_bytes_saved(options.nvme, disk)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
@@ -197,6 +198,11 @@ def _warn_ineffective(options: PatrickStarConfig, placement_runs: bool) -> None:
     logger.warning("zero_optimization keys %s do nothing in this run (%s); remove them", idle, why)
 
 
+def placement_runs(options: PatrickStarConfig, device: torch.device) -> bool:
+    """Chunks move between an accelerator and the host: a CUDA device, or the emulated accelerator."""
+    return device.type == "cuda" or options.emulate_accelerator
+
+
 def make_accelerator(
     options: PatrickStarConfig,
     device: torch.device,
@@ -208,13 +214,12 @@ def make_accelerator(
 ) -> Accelerator:
     """The accelerator of this run, after the pre-flight check (see [Note: pre-flight]); ``on_disk``:
     host bytes the disk tier saves, its spilled states less its buffers (see [Note: disk tier plan])."""
-    emulate = options.emulate_accelerator
-    placement_runs = device.type == "cuda" or emulate
-    _warn_ineffective(options, placement_runs)
-    if not placement_runs:
+    runs = placement_runs(options, device)
+    _warn_ineffective(options, runs)
+    if not runs:
         return HostAccelerator()
 
-    budget = resolve_budget(options.device_budget, device, emulate)
+    budget = resolve_budget(options.device_budget, device, options.emulate_accelerator)
     plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
     check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size, on_disk)
     check_budget_holds(budget, largest_group_bytes(specs, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
