@@ -254,11 +254,11 @@ def test_plan_puts_frozen_chunks_on_disk_first_without_accumulation():
 
 
 @pytest.mark.parametrize("host_accelerator", [True, False])
-def test_the_plan_counts_every_host_buffer_of_the_frozen_chunks_on_disk(tmp_path, host_accelerator):
-    """The host bytes the plan counts for frozen chunks on disk are every buffer they take, each the largest
-    record: ``buffer_count`` read buffers, the staging buffers and, where the host is the accelerator, the
-    chunks brought from disk (kept and in use); what stays in RAM and those buffers fit ``host_budget``
-    (see [Note: disk tier plan])."""
+def test_the_plan_counts_every_host_buffer_of_the_frozen_chunks_on_disk(tmp_path, host_accelerator, caplog):
+    """The host bytes the plan counts for frozen chunks on disk are every buffer they take at once, each the
+    largest record: ``buffer_count`` read buffers and the staging buffers or, where the host is the
+    accelerator, the chunks brought from disk (kept and in use); what stays in RAM and those buffers fit
+    ``host_budget`` (see [Note: disk tier plan])."""
     from ds_patrickstar.chunks.layout import ChunkKind, ChunkSpec
     from ds_patrickstar.counters import StepCounters
     from ds_patrickstar.disk.config import NvmeOffload
@@ -273,10 +273,14 @@ def test_the_plan_counts_every_host_buffer_of_the_frozen_chunks_on_disk(tmp_path
     budget = 24 * record  # 24 of the 40 frozen chunks' bytes
     plan = plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, budget, specs, ChunkComm(None, StepCounters()),
                           torch.bfloat16, False, host_accelerator=host_accelerator)
-    buffers = (count + 2 + (count + 2 if host_accelerator else 0)) * record
+    buffers = (count + (count + 2 if host_accelerator else 2)) * record
     assert plan.frozen_buffer_bytes == buffers
     in_ram = (40 - len(plan.frozen)) * record + 4096 * 14
     assert in_ram + buffers <= budget < in_ram + buffers + record
+    assert "cannot hold" not in caplog.text
+    plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, buffers - 1, specs, ChunkComm(None, StepCounters()),
+                   torch.bfloat16, False, host_accelerator=host_accelerator)
+    assert f"host_budget {(buffers - 1) / 2**30:.3f} GiB cannot hold what this rank keeps in RAM" in caplog.text
 
 
 def test_a_failed_frozen_read_names_the_error_number_and_the_file(tmp_path):

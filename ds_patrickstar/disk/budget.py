@@ -9,11 +9,12 @@ cache, each one piece of the largest spilled chunk: :func:`disk_buffer_bytes`), 
 against the budget only when something spills. :func:`spilled_chunks` keeps the most chunks in
 RAM for which the states kept, the rest of the model data and the buffers the spilled chunks
 need fit the budget. Frozen chunks on disk (see [Note: frozen chunks on disk]) take host buffers
-of their largest record (:func:`frozen_host_slots`): the read buffers and the staging buffers, and
-where the host is the accelerator the chunks brought from disk, kept and in use; they count against
-the budget whenever a frozen chunk is on disk. The run then fits when model data less the spilled
-states plus the buffers is at most budget + available host memory, and the swap folder has room
-for the spilled records (checked at initialize, naming the folder and the numbers).
+of their largest record (:func:`frozen_host_slots`): the read buffers, and the staging buffers
+(outside training) or, where the host is the accelerator, the chunks brought from disk in a step
+(kept and in use); they count against the budget whenever a frozen chunk is on disk. The run then
+fits when model data less the spilled states plus the buffers is at most budget + available host
+memory, and the swap folder has room for the spilled records (checked at initialize, naming the
+folder and the numbers); a run whose RAM share exceeds the budget even so is warned at initialize.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ FROZEN_IN_USE_CHUNKS = 2
 
 
 def frozen_host_slots(buffer_count: int, host_accelerator: bool) -> int:
-    """Record-sized host buffers the frozen chunks on disk take (see [Note: disk tier plan]): the
-    ``buffer_count`` read buffers and the staging buffers; where the host is the accelerator, also the
-    chunks brought from disk: the ``buffer_count`` kept after use and those in use."""
+    """Record-sized host buffers the frozen chunks on disk take at once (see [Note: disk tier plan]): the
+    ``buffer_count`` read buffers, and the staging buffers (outside training) or, where the host is the
+    accelerator, the chunks brought from disk in a step (the ``buffer_count`` kept after use and those
+    in use), whichever is more."""
     brought = buffer_count + FROZEN_IN_USE_CHUNKS if host_accelerator else 0
-    return buffer_count + FROZEN_STAGING_CHUNKS + brought
+    return buffer_count + max(FROZEN_STAGING_CHUNKS, brought)
 
 
 def frozen_pool_bytes(sizes: list[int], slots: int) -> int:

@@ -112,6 +112,16 @@ def plan_disk_tier(
         (buffer_bytes(nvme, result.spilled) + result.frozen_buffer_bytes) / 2**30,
         piece_elements(nvme.buffer_size),
     )
+    held = plan.model_data_bytes - host_bytes_saved(nvme, result)
+    if held > budget:
+        logger.warning(
+            "ds_patrickstar: disk tier: host_budget %.3f GiB cannot hold what this rank keeps in RAM even with "
+            "every frozen chunk and optimizer state it can move on disk: %.3f GiB (the trainable chunks and the "
+            "disk tier's buffers, each frozen buffer the size of the largest frozen chunk on disk); a smaller "
+            "buffer_count or chunk_size lowers it",
+            budget / 2**30,
+            held / 2**30,
+        )
     return result
 
 
