@@ -48,6 +48,8 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 from ..chunks.chunk_map import ChunkMap
+from ..disk.config import means_nvme
+from ..memory.host_heap import map_large_allocations
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +98,14 @@ def _meta_parameter(module: nn.Module, name: str, param: nn.Parameter | None) ->
 _HOOK = _RegistrationHook()
 
 
-def _config_stage(config: Any) -> Any:
+def _config_zero(config: Any) -> dict | None:
     if config is None:
         return None
     if not isinstance(config, dict):
         from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
         config = load_ds_config(config)
-    return config.get("zero_optimization", {}).get("stage", 0)
+    return config.get("zero_optimization", {})
 
 
 class Init(contextlib.ContextDecorator):
@@ -118,7 +120,8 @@ class Init(contextlib.ContextDecorator):
     """
 
     def __init__(self, config: Any = None, enabled: bool = True, seed: int | None = None) -> None:
-        stage = _config_stage(config)
+        zero = _config_zero(config)
+        stage = None if zero is None else zero.get("stage", 0)
         if stage is not None and stage != "patrickstar":
             raise ValueError(
                 f"ds_patrickstar.Init(config=...) got zero_optimization.stage={stage!r}; it builds "
@@ -128,10 +131,13 @@ class Init(contextlib.ContextDecorator):
             raise ValueError(f"ds_patrickstar.Init(seed={seed!r}): the seed must be an integer")
         self.enabled = enabled
         self.seed = seed
+        self.disk = zero is not None and any(means_nvme(zero.get(k)) for k in ("offload_param", "offload_optimizer"))
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        if self.disk:  # the construction's freed buffers stay out of the heap: see [Note: host heap]
+            map_large_allocations()
         depth = _depth()
         if depth == 0:
             _STATE.seed = self.seed if self.seed is not None else torch.initial_seed()
