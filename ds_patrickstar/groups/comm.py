@@ -67,6 +67,8 @@ _torch_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_
 class Waitable(Protocol):
     def wait(self) -> Any: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class _Works:
     """Several works completed as one (an all-gather as one broadcast per rank)."""
@@ -77,6 +79,9 @@ class _Works:
     def wait(self) -> None:
         for work in self._works:
             work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 def _on_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
@@ -142,6 +147,9 @@ class PendingCollective(Pending):
 
     def done(self) -> bool:
         return self._done
+
+    def finished(self) -> bool:
+        return self._done or self.work is None or self.work.is_completed()
 
 
 class ChunkComm:

@@ -162,6 +162,10 @@ class ChunkManager:
             ):
                 self.keep.keep(group)
 
+    def reap_reductions(self) -> None:
+        """Reduce-scatters that have finished give their buffers back now (see groups/reductions.py)."""
+        self._reductions.reap()
+
     def grads_only(self, infos: list[TensorInfo]) -> bool:
         """Whether ``infos``' gradients can go to slots without their values being made ready: every
         group of theirs is gathered (kept: its slots are there), or released and holding nothing
