@@ -14,7 +14,11 @@ in fp32), divided by the world size, plus what is gathered at a moment
 (:func:`~ds_patrickstar.chunks.group_bytes.group_bytes` with no accumulator). A module holding a
 frozen parameter gets a post-backward hook, so that its group is kept or released as soon as
 its backward is over (see [Note: tied weights between backward uses]); where none fires (a
-module whose inputs need no gradient) the backward epilogue ends the use.
+module whose inputs need no gradient) the backward epilogue ends the use. An
+activation-checkpoint recomputation marks its frozen tensors too (with reentrant checkpointing
+the recomputed graph is the one backward runs, and its forward ran without grad), and a
+recomputation's use is not counted as a use of its own: it ends with the backward use it
+serves, so a recomputed block's frozen groups go with its backward, not at the epilogue.
 """
 
 from __future__ import annotations
