@@ -191,7 +191,8 @@ def test_activation_offload_leaves_frozen_weights_alone():
 
 def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     """``python -m ds_patrickstar.plan --frozen-params``: 2 bytes per frozen parameter in bf16 (divided over
-    the ranks), 14 per trainable one, said per kind."""
+    the ranks), 14 per trainable one, said per kind; the largest model it states is the largest trainable
+    one beside the frozen base, and the largest frozen base beside the given trainable parameters."""
     from ds_patrickstar.plan import main
 
     report = main(["--params", "65536", "--frozen-params", "1048576", "--chunk-size", "65536", "--world-size", "2",
@@ -199,7 +200,18 @@ def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     assert report["frozen_parameters"] == 1 << 20
     assert report["frozen_bytes_per_rank"] == 2 * (1 << 20) // 2
     assert report["model_data_bytes_per_rank"] == 14 * 65536 // 2 + 2 * (1 << 20) // 2
-    assert "of which frozen: 1.0M parameters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "of which frozen: 1.0M parameters" in out
+    # the largest model: trainable parameters beside this rank's frozen bytes, or the frozen base beside the adapters
+    trainable = (2**30 - report["frozen_bytes_per_rank"]) // 14 * 2
+    frozen = (2**30 - 14 * 65536 // 2) // 2 * 2
+    assert (report["largest_fitting_params"], report["largest_frozen_params"]) == (trainable, frozen)
+    assert f"the largest trainable model that fits: about {trainable / 1e6:,.0f}M parameters" in out
+    assert f"the largest frozen base that fits: about {frozen / 1e6:,.0f}M parameters" in out
+    from ds_patrickstar.memory.preflight import check_fits
+
+    with pytest.raises(ValueError, match="M trainable parameters beside this frozen base .or, with these"):
+        check_fits(report["plan"], 0, 1 << 20, 2)
 
 
 def _lora_engine():
