@@ -8,6 +8,7 @@ with synthetic token data: nothing is downloaded.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -16,9 +17,15 @@ VOCAB, SEQ, SAMPLES = 64, 16, 32
 
 
 def tiny_model(kind: str):
+    """``gpt2``, ``llama``, or ``llama_frozen``: the Llama with its embedding and first layer frozen by hand."""
     import transformers
 
     torch.manual_seed(0)
+    if kind == "llama_frozen":
+        model = tiny_model("llama")
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[0].requires_grad_(False)
+        return model
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -210,14 +217,27 @@ def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=Non
     final = os.path.join(out_dir, "final")
     trainer.save_model(final)
     trainer.accelerator.wait_for_everyone()
-    result = {"losses": _losses(trainer), "files": sorted(os.listdir(final)),
-              "adapters": load_file(os.path.join(final, "adapter_model.safetensors"))}
+    with open(os.path.join(final, "adapter_config.json")) as f:
+        adapter_config = json.load(f)
+    with torch.no_grad():  # the trained model's outputs, through the engine on every rank
+        outputs = trainer.model_wrapped(input_ids=PROBE).logits
+    result = {"losses": _losses(trainer), "files": sorted(os.listdir(final)), "adapter_config": adapter_config,
+              "adapters": load_file(os.path.join(final, "adapter_model.safetensors")), "outputs": outputs}
     if stage == "patrickstar":  # every frozen base weight in a frozen chunk
         chunk_map = trainer.model_wrapped.optimizer.chunk_map
         frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
         result["base_in_frozen_chunks"] = bool(frozen) and all(
             chunk_map.info(p) is not None and not chunk_map.info(p).trainable for p in frozen)
     return result
+
+
+def peft_reloaded(path):
+    """``PeftModel.from_pretrained`` of saved adapters on a fresh tiny Llama base: its logits on a fixed input."""
+    import peft
+
+    model = peft.PeftModel.from_pretrained(tiny_model("llama"), path)
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
 
 
 def trainer_eval_before_train(rank, world_size, kind, stage, out_dir):
