@@ -203,15 +203,16 @@ def tiny_lora():
     return model
 
 
-def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=None):
-    """A PEFT LoRA model through the Trainer: train (or resume), save_model; the losses, the files
-    save_model wrote and the adapter weights in them."""
+def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=None, gas=1):
+    """A PEFT LoRA model through the Trainer (``gas``: gradient accumulation steps): train (or resume),
+    save_model; the losses, the files save_model wrote, the adapter config and weights in them, and the
+    trained model's logits on a fixed input."""
     import transformers
     from safetensors.torch import load_file
 
     import ds_patrickstar  # noqa: F401
 
-    trainer = transformers.Trainer(model=tiny_lora(), args=_args(out_dir, stage, steps, save_steps=save_steps),
+    trainer = transformers.Trainer(model=tiny_lora(), args=_args(out_dir, stage, steps, gas, save_steps),
                                    train_dataset=TokenData())
     trainer.train(resume_from_checkpoint=resume)
     final = os.path.join(out_dir, "final")
