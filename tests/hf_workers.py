@@ -203,16 +203,19 @@ def tiny_lora():
     return model
 
 
-def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=None, gas=1):
-    """A PEFT LoRA model through the Trainer (``gas``: gradient accumulation steps): train (or resume),
-    save_model; the losses, the files save_model wrote, the adapter config and weights in them, and the
-    trained model's logits on a fixed input."""
+def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=None, gas=1, checkpointing=False):
+    """A PEFT LoRA model through the Trainer (``gas``: gradient accumulation steps; ``checkpointing``: the
+    Trainer's reentrant gradient checkpointing of each decoder layer): train (or resume), save_model; the
+    losses, the files save_model wrote, the adapter config and weights in them, and the trained model's
+    logits on a fixed input."""
     import transformers
     from safetensors.torch import load_file
 
     import ds_patrickstar  # noqa: F401
 
-    trainer = transformers.Trainer(model=tiny_lora(), args=_args(out_dir, stage, steps, gas, save_steps),
+    kw = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    args = _args(out_dir, stage, steps, gas, save_steps, **(kw if checkpointing else {}))
+    trainer = transformers.Trainer(model=tiny_lora(), args=args,
                                    train_dataset=TokenData())
     trainer.train(resume_from_checkpoint=resume)
     final = os.path.join(out_dir, "final")
@@ -229,6 +232,7 @@ def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=Non
         frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
         result["base_in_frozen_chunks"] = bool(frozen) and all(
             chunk_map.info(p) is not None and not chunk_map.info(p).trainable for p in frozen)
+        result["recompute_moments"] = trainer.model_wrapped.get_patrickstar_counters()["recompute_moments"]
     return result
 
 

@@ -153,17 +153,19 @@ def test_hf_trainer_script_runs_as_a_user_runs_it(tmp_path):
 @pytest.mark.parametrize("world_size,gas", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_peft_lora_trainer_matches_zero3_saves_adapters_and_resumes(world_size, gas, tmp_path):
     """A ``peft.get_peft_model`` LoRA Llama through the Trainer, on 1 rank and on 2 (with gradient accumulation
-    2): the frozen base in frozen chunks, the adapters trained like stock ZeRO-3's, ``save_model`` writes the
-    adapter files PEFT writes (as under ZeRO-3: the same files, adapter config and adapter weights),
-    ``PeftModel.from_pretrained`` of them gives the trained model's outputs, and a resume from the step-2
-    checkpoint repeats steps 3 and 4."""
+    2 and the Trainer's reentrant gradient checkpointing, the usual PEFT recipe): the frozen base in frozen
+    chunks, the adapters trained like stock ZeRO-3's, ``save_model`` writes the adapter files PEFT writes (as
+    under ZeRO-3: the same files, adapter config and adapter weights), ``PeftModel.from_pretrained`` of them
+    gives the trained model's outputs, and a resume from the step-2 checkpoint repeats steps 3 and 4."""
     pytest.importorskip("peft")
-    ref = run_ranks(hf_workers.peft_run, world_size, 3, str(tmp_path / "zero3"), 4, 2, None, gas, timeout=TIMEOUT)
+    checkpointing = world_size > 1
+    ref = run_ranks(hf_workers.peft_run, world_size, 3, str(tmp_path / "zero3"), 4, 2, None, gas, checkpointing,
+                    timeout=TIMEOUT)
     ours = run_ranks(hf_workers.peft_run, world_size, "patrickstar", str(tmp_path / "ps"), 4, 2, None, gas,
-                     timeout=TIMEOUT)
+                     checkpointing, timeout=TIMEOUT)
     for run, ref_run in zip(ours, ref):
         _assert_losses(run["losses"], ref_run["losses"])
-        assert run["base_in_frozen_chunks"]
+        assert run["base_in_frozen_chunks"] and (run["recompute_moments"] > 0) == checkpointing
         assert run["files"] == ref_run["files"] and "adapter_model.safetensors" in run["files"]
         assert run["adapter_config"] == ref_run["adapter_config"]
         assert set(run["adapters"]) == set(ref_run["adapters"]) and run["adapters"]
@@ -173,7 +175,7 @@ def test_peft_lora_trainer_matches_zero3_saves_adapters_and_resumes(world_size, 
     reloaded = hf_workers.peft_reloaded(str(tmp_path / "ps" / "final"))
     torch.testing.assert_close(reloaded, ours[0]["outputs"], rtol=RTOL, atol=1e-5)
     resumed = run_ranks(hf_workers.peft_run, world_size, "patrickstar", str(tmp_path / "ps"), 4, 2,
-                        str(tmp_path / "ps" / "checkpoint-2"), gas, timeout=TIMEOUT)
+                        str(tmp_path / "ps" / "checkpoint-2"), gas, checkpointing, timeout=TIMEOUT)
     for run in resumed:
         _assert_losses(run["losses"], ours[0]["losses"])  # steps 1 and 2 from the checkpoint's log history
 
