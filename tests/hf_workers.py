@@ -127,8 +127,9 @@ def trainer_resume(rank, world_size, kind, stage, out_dir, checkpoint, steps=4):
     return {"losses": _losses(trainer)}
 
 
-def accelerate_run(rank, world_size, stage, out_dir, epochs=2, gas=2):
-    """The common accelerate loop: accumulate() with GA 2, save_state / load_state, get_state_dict."""
+def accelerate_run(rank, world_size, stage, out_dir, epochs=2, gas=2, kind="gpt2"):
+    """The common accelerate loop: accumulate() with GA 2, save_state / load_state, get_state_dict; of the
+    tiny GPT-2, or (``kind="lora"``) of the PEFT LoRA Llama."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
@@ -141,7 +142,7 @@ def accelerate_run(rank, world_size, stage, out_dir, epochs=2, gas=2):
     config["optimizer"]["params"] = {"lr": 5e-3, "weight_decay": 0.01}
     plugin = DeepSpeedPlugin(hf_ds_config=config)
     accelerator = Accelerator(deepspeed_plugin=plugin)
-    model = tiny_model("gpt2")
+    model = tiny_lora() if kind == "lora" else tiny_model(kind)
     from accelerate.utils import DummyOptim
 
     # 4 micro-batches (2 optimizer steps) per rank and epoch; whole epochs, so that accelerate's
