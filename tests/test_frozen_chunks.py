@@ -211,6 +211,10 @@ def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
 
     with pytest.raises(ValueError, match="M trainable parameters beside this frozen base .or, with these"):
         check_fits(report["plan"], 0, 1 << 20, 2)
+    # with the disk tier too, the trainable parameters are the model's (not the frozen bytes on disk)
+    with_disk = main(["--params", "65536", "--frozen-params", "1048576", "--chunk-size", "65536", "--world-size",
+                      "2", "--host-mem", "1GiB", "--disk"])
+    assert with_disk["parameters"] == 65536 and with_disk["frozen_parameters"] == 1 << 20
 
 
 def _lora_engine():
