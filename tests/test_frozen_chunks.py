@@ -68,7 +68,21 @@ class HandFrozen(nn.Module):
         return F.cross_entropy(self.head(h).float(), y)
 
 
-MODELS = {"lora": LoraStack, "hand": HandFrozen}
+class CheckpointedLora(LoraStack):
+    """LoraStack with each layer under reentrant activation checkpointing (Hugging Face's default): the
+    layers' forward runs without grad and is recomputed in backward; the frozen input projection's output
+    is made to require grad, as ``enable_input_require_grads`` does for PEFT models."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x).requires_grad_()
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=True)
+        return F.cross_entropy(self.head(h).float(), y)
+
+
+MODELS = {"lora": LoraStack, "hand": HandFrozen, "lora_ckpt": CheckpointedLora}
 
 
 def build(name: str):
@@ -112,11 +126,19 @@ def _check(ours, ref, dtype):
 
 @pytest.mark.parametrize(
     "name,dtype,gas,world_size",
-    [("lora", "fp32", 1, 1), ("lora", "bf16", 2, 1), ("hand", "fp32", 2, 1), ("lora", "bf16", 2, 2)],
+    [
+        ("lora", "fp32", 1, 1),
+        ("lora", "bf16", 2, 1),
+        ("hand", "fp32", 2, 1),
+        ("lora", "bf16", 2, 2),
+        ("lora_ckpt", "bf16", 1, 2),
+    ],
 )
 def test_frozen_base_larger_than_the_budget_matches_zero3(name, dtype, gas, world_size):
     """The strict twin's budget holds three quarters of the frozen base: the frozen chunks are evicted
-    and brought back (and, at two ranks, gathered) every step, and losses and weights equal ZeRO-3's."""
+    and brought back (and, at two ranks, gathered) every step, and losses and weights equal ZeRO-3's.
+    With reentrant checkpointing (``lora_ckpt``) each recomputed layer's frozen use ends with its backward:
+    were the frozen groups held until the end of backward, the whole base would not fit the budget."""
     extra = {"emulate_accelerator": True, "device_budget": budget(name, dtype)}
     ref = run_ranks(_train, world_size, name, dtype, 3, gas, memo=True)
     ours = run_ranks(_train, world_size, name, dtype, "patrickstar", gas, extra)
@@ -168,7 +190,8 @@ def test_activation_offload_leaves_frozen_weights_alone():
 
 def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     """``python -m ds_patrickstar.plan --frozen-params``: 2 bytes per frozen parameter in bf16 (divided over
-    the ranks), 14 per trainable one, said per kind."""
+    the ranks), 14 per trainable one, said per kind; the largest model it states is the largest trainable
+    one beside the frozen base, and the largest frozen base beside the given trainable parameters."""
     from ds_patrickstar.plan import main
 
     report = main(["--params", "65536", "--frozen-params", "1048576", "--chunk-size", "65536", "--world-size", "2",
@@ -176,7 +199,22 @@ def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     assert report["frozen_parameters"] == 1 << 20
     assert report["frozen_bytes_per_rank"] == 2 * (1 << 20) // 2
     assert report["model_data_bytes_per_rank"] == 14 * 65536 // 2 + 2 * (1 << 20) // 2
-    assert "of which frozen: 1.0M parameters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "of which frozen: 1.0M parameters" in out
+    # the largest model: trainable parameters beside this rank's frozen bytes, or the frozen base beside the adapters
+    trainable = (2**30 - report["frozen_bytes_per_rank"]) // 14 * 2
+    frozen = (2**30 - 14 * 65536 // 2) // 2 * 2
+    assert (report["largest_fitting_params"], report["largest_frozen_params"]) == (trainable, frozen)
+    assert f"the largest trainable model that fits: about {trainable / 1e6:,.0f}M parameters" in out
+    assert f"the largest frozen base that fits: about {frozen / 1e6:,.0f}M parameters" in out
+    from ds_patrickstar.memory.preflight import check_fits
+
+    with pytest.raises(ValueError, match="M trainable parameters beside this frozen base .or, with these"):
+        check_fits(report["plan"], 0, 1 << 20, 2)
+    # with the disk tier too, the trainable parameters are the model's (not the frozen bytes on disk)
+    with_disk = main(["--params", "65536", "--frozen-params", "1048576", "--chunk-size", "65536", "--world-size",
+                      "2", "--host-mem", "1GiB", "--disk"])
+    assert with_disk["parameters"] == 65536 and with_disk["frozen_parameters"] == 1 << 20
 
 
 def _lora_engine():
