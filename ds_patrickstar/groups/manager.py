@@ -103,6 +103,7 @@ class ChunkManager:
         for chunk_id in ids:
             self.residency.use(self.map.chunks[chunk_id], keep, training)
         backward = self.run.in_backward()  # a backward use, or a recomputation for one: not over before it says so
+        recomputing = self.run.recomputing()
         for info in infos:
             joined = self.groups[self.map.group_of_info(info)].joined
             need = joined.rejoin_bytes(info)
@@ -111,6 +112,8 @@ class ChunkManager:
             joined.rejoin(info)
             joined.join(info)
             info.start_compute()
+            if recomputing:  # the use of its backward moment, counted there (see [Note: recomputation in the trace])
+                continue
             users = self._backward_users if backward else self._forward_users
             users[info] = users.get(info, 0) + 1
         if training:
