@@ -20,7 +20,10 @@ that the chunk manager puts on the ``pending`` list of every member chunk of the
 whoever reads or writes a member's values waits through :meth:`Chunk.ready` (the one
 accessor, see [Note: ready payload]), and nothing moves or frees a member before the
 collective is over. An all-gather receives in place into the group's flat storage (see
-[Note: gathered group storage]: no list, no temporary). On the strict emulated accelerator it
+[Note: gathered group storage]: no list, no temporary). gloo's all-gather itself receives into a
+temporary of the whole output and copies it out, so on gloo it is ``W`` broadcasts instead, each
+rank's piece from its landing slot (this rank's values copied there first) into the same piece of
+every other rank's storage, in place. On the strict emulated accelerator it
 receives into a side buffer of the emulator instead (not charged to the ledger: it stands for
 the storage a GPU would write) and copies it into the storage when waited on; the other ranks'
 pieces hold NaN from the issue until then, so a read before the wait changes the numbers. A
@@ -36,7 +39,7 @@ wait makes the compute stream wait for the collective, and what follows runs the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,7 +62,7 @@ class PendingCollective(Pending):
     # A completed collective drops its work handle and finish action at once: the handle holds
     # the process group's buffers (NCCL and gloo flatten an all-gather's list of outputs into
     # one), and a member chunk's pending list may keep this object until that chunk is next read.
-    def __init__(self, work: dist.Work | None, finish: Callable[[], None]) -> None:
+    def __init__(self, work: dist.Work | AllWorks | None, finish: Callable[[], None]) -> None:
         self.work = work
         self._finish: Callable[[], None] | None = finish
         self._done = False
@@ -78,6 +81,17 @@ class PendingCollective(Pending):
         return self._done
 
 
+class AllWorks:
+    """Several collectives in flight as one work handle: :meth:`wait` waits for each."""
+
+    def __init__(self, works: Sequence[dist.Work]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 class ChunkComm:
     """The collectives the chunk manager needs; see [Note: chunk groups] and
     [Note: asynchronous collectives]."""
@@ -87,6 +101,7 @@ class ChunkComm:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
+        self._gloo = initialized and self.world_size > 1 and dist.get_backend(group) == "gloo"
         self.counters = counters
         self.lockstep = Lockstep(group, self.world_size, self.rank, counters)  # see [Note: ranks in lockstep]
         self.accel: Accelerator = HostAccelerator()
@@ -118,7 +133,11 @@ class ChunkComm:
             staging = self._staging.setdefault((flat.numel(), mine.dtype), [])
             output = staging.pop() if staging else torch.empty_like(flat)
         with self.accel.collective_stream(flat, mine):
-            work = _all_gather_single(output, mine, group=self.group, async_op=True)
+            work = (
+                self._broadcast_pieces(output, mine)
+                if self._gloo
+                else _all_gather_single(output, mine, group=self.group, async_op=True)
+            )
 
         def finish() -> None:
             if output is not flat:
@@ -133,6 +152,17 @@ class ChunkComm:
         self.counters.all_gathers += 1
         self.counters.bytes_all_gathered += (self.world_size - 1) * numel * mine.element_size()
         return PendingCollective(work, finish)
+
+    def _broadcast_pieces(self, output: torch.Tensor, mine: torch.Tensor) -> AllWorks:
+        """The all-gather into ``output`` on gloo, in place: each rank's piece broadcast from it (see
+        [Note: asynchronous collectives])."""
+        pieces = output.split(mine.numel())
+        with torch.no_grad():
+            pieces[self.rank].copy_(mine)
+        ranks = [r if self.group is None else dist.get_global_rank(self.group, r) for r in range(len(pieces))]
+        return AllWorks(
+            [dist.broadcast(piece, src=src, group=self.group, async_op=True) for src, piece in zip(ranks, pieces)]
+        )
 
     def reduce_scatter_mean_single_async(
         self, flat: torch.Tensor, what: str, after: Callable[[], None] = lambda: None

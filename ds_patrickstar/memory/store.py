@@ -20,7 +20,8 @@ the list into a temporary of the whole group and copy in and out, memory no budg
 with ``W > 1`` ranks each chunk group has one flat storage of its ``W`` chunks (one allocation,
 charged to the ledger as ``chunk`` while it has memory, resized to zero bytes otherwise), and
 the other ranks' members are views of it: the all-gather receives into it in place
-(``all_gather_single``), and the reduce-scatter reduces it in place
+(``all_gather_single``; on gloo, whose all-gather has a temporary of its own, one broadcast per
+rank, see [Note: asynchronous collectives] in groups/comm.py), and the reduce-scatter reduces it in place
 (``reduce_scatter_single``, see groups/comm.py). This rank's own chunk has its own storage, since
 it lives on while the group is released and moves to the host and back; its place in the
 flat storage is a *landing slot*: the all-gather writes this rank's values there too, and the
