@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--keep-gathered", type=int, default=0, help="zero_optimization.keep_gathered (bytes)")
     p.add_argument("--chunk-size", type=int, default=None, help="zero_optimization.chunk_size (default: ours')")
+    p.add_argument("--prefetch-groups", type=int, default=None,
+                   help="zero_optimization.prefetch_groups (default: ours')")
     p.add_argument("--base-share", type=float, default=0.6, help="target: this share of the base's bytes ...")
     p.add_argument("--slack-mib", type=float, default=192.0, help="... plus this many MiB per rank")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds for the run")
@@ -67,6 +69,8 @@ def ds_config(args):
     zero = {"stage": "patrickstar", "keep_gathered": args.keep_gathered}
     if args.chunk_size is not None:
         zero["chunk_size"] = args.chunk_size
+    if args.prefetch_groups is not None:
+        zero["prefetch_groups"] = args.prefetch_groups
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "steps_per_print": 10**9, "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}}
@@ -174,6 +178,8 @@ def child_command(args, out):
              "--steps", args.steps, "--keep-gathered", args.keep_gathered]
     if args.chunk_size is not None:
         flags += ["--chunk-size", args.chunk_size]
+    if args.prefetch_groups is not None:
+        flags += ["--prefetch-groups", args.prefetch_groups]
     return [sys.executable, str(Path(__file__).resolve()), "--rank-result", str(out), *map(str, flags)]
 
 
@@ -204,7 +210,9 @@ def main(argv=None):
     print(f"lora_init_memory: {args.world_size} ranks, GPT width {args.width} x {args.layers} layers, vocab "
           f"{args.vocab}, frozen base {r0['frozen_params'] / 1e9:.3f}B params = {2 * r0['frozen_params'] / MIB:.0f} "
           f"MiB bf16, rank-{args.rank} adapters ({r0['trainable_params'] / 1e6:.2f}M params), keep_gathered "
-          f"{args.keep_gathered}, chunk_size {args.chunk_size or 'default'}, batch {args.batch} x {args.seq_len}, "
+          f"{args.keep_gathered}, chunk_size {args.chunk_size or 'default'}, prefetch_groups "
+          f"{'default' if args.prefetch_groups is None else args.prefetch_groups}, "
+          f"batch {args.batch} x {args.seq_len}, "
           f"{args.steps} steps; target {args.base_share:g} x base + {args.slack_mib:g} MiB; "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     print(table, flush=True)
