@@ -51,7 +51,33 @@ from .lockstep import Lockstep
 
 # the names of torch >= 2.13 (gloo and NCCL); the older names before
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_torch_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class AllWorks:
+    """Several collectives in flight as one work handle: :meth:`wait` waits for each."""
+
+    def __init__(self, works: Sequence[dist.Work]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _all_gather_single(
+    output: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> dist.Work | AllWorks | None:
+    """Every rank's ``mine`` into its piece of ``output``, in place; on gloo one broadcast per rank (see
+    [Note: asynchronous collectives])."""
+    if dist.get_backend(group) != "gloo":
+        return _torch_all_gather_single(output, mine, group=group, async_op=async_op)
+    pieces = output.split(mine.numel())
+    with torch.no_grad():
+        pieces[dist.get_rank(group)].copy_(mine)
+    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(len(pieces))]
+    works = [dist.broadcast(piece, src=src, group=group, async_op=async_op) for src, piece in zip(ranks, pieces)]
+    return AllWorks([w for w in works if w is not None])
 
 
 class PendingCollective(Pending):
@@ -81,17 +107,6 @@ class PendingCollective(Pending):
         return self._done
 
 
-class AllWorks:
-    """Several collectives in flight as one work handle: :meth:`wait` waits for each."""
-
-    def __init__(self, works: Sequence[dist.Work]) -> None:
-        self.works = list(works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
 class ChunkComm:
     """The collectives the chunk manager needs; see [Note: chunk groups] and
     [Note: asynchronous collectives]."""
@@ -101,7 +116,6 @@ class ChunkComm:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
-        self._gloo = initialized and self.world_size > 1 and dist.get_backend(group) == "gloo"
         self.counters = counters
         self.lockstep = Lockstep(group, self.world_size, self.rank, counters)  # see [Note: ranks in lockstep]
         self.accel: Accelerator = HostAccelerator()
@@ -133,11 +147,7 @@ class ChunkComm:
             staging = self._staging.setdefault((flat.numel(), mine.dtype), [])
             output = staging.pop() if staging else torch.empty_like(flat)
         with self.accel.collective_stream(flat, mine):
-            work = (
-                self._broadcast_pieces(output, mine)
-                if self._gloo
-                else _all_gather_single(output, mine, group=self.group, async_op=True)
-            )
+            work = _all_gather_single(output, mine, group=self.group, async_op=True)
 
         def finish() -> None:
             if output is not flat:
@@ -152,17 +162,6 @@ class ChunkComm:
         self.counters.all_gathers += 1
         self.counters.bytes_all_gathered += (self.world_size - 1) * numel * mine.element_size()
         return PendingCollective(work, finish)
-
-    def _broadcast_pieces(self, output: torch.Tensor, mine: torch.Tensor) -> AllWorks:
-        """The all-gather into ``output`` on gloo, in place: each rank's piece broadcast from it (see
-        [Note: asynchronous collectives])."""
-        pieces = output.split(mine.numel())
-        with torch.no_grad():
-            pieces[self.rank].copy_(mine)
-        ranks = [r if self.group is None else dist.get_global_rank(self.group, r) for r in range(len(pieces))]
-        return AllWorks(
-            [dist.broadcast(piece, src=src, group=self.group, async_op=True) for src, piece in zip(ranks, pieces)]
-        )
 
     def reduce_scatter_mean_single_async(
         self, flat: torch.Tensor, what: str, after: Callable[[], None] = lambda: None
