@@ -70,12 +70,16 @@ class StepCounters:
     """of ``model_bytes_device``, this rank's frozen chunks (see [Note: frozen chunks]): their payload only"""
     frozen_bytes_host: int = 0
     """of ``model_bytes_host``, this rank's frozen chunks"""
+    frozen_bytes_disk: int = 0
+    """this rank's frozen chunks whose values are only on disk at the end of the step (see [Note: frozen
+    chunks on disk]); their reads count in ``disk_bytes_read``"""
     host_bytes_allocated: int = 0
     """host bytes the host pool holds at the end of the step: ``model_bytes_host`` as allocated
     (pinned on a GPU) plus at most one chunk's cached buffers (see [Note: pinned host memory])"""
 
     disk_bytes_read: int = 0
-    """bytes the disk tier read (spilled optimizer states, see [Note: disk tier])"""
+    """bytes the disk tier read (spilled optimizer states, see [Note: disk tier], and frozen chunks, see
+    [Note: frozen chunks on disk])"""
     disk_bytes_written: int = 0
     """bytes the disk tier wrote"""
     disk_io_seconds: float = 0.0
@@ -88,7 +92,7 @@ class StepCounters:
     model_bytes_disk: int = 0
     """optimizer states in the disk tier's swap files at the end of the step"""
     disk_buffer_bytes: int = 0
-    """host bytes of the disk tier's aligned buffers"""
+    """host bytes of the disk tier's aligned buffers (the states' and the frozen chunks' read-ahead buffers)"""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:

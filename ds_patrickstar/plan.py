@@ -12,8 +12,8 @@ import torch
 
 from .chunks.chunk_map import owner_of
 from .chunks.layout import ChunkSpec, plan_chunks
-from .disk.budget import disk_buffer_bytes, record_bytes, spilled_chunks
-from .disk.swap_layout import PIECE_ELEMENTS, piece_elements
+from .disk.budget import disk_buffer_bytes, disk_plan, frozen_pool_bytes, record_bytes
+from .disk.swap_layout import PIECE_ELEMENTS, frozen_record_bytes, piece_elements
 from .memory.preflight import (
     ACC_BYTES_PER_ELEMENT,
     OPTIM_BYTES_PER_ELEMENT,
@@ -106,12 +106,19 @@ def plan_report(
     disk: dict = {}
     if disk_buffers is not None:
         owned = {i: c for i, c in enumerate(capacities) if owners[i] == rank and specs[i].kind.trainable}
+        mine = [i for i in range(len(capacities)) if owners[i] == rank and not specs[i].kind.trainable]
+        frozen = {i: frozen_record_bytes(capacities[i], lp_bytes) for i in mine}  # [Note: frozen chunks on disk]
         piece = piece_elements(disk_piece)
         other = need - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
-        spilled = spilled_chunks(owned, other, host_bytes + device_budget, disk_buffers, piece)
+        budget = host_bytes + device_budget
+        spilled, frozen_out = disk_plan(
+            owned, frozen, other, budget, (disk_buffers, piece, disk_buffers), not accumulate
+        )
+        sizes = [frozen[c] for c in frozen_out]
         buffers = disk_buffer_bytes([owned[c] for c in spilled], disk_buffers, piece)
-        on_disk = sum(record_bytes(owned[c]) for c in spilled)
-        need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) + buffers
+        buffers += frozen_pool_bytes(sizes, disk_buffers)
+        on_disk = sum(record_bytes(owned[c]) for c in spilled) + sum(sizes)
+        need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) - sum(sizes) + buffers
         on_device = min(need, device_budget)
         ram_per_param = plan.lp_bytes + (ACC_BYTES_PER_ELEMENT if accumulate else 0) * world_size
         all_buffers = disk_buffer_bytes(list(owned.values()), disk_buffers, piece)
@@ -120,6 +127,8 @@ def plan_report(
             "disk_buffer_bytes": buffers,
             "disk_piece_elements": piece,
             "spilled_chunks": len(spilled),
+            "frozen_chunks_disk": len(frozen_out),
+            "frozen_bytes_disk": sum(sizes),
             "largest_fitting_params_disk": max(0, available - all_buffers) // ram_per_param * world_size,
         }
     return {
@@ -238,7 +247,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"model: {report['parameters'] / 1e6:,.1f}M parameters in {report['chunks']} chunks "
         f"(chunk_size {args.chunk_size:,}), world size {args.world_size}, {args.dtype}"
     )
-    spilled = " (with the disk tier: less the 12 on disk of the spilled chunks' parameters, plus its buffers)"
+    spilled = (
+        " (with the disk tier: less the 12 on disk of the spilled chunks' parameters and the frozen chunks on "
+        "disk, plus its buffers)"
+    )
     print(
         f"model data per rank: {report['model_data_bytes_per_rank'] / gib:.2f} GiB "
         f"({report['bytes_per_owned_parameter']} bytes per owned parameter"
@@ -264,9 +276,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if args.disk is not None:
         print(
-            f"disk tier: optimizer states of {report['spilled_chunks']} chunks on disk, "
+            f"disk tier: optimizer states of {report['spilled_chunks']} chunks and {report['frozen_chunks_disk']} "
+            f"frozen chunks ({report['frozen_bytes_disk'] / gib:.2f} GiB) on disk, "
             f"{report['on_disk_bytes'] / gib:.2f} GiB per rank; {report['disk_buffer_bytes'] / gib:.2f} GiB of "
-            f"host buffers ({args.disk} + 1 pieces of {report['disk_piece_elements']:,} elements' states); with "
+            f"host buffers ({args.disk} + 1 pieces of {report['disk_piece_elements']:,} elements' states where "
+            f"states spill, {args.disk} frozen chunks where frozen chunks are on disk); with "
             f"every state on disk about "
             f"{report['largest_fitting_params_disk'] / 1e6:,.0f}M parameters fit host and accelerator"
         )

@@ -10,7 +10,8 @@ the optimizer step writes the new value back into the slot. That is how model da
 
 [Note: ready payload]
 A chunk's values are in one place at a time: the accelerator payload, or the host buffer
-while placement keeps the chunk on the host. Copies between the two are asynchronous (a
+while placement keeps the chunk on the host (or, for a frozen chunk on disk away from use, its
+disk record, see [Note: frozen chunks on disk]). Copies between the two are asynchronous (a
 copy stream on CUDA, the strict emulated accelerator on CPU), so a buffer may still be
 waiting for its values. :meth:`Chunk.ready` waits on every pending copy of the chunk and
 returns the buffer that holds the values now; code that reads or writes a chunk's values
@@ -36,6 +37,7 @@ reduce-scatter to the step: ``state_dict`` and ``load_state_dict`` refuse to run
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -131,6 +133,14 @@ class TensorInfo:
             self.transition(TensorState.HOLD)
 
 
+class DiskHome(Protocol):
+    """Where a frozen chunk on disk keeps its values (see [Note: frozen chunks on disk])."""
+
+    def values(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's values in a host buffer, read (and waited on) if need be."""
+        ...
+
+
 @dataclass(eq=False)
 class Chunk:
     """A flat payload of ``capacity`` elements holding some tensors back to back.
@@ -157,6 +167,7 @@ class Chunk:
     pending: list = field(default_factory=list)  # copies into or out of this chunk not yet waited on
     prefetched: bool = False
     kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
+    disk: DiskHome | None = None  # a frozen chunk whose home is its disk record (see [Note: frozen chunks on disk])
 
     @property
     def trainable(self) -> bool:
@@ -178,6 +189,8 @@ class Chunk:
         """The chunk's values where they live now, once every copy into or out of the chunk has
         completed: the one accessor for reading or writing them (see [Note: ready payload])."""
         self.wait_pending()
+        if self.on_host and self.host is None and self.disk is not None:
+            return self.disk.values(self)
         return self.host_buffer() if self.on_host else self.payload
 
     def host_buffer(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ is at most budget + available host memory, and the swap folder has room for the 
 from __future__ import annotations
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
+from .io import align_up
 from .swap_layout import piece_buffer_bytes
 from .swap_layout import record_bytes as record_bytes  # re-exported: the planner and the tier use it from here
 
@@ -44,3 +45,46 @@ def spilled_chunks(
         if other_bytes + kept + disk_buffer_bytes(rest, buffer_count, piece) <= host_budget:
             return set(ids[keep:])
     return set(ids)
+
+
+def frozen_pool_bytes(sizes: list[int], count: int) -> int:
+    """Host bytes of the read-ahead buffers for frozen chunks of ``sizes`` bytes on disk (none when none is)."""
+    return count * align_up(max(sizes)) if sizes else 0
+
+
+def disk_plan(
+    states: dict[int, int],
+    frozen: dict[int, int],
+    other_bytes: int,
+    host_budget: int,
+    buffers: tuple[int, int, int],
+    frozen_first: bool,
+) -> tuple[set[int], set[int]]:
+    """The owned chunks whose states go to disk (``states``: id -> capacity) and the owned frozen
+    chunks that go to disk (``frozen``: id -> payload bytes; ``other_bytes`` counts them in RAM);
+    ``buffers``: ``(buffer_count, piece, frozen buffer count)``. See [Note: disk tier plan]."""
+    count, piece, frozen_count = buffers
+    ids = sorted(frozen)
+    all_states = OPTIM_BYTES_PER_ELEMENT * sum(states.values())
+
+    def rest(k: int) -> tuple[set[int], int]:  # the last ``k`` frozen chunks on disk, and what stays in RAM
+        out = ids[len(ids) - k :] if k else []
+        sizes = [frozen[i] for i in out]
+        return set(out), other_bytes - sum(sizes) + frozen_pool_bytes(sizes, frozen_count)
+
+    if frozen_first:
+        for k in range(len(ids) + 1):
+            on_disk, other = rest(k)
+            if other + all_states <= host_budget:
+                return set(), on_disk
+        on_disk, other = rest(len(ids))
+        return spilled_chunks(states, other, host_budget, count, piece), on_disk
+    spilled = spilled_chunks(states, other_bytes, host_budget, count, piece)
+    if spilled != set(states):
+        return spilled, set()
+    buffer = disk_buffer_bytes(list(states.values()), count, piece)
+    for k in range(len(ids) + 1):
+        on_disk, other = rest(k)
+        if other + buffer <= host_budget:
+            return spilled, on_disk
+    return spilled, set(ids)

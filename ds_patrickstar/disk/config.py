@@ -1,9 +1,15 @@
-"""The disk tier's configuration: DeepSpeed's ``offload_optimizer: {"device": "nvme"}`` and ``aio`` blocks.
+"""The disk tier's configuration: DeepSpeed's ``offload_optimizer``/``offload_param`` with ``"device": "nvme"``.
 
 [Note: disk tier configuration]
-``zero_optimization.offload_optimizer`` with ``"device": "nvme"`` turns the disk tier on (see
-[Note: disk tier]); ``"device": "none"`` is no offload, ``"cpu"`` is refused (placement decides
-what lives on the host). Of DeepSpeed's keys, ``nvme_path`` is the folder of the swap files and
+``zero_optimization.offload_optimizer`` or ``offload_param`` with ``"device": "nvme"`` (either, or
+both) turns the disk tier on (see [Note: disk tier] and [Note: frozen chunks on disk]): one plan
+puts on disk what ``host_budget`` cannot hold, frozen chunks and optimizer states alike (see
+[Note: disk tier plan]). With both blocks their ``nvme_path`` must be the same folder.
+``"device": "none"`` is no offload, ``"cpu"`` is refused (placement decides what lives on the
+host). In ``offload_param``, ``buffer_count`` is the number of host buffers frozen chunks are read
+ahead into (each one frozen chunk's owned slice; default: ``offload_optimizer``'s, else 4), and
+``buffer_size``/``max_in_cpu`` are accepted with a warning (a buffer holds one chunk; ``host_budget``
+decides what stays in RAM). Of DeepSpeed's keys, ``nvme_path`` is the folder of the swap files and
 ``buffer_count`` the number of aligned host buffers the step streams through (at least 3:
 read-ahead, compute, write-behind); ``pipeline_read``/``pipeline_write`` are what the tier always
 does. ``buffer_size`` (named after the buffers of DeepSpeed's ``offload_param``, in elements) is
@@ -42,6 +48,11 @@ _IDLE_OFFLOAD_KEYS = {
     "ratio": "host_budget decides which optimizer states go to disk",
     "super_offload": "a ZeRO-3 offload feature",
     "cpuadam_cores_perc": "the CPU Adam uses OpenMP's threads",
+}
+_IDLE_PARAM_KEYS = {
+    "pin_memory": "the disk tier's buffers are host buffers the chunks are copied from",
+    "buffer_size": "a frozen chunk's read-ahead buffer holds its owned slice",
+    "max_in_cpu": "host_budget decides which frozen chunks stay in RAM",
 }
 _PIPELINE_KEYS = ("pipeline_read", "pipeline_write")
 _HANDLE_KEYS = ("queue_depth", "single_submit", "overlap_events")
@@ -90,24 +101,28 @@ def means_nvme(value: Any) -> bool:
     return isinstance(value, dict) and str(value.get("device", "")).lower() == "nvme"
 
 
-def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None) -> NvmeOffload:
-    """The disk tier's settings; bad values raise ``ValueError`` naming the key, idle keys warn."""
+def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None, name: str = "offload_optimizer") -> NvmeOffload:
+    """The disk tier's settings from the block ``name`` (``offload_optimizer`` or ``offload_param``);
+    bad values raise ``ValueError`` naming the key, idle keys warn."""
     if not isinstance(block.get("nvme_path"), str) or not block["nvme_path"]:
         raise ValueError(
-            'zero_optimization.offload_optimizer: "device": "nvme" needs "nvme_path": the folder of the swap '
+            f'zero_optimization.{name}: "device": "nvme" needs "nvme_path": the folder of the swap '
             f"files (got {block.get('nvme_path')!r})"
         )
-    idle = [f"offload_optimizer.{k}" for k in _IDLE_OFFLOAD_KEYS if k in block]
-    idle += [f"offload_optimizer.{k}" for k in _PIPELINE_KEYS if block.get(k) is False]
-    known = {"device", "nvme_path", "buffer_count", "buffer_size", "io_backend", *_IDLE_OFFLOAD_KEYS, *_PIPELINE_KEYS}
+    param = name == "offload_param"
+    idle_keys = _IDLE_PARAM_KEYS if param else _IDLE_OFFLOAD_KEYS
+    idle = [f"{name}.{k}" for k in idle_keys if k in block]
+    idle += [f"{name}.{k}" for k in _PIPELINE_KEYS if block.get(k) is False and not param]
+    settings = ("buffer_count", "io_backend") if param else ("buffer_count", "buffer_size", "io_backend")
+    known = {"device", "nvme_path", *settings, *idle_keys, *(() if param else _PIPELINE_KEYS)}
     unknown = sorted(set(block) - known)
     if unknown:
         raise ValueError(
-            f"zero_optimization.offload_optimizer.{unknown[0]} is not a key of DeepSpeed's offload_optimizer "
+            f"zero_optimization.{name}.{unknown[0]} is not a key of DeepSpeed's {name} "
             f"block; the keys are: {', '.join(sorted(known))}"
         )
     values: dict[str, Any] = {"nvme_path": block["nvme_path"]}
-    for key in ("buffer_count", "buffer_size", "io_backend"):
+    for key in settings:
         if key in block:
             values[key] = block[key]
     aio = aio or {}
@@ -132,6 +147,30 @@ def parse_nvme(block: dict[str, Any], aio: dict[str, Any] | None) -> NvmeOffload
     except ValidationError as err:
         names = {"threads": "aio.intra_op_parallelism", **{k: f"aio.{k}" for k in ("block_size", *_HANDLE_KEYS)}}
         error = err.errors()[0]
-        field = str(error["loc"][0]) if error["loc"] else "offload_optimizer"
-        key = names.get(field, f"zero_optimization.offload_optimizer.{field}")
+        field = str(error["loc"][0]) if error["loc"] else name
+        key = names.get(field, f"zero_optimization.{name}.{field}")
         raise ValueError(f"{key}={error.get('input')!r} is invalid: {error['msg']}") from None
+
+
+def check_same_folder(states: NvmeOffload | None, params: NvmeOffload | None) -> None:
+    """Both blocks name one swap folder, or ``ValueError`` naming both values and the fix."""
+    if states is not None and params is not None and states.nvme_path != params.nvme_path:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.nvme_path={states.nvme_path!r} and "
+            f"zero_optimization.offload_param.nvme_path={params.nvme_path!r} differ: the disk tier keeps optimizer "
+            "states and frozen chunks in one swap folder. Give both blocks the same nvme_path (or drop one block)"
+        )
+
+
+def tier_settings(states: NvmeOffload | None, params: NvmeOffload | None) -> NvmeOffload | None:
+    """The disk tier's settings when either block turns it on (the I/O settings come from the ``aio``
+    block, the same in both); see [Note: disk tier configuration]."""
+    return states if states is not None else params
+
+
+def frozen_buffer_count(states: NvmeOffload | None, params: NvmeOffload | None) -> int:
+    """Host buffers frozen chunks are read ahead into: ``offload_param.buffer_count`` if set, else
+    ``offload_optimizer``'s, else its default."""
+    if params is not None and "buffer_count" in params.model_fields_set:
+        return params.buffer_count
+    return (states or params or NvmeOffload(nvme_path=".")).buffer_count

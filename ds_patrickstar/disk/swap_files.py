@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 
 from .io import ALIGNMENT, aligned_empty
-from .swap_lock import SwapLock
+from .swap_lock import KEY, SwapLock
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +69,17 @@ def _can_create_in(path: str) -> bool:
         return False
 
 
-def check_swap_path(path: str, probe: PathProbe, needed: int, reusable: int = 0) -> None:
+def check_swap_path(
+    path: str,
+    probe: PathProbe,
+    needed: int,
+    reusable: int = 0,
+    key: str = "zero_optimization.offload_optimizer.nvme_path",
+) -> None:
     """Raise ``ValueError`` naming ``path``, the bytes needed and the bytes free unless the disk tier
     can keep ``needed`` bytes there (``reusable``: bytes of stale swap files that will be removed)."""
     free = probe.free + reusable
     numbers = f"the disk tier needs {needed:,} bytes there ({needed / 2**30:.2f} GiB), {free:,} bytes are free"
-    key = "zero_optimization.offload_optimizer.nvme_path"
     if not probe.exists:
         problem = "does not exist"
     elif not probe.is_dir:
@@ -103,14 +108,14 @@ def stale_bytes(folder: str) -> int:
 class SwapFiles:
     """One preallocated file per spilled chunk of this rank; see [Note: swap files]."""
 
-    def __init__(self, root: str, rank: int, sizes: dict[int, int], direct: bool = True) -> None:
+    def __init__(self, root: str, rank: int, sizes: dict[int, int], direct: bool = True, key: str = KEY) -> None:
         self.folder = rank_folder(root, rank)
         self.run_id = uuid.uuid4().hex
         self.fds: dict[int, int] = {}
         self.sizes = dict(sizes)
         self.clean = True
         self.closed = False
-        self._lock = SwapLock.acquire(self.folder, self.run_id)
+        self._lock = SwapLock.acquire(self.folder, self.run_id, key)  # key: the nvme_path errors name
         try:
             self._take_folder()
             self.direct = direct and _direct_io_works(self.folder)

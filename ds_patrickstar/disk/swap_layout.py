@@ -12,6 +12,10 @@ of 1024 elements (4 KiB of fp32), so only a chunk's last piece is padded and a r
 ``3 * align_up(4 * capacity)`` bytes whatever the piece size; piece boundaries fall on SIMD
 boundaries of the fused Adam, which is elementwise and runs piece by piece with the same
 results as on the whole chunk.
+
+A frozen chunk on disk (see [Note: frozen chunks on disk]) has a record of another kind: its
+owned slice's payload in the training dtype, in one piece, padded to ``ALIGNMENT``
+(:func:`frozen_record_bytes`): it is only ever read whole, into a buffer of one chunk.
 """
 
 from __future__ import annotations
@@ -72,3 +76,8 @@ def record_bytes(capacity: int) -> int:
 def piece_buffer_bytes(capacities: list[int], piece: int) -> int:
     """Bytes of one host buffer of the disk tier: the largest piece of these chunks."""
     return record_bytes(min(piece, max(capacities, default=0)))
+
+
+def frozen_record_bytes(capacity: int, itemsize: int) -> int:
+    """Bytes of a frozen chunk's record: its payload, padded (see [Note: swap pieces])."""
+    return align_up(capacity * itemsize)

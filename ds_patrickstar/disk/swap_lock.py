@@ -53,23 +53,23 @@ class SwapLock:
         self.path, self._fd = path, fd
 
     @classmethod
-    def acquire(cls, folder: str, run_id: str) -> SwapLock:
+    def acquire(cls, folder: str, run_id: str, key: str = KEY) -> SwapLock:
         """Lock ``folder`` for this run or raise :class:`SwapFolderBusy` naming the holder."""
         path = lock_path(folder)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with _held_lock:
             if os.path.realpath(path) in _held:
-                raise SwapFolderBusy(_busy_message(folder, path, _this_process()))
-            lock = cls._take(folder, path, run_id)
+                raise SwapFolderBusy(_busy_message(folder, path, _this_process(), key))
+            lock = cls._take(folder, path, run_id, key)
             _held.add(os.path.realpath(path))
         return lock
 
     @classmethod
-    def _take(cls, folder: str, path: str, run_id: str) -> SwapLock:
+    def _take(cls, folder: str, path: str, run_id: str, key: str) -> SwapLock:
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                _lock(fd, folder, path)
+                _lock(fd, folder, path, key)
             except BaseException:
                 os.close(fd)
                 raise
@@ -99,16 +99,16 @@ class SwapLock:
                 os.close(fd)  # closing the last descriptor releases the flock
 
 
-def _lock(fd: int, folder: str, path: str) -> None:
+def _lock(fd: int, folder: str, path: str, key: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise SwapFolderBusy(_busy_message(folder, path, _holder(fd))) from None
+        raise SwapFolderBusy(_busy_message(folder, path, _holder(fd), key)) from None
     except OSError as err:
         if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
             raise
         raise ValueError(
-            f"{KEY}: the file system of {folder!r} refuses file locks ({errno.errorcode[err.errno]} on {path!r}), "
+            f"{key}: the file system of {folder!r} refuses file locks ({errno.errorcode[err.errno]} on {path!r}), "
             "so the disk tier cannot keep two runs out of one swap folder. Put nvme_path on a local disk, or on an "
             "NFS mount with locking (no `nolock`/`local_lock` mount option)"
         ) from err
@@ -135,7 +135,7 @@ def _holder(fd: int) -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
-def _busy_message(folder: str, path: str, holder: dict[str, object]) -> str:
+def _busy_message(folder: str, path: str, holder: dict[str, object], key: str) -> str:
     host, pid = holder.get("host", "an unknown host"), holder.get("pid", "unknown")
     since = holder.get("since")
     when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, float) else ""
@@ -143,7 +143,7 @@ def _busy_message(folder: str, path: str, holder: dict[str, object]) -> str:
     if pid == os.getpid() and host == socket.gethostname():
         who += " (this process: an engine that was not destroyed; call engine.destroy() first)"
     return (
-        f"{KEY}: the swap folder {folder!r} is in use by another run ({who}; lock file {path!r}). Give this run "
+        f"{key}: the swap folder {folder!r} is in use by another run ({who}; lock file {path!r}). Give this run "
         "another nvme_path, or wait until that run ends. A lock is released when its process ends, even when "
         "killed, so a dead process never holds it; only on NFS can a crashed host's lock outlive it, until the "
         "server's lease ends (about 90 s); if that host is gone for good, remove the lock file"

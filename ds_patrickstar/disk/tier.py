@@ -6,6 +6,8 @@ See [Note: disk tier plan] for the arithmetic and [Note: disk tier] for what run
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -15,12 +17,13 @@ from ..chunks.layout import ChunkSpec
 from ..groups.comm import ChunkComm
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_specs
 from .aio import AIO_UNCHECKED, AioDiskIO, load_async_io, lock_problem
-from .budget import disk_buffer_bytes, record_bytes, spilled_chunks
+from .budget import disk_buffer_bytes, disk_plan, frozen_pool_bytes, record_bytes
 from .config import NvmeOffload
+from .frozen import FrozenDisk
 from .io import DiskIO, ThreadDiskIO
 from .states import DiskStates
 from .swap_files import PathProbe, SwapFiles, check_swap_path, rank_folder, stale_bytes
-from .swap_layout import piece_elements
+from .swap_layout import frozen_record_bytes, piece_elements
 
 logger = logging.getLogger(__name__)
 
@@ -47,41 +50,64 @@ def resolve_host_budget(host_budget: int | float | None, world_size: int) -> int
     return max(0, memory.available - margin) // local_world_size(world_size)
 
 
+@dataclass(frozen=True)
+class DiskPlan:
+    """What the disk tier holds for this rank: spilled chunks' states (id -> capacity) and frozen chunks
+    (id -> bytes of their record), and how many host buffers frozen chunks are read into."""
+
+    spilled: dict[int, int] = field(default_factory=dict)
+    frozen: dict[int, int] = field(default_factory=dict)
+    frozen_buffers: int = 0
+    key: str = "zero_optimization.offload_optimizer.nvme_path"  # the key errors about the folder name
+
+    @property
+    def frozen_buffer_bytes(self) -> int:
+        return frozen_pool_bytes(list(self.frozen.values()), self.frozen_buffers)
+
+
 def plan_disk_tier(
     nvme: NvmeOffload | None,
+    frozen_buffers: int,
     host_budget: int | float | None,
     specs: list[ChunkSpec],
     comm: ChunkComm,
     dtype: torch.dtype,
     accumulate: bool,
-) -> dict[int, int]:
-    """The spilled chunks of this rank (id -> capacity), after checking ``nvme_path`` has room for them
-    (``nvme``: ``zero_optimization.offload_optimizer`` when it names a disk, else None)."""
+    key: str = "zero_optimization.offload_optimizer.nvme_path",
+) -> DiskPlan:
+    """What goes to disk on this rank (see [Note: disk tier plan]), after checking ``nvme_path`` has room
+    for it (``nvme``: the disk tier's settings when an offload block names a disk, else None; ``key``: the
+    ``nvme_path`` key an error names)."""
     if nvme is None:
-        return {}
+        return DiskPlan()
     plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
-    owned = {  # only trainable chunks have optimizer states
-        i: s.capacity for i, s in enumerate(specs) if owner_of(i, comm.world_size) == comm.rank and s.kind.trainable
-    }
+    mine = [(i, s) for i, s in enumerate(specs) if owner_of(i, comm.world_size) == comm.rank]
+    owned = {i: s.capacity for i, s in mine if s.kind.trainable}  # only trainable chunks have optimizer states
+    frozen = {i: frozen_record_bytes(s.capacity, dtype.itemsize) for i, s in mine if not s.kind.trainable}
     budget = resolve_host_budget(host_budget, comm.world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
-    chosen = spilled_chunks(owned, other, budget, nvme.buffer_count, nvme.buffer_size)
-    spilled = {cid: owned[cid] for cid in sorted(chosen)}
-    needed = sum(record_bytes(c) for c in spilled.values())
+    buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), frozen_buffers)
+    states, on_disk = disk_plan(owned, frozen, other, budget, buffers, frozen_first=not accumulate)
+    result = DiskPlan(
+        {c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers, key
+    )
+    needed = sum(record_bytes(c) for c in result.spilled.values()) + sum(result.frozen.values())
     folder = rank_folder(nvme.nvme_path, comm.rank)
-    check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder))
+    check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder), key)
     logger.info(
-        "ds_patrickstar: disk tier: host budget %.3f GiB; optimizer states of %d of %d owned chunks on disk "
-        "(%.3f GiB in %s), %.3f GiB of buffers (pieces of %d elements)",
+        "ds_patrickstar: disk tier: host budget %.3f GiB; optimizer states of %d of %d owned chunks and %d of %d "
+        "owned frozen chunks on disk (%.3f GiB in %s), %.3f GiB of buffers (pieces of %d elements)",
         budget / 2**30,
-        len(spilled),
+        len(result.spilled),
         len(owned),
+        len(result.frozen),
+        len(frozen),
         needed / 2**30,
         folder,
-        buffer_bytes(nvme, spilled) / 2**30,
+        (buffer_bytes(nvme, result.spilled) + result.frozen_buffer_bytes) / 2**30,
         piece_elements(nvme.buffer_size),
     )
-    return spilled
+    return result
 
 
 def buffer_bytes(nvme: NvmeOffload | None, spilled: dict[int, int]) -> int:
@@ -91,20 +117,35 @@ def buffer_bytes(nvme: NvmeOffload | None, spilled: dict[int, int]) -> int:
     return disk_buffer_bytes(list(spilled.values()), nvme.buffer_count, piece_elements(nvme.buffer_size))
 
 
-def host_bytes_saved(nvme: NvmeOffload | None, spilled: dict[int, int]) -> int:
-    """Host bytes the disk tier takes off the model data: the spilled states less its buffers."""
-    return OPTIM_BYTES_PER_ELEMENT * sum(spilled.values()) - buffer_bytes(nvme, spilled)
+def host_bytes_saved(nvme: NvmeOffload | None, plan: DiskPlan) -> int:
+    """Host bytes the disk tier takes off the model data: the spilled states and the frozen chunks'
+    payloads on disk, less its buffers."""
+    frozen = sum(plan.frozen.values()) - plan.frozen_buffer_bytes  # a record: the payload, padded to 4 KiB
+    return OPTIM_BYTES_PER_ELEMENT * sum(plan.spilled.values()) - buffer_bytes(nvme, plan.spilled) + frozen
 
 
-def open_disk_states(nvme: NvmeOffload | None, spilled: dict[int, int], rank: int, poison: bool) -> DiskStates | None:
-    """The swap files and the I/O of the spilled chunks (None when nothing spills)."""
-    if nvme is None or not spilled:
-        return None
-    files = SwapFiles(nvme.nvme_path, rank, {cid: record_bytes(c) for cid, c in spilled.items()})
+def open_disk_tier(
+    nvme: NvmeOffload | None,
+    plan: DiskPlan,
+    rank: int,
+    poison: bool,
+    pins: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
+) -> tuple[DiskStates | None, FrozenDisk | None]:
+    """The swap files and the I/O of the spilled chunks and the frozen chunks on disk (None for a part
+    that holds nothing); ``pins``: the accelerator's pin and unpin of a host range, for the frozen
+    chunks' read buffers."""
+    if nvme is None or not (plan.spilled or plan.frozen):
+        return None, None
+    sizes = {cid: record_bytes(c) for cid, c in plan.spilled.items()} | plan.frozen
+    files = SwapFiles(nvme.nvme_path, rank, sizes, key=plan.key)
     io: DiskIO | None = None
     try:
-        io = make_disk_io(nvme, files.direct, poison, buffer_bytes(nvme, spilled))
-        return DiskStates(files, io, spilled, nvme.buffer_count, nvme.buffer_size)
+        io = make_disk_io(nvme, files.direct, poison, buffer_bytes(nvme, plan.spilled) + plan.frozen_buffer_bytes)
+        states = DiskStates(files, io, plan.spilled, nvme.buffer_count, nvme.buffer_size) if plan.spilled else None
+        frozen = FrozenDisk(files, io, plan.frozen, plan.frozen_buffers) if plan.frozen else None
+        if frozen is not None and pins is not None:
+            frozen.pin_buffers(*pins)
+        return states, frozen
     except BaseException:
         if io is not None:
             io.close()

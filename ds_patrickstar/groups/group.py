@@ -138,6 +138,7 @@ class ChunkGroup:
         with ``until``, a reduce-scatter reading it, when that completes)."""
         self.joined.drop()
         self._store.release_group(self.members, self.owned, until)
+        self.let_go(self.owned)
         # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
         # gathered again; ours must read the same, or a later "all used in this forward" test
         # (after_forward) would differ between ranks and so would the collectives.
@@ -146,6 +147,18 @@ class ChunkGroup:
                 info.settle()
         self._to(_S.RELEASED)
         self.fresh = self.prefetched = False
+
+    def bring_back(self, chunk: Chunk) -> None:
+        """A frozen chunk on disk that was let go after its last use is read back (see [Note: frozen
+        chunks on disk]); with placement, bringing the chunk did that already."""
+        if chunk.disk is not None and chunk.on_host:
+            self._store.materialize(chunk)
+
+    def let_go(self, chunk: Chunk) -> None:
+        """Where the accelerator is the host (no placement), a frozen chunk on disk whose use is over
+        goes (nothing is written: its values are on disk); placement evicts it otherwise."""
+        if chunk.disk is not None and not self._store.movable and chunk.movable and not chunk.on_host:
+            self._store.to_host(chunk)
 
     def keep(self) -> None:
         """The group's use is over and it stays gathered for the next: its pieces stay, their joined

@@ -137,6 +137,7 @@ class ChunkManager:
             if self.map.is_owned(chunk):
                 self.placement.after_use(chunk)
         if self.comm.world_size == 1:
+            self._let_go()
             return
         saved = self.run.saves_for_backward()  # a backward will read it; a no-grad forward releases
         for group in sorted(groups):
@@ -158,12 +159,21 @@ class ChunkManager:
                 info.end_backward_use()
                 groups.add(self.map.group_of_info(info))
         if self.comm.world_size == 1:
+            self._let_go()
             return
         for group in sorted(groups):
             if self.residency.is_present(group) and all(
                 t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors
             ):
                 self.keep.keep(group)
+
+    def _let_go(self, keep: int | None = None) -> None:
+        """With one rank, the frozen chunks brought from disk beyond the most recent ``keep`` go where their
+        use is over (see [Note: frozen chunks on disk]); with more, they go when their group is released."""
+        if self.store.disk is None:
+            return
+        for chunk in self.store.disk.surplus(keep):
+            self.groups[self.map.group_of(chunk)].let_go(chunk)
 
     def grads_only(self, infos: list[TensorInfo]) -> bool:
         """Whether ``infos``' gradients can go to slots without their values being made ready: every
@@ -200,6 +210,8 @@ class ChunkManager:
             for group in self.groups:
                 if not group.owned.trainable and group.present:
                     self.residency.release(group.index)
+        if self.comm.world_size == 1:
+            self._let_go(keep=0)
         self.grads.end_backward(boundary)
 
     def grads_ready(self) -> bool:
@@ -213,6 +225,8 @@ class ChunkManager:
         rank's chunk stays gathered across a step (its values are stale now)."""
         self._reductions.drain()
         self.residency.release_all()
+        if self.store.disk is not None:
+            self.store.disk.next_step()
         self.comm.trim()
         self.residency.order.next_step()
         if self.plan is not None:

@@ -96,6 +96,7 @@ class GroupResidency:
             if chunk_group.prefetched:
                 chunk_group.prefetched = False
                 counters.prefetched_all_gather_hits += 1
+        chunk_group.bring_back(chunk)
         if chunk_group.fresh:
             chunk_group.fresh = False
             if training:

@@ -36,6 +36,7 @@ hang as well.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..counters import StepCounters
+from ..disk.frozen import FrozenDisk
 from ..disk.states import DiskStates
-from ..disk.tier import open_disk_states
+from ..disk.tier import open_disk_tier
 from ..groups.comm import ChunkComm
 from ..groups.manager import ChunkManager
 from ..groups.reductions import InFlightReductions
@@ -95,6 +97,7 @@ class ChunkedModel:
     hooks: HookRegistry
     has_values: Callable[[torch.nn.Parameter], bool]  # False for a deferred parameter (``ds_patrickstar.Init``)
     disk: DiskStates | None = None  # the disk tier's spilled states, when anything spills
+    frozen_disk: FrozenDisk | None = None  # the frozen chunks on disk, when any is (see [Note: frozen chunks on disk])
     closed: bool = False
 
     def close(self) -> None:
@@ -107,7 +110,7 @@ class ChunkedModel:
             why = "destroyed inside an iteration (after an error?), a gather could wait for ranks that never come"
             unbind_parameters(infos, None, "engine.destroy()", why)
             # collectives in flight may still use the accelerator's buffers: they go with the engine
-            release(self.hooks, self.disk, None)
+            release(self.hooks, self.disk, None, self.frozen_disk)
             return
         from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
         unbind_parameters(
@@ -122,7 +125,7 @@ class ChunkedModel:
         if self.closed:
             return
         self.closed = True
-        give_back(self.chunk_map, self.has_values, self.hooks, self.disk, self.accel)
+        give_back(self.chunk_map, self.has_values, self.hooks, self.disk, self.accel, self.frozen_disk)
 
 
 @torch.no_grad()
@@ -169,6 +172,7 @@ def give_back(
     hooks: HookRegistry | None,
     disk: DiskStates | None,
     accel: Accelerator,
+    frozen_disk: FrozenDisk | None = None,
 ) -> None:
     """A failed initialize: every bound parameter that came with values gets them back from the chunks this
     rank owns (no collective runs on a failing rank), then what was built goes (:func:`release`); see
@@ -178,10 +182,15 @@ def give_back(
         why = "they lie in chunks other ranks own, and a rank whose initialize failed starts no collective"
         unbind_parameters(infos, lambda: owned_host_values(chunk_map, infos), "a failed deepspeed.initialize", why)
     finally:
-        release(hooks, disk, accel)
+        release(hooks, disk, accel, frozen_disk)
 
 
-def release(hooks: HookRegistry | None, disk: DiskStates | None, accel: Accelerator | None) -> None:
+def release(
+    hooks: HookRegistry | None,
+    disk: DiskStates | None,
+    accel: Accelerator | None,
+    frozen_disk: FrozenDisk | None = None,
+) -> None:
     """Our hooks leave the model, the disk tier's I/O threads stop and its files go (see [Note: swap files]),
     the accelerator gives back its memory; each even when one before it raised."""
     try:
@@ -191,6 +200,8 @@ def release(hooks: HookRegistry | None, disk: DiskStates | None, accel: Accelera
         try:
             if disk is not None:
                 disk.close()
+            if frozen_disk is not None:
+                frozen_disk.close()
         finally:
             if accel is not None:
                 accel.close()
@@ -282,14 +293,16 @@ def assemble(
 
     chunk_map = ChunkMap(comm.world_size, comm.rank)
     disk: DiskStates | None = None
+    frozen_disk: FrozenDisk | None = None
     hooks: HookRegistry | None = None
     try:
         check_bindable(plan.specs, has_values)
         build_kernels({accel.device, torch.device("cpu")} if plan.movable else {accel.device})
-        disk = open_disk_states(options.offload_optimizer, plan.spilled, comm.rank, poison=plan.poison)
+        pins = (accel.pin_host_range, accel.unpin_host_range)
+        disk, frozen_disk = open_disk_tier(options.nvme, plan.disk, comm.rank, plan.poison, pins)
         run = RunState()
         store, placement, manager = _build_chunks(
-            module, options, plan, chunk_map, has_values, device, deferred, accumulate, run
+            module, options, plan, chunk_map, has_values, device, deferred, accumulate, run, frozen_disk
         )
         owned = chunk_map.trainable_owned()  # frozen chunks have no optimizer states (see [Note: frozen chunks])
         optim_states = OptimizerStates(owned, accel, start_on_device=not plan.movable, disk=disk)
@@ -301,7 +314,7 @@ def assemble(
             placement,
             stepped_groups={c.group_index for c in chunk_map.chunks if c.trainable},
         )
-        export = ChunkExport(chunk_map, comm, accel, optim_states)
+        export = ChunkExport(chunk_map, comm, accel, optim_states, frozen_disk)
         leaves = leaf_tensors(module, chunk_map.info)  # see [Note: leaf modules]
         comm.lockstep.advice = divergence_advice(module)  # see [Note: ranks in lockstep]
         flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary, run, leaves)
@@ -309,7 +322,7 @@ def assemble(
             module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations), leaves
         )
     except BaseException:
-        _give_back_logged(chunk_map, has_values, hooks, disk, accel)
+        _give_back_logged(chunk_map, has_values, hooks, disk, accel, frozen_disk)
         raise
     return ChunkedModel(
         counters,
@@ -327,6 +340,7 @@ def assemble(
         hooks,
         has_values,
         disk,
+        frozen_disk,
     )
 
 
@@ -340,10 +354,12 @@ def _build_chunks(
     deferred: DeferredModel | None,
     accumulate: bool,
     run: RunState,
+    frozen_disk: FrozenDisk | None,
 ) -> tuple[ChunkStore, Placement, ChunkManager]:
     """The chunks with the parameters bound to them (the first change to the model), placement and the manager."""
     counters, comm, accel = plan.counters, plan.comm, plan.accel
     store = ChunkStore(accel, counters, movable=plan.movable)
+    store.disk = frozen_disk
     build_chunk_map(chunk_map, plan.specs, store, has_values)
     reductions = InFlightReductions()
     placement: Placement = NullPlacement()  # one memory (see [Note: null placement])
@@ -361,7 +377,8 @@ def _build_chunks(
         prefetch_groups=options.prefetch_groups,
     )
     if deferred:  # values from each module's own init, into the owned chunks only (see io/init.py)
-        deferred.materialize(chunk_map)
+        with frozen_disk.writing() if frozen_disk is not None else contextlib.nullcontext():
+            deferred.materialize(chunk_map)
     module.to(device)  # buffers (and non-float frozen parameters); chunk parameters are views already there
     return store, placement, manager
 
@@ -372,10 +389,11 @@ def _give_back_logged(
     hooks: HookRegistry | None,
     disk: DiskStates | None,
     accel: Accelerator,
+    frozen_disk: FrozenDisk | None,
 ) -> None:
     """After a failed :func:`assemble`: :func:`give_back`; an error doing so is logged, the failure's own
     error is the one that propagates."""
     try:
-        give_back(chunk_map, has_values, hooks, disk, accel)
+        give_back(chunk_map, has_values, hooks, disk, accel, frozen_disk)
     except Exception:
         logger.exception("ds_patrickstar: giving back what a failed initialize built failed too")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
-from ..disk.config import NvmeOffload, means_nvme, parse_nvme
+from ..disk.config import NvmeOffload, check_same_folder, means_nvme, parse_nvme, tier_settings
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ DEFAULT_CHUNK_SIZE = 32 * 1024 * 1024
 # Stock ZeRO keys that would change what is kept where. Our placement decides that
 # itself, so accepting them silently would mislead: they are errors.
 _CONFLICTING_ZERO_KEYS = {
-    "offload_param": "parameter placement between CPU and GPU is automatic (tide-aware chunk placement)",
+    "offload_param": "parameter placement between CPU and GPU is automatic (tide-aware chunk placement); "
+    '"device": "nvme" turns on the disk tier for the frozen chunks that do not fit host memory',
     "offload_optimizer": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit); "
     '"device": "nvme" turns on the disk tier for the states that do not fit host memory',
     "cpu_offload": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit)",
@@ -47,7 +48,7 @@ _CONFLICTING_ZERO_KEYS = {
 # Offload blocks that say "no offload", as Hugging Face's Trainer and accelerate templates
 # write them ({"device": "none"}, often with pin_memory): harmless, so only ignored.
 _OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
-_NVME = ("", ' or "nvme" (the disk tier)')
+_NVME = ' or "nvme" (the disk tier)'
 
 
 def _means_no_offload(key: str, value: Any) -> bool:
@@ -129,6 +130,11 @@ class PatrickStarConfig(BaseModel):
     """The disk tier, from DeepSpeed's ``offload_optimizer`` block with ``"device": "nvme"`` and its
     ``aio`` block (see [Note: disk tier configuration]); None: no disk tier."""
 
+    offload_param: NvmeOffload | None = None
+    """The disk tier, from DeepSpeed's ``offload_param`` block with ``"device": "nvme"``: frozen chunks
+    that ``host_budget`` cannot hold live on disk (see [Note: frozen chunks on disk]); with
+    ``offload_optimizer`` too, both name the same ``nvme_path``."""
+
     offload_activations: Literal["none", "all", "auto"] = "none"
     """What autograd saves inside the model's blocks (the entries of its longest ModuleList or
     Sequential, e.g. the transformer layers; with activation checkpointing, what the checkpoints
@@ -153,12 +159,17 @@ class PatrickStarConfig(BaseModel):
     same from code. Left out: DeepSpeed's default classes (the sparse MoE blocks of Hugging Face's
     Mixtral, Qwen2-MoE and Qwen3-MoE); ``{"classes": []}``: none."""
 
+    @property
+    def nvme(self) -> NvmeOffload | None:
+        """The disk tier's settings, when either offload block turns it on (see [Note: disk tier configuration])."""
+        return tier_settings(self.offload_optimizer, self.offload_param)
+
     def ineffective_keys(self, placement_runs: bool) -> list[str]:
         """The keys the user set that do nothing in a run with (or without) placement: placement runs
         on a CUDA device or with ``emulate_accelerator``; ``static_fraction`` only with ``placement:
         "static"``."""
         set_keys = self.model_fields_set
-        idle = ["host_budget"] if self.offload_optimizer is None and "host_budget" in set_keys else []
+        idle = ["host_budget"] if self.nvme is None and "host_budget" in set_keys else []
         return idle + self._idle_placement_keys(placement_runs, set_keys)
 
     def _idle_placement_keys(self, placement_runs: bool, set_keys: set[str]) -> list[str]:
@@ -237,13 +248,12 @@ def parse_patrickstar_options(zero_block: dict[str, Any], aio: dict[str, Any] | 
     ours: dict[str, Any] = {}
     ignored: list[str] = []
     for key, value in zero_block.items():
-        if key == "offload_optimizer" and means_nvme(value):
-            ours[key] = parse_nvme(value, aio)
+        if key in _OFFLOAD_BLOCKS and means_nvme(value):
+            ours[key] = parse_nvme(value, aio, key)
             continue
         if key in _CONFLICTING_ZERO_KEYS and not _means_no_offload(key, value):
             got = (
-                f'; got {value!r}, and only "device": "none" (no offload)'
-                f"{_NVME[key == 'offload_optimizer']} is accepted"
+                f'; got {value!r}, and only "device": "none" (no offload){_NVME} is accepted'
                 if key in _OFFLOAD_BLOCKS
                 else ""
             )
@@ -259,6 +269,7 @@ def parse_patrickstar_options(zero_block: dict[str, Any], aio: dict[str, Any] | 
         logger.warning(
             "zero_optimization keys %s tune stock ZeRO stages and are ignored by stage 'patrickstar'", sorted(ignored)
         )
+    check_same_folder(ours.get("offload_optimizer"), ours.get("offload_param"))
     try:
         return PatrickStarConfig(**ours)
     except ValidationError as err:

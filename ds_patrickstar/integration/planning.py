@@ -19,7 +19,8 @@ from torch.distributed import ProcessGroup
 
 from ..chunks.layout import ChunkSpec, plan_chunks
 from ..counters import StepCounters
-from ..disk.tier import host_bytes_saved, plan_disk_tier
+from ..disk.config import frozen_buffer_count
+from ..disk.tier import DiskPlan, host_bytes_saved, plan_disk_tier
 from ..groups.comm import ChunkComm
 from ..memory.accelerator import Accelerator, HostAccelerator
 from ..memory.cuda import CudaAccelerator
@@ -46,7 +47,7 @@ class RunPlan:
     counters: StepCounters
     comm: ChunkComm
     specs: list[ChunkSpec]
-    spilled: dict[int, int]  # the disk tier's chunks of this rank (id -> capacity)
+    disk: DiskPlan  # what the disk tier holds of this rank's chunks
     accel: Accelerator
     keep_gathered: int | None
 
@@ -77,8 +78,11 @@ def plan_run(
     comm = ChunkComm(dp_group, counters)
     groups = named_param_groups(module, basic_optimizer.param_groups)
     specs = plan_chunks(groups, options.chunk_size, comm.world_size, frozen_parameters(module), dtype)
-    spilled = plan_disk_tier(options.offload_optimizer, options.host_budget, specs, comm, dtype, accumulate)
-    on_disk = host_bytes_saved(options.offload_optimizer, spilled)
+    buffers = frozen_buffer_count(options.offload_optimizer, options.offload_param)
+    block = "offload_optimizer" if options.offload_optimizer is not None else "offload_param"
+    key = f"zero_optimization.{block}.nvme_path"
+    disk = plan_disk_tier(options.nvme, buffers, options.host_budget, specs, comm, dtype, accumulate, key)
+    on_disk = host_bytes_saved(options.nvme, disk)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))
     keep_gathered = options.keep_gathered
@@ -86,7 +90,7 @@ def plan_run(
         rank_plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
         step = step_bytes(specs, dtype.itemsize, comm.world_size, accumulate, options.prefetch_groups)
         keep_gathered = default_keep_gathered(module, rank_plan, step, comm)
-    return RunPlan(adamw, counters, comm, specs, spilled, accel, keep_gathered)
+    return RunPlan(adamw, counters, comm, specs, disk, accel, keep_gathered)
 
 
 def check_values_held(module: torch.nn.Module) -> None:

@@ -227,7 +227,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
         optimizer step, applied or skipped (see ``PatrickStarEngine._take_model_step``)."""
         device, host = self.model_data_bytes_split()
         self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
-        self.counters.frozen_bytes_device, self.counters.frozen_bytes_host = self.frozen_bytes_split()
+        frozen_split = self.frozen_bytes_split()
+        self.counters.frozen_bytes_device, self.counters.frozen_bytes_host, self.counters.frozen_bytes_disk = (
+            frozen_split
+        )
         self.counters.host_bytes_allocated = self.accel.host_pool.allocated
         disk = self.parts.disk
         if disk is not None:
@@ -236,6 +239,13 @@ class PatrickStarOptimizer(ZeROOptimizer):
             self.counters.disk_io_seconds, self.counters.disk_wait_seconds = counts.io_seconds, counts.wait_seconds
             self.counters.disk_bytes_read_ahead = counts.bytes_read_ahead
             self.counters.model_bytes_disk, self.counters.disk_buffer_bytes = disk.bytes_on_disk, disk.buffer_bytes
+        frozen = self.parts.frozen_disk
+        if frozen is not None:  # its reads go through the same I/O, counted by the states' counts when they exist
+            read, io_seconds, wait_seconds = frozen.take_counts()
+            if disk is None:
+                self.counters.disk_bytes_read, self.counters.disk_io_seconds = read, io_seconds
+                self.counters.disk_wait_seconds = wait_seconds
+            self.counters.disk_buffer_bytes += frozen.buffer_bytes
         self.last_step_counters = self.counters.as_dict()
         self.counters.reset()
         self.accel.ledger.reset_peak()
@@ -252,11 +262,13 @@ class PatrickStarOptimizer(ZeROOptimizer):
         host = self.parts.store.host_bytes + self.optim_states.bytes_on_host()
         return self.placement.split_model_bytes(device, host)
 
-    def frozen_bytes_split(self) -> tuple[int, int]:
-        """This rank's frozen chunks (see [Note: frozen chunks]), ``(on the accelerator, on the host)``."""
+    def frozen_bytes_split(self) -> tuple[int, int, int]:
+        """This rank's frozen chunks (see [Note: frozen chunks]), ``(on the accelerator, on the host, only on
+        disk)``: a frozen chunk on disk away from use is on disk only (see [Note: frozen chunks on disk])."""
         owned = [c for c in self.chunk_map.chunks if not c.trainable and self.chunk_map.is_owned(c)]
-        host = sum(c.nbytes for c in owned if c.on_host)
-        return self.placement.split_model_bytes(sum(c.nbytes for c in owned) - host, host)
+        disk = sum(c.nbytes for c in owned if c.on_host and c.host is None and c.disk is not None)
+        host = sum(c.nbytes for c in owned if c.on_host) - disk
+        return (*self.placement.split_model_bytes(sum(c.nbytes for c in owned) - host - disk, host), disk)
 
     def model_data_bytes(self) -> int:
         """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""

@@ -42,6 +42,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
+from ..disk.frozen import FrozenDisk
 from ..groups.comm import ChunkComm
 from ..memory.accelerator import Accelerator
 from ..optim.states import OptimizerStates
@@ -69,8 +70,16 @@ def owned_host_values(chunk_map: ChunkMap, infos: list[TensorInfo]) -> Iterator[
 class ChunkExport:
     """Streams chunk values to and from the host; see [Note: state_dict]."""
 
-    def __init__(self, chunk_map: ChunkMap, comm: ChunkComm, accel: Accelerator, optim_states: OptimizerStates) -> None:
+    def __init__(
+        self,
+        chunk_map: ChunkMap,
+        comm: ChunkComm,
+        accel: Accelerator,
+        optim_states: OptimizerStates,
+        frozen_disk: FrozenDisk | None = None,
+    ) -> None:
         self.map = chunk_map
+        self.frozen_disk = frozen_disk
         self.comm = comm
         self.optim_states = optim_states
         self.accel = accel
@@ -179,6 +188,11 @@ class ChunkExport:
         return {name: result[name] for name, _ in module.named_parameters(remove_duplicate=False)}
 
     # ---- streaming in -------------------------------------------------------------------
+    def writing(self) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, values written into frozen chunks on disk reach their records (see
+        [Note: frozen chunks on disk])."""
+        return self.frozen_disk.writing() if self.frozen_disk is not None else contextlib.nullcontext()
+
     @torch.no_grad()
     def load_from_state_dict(
         self, module: torch.nn.Module, state_dict: dict, prefix: str, error_msgs: list[str]
@@ -188,12 +202,13 @@ class ChunkExport:
         names = self.names(module, prefix)
         self.refuse_gradients(names, "load_state_dict()")
         self._consumed = []
-        for info, keys in names.items():
-            for key in keys:
-                if key not in state_dict:
-                    continue
-                self._consumed.append(key)
-                self.write_value(info, key, state_dict.pop(key), error_msgs)
+        with self.writing():
+            for info, keys in names.items():
+                for key in keys:
+                    if key not in state_dict:
+                        continue
+                    self._consumed.append(key)
+                    self.write_value(info, key, state_dict.pop(key), error_msgs)
 
     @torch.no_grad()
     def write_value(self, info: TensorInfo, key: str, value: torch.Tensor, error_msgs: list[str]) -> None:

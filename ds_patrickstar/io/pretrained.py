@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
+from .export import ChunkExport
 
 logger = logging.getLogger(__name__)
 
@@ -102,25 +104,9 @@ def load_pretrained(engine: DeepSpeedEngine, path: str, strict: bool = True) -> 
     loaded: set[object] = set()
     result, errors = LoadResult(), list[str]()
 
-    files = checkpoint_files(path)
-    for file in files:
-        for key, value in iter_tensors(file):
-            if key in by_key:
-                export.write_value(by_key[key], key, value, errors)
-                loaded.add(by_key[key])
-            elif key in whole:
-                target = whole[key]
-                if tuple(target.shape) != tuple(value.shape):
-                    errors.append(
-                        f"size mismatch for {key}: {tuple(value.shape)} in the checkpoint, "
-                        f"{tuple(target.shape)} in the model"
-                    )
-                else:
-                    target.copy_(value)
-                    loaded.add(key)
-            else:
-                result.unexpected_keys.append(key)
-        logger.info("ds_patrickstar: loaded %s", file)
+    with export.writing():  # frozen chunks on disk: straight into their records
+        for file in checkpoint_files(path):
+            _load_file(file, export, by_key, whole, loaded, result, errors)
     result.missing_keys = [keys[0] for info, keys in names.items() if info not in loaded]
     result.missing_keys += [key for key in whole if key not in loaded]
     if errors:
@@ -131,3 +117,32 @@ def load_pretrained(engine: DeepSpeedEngine, path: str, strict: bool = True) -> 
             f"{result.unexpected_keys}; pass strict=False to load what matches"
         )
     return result
+
+
+def _load_file(
+    file: str,
+    export: ChunkExport,
+    by_key: dict[str, TensorInfo],
+    whole: dict[str, torch.Tensor],
+    loaded: set[object],
+    result: LoadResult,
+    errors: list[str],
+) -> None:
+    """One weight file's tensors into the chunks (``by_key``) or whole targets; see [Note: pretrained loading]."""
+    for key, value in iter_tensors(file):
+        if key in by_key:
+            export.write_value(by_key[key], key, value, errors)
+            loaded.add(by_key[key])
+        elif key in whole:
+            target = whole[key]
+            if tuple(target.shape) != tuple(value.shape):
+                errors.append(
+                    f"size mismatch for {key}: {tuple(value.shape)} in the checkpoint, "
+                    f"{tuple(target.shape)} in the model"
+                )
+            else:
+                target.copy_(value)
+                loaded.add(key)
+        else:
+            result.unexpected_keys.append(key)
+    logger.info("ds_patrickstar: loaded %s", file)

@@ -23,7 +23,11 @@ view of a chunk (a parameter, a tensor autograd saved) keeps its storage object 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import sys
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -133,6 +137,14 @@ class Accelerator:
         """Give back a buffer of :meth:`host_empty`; with ``after``, once that copy has completed."""
         self.host_pool.release(tensor, after)
 
+    def pin_host_range(self, address: int, nbytes: int) -> None:
+        """Pin a host range that is not the pool's (the disk tier's read buffers) for asynchronous copies;
+        undo with :meth:`unpin_host_range` before it is freed."""
+        self._pin_host(address, nbytes)
+
+    def unpin_host_range(self, address: int) -> None:
+        self._unpin_host(address)
+
     def _pin_host(self, address: int, nbytes: int) -> None:
         """Pin a host range for asynchronous copies (nothing to do without an accelerator)."""
 
@@ -194,6 +206,13 @@ class HostAccelerator(Accelerator):
         super().__init__(budget=1 << 62)
         self.device = torch.device("cpu")
 
+    def materialize(self, tensor: torch.Tensor, kind: str, what: str) -> None:
+        """As on any accelerator; the memory of a large buffer is backed by huge pages where the
+        kernel offers them (a frozen chunk read from disk is materialized and filled at every use:
+        2 MiB pages take its first writes' page faults 512 at a time)."""
+        super().materialize(tensor, kind, what)
+        advise_huge_pages(tensor)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
         dst.copy_(src)
         return _Done()
@@ -205,3 +224,27 @@ class _Done(Pending):
 
     def done(self) -> bool:
         return True
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+@functools.cache
+def _madvise() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back the whole 2 MiB pages inside ``tensor``'s storage with transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``); nothing where that is not offered or the storage holds none."""
+    storage = tensor.untyped_storage()
+    start = -(-storage.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (storage.data_ptr() + storage.nbytes()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        _madvise()(start, end - start, _MADV_HUGEPAGE)

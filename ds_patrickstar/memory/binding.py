@@ -45,7 +45,7 @@ def build_chunk_map(
             store.create(owned, True)
         for info in infos:
             _bind(chunk_map, store, info, has_values(info.param))
-        store.settle(owned)
+        store.settle(owned, any(has_values(info.param) for info in owned.tensors))
         if world_size > 1:
             store.release_group(members, owned)
     logger.info(

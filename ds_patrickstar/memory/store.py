@@ -6,6 +6,9 @@ place at a time: on the accelerator (payload backed, no host buffer) or on the h
 (values in a buffer of the host pool, see [Note: pinned host memory]; payload storage
 resized to zero so the views stay valid and come back to life when the chunk returns,
 see [Note: storage resize]).
+A frozen chunk on disk (see [Note: frozen chunks on disk]) has a third place: away from use it
+is on the host with no host buffer, its values only in its disk record, from which it is brought
+(:meth:`ChunkStore.to_device`) and to which it goes back without a copy (:meth:`ChunkStore.to_host`).
 Model data therefore costs 14 bytes per parameter over device and host together. Chunks
 are built on the host (initialize never needs the model on the accelerator) and placement
 brings them in when used. A chunk owned by another rank exists only while its group is
@@ -38,6 +41,8 @@ prefetches run on the copy stream, and the consumer waits through :meth:`Chunk.r
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -47,6 +52,27 @@ from .accelerator import Accelerator
 from .pending import Pending
 
 logger = logging.getLogger(__name__)
+
+
+class DiskChunks(Protocol):
+    """The disk tier's frozen chunks, as the store sees them (see [Note: frozen chunks on disk])."""
+
+    def adopt(self, chunk: Chunk) -> None:
+        """Make the disk the home of ``chunk`` if the plan put it there (sets ``chunk.disk``)."""
+
+    def put(self, chunk: Chunk, values: torch.Tensor | None) -> None:
+        """The chunk's first values (None: it has none yet)."""
+
+    def take(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[Pending], None]]:
+        """A host buffer of the chunk's values, and what to call with the copy that reads it."""
+        ...
+
+    def next_step(self) -> None:
+        """A step is over (the order of reads ahead starts again)."""
+
+    def surplus(self, keep: int | None = None) -> list[Chunk]:
+        """Chunks brought from disk beyond the ``keep`` most recent, least recently brought first."""
+        ...
 
 
 class ChunkStore:
@@ -59,11 +85,14 @@ class ChunkStore:
         self.host_bytes = 0  # model data on the host: host buffers and accumulators
         self._flats: dict[int, torch.Tensor] = {}  # a group's first chunk id -> its flat storage
         self._freeing: dict[int, Pending] = {}  # flat storages freed when that reduce-scatter completes
+        self.disk: DiskChunks | None = None  # frozen chunks on disk (see [Note: frozen chunks on disk])
 
     # ---- creation -----------------------------------------------------------------
     def create(self, chunk: Chunk, owned: bool) -> None:
         """Give ``chunk`` its payload, backed for now so that parameter views can be made of it
         (:meth:`settle` follows). An owned chunk's values go to the host with placement."""
+        if owned and self.disk is not None:
+            self.disk.adopt(chunk)
         chunk.payload = self.accel.empty(chunk.capacity, chunk.dtype, "chunk", f"chunk {chunk.chunk_id}")
         # the pool may cache one chunk's host buffers: payload, accumulator, three optimizer states
         self.accel.host_pool.cache_at_least(chunk.capacity * (chunk.dtype.itemsize + 16))
@@ -73,8 +102,19 @@ class ChunkStore:
         elif owned:
             chunk.payload.zero_()
 
-    def settle(self, chunk: Chunk) -> None:
-        """After the views were made: an owned chunk's payload keeps memory only if it lives there."""
+    def settle(self, chunk: Chunk, has_values: bool = True) -> None:
+        """After the views were made: an owned chunk's payload keeps memory only if it lives there; a
+        frozen chunk on disk goes there (see [Note: frozen chunks on disk]; ``has_values``: False when
+        nothing was written into it)."""
+        if chunk.disk is not None and self.disk is not None:
+            self.disk.put(chunk, chunk.ready() if has_values else None)
+            if chunk.host is not None:
+                self._drop_host(chunk.host)
+                chunk.host = None
+            if chunk.is_materialized:
+                self.accel.free(chunk.payload, "chunk")
+            chunk.on_host = True
+            return
         if chunk.on_host:
             self.accel.free(chunk.payload, "chunk")
 
@@ -146,6 +186,8 @@ class ChunkStore:
 
     # ---- this rank's chunk: present with a gathered group (W == 1) -------------------
     def materialize(self, chunk: Chunk) -> None:
+        if chunk.on_host and chunk.disk is not None:  # a frozen chunk on disk, let go after its last use
+            self.to_device(chunk)
         if not chunk.is_materialized:
             self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
             self._acc_to_device(chunk)
@@ -163,6 +205,11 @@ class ChunkStore:
         if chunk.on_host:
             return
         self._wait_collectives(chunk)
+        if chunk.disk is not None:  # its values are on disk already: nothing is copied
+            chunk.wait_pending()
+            self.accel.free(chunk.payload, "chunk")
+            chunk.on_host, chunk.prefetched = True, False
+            return
         host = self.accel.host_empty(chunk.capacity, chunk.dtype)
         self.host_bytes += chunk.nbytes
         pending = self.accel.copy(host, chunk.payload)  # ordered after every earlier copy of the chunk
@@ -177,9 +224,14 @@ class ChunkStore:
             return
         self._wait_collectives(chunk)
         self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
-        host = chunk.host_buffer()
-        pending = self.accel.copy(chunk.payload, host)
-        self._drop_host(host, after=pending)
+        if chunk.host is None and chunk.disk is not None and self.disk is not None:
+            host, done = self.disk.take(chunk)  # a read buffer of the disk tier
+            pending = self.accel.copy(chunk.payload, host)
+            done(pending)
+        else:
+            host = chunk.host_buffer()
+            pending = self.accel.copy(chunk.payload, host)
+            self._drop_host(host, after=pending)
         chunk.host, chunk.on_host, chunk.pending = None, False, [pending]
         self._acc_to_device(chunk)
         self.counters.bytes_to_device += chunk.nbytes

@@ -25,15 +25,18 @@ def tide_series(tide: list[tuple[int, int, int, int]]) -> dict[str, list[float]]
 
 
 def disk_caption(counters: Mapping[str, float]) -> str:
-    """The disk tier's line under the plot, from a step's counters (empty when nothing spills):
-    optimizer states on disk, host buffers, and the step's bytes read (of them, issued during
-    backward) and written, and the seconds it waited on them (see [Note: disk tier])."""
-    if not counters.get("model_bytes_disk"):
+    """The disk tier's line under the plot, from a step's counters (empty when nothing is on disk):
+    optimizer states and frozen chunks on disk, host buffers, and the step's bytes read (of them,
+    issued during backward) and written, and the seconds it waited on them (see [Note: disk tier]
+    and [Note: frozen chunks on disk])."""
+    if not counters.get("model_bytes_disk") and not counters.get("frozen_bytes_disk"):
         return ""
     gib = 2**30
+    frozen = counters.get("frozen_bytes_disk", 0)
     return (
         f"disk tier: {counters['model_bytes_disk'] / gib:.2f} GiB of optimizer states on disk, "
-        f"{counters['disk_buffer_bytes'] / _MIB:.0f} MiB of host buffers; last step read "
+        + (f"{frozen / gib:.2f} GiB of frozen chunks on disk, " if frozen else "")
+        + f"{counters['disk_buffer_bytes'] / _MIB:.0f} MiB of host buffers; last step read "
         f"{counters['disk_bytes_read'] / gib:.2f} GiB ({counters['disk_bytes_read_ahead'] / gib:.2f} GiB "
         f"during backward), wrote {counters['disk_bytes_written'] / gib:.2f} GiB, waited "
         f"{counters['disk_wait_seconds']:.2f} s on I/O"

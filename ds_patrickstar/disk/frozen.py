@@ -1,0 +1,306 @@
+"""Frozen chunks on disk: their owned slices written once, read ahead in trace order, never written back.
+
+[Note: frozen chunks on disk]
+With the disk tier, the owned slices of the frozen chunks that ``host_budget`` cannot hold (see
+[Note: disk tier plan]) live in the swap folder, one record per chunk (``chunk<id>.swap``, the
+payload in the training dtype, padded to 4 KiB; see [Note: swap files]), beside the spilled
+optimizer states, through the same I/O (see [Note: disk I/O]) and under the same lock. Such a
+chunk's home is its record (:attr:`~ds_patrickstar.chunks.chunk.Chunk.disk`): away from use it
+lives on the host with no host buffer (``on_host`` and no ``host``), so it takes no RAM.
+
+* **Written once**: at initialize, right after each chunk group is bound (one chunk at a time:
+  :meth:`FrozenDisk.put`; a chunk built without values, under ``ds_patrickstar.Init``, is not
+  written: its preallocated record reads as zeros), and inside :meth:`FrozenDisk.writing` (the
+  values of ``Init``, ``load_pretrained``, ``load_state_dict`` and ``load_checkpoint``), where a
+  chunk's values go through a staging buffer of a few chunks that is written back when it is
+  evicted or the block ends. Frozen values never change in training: nothing else writes.
+* **Read ahead in trace order**: a chunk is brought (placement's move to the accelerator, or a
+  chunk group's gather) from one of ``buffer_count`` aligned host buffers (pinned for the
+  accelerator's copies where it has any) that a read filled
+  (:meth:`FrozenDisk.take`), then the buffer goes back once its copy has completed. The
+  sequence of frozen chunks brought in a step repeats (every rank runs the same modules, see
+  [Note: gather order]): :class:`~ds_patrickstar.groups.gather_order.GatherOrder` records it, and
+  each bring issues the reads of the next ones, so disk reads overlap compute; the first step
+  reads on demand. A read in flight is reached only through :meth:`_Read.ready`, which waits for
+  it; under the strict emulated accelerator a read not waited on leaves NaN in the buffer.
+* **Let go after use**: where the accelerator is the host (no placement), a frozen chunk on disk
+  is dropped (nothing is written) when its group is released, or, with one rank, once its use is
+  over and ``buffer_count`` chunks were brought since (consecutive modules often share a chunk,
+  and backward starts with the chunks forward ended with), and at the end of backward; with
+  placement it is evicted like any chunk, for free.
+* **Read outside training** (checkpoints, exports, :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`
+  of a chunk on disk): through the staging buffers, one record read each, dropped at the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..chunks.chunk import Chunk
+from ..groups.gather_order import GatherOrder
+from ..memory.pending import Pending
+from .io import DiskIO, DiskPending
+from .swap_files import SwapFiles
+
+logger = logging.getLogger(__name__)
+
+STAGING_CHUNKS = 2
+"""Chunks the staging buffers hold outside training (reads, and the writes of :meth:`FrozenDisk.writing`)."""
+
+
+class _Read:
+    """A read of one chunk's record into a pool buffer; :meth:`ready` is the one way to its bytes."""
+
+    def __init__(self, buffer: torch.Tensor, pending: DiskPending) -> None:
+        self.buffer, self._pending = buffer, pending
+
+    def ready(self) -> torch.Tensor:
+        """The buffer, once the read has completed (raises the read's error)."""
+        self._pending.wait()
+        return self.buffer
+
+
+class FrozenDisk:
+    """The frozen chunks of this rank that live on disk; see [Note: frozen chunks on disk]."""
+
+    def __init__(self, files: SwapFiles, io: DiskIO, nbytes: dict[int, int], buffer_count: int) -> None:
+        self.files, self.io = files, io
+        self.chunks: dict[int, Chunk] = {}
+        self.nbytes = dict(nbytes)  # chunk id -> bytes of its record
+        slot = max(self.nbytes.values(), default=0)
+        self._free: list[tuple[torch.Tensor, Pending | None]] = [(io.empty(slot), None) for _ in range(buffer_count)]
+        self.buffer_bytes = slot * buffer_count
+        self._reads: dict[int, _Read] = {}
+        self._staging: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._spare: list[torch.Tensor] = []  # staging buffers not in use (at most STAGING_CHUNKS exist)
+        self._dirty: set[int] = set()
+        self._blank: set[int] = set()  # never written: the preallocated record reads as zeros
+        self._writing = 0
+        self.order = GatherOrder()
+        self.keep = buffer_count  # chunks brought from disk kept while unused, where the host is the accelerator
+        self._brought: OrderedDict[int, None] = OrderedDict()  # brought and not let go, least recently first
+        self.bytes_read = 0  # frozen records read (training and outside it)
+        self._counted: tuple[int, float, float] = (0, 0.0, 0.0)
+        self._pinned: list[int] = []  # addresses of read buffers pinned for the accelerator
+        self._unpin: Callable[[int], None] | None = None
+        weakref.finalize(self, _close, io, files)
+
+    def pin_buffers(self, pin: Callable[[int, int], None], unpin: Callable[[int], None]) -> None:
+        """Pin the read buffers for asynchronous copies to the accelerator (unpinned at :meth:`close`)."""
+        for buffer, _ in self._free:
+            pin(buffer.data_ptr(), buffer.numel())
+            self._pinned.append(buffer.data_ptr())
+        self._unpin = unpin
+
+    def adopt(self, chunk: Chunk) -> None:
+        """``chunk`` lives on disk if the plan put it there."""
+        if chunk.chunk_id in self.nbytes:
+            self.chunks[chunk.chunk_id] = chunk
+            chunk.disk = self
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return sum(self.nbytes.values())
+
+    # ---- written once ----------------------------------------------------------------
+    @torch.no_grad()
+    def put(self, chunk: Chunk, values: torch.Tensor | None) -> None:
+        """The chunk's first values (``None``: built without values, left as the zeros of its record)."""
+        if values is None:
+            self._blank.add(chunk.chunk_id)
+            return
+        buffer = self._buffer()
+        self._as(chunk, buffer).copy_(values.reshape(-1)[: chunk.capacity])
+        self._write(chunk.chunk_id, buffer).wait()
+        self._free.append((buffer, None))
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Writes through :meth:`values` inside the block reach the records (when a staged chunk is
+        evicted, and at the end); chunks on the accelerator now are written from there."""
+        self._writing += 1
+        try:
+            yield
+        finally:
+            self._writing -= 1
+            if not self._writing:
+                self._write_resident()
+                self.drop_staging()
+
+    def _write_resident(self) -> None:
+        for cid, chunk in self.chunks.items():
+            if not chunk.on_host:
+                buffer = self._buffer()
+                self._as(chunk, buffer).copy_(chunk.ready())
+                self._write(cid, buffer).wait()
+                self._free.append((buffer, None))
+                self._blank.discard(cid)
+
+    def drop_staging(self) -> None:
+        """Write back what was changed and let the staging buffers go."""
+        while self._staging:
+            self._evict()
+        self._spare.clear()
+
+    # ---- outside training: staging -------------------------------------------------------
+    def values(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's values in a staging buffer (read on first use; inside :meth:`writing`, changes
+        are written back); valid until :data:`STAGING_CHUNKS` other chunks are staged (the buffers are
+        reused)."""
+        cid = chunk.chunk_id
+        if cid not in self._staging:
+            while len(self._staging) >= STAGING_CHUNKS:
+                self._evict()
+            buffer = self._spare.pop() if self._spare else self.io.empty(max(self.nbytes.values()))
+            if cid in self._blank:
+                buffer.zero_()
+            else:
+                self._read_into(cid, buffer)
+            self._staging[cid] = buffer
+        self._staging.move_to_end(cid)
+        if self._writing:
+            self._dirty.add(cid)
+            self._blank.discard(cid)
+        return self._as(chunk, self._staging[cid])
+
+    def _read_into(self, cid: int, buffer: torch.Tensor) -> None:
+        read = self._reads.pop(cid, None)
+        if read is not None:
+            nbytes = self.nbytes[cid]
+            buffer[:nbytes].copy_(read.ready()[:nbytes])
+            self._free.append((read.buffer, None))
+            return
+        self._read(cid, buffer).wait()
+
+    def _evict(self) -> None:
+        cid, buffer = self._staging.popitem(last=False)
+        if cid in self._dirty:
+            self._dirty.discard(cid)
+            self._write(cid, buffer).wait()
+        self._spare.append(buffer)
+
+    # ---- training: read ahead ------------------------------------------------------------
+    def take(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[Pending], None]]:
+        """The chunk's values in a host buffer, to be copied to the accelerator; call the second with
+        that copy: the buffer goes back to the pool once it has completed. Issues the next reads."""
+        cid = chunk.chunk_id
+        self.order.used(cid)
+        self._brought[cid] = None
+        self._brought.move_to_end(cid)
+        if cid in self._staging:
+            buffer = self._staging.pop(cid)  # the staged values (a checkpoint read them): copied, then spare
+            done: Callable[[Pending], None] = self._sparer(buffer)
+        else:
+            read = self._reads.pop(cid, None) or _Read(*self._read_fresh(cid))
+            buffer = read.ready()
+            done = self._giver(buffer)
+        self.read_ahead()
+        return self._as(chunk, buffer), done
+
+    def surplus(self, keep: int | None = None) -> list[Chunk]:
+        """Chunks brought from disk and still there beyond the ``keep`` (default: :attr:`keep`) most
+        recently brought, least recently first: those to let go."""
+        for cid in [c for c in self._brought if self.chunks[c].on_host]:
+            del self._brought[cid]
+        ids = list(self._brought)
+        return [self.chunks[c] for c in ids[: max(0, len(ids) - (self.keep if keep is None else keep))]]
+
+    def read_ahead(self) -> None:
+        """Issue the reads of the next frozen chunks of the recorded order, as far as buffers allow."""
+        for cid in self.order.ahead(len(self._free) + len(self._reads)):
+            if cid in self._reads or cid in self._staging or not self.chunks[cid].on_host:
+                continue
+            if not self._free:
+                return
+            self._reads[cid] = _Read(*self._read_fresh(cid))
+
+    def next_step(self) -> None:
+        """A step is over: the recorded order is the next step's; reads the order no longer expects go."""
+        self.order.next_step()
+        self.drop_staging()
+        expected = set(self.order.ahead(len(self._free) + len(self._reads)))
+        for cid in [c for c in self._reads if c not in expected]:
+            self._free.append((self._reads.pop(cid).ready(), None))
+        self.read_ahead()
+
+    def take_counts(self) -> tuple[int, float, float]:
+        """Since the last call: bytes of frozen records read, seconds of the I/O threads, seconds waited."""
+        now = (self.bytes_read, self.io.io_seconds, self.io.wait_seconds)
+        before, self._counted = self._counted, now
+        return now[0] - before[0], now[1] - before[1], now[2] - before[2]
+
+    # ---- buffers and requests ------------------------------------------------------------
+    def _sparer(self, buffer: torch.Tensor) -> Callable[[Pending], None]:
+        def spare(after: Pending) -> None:
+            after.wait_host()
+            self._spare.append(buffer)
+
+        return spare
+
+    def _giver(self, buffer: torch.Tensor) -> Callable[[Pending], None]:
+        def give(after: Pending) -> None:
+            self._free.append((buffer, after))
+
+        return give
+
+    def _buffer(self) -> torch.Tensor:
+        """A free pool buffer (its last copy completed); the oldest pending read gives its own when none is."""
+        if not self._free:
+            oldest = next(iter(self._reads))
+            self._free.append((self._reads.pop(oldest).ready(), None))
+        buffer, after = self._free.pop(0)
+        if after is not None:
+            after.wait_host()
+        return buffer
+
+    def _read_fresh(self, cid: int) -> tuple[torch.Tensor, DiskPending]:
+        buffer = self._buffer()
+        return buffer, self._read(cid, buffer)
+
+    def _read(self, cid: int, buffer: torch.Tensor) -> DiskPending:
+        nbytes = self.nbytes[cid]
+        self.bytes_read += nbytes
+        return self.io.read(self.files.fds[cid], 0, buffer[:nbytes]).of_file(self.files.path(cid))
+
+    def _write(self, cid: int, buffer: torch.Tensor) -> DiskPending:
+        nbytes = self.nbytes[cid]
+        return self.io.write(self.files.fds[cid], 0, buffer[:nbytes]).of_file(self.files.path(cid))
+
+    @staticmethod
+    def _as(chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[: chunk.capacity * chunk.dtype.itemsize].view(chunk.dtype)
+
+    def close(self) -> None:
+        """Pending reads complete, the staging and buffers go; the files go with the tier."""
+        for read in self._reads.values():
+            with contextlib.suppress(OSError):
+                read.ready()
+        self._reads.clear()
+        for after in [a for _, a in self._free if a is not None]:
+            with contextlib.suppress(Exception):
+                after.wait_host()  # a copy still reading a buffer completes before it is unpinned
+        self._unpin_all()
+        self._staging.clear()
+        self._free = []
+        _close(self.io, self.files)
+
+    def _unpin_all(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        if self._unpin is not None:
+            for address in pinned:
+                self._unpin(address)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # never closed: the read buffers go with it, unpinned first
+            self._unpin_all()
+
+
+def _close(io: DiskIO, files: SwapFiles) -> None:
+    io.close()
+    files.close(remove=True)
