@@ -1,6 +1,6 @@
 """LoRA on the strict twin with a device budget 6x below the frozen base, against stock ZeRO-3 (issue 30).
 
-    python benchmarks/lora_budget.py                                # bf16 and fp32, 4 steps each
+    python benchmarks/lora_budget.py                                # bf16 and fp32, 6 steps each
     python benchmarks/lora_budget.py --dtypes bf16 --layers 4 --ratio 8 --json runs/lora_budget.json
 
 A GPT of ``gpt_model.py`` (``--width``, ``--layers``, byte vocabulary) gets rank-``--rank`` adapters beside every
@@ -59,7 +59,7 @@ def parse_args(argv=None):
                    help="activation checkpointing of every block (torch's non-reentrant), as LoRA runs use it")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", default=None, help="write every figure here")
