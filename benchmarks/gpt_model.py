@@ -166,6 +166,31 @@ class GPT(nn.Module):
         return total / targets.numel()
 
 
+class LoraLinear(nn.Module):
+    """A frozen linear layer and a trainable rank-``rank`` adapter beside it (B starts at zero, as in PEFT)."""
+
+    def __init__(self, base, rank):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def add_lora(model, rank):
+    """Freeze every parameter, then put a LoRA adapter beside every linear layer of the blocks (the LM head is
+    the tied embedding, frozen with it)."""
+    model.requires_grad_(False)
+    for block in model.blocks:
+        for owner in list(block.modules()):
+            for name, child in list(owner.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(owner, name, LoraLinear(child, rank))
+
+
 def count_params(model, exclude_position_embedding=False):
     """Unique parameters (the tied embedding/LM-head weight counted once).
 
