@@ -42,8 +42,8 @@ from ds_patrickstar.optim.kernels import get_adam_backend  # noqa: E402
 GB = 1e9
 
 
-def raw_bandwidth(folder, size, block, threads):
-    """GB/s of in-place sequential write, read and mixed (half read, half written at once)."""
+def raw_bandwidth(folder, size, block, threads, modes=("write", "read", "mixed")):
+    """GB/s of in-place sequential write, read and mixed (half read, half written at once), those of ``modes``."""
     path = os.path.join(folder, "raw.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     os.posix_fallocate(fd, 0, size)
@@ -53,7 +53,7 @@ def raw_bandwidth(folder, size, block, threads):
         for offset in range(0, size, block):  # write every block once (not timed): then in-place rewrites
             io.write(fd, offset, bufs[0]).wait()
         results = {}
-        for name in ("write", "read", "mixed") * 2:  # each twice, the better one counts
+        for name in tuple(modes) * 2:  # each twice, the better one counts
             start = time.perf_counter()
             pending = []
             for i, offset in enumerate(range(0, size, block)):

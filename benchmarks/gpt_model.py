@@ -32,6 +32,9 @@ class GPTConfig:
     # each piece run under a checkpoint, so that at long sequences only one piece's logits live,
     # as long-sequence trainers do (the logits of 8k tokens x 50k vocab in fp32 are 1.6 GB).
     loss_chunk: int = 0
+    # LoRA: every linear layer of the blocks gets a trainable rank-``lora_rank`` adapter beside it
+    # (``LoraLinear``) and every other parameter is frozen (0: train everything).
+    lora_rank: int = 0
 
 
 PRESETS = {
@@ -58,6 +61,39 @@ def get_config(preset, **overrides):
     return replace(PRESETS[preset], **overrides)
 
 
+class LoraB(nn.Linear):
+    """The adapter's up-projection: it starts at zero (as in PEFT), so the model starts as its base."""
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight)
+
+
+class LoraLinear(nn.Module):
+    """A frozen ``nn.Linear`` (``base``) and a trainable rank-``rank`` adapter beside it:
+    ``base(x) + lora_B(lora_A(x))``, the structure and names of PEFT's LoRA layer. Each sub-module
+    holds one kind of parameter (frozen or trainable); the adapter's values come from its modules'
+    own ``reset_parameters`` (``lora_B``: zero) and ``GPT._init_weights`` (``lora_A``), which
+    ``ds_patrickstar.Init`` runs too, and ``lora_B`` is zero before ``deepspeed.zero.Init``
+    partitions it."""
+
+    def __init__(self, in_features, out_features, rank, base=None):
+        super().__init__()
+        self.base = nn.Linear(in_features, out_features) if base is None else base
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = LoraB(rank, out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def _linear(cfg, in_features, out_features):
+    """A linear layer of a block: plain, or frozen with an adapter when ``cfg.lora_rank`` is set."""
+    if cfg.lora_rank:
+        return LoraLinear(in_features, out_features, cfg.lora_rank)
+    return nn.Linear(in_features, out_features)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -65,8 +101,8 @@ class CausalSelfAttention(nn.Module):
             raise ValueError("n_embd must be divisible by n_head")
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.c_attn = _linear(cfg, cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = _linear(cfg, cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
         b, t, c = x.shape
@@ -80,8 +116,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_fc = _linear(cfg, cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = _linear(cfg, 4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x)))
@@ -115,12 +151,15 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(("c_proj.weight", "c_proj.base.weight")):
                 nn.init.normal_(p, mean=0.0, std=residual_std)
+        if cfg.lora_rank:  # the base frozen: embeddings, LayerNorms, the tied LM head, every base layer
+            for name, p in self.named_parameters():
+                p.requires_grad_(".lora_" in name)
 
     @staticmethod
     def _init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(module, LoraB):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
@@ -166,20 +205,6 @@ class GPT(nn.Module):
         return total / targets.numel()
 
 
-class LoraLinear(nn.Module):
-    """A frozen linear layer and a trainable rank-``rank`` adapter beside it (B starts at zero, as in PEFT)."""
-
-    def __init__(self, base, rank):
-        super().__init__()
-        self.base = base
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
-        nn.init.zeros_(self.lora_B.weight)
-
-    def forward(self, x):
-        return self.base(x) + self.lora_B(self.lora_A(x))
-
-
 def add_lora(model, rank):
     """Freeze every parameter, then put a LoRA adapter beside every linear layer of the blocks (the LM head is
     the tied embedding, frozen with it)."""
@@ -188,7 +213,7 @@ def add_lora(model, rank):
         for owner in list(block.modules()):
             for name, child in list(owner.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(owner, name, LoraLinear(child, rank))
+                    setattr(owner, name, LoraLinear(child.in_features, child.out_features, rank, base=child))
 
 
 def count_params(model, exclude_position_embedding=False):
@@ -205,9 +230,16 @@ def count_params(model, exclude_position_embedding=False):
 
 
 def count_params_for_config(cfg):
-    """Parameter count of a ``GPTConfig`` without building the model."""
+    """Parameter count of a ``GPTConfig`` without building the model (adapters included)."""
     d, layer = cfg.n_embd, 12 * cfg.n_embd ** 2 + 13 * cfg.n_embd
-    return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * layer + 2 * d
+    return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * layer + 2 * d + count_adapter_params(cfg)
+
+
+def count_adapter_params(cfg):
+    """The trainable parameters of ``cfg.lora_rank``'s adapters: ``rank x (in + out)`` per linear layer of
+    the blocks (query-key-value, attention output, MLP in and out)."""
+    d = cfg.n_embd
+    return cfg.n_layer * cfg.lora_rank * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))
 
 
 def flops_per_token(cfg, n_params, seq_len):

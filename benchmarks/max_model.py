@@ -274,27 +274,45 @@ def attempt(args, backend, world_size, depth, log_dir):
     params = gpt_params(args.width, depth, args.vocab, args.seq_len)
     cap = int(args.host_mem_gib * GIB)
     result_path = tempfile.mktemp(prefix="max_model_", suffix=".json")
-    port = _free_port()
     log_path = Path(log_dir) / f"{backend}_ws{world_size}_L{depth}.log"
     swap = os.path.join(args.disk, "zero_infinity") if backend == "zero3-infinity" else None
     if swap:  # a killed try leaves its swap files behind: every try starts on an empty folder
         shutil.rmtree(swap, ignore_errors=True)
-    procs = []
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--try", "--backend", backend, "--depth", str(depth),
+           "--width", str(args.width), "--heads", str(args.heads), "--vocab", str(args.vocab),
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
+           "--grad-accum", str(args.grad_accum),
+           *(["--keep-gathered", str(args.keep_gathered)] if args.keep_gathered is not None else []),
+           *(["--device-budget", str(args.device_budget)] if args.device_budget is not None else []),
+           *(["--chunk-size", str(args.chunk_size)] if args.chunk_size is not None else []),
+           *(["--disk", args.disk, "--host-budget", str(int(cap * DISK_HOST_SHARE / world_size))]
+             if backend in DISK_BACKENDS else []),
+           "--result", result_path]
+    run = launch_ranks(cmd, world_size, args, log_path)
+    out = {"backend": backend, "world_size": world_size, "depth": depth, "params": params,
+           "peak_host_bytes": run["peak_host_bytes"], "seconds": run["seconds"], "log": str(log_path)}
+    if run["why"] is None and os.path.exists(result_path):
+        out.update(json.loads(Path(result_path).read_text()), ok=True)
+    else:
+        out.update(ok=False, why=run["why"] or f"no result (see {log_path})")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    if swap:
+        shutil.rmtree(swap, ignore_errors=True)
+    return out
+
+
+def launch_ranks(cmd, world_size, args, log_path):
+    """Run ``cmd`` once per rank (rank, port and ``OMP_NUM_THREADS`` in each one's environment, output
+    to ``log_path``), polling the resident memory of them all every ``args.poll`` seconds: above
+    ``args.host_mem_gib``, past ``args.timeout`` or when a rank fails, every rank is killed. Returns
+    the peak, the seconds, and ``why`` it failed (None when every rank exited 0)."""
+    cap, port, procs = int(args.host_mem_gib * GIB), _free_port(), []
     with open(log_path, "w") as log:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), OMP_NUM_THREADS=str(max(1, args.threads // world_size)))
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--try", "--backend", backend, "--depth", str(depth),
-                   "--width", str(args.width), "--heads", str(args.heads), "--vocab", str(args.vocab),
-                   "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
-                   "--grad-accum", str(args.grad_accum),
-                   *(["--keep-gathered", str(args.keep_gathered)] if args.keep_gathered is not None else []),
-                   *(["--device-budget", str(args.device_budget)] if args.device_budget is not None else []),
-                   *(["--chunk-size", str(args.chunk_size)] if args.chunk_size is not None else []),
-                   *(["--disk", args.disk, "--host-budget", str(int(cap * DISK_HOST_SHARE / world_size))]
-                     if backend in DISK_BACKENDS else []),
-                   "--result", result_path]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         start, peak, why = time.time(), 0, None
         while any(p.poll() is None for p in procs):
@@ -310,18 +328,10 @@ def attempt(args, backend, world_size, depth, log_dir):
                 break
             time.sleep(args.poll)
     codes = [p.returncode for p in procs]
-    out = {"backend": backend, "world_size": world_size, "depth": depth, "params": params,
-           "peak_host_bytes": peak, "seconds": round(time.time() - start, 1), "log": str(log_path)}
-    if why is None and all(c == 0 for c in codes) and os.path.exists(result_path):
-        out.update(json.loads(Path(result_path).read_text()), ok=True)
-    else:
-        out.update(ok=False, why=why or f"exit codes {codes} (see {log_path})")
-    if os.path.exists(result_path):
-        os.remove(result_path)
-    if swap:
-        shutil.rmtree(swap, ignore_errors=True)
+    if why in (None, "a rank failed") and any(codes):
+        why = f"exit codes {codes} (see {log_path})"
     remove_shm_buffers(port)
-    return out
+    return {"peak_host_bytes": peak, "seconds": round(time.time() - start, 1), "why": why}
 
 
 def remove_shm_buffers(port):
@@ -331,18 +341,21 @@ def remove_shm_buffers(port):
         path.unlink(missing_ok=True)
 
 
-def search(args, backend, world_size, log_dir):
-    """The largest depth that trains (and its try), by walking from an estimate then bisecting."""
+def search(args, backend, world_size, log_dir, try_depth=None, guess_bytes_per_param=None):
+    """The largest depth that trains (and its try), by walking from an estimate then bisecting.
+    ``try_depth(depth)`` runs one try (default: :func:`attempt`); ``guess_bytes_per_param`` sets the
+    first depth (default: ``GUESS_BYTES_PER_PARAM[backend]``) unless ``args.start_depth`` does."""
     per_layer = 12 * args.width ** 2
-    guess = args.host_mem_gib * GIB / GUESS_BYTES_PER_PARAM[backend]
+    guess = args.host_mem_gib * GIB / (guess_bytes_per_param or GUESS_BYTES_PER_PARAM[backend])
     depth = int(min(args.max_depth, max(1, (guess - args.vocab * args.width) // per_layer)))
     if args.start_depth is not None:
         depth = min(args.max_depth, args.start_depth)
+    try_depth = try_depth or (lambda d: attempt(args, backend, world_size, d, log_dir))
     tries = {}
 
     def ok(d):
         if d not in tries:
-            r = attempt(args, backend, world_size, d, log_dir)
+            r = try_depth(d)
             tries[d] = r
             status = "ok  " if r["ok"] else "FAIL"
             detail = (f"step {statistics.median(r['step_times']):.1f} s" if r["ok"] else r["why"])

@@ -1,6 +1,7 @@
-"""Benchmarks that drive the package's internals directly still run: the placement-overhead
-benchmark builds the chunk manager, placement and the run state by hand (as no user does), so a
-change of their signatures breaks it without any other test noticing. Tiny sizes, one process."""
+"""Benchmarks still run, at tiny sizes: the placement-overhead benchmark builds the chunk manager,
+placement and the run state by hand (as no user does), so a change of their signatures breaks it
+without any other test noticing; the LoRA benchmark drives ``max_model.py``'s tries and search
+helpers with a model of its own."""
 from __future__ import annotations
 
 import os
@@ -18,3 +19,16 @@ def test_placement_overhead_benchmark_runs_at_a_tiny_size():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "us/moment" in done.stdout and "evict/it" in done.stdout, done.stdout[-2000:]
+
+
+def test_lora_max_benchmark_trains_a_tiny_lora_gpt(tmp_path):
+    """``lora_max.py`` at a tiny size: one try of ours in its own process, one row with the step time and the
+    bytes read (the disk backends and the search are left to the large runs)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/lora_max.py", "--backends", "patrickstar", "--fixed-depth", "1", "--width", "64",
+         "--heads", "2", "--vocab", "256", "--rank", "4", "--seq-len", "8", "--steps", "2", "--logs", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| patrickstar | 1 |"))
+    assert "| trained |" in row, done.stdout[-2000:]
