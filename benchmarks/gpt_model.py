@@ -76,9 +76,9 @@ class LoraLinear(nn.Module):
     ``ds_patrickstar.Init`` runs too, and ``lora_B`` is zero before ``deepspeed.zero.Init``
     partitions it."""
 
-    def __init__(self, in_features, out_features, rank):
+    def __init__(self, in_features, out_features, rank, base=None):
         super().__init__()
-        self.base = nn.Linear(in_features, out_features)
+        self.base = nn.Linear(in_features, out_features) if base is None else base
         self.base.requires_grad_(False)
         self.lora_A = nn.Linear(in_features, rank, bias=False)
         self.lora_B = LoraB(rank, out_features, bias=False)
@@ -203,6 +203,17 @@ class GPT(nn.Module):
             piece = slice(start, start + self.cfg.loss_chunk)
             total = total + checkpoint(self._piece_loss, h[:, piece], targets[:, piece], use_reentrant=False)
         return total / targets.numel()
+
+
+def add_lora(model, rank):
+    """Freeze every parameter, then put a LoRA adapter beside every linear layer of the blocks (the LM head is
+    the tied embedding, frozen with it)."""
+    model.requires_grad_(False)
+    for block in model.blocks:
+        for owner in list(block.modules()):
+            for name, child in list(owner.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(owner, name, LoraLinear(child.in_features, child.out_features, rank, base=child))
 
 
 def count_params(model, exclude_position_embedding=False):

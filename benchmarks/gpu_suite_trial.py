@@ -79,30 +79,6 @@ def trial_config(args, cuda: bool) -> dict:
     return config
 
 
-class LoraLinear(torch.nn.Module):
-    """A frozen linear layer and a trainable rank-``rank`` adapter beside it (B starts at zero, as in PEFT)."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int):
-        super().__init__()
-        self.base = base
-        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False)
-        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False)
-        torch.nn.init.zeros_(self.lora_B.weight)
-
-    def forward(self, x):
-        return self.base(x) + self.lora_B(self.lora_A(x))
-
-
-def add_lora(model: torch.nn.Module, rank: int) -> None:
-    """Freeze every parameter, then put a LoRA adapter beside every linear layer of the blocks."""
-    model.requires_grad_(False)
-    for block in model.blocks:
-        for owner in list(block.modules()):
-            for name, child in list(owner.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(owner, name, LoraLinear(child, rank))
-
-
 class PhaseTimer:
     """Seconds of each phase of a step: CUDA events on the current stream where CUDA is, else the wall clock
     (the CPU runs every phase synchronously, so the clock after a phase is its end)."""
@@ -266,7 +242,7 @@ def run(args) -> dict:
     model = gpt_model.GPT(cfg)
     n_params = gpt_model.count_params(model, exclude_position_embedding=True)
     if args.lora:
-        add_lora(model, args.lora)
+        gpt_model.add_lora(model, args.lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
     start = time.perf_counter()
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)

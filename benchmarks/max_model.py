@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,14 +58,35 @@ def gpt_params(width, depth, vocab, seq_len):
 
 
 # ---------------------------------------------------------------- one try (a rank process)
+class ResidentPeaks:
+    """This process's resident memory by phase: a thread reads it every ``interval`` seconds and
+    :meth:`phase` records the peak since the last call and the memory now, under that name."""
+
+    def __init__(self, interval=0.005):
+        self._process, self._interval = psutil.Process(), interval
+        self._peak = self._process.memory_info().rss
+        self.phases = {}  # name -> {"peak": bytes, "end": bytes}
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self):
+        while True:
+            self._peak = max(self._peak, self._process.memory_info().rss)
+            time.sleep(self._interval)
+
+    def phase(self, name):
+        now = self._process.memory_info().rss
+        self.phases[name] = {"peak": max(self._peak, now), "end": now}
+        self._peak = now
+
+
 class PhaseClock:
     """Seconds of forward, backward and optimizer step of one training step (synchronized on CUDA),
     with the disk tier's I/O figures from the counters (``disk_wait_seconds``: the I/O not hidden)."""
 
     DISK = ("disk_bytes_read", "disk_bytes_written", "disk_io_seconds", "disk_wait_seconds")
 
-    def __init__(self, cuda):
-        self.cuda, self.seconds = cuda, {}
+    def __init__(self, cuda, resident=None):
+        self.cuda, self.seconds, self.resident = cuda, {}, resident
 
     @contextlib.contextmanager
     def timed(self, phase):
@@ -75,6 +97,8 @@ class PhaseClock:
 
             torch.cuda.synchronize()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+        if self.resident is not None:
+            self.resident.phase(phase)
 
     def take(self, engine):
         out, self.seconds = self.seconds, {}
@@ -85,7 +109,7 @@ class PhaseClock:
 
 
 def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None, largest_param=0,
-               device_budget=None, emulate=False):
+               device_budget=None, emulate=False, chunk_size=None):
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": grad_accum,
            "steps_per_print": 10 ** 9,
            "bf16": {"enabled": True}, "gradient_clipping": 1.0,
@@ -97,6 +121,8 @@ def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host
             cfg["zero_optimization"]["host_budget"] = host_budget
         if keep_gathered is not None:
             cfg["zero_optimization"]["keep_gathered"] = keep_gathered
+        if chunk_size is not None:
+            cfg["zero_optimization"]["chunk_size"] = chunk_size
         if device_budget is not None:  # on a machine without CUDA: the strict emulated accelerator
             cfg["zero_optimization"].update(device_budget=device_budget, emulate_accelerator=emulate)
     elif backend == "zero3":
@@ -137,7 +163,8 @@ def run_try(args):
     if cuda:
         torch.cuda.set_device(device)
     model_data = None
-    phases = PhaseClock(cuda)
+    resident = ResidentPeaks()
+    phases = PhaseClock(cuda, resident)
     if args.backend == "torch":
         model = GPT(cfg).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=False)
@@ -156,7 +183,8 @@ def run_try(args):
         import ds_patrickstar
 
         ds_cfg = _ds_config(args.backend, args.batch, args.keep_gathered, args.grad_accum, args.disk,
-                            args.host_budget, args.vocab * args.width, args.device_budget, emulate=not cuda)
+                            args.host_budget, args.vocab * args.width, args.device_budget, emulate=not cuda,
+                            chunk_size=args.chunk_size)
         if args.backend.startswith("patrickstar"):
             init = ds_patrickstar.Init(config=ds_cfg)
         else:
@@ -164,7 +192,9 @@ def run_try(args):
             init = deepspeed.zero.Init(config_dict_or_path=ds_cfg)
         with init:
             model = GPT(cfg)
+        resident.phase("build")
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters())
+        resident.phase("initialize")
 
         def train_step(x):
             for micro in x.chunk(args.grad_accum):  # micro-batches of one optimizer step
@@ -192,6 +222,7 @@ def run_try(args):
 
     if int(os.environ.get("RANK", 0)) == 0:
         result = {"step_times": times, "breakdown": breakdown, "model_data_bytes_rank0": model_data,
+                  "resident_rank0": resident.phases,
                   "gpu_max_allocated": torch.cuda.max_memory_allocated() if cuda else None}
         Path(args.result).write_text(json.dumps(result))
 
@@ -253,6 +284,7 @@ def attempt(args, backend, world_size, depth, log_dir):
            "--grad-accum", str(args.grad_accum),
            *(["--keep-gathered", str(args.keep_gathered)] if args.keep_gathered is not None else []),
            *(["--device-budget", str(args.device_budget)] if args.device_budget is not None else []),
+           *(["--chunk-size", str(args.chunk_size)] if args.chunk_size is not None else []),
            *(["--disk", args.disk, "--host-budget", str(int(cap * DISK_HOST_SHARE / world_size))]
              if backend in DISK_BACKENDS else []),
            "--result", result_path]
@@ -397,6 +429,24 @@ def breakdown_table(best):
     return "\n".join(rows)
 
 
+def resident_table(best):
+    """Per backend's largest model, rank 0's resident memory (GiB) by phase of its last step: at the
+    end of the build and of initialize, then the peak during forward, backward and optimizer step,
+    and the model data the backend counts (ds_patrickstar: its counters)."""
+    rows = ["| backend | world size | largest model | built | initialized | forward peak | backward peak | "
+            "step peak | after the step | model data |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (backend, ws), r in best.items():
+        phases = (r or {}).get("resident_rank0")
+        if not phases or "step" not in phases:
+            continue
+        data = r.get("model_data_bytes_rank0")
+        cells = [phases[p][k] / GIB for p, k in (("build", "end"), ("initialize", "end"), ("forward", "peak"),
+                                                   ("backward", "peak"), ("step", "peak"), ("step", "end"))]
+        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | " + " | ".join(f"{c:.2f}" for c in cells)
+                    + (f" | {data / GIB:.2f} |" if data else " | - |"))
+    return "\n".join(rows)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     total = psutil.virtual_memory().total / GIB
@@ -421,6 +471,8 @@ def parse_args(argv=None):
     p.add_argument("--device-budget", type=int, default=None,
                    help="patrickstar backends: zero_optimization.device_budget in bytes; on a machine without CUDA "
                         "it runs them on the strict emulated accelerator (a check of the search, not a GPU figure)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="patrickstar backends: zero_optimization.chunk_size in elements (default: the config's)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per try")
     p.add_argument("--max-depth", type=int, default=96)
     p.add_argument("--start-depth", type=int, default=None,
@@ -510,7 +562,8 @@ def main(argv=None):
             print(f"searching {backend} at world size {world_size}", flush=True)
             best[(backend, world_size)], tries = search(args, backend, world_size, args.logs)
             everything += tries
-    text = table(best, args) + "\n\nStep-time breakdown (last step, rank 0):\n\n" + breakdown_table(best)
+    text = (table(best, args) + "\n\nStep-time breakdown (last step, rank 0):\n\n" + breakdown_table(best)
+            + "\n\nResident memory by phase (GiB, rank 0, last step):\n\n" + resident_table(best))
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "tries": everything, "table": text}, indent=1))

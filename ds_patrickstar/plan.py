@@ -18,6 +18,7 @@ from .memory.preflight import (
     ACC_BYTES_PER_ELEMENT,
     OPTIM_BYTES_PER_ELEMENT,
     largest_fitting_params,
+    largest_frozen_params,
     largest_group_bytes,
     plan_for_specs,
 )
@@ -90,7 +91,8 @@ def plan_report(
 ) -> dict:
     """Rank 0's model data (the rank with the most), where it would live, the most a chunk group in
     use takes on the accelerator (which a ``device_budget`` must hold, see [Note: chunk group bytes]),
-    and the largest model that fits; ``disk_buffers`` (the disk tier's ``buffer_count``;
+    and the largest model that fits (with a frozen base: the most trainable parameters beside it, and the
+    largest frozen base beside these trainable parameters); ``disk_buffers`` (the disk tier's ``buffer_count``;
     ``disk_piece``: its ``buffer_size``): the states that do not fit the host go to disk (see
     [Note: disk tier plan]); ``frozen_sizes``: the frozen tensors' sizes (see [Note: frozen chunks])."""
     specs = specs_for(sizes, chunk_size, world_size, frozen_sizes)
@@ -113,11 +115,11 @@ def plan_report(
         budget = host_bytes + device_budget
         slots = frozen_host_slots(disk_buffers, host_accelerator=device_budget == 0)
         spilled, frozen_out = disk_plan(owned, frozen, other, budget, (disk_buffers, piece, slots), not accumulate)
-        sizes = [frozen[c] for c in frozen_out]
+        frozen_disk = [frozen[c] for c in frozen_out]
         buffers = disk_buffer_bytes([owned[c] for c in spilled], disk_buffers, piece)
-        buffers += frozen_pool_bytes(sizes, slots)
-        on_disk = sum(record_bytes(owned[c]) for c in spilled) + sum(sizes)
-        need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) - sum(sizes) + buffers
+        buffers += frozen_pool_bytes(frozen_disk, slots)
+        on_disk = sum(record_bytes(owned[c]) for c in spilled) + sum(frozen_disk)
+        need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) - sum(frozen_disk) + buffers
         on_device = min(need, device_budget)
         ram_per_param = plan.lp_bytes + (ACC_BYTES_PER_ELEMENT if accumulate else 0) * world_size
         all_buffers = disk_buffer_bytes(list(owned.values()), disk_buffers, piece)
@@ -127,7 +129,7 @@ def plan_report(
             "disk_piece_elements": piece,
             "spilled_chunks": len(spilled),
             "frozen_chunks_disk": len(frozen_out),
-            "frozen_bytes_disk": sum(sizes),
+            "frozen_bytes_disk": sum(frozen_disk),
             "largest_fitting_params_disk": max(0, available - all_buffers) // ram_per_param * world_size,
         }
     return {
@@ -142,6 +144,7 @@ def plan_report(
         "largest_group_bytes": group,
         "fits": need <= available and (device_budget == 0 or group <= device_budget),
         "largest_fitting_params": largest_fitting_params(plan, available, world_size),
+        "largest_frozen_params": largest_frozen_params(plan, available, world_size) if frozen_sizes else 0,
         "plan": plan,
         **disk,
     }
@@ -283,10 +286,18 @@ def main(argv: list[str] | None = None) -> dict:
             f"every state on disk about "
             f"{report['largest_fitting_params_disk'] / 1e6:,.0f}M parameters fit host and accelerator"
         )
+    in_memory = " with every state in memory" if args.disk is not None else ""
+    if frozen:
+        print(
+            f"fits: {'yes' if report['fits'] else 'NO'}; beside this frozen base, the largest trainable model "
+            f"that fits: about {report['largest_fitting_params'] / 1e6:,.0f}M parameters; with these "
+            f"{report['parameters'] / 1e6:,.1f}M trainable parameters, the largest frozen base that fits: about "
+            f"{report['largest_frozen_params'] / 1e6:,.0f}M parameters (at this world size{in_memory})"
+        )
+        return report
     print(
         f"fits: {'yes' if report['fits'] else 'NO'}; the largest model that fits: about "
-        f"{report['largest_fitting_params'] / 1e6:,.0f}M parameters at this world size"
-        f"{' with every state in memory' if args.disk is not None else ''}"
+        f"{report['largest_fitting_params'] / 1e6:,.0f}M parameters at this world size{in_memory}"
     )
     return report
 

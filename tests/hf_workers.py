@@ -8,6 +8,7 @@ with synthetic token data: nothing is downloaded.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -16,9 +17,15 @@ VOCAB, SEQ, SAMPLES = 64, 16, 32
 
 
 def tiny_model(kind: str):
+    """``gpt2``, ``llama``, or ``llama_frozen``: the Llama with its embedding and first layer frozen by hand."""
     import transformers
 
     torch.manual_seed(0)
+    if kind == "llama_frozen":
+        model = tiny_model("llama")
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[0].requires_grad_(False)
+        return model
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -120,8 +127,9 @@ def trainer_resume(rank, world_size, kind, stage, out_dir, checkpoint, steps=4):
     return {"losses": _losses(trainer)}
 
 
-def accelerate_run(rank, world_size, stage, out_dir, epochs=2, gas=2):
-    """The common accelerate loop: accumulate() with GA 2, save_state / load_state, get_state_dict."""
+def accelerate_run(rank, world_size, stage, out_dir, epochs=2, gas=2, kind="gpt2"):
+    """The common accelerate loop: accumulate() with GA 2, save_state / load_state, get_state_dict; of the
+    tiny GPT-2, or (``kind="lora"``) of the PEFT LoRA Llama."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
@@ -134,7 +142,7 @@ def accelerate_run(rank, world_size, stage, out_dir, epochs=2, gas=2):
     config["optimizer"]["params"] = {"lr": 5e-3, "weight_decay": 0.01}
     plugin = DeepSpeedPlugin(hf_ds_config=config)
     accelerator = Accelerator(deepspeed_plugin=plugin)
-    model = tiny_model("gpt2")
+    model = tiny_lora() if kind == "lora" else tiny_model(kind)
     from accelerate.utils import DummyOptim
 
     # 4 micro-batches (2 optimizer steps) per rank and epoch; whole epochs, so that accelerate's
@@ -196,28 +204,46 @@ def tiny_lora():
     return model
 
 
-def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=None):
-    """A PEFT LoRA model through the Trainer: train (or resume), save_model; the losses, the files
-    save_model wrote and the adapter weights in them."""
+def peft_run(rank, world_size, stage, out_dir, steps=4, save_steps=2, resume=None, gas=1, checkpointing=False):
+    """A PEFT LoRA model through the Trainer (``gas``: gradient accumulation steps; ``checkpointing``: the
+    Trainer's reentrant gradient checkpointing of each decoder layer): train (or resume), save_model; the
+    losses, the files save_model wrote, the adapter config and weights in them, and the trained model's
+    logits on a fixed input."""
     import transformers
     from safetensors.torch import load_file
 
     import ds_patrickstar  # noqa: F401
 
-    trainer = transformers.Trainer(model=tiny_lora(), args=_args(out_dir, stage, steps, save_steps=save_steps),
+    kw = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    args = _args(out_dir, stage, steps, gas, save_steps, **(kw if checkpointing else {}))
+    trainer = transformers.Trainer(model=tiny_lora(), args=args,
                                    train_dataset=TokenData())
     trainer.train(resume_from_checkpoint=resume)
     final = os.path.join(out_dir, "final")
     trainer.save_model(final)
     trainer.accelerator.wait_for_everyone()
-    result = {"losses": _losses(trainer), "files": sorted(os.listdir(final)),
-              "adapters": load_file(os.path.join(final, "adapter_model.safetensors"))}
+    with open(os.path.join(final, "adapter_config.json")) as f:
+        adapter_config = json.load(f)
+    with torch.no_grad():  # the trained model's outputs, through the engine on every rank
+        outputs = trainer.model_wrapped(input_ids=PROBE).logits
+    result = {"losses": _losses(trainer), "files": sorted(os.listdir(final)), "adapter_config": adapter_config,
+              "adapters": load_file(os.path.join(final, "adapter_model.safetensors")), "outputs": outputs}
     if stage == "patrickstar":  # every frozen base weight in a frozen chunk
         chunk_map = trainer.model_wrapped.optimizer.chunk_map
         frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
         result["base_in_frozen_chunks"] = bool(frozen) and all(
             chunk_map.info(p) is not None and not chunk_map.info(p).trainable for p in frozen)
+        result["recompute_moments"] = trainer.model_wrapped.get_patrickstar_counters()["recompute_moments"]
     return result
+
+
+def peft_reloaded(path):
+    """``PeftModel.from_pretrained`` of saved adapters on a fresh tiny Llama base: its logits on a fixed input."""
+    import peft
+
+    model = peft.PeftModel.from_pretrained(tiny_model("llama"), path)
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
 
 
 def trainer_eval_before_train(rank, world_size, kind, stage, out_dir):

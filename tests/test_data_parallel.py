@@ -123,3 +123,40 @@ def test_fp16_overflow_on_one_rank_skips_everywhere():
 def test_failure_on_one_rank_is_reported_not_hung():
     with pytest.raises(WorkerError, match="rank 1 failed(.|\n)*injected failure on rank 1"):
         run_ranks(_train, 2, "patrickstar", 1, "fp32", None, 2, timeout=120)
+
+
+GATHER_PIECE = 12 << 20  # elements: 24 MiB of bf16 per rank, a 48 MiB group (above glibc's mmap threshold)
+
+
+def _gather_peak(rank, world_size):
+    import re
+
+    import torch.distributed as dist
+
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.groups.comm import ChunkComm
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+    comm = ChunkComm(None, StepCounters())
+    mine = torch.full((GATHER_PIECE,), float(rank + 1), dtype=torch.bfloat16)
+    flat = torch.zeros(world_size * GATHER_PIECE, dtype=torch.bfloat16)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = status("VmRSS")
+    comm.all_gather_async(flat, mine, "the test's all-gather").wait()
+    growth = status("VmHWM") - before
+    gathered = [piece.unique().tolist() for piece in flat.split(GATHER_PIECE)]
+    del flat, mine
+    return growth, gathered
+
+
+def test_an_all_gather_on_gloo_receives_in_place():
+    """A group's all-gather on gloo writes into the group's storage without a temporary of its size (gloo's
+    own all-gather receives into one): the peak resident growth stays under one rank's piece."""
+    for growth, gathered in run_ranks(_gather_peak, 2):
+        assert gathered == [[1.0], [2.0]]
+        assert growth < 2 * GATHER_PIECE, growth

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from multiproc import run_ranks
 from quirk_models import D_IN, N_CLASSES, classification_batches
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 HID, LAYERS, RANK = 128, 6, 4
 STEPS = 3
@@ -36,18 +37,32 @@ class LoraLinear(nn.Module):
 class LoraStack(nn.Module):
     """A frozen input projection (no gradient reaches it), LoRA layers, a trainable head."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.inp = nn.Linear(D_IN, HID)
         self.inp.requires_grad_(False)
-        self.layers = nn.ModuleList([LoraLinear() for _ in range(LAYERS)])
+        self.layers = nn.ModuleList([LoraLinear() for _ in range(layers)])
         self.head = nn.Linear(HID, N_CLASSES)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for layer in self.layers:
-            h = layer(h)
+            h = self.run_layer(layer, h)
         return F.cross_entropy(self.head(h).float(), y)
+
+    def run_layer(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return layer(h)
+
+
+class CheckpointedLora(LoraStack):
+    """Eighteen LoRA layers, each under torch's non-reentrant activation checkpoint: in backward each layer's
+    frozen weight is used by its recomputation and then by its backward."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=3 * LAYERS)
+
+    def run_layer(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(layer, h, use_reentrant=False)
 
 
 class HandFrozen(nn.Module):
@@ -68,7 +83,21 @@ class HandFrozen(nn.Module):
         return F.cross_entropy(self.head(h).float(), y)
 
 
-MODELS = {"lora": LoraStack, "hand": HandFrozen}
+class ReentrantLora(LoraStack):
+    """LoraStack with each layer under reentrant activation checkpointing (Hugging Face's default): the
+    layers' forward runs without grad and is recomputed in backward; the frozen input projection's output
+    is made to require grad, as ``enable_input_require_grads`` does for PEFT models."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x).requires_grad_()
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=True)
+        return F.cross_entropy(self.head(h).float(), y)
+
+
+MODELS = {"lora": LoraStack, "hand": HandFrozen, "lora_ckpt": CheckpointedLora, "lora_reentrant": ReentrantLora}
 
 
 def build(name: str):
@@ -85,8 +114,9 @@ def frozen_bytes(name: str, dtype: str) -> int:
 
 
 def budget(name: str, dtype: str) -> int:
-    """Three quarters of the frozen base's bytes: the base cannot be on the device at once."""
-    return frozen_bytes(name, dtype) * 3 // 4
+    """Three quarters of the frozen base's bytes: the base cannot be on the device at once; for the
+    checkpointed stack a sixth (three of its eighteen layers)."""
+    return frozen_bytes(name, dtype) // 6 if name == "lora_ckpt" else frozen_bytes(name, dtype) * 3 // 4
 
 
 def _train(rank, world_size, name, dtype, stage, gas, extra=None):
@@ -112,11 +142,21 @@ def _check(ours, ref, dtype):
 
 @pytest.mark.parametrize(
     "name,dtype,gas,world_size",
-    [("lora", "fp32", 1, 1), ("lora", "bf16", 2, 1), ("hand", "fp32", 2, 1), ("lora", "bf16", 2, 2)],
+    [
+        ("lora", "fp32", 1, 1),
+        ("lora", "bf16", 2, 1),
+        ("hand", "fp32", 2, 1),
+        ("lora", "bf16", 2, 2),
+        ("lora_reentrant", "bf16", 1, 2),
+        ("lora_ckpt", "fp32", 1, 1),
+    ],
 )
 def test_frozen_base_larger_than_the_budget_matches_zero3(name, dtype, gas, world_size):
-    """The strict twin's budget holds three quarters of the frozen base: the frozen chunks are evicted
-    and brought back (and, at two ranks, gathered) every step, and losses and weights equal ZeRO-3's."""
+    """The strict twin's budget holds three quarters of the frozen base (a sixth for the eighteen-layer
+    non-reentrant checkpointed stack): the frozen chunks are evicted and brought back (and, at two ranks,
+    gathered) every step, and losses and weights equal ZeRO-3's. Under activation checkpointing (reentrant,
+    ``lora_reentrant``, and non-reentrant, ``lora_ckpt``) each recomputed layer's frozen use ends with its
+    backward: were the frozen groups held until the end of backward, the base would not fit the budget."""
     extra = {"emulate_accelerator": True, "device_budget": budget(name, dtype)}
     ref = run_ranks(_train, world_size, name, dtype, 3, gas, memo=True)
     ours = run_ranks(_train, world_size, name, dtype, "patrickstar", gas, extra)
@@ -168,7 +208,8 @@ def test_activation_offload_leaves_frozen_weights_alone():
 
 def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     """``python -m ds_patrickstar.plan --frozen-params``: 2 bytes per frozen parameter in bf16 (divided over
-    the ranks), 14 per trainable one, said per kind."""
+    the ranks), 14 per trainable one, said per kind; the largest model it states is the largest trainable
+    one beside the frozen base, and the largest frozen base beside the given trainable parameters."""
     from ds_patrickstar.plan import main
 
     report = main(["--params", "65536", "--frozen-params", "1048576", "--chunk-size", "65536", "--world-size", "2",
@@ -176,7 +217,22 @@ def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     assert report["frozen_parameters"] == 1 << 20
     assert report["frozen_bytes_per_rank"] == 2 * (1 << 20) // 2
     assert report["model_data_bytes_per_rank"] == 14 * 65536 // 2 + 2 * (1 << 20) // 2
-    assert "of which frozen: 1.0M parameters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "of which frozen: 1.0M parameters" in out
+    # the largest model: trainable parameters beside this rank's frozen bytes, or the frozen base beside the adapters
+    trainable = (2**30 - report["frozen_bytes_per_rank"]) // 14 * 2
+    frozen = (2**30 - 14 * 65536 // 2) // 2 * 2
+    assert (report["largest_fitting_params"], report["largest_frozen_params"]) == (trainable, frozen)
+    assert f"the largest trainable model that fits: about {trainable / 1e6:,.0f}M parameters" in out
+    assert f"the largest frozen base that fits: about {frozen / 1e6:,.0f}M parameters" in out
+    from ds_patrickstar.memory.preflight import check_fits
+
+    with pytest.raises(ValueError, match="M trainable parameters beside this frozen base .or, with these"):
+        check_fits(report["plan"], 0, 1 << 20, 2)
+    # with the disk tier too, the trainable parameters are the model's (not the frozen bytes on disk)
+    with_disk = main(["--params", "65536", "--frozen-params", "1048576", "--chunk-size", "65536", "--world-size",
+                      "2", "--host-mem", "1GiB", "--disk"])
+    assert with_disk["parameters"] == 65536 and with_disk["frozen_parameters"] == 1 << 20
 
 
 def _lora_engine():

@@ -59,11 +59,26 @@ def test_trainer_gradient_checkpointing_matches_zero3(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama_frozen"])
 def test_trainer_two_ranks_trains_checkpoints_and_saves_exactly(kind, tmp_path):
-    """GPT-2 ties lm_head to the embedding (the alias crashed save_model on the non-owning rank)."""
+    """GPT-2 ties lm_head to the embedding (the alias crashed save_model on the non-owning rank). The untied
+    Llama has its embedding and first layer frozen by hand (in frozen chunks) and trains like stock ZeRO-3:
+    the same losses, and the model save_model wrote has ZeRO-3's trained weights and the untouched frozen
+    ones."""
     out = str(tmp_path / "ps")
     ranks = run_ranks(hf_workers.trainer_run, 2, kind, "patrickstar", out, 4, 2, timeout=TIMEOUT)
+    if kind == "llama_frozen":
+        ref_run = run_ranks(hf_workers.trainer_run, 2, kind, 3, str(tmp_path / "zero3"), timeout=TIMEOUT)[0]
+        _assert_losses(ranks[0]["losses"], ref_run["losses"])
+        ref = hf_workers.load_saved(str(tmp_path / "zero3" / "final"), kind)["loaded"]
+        initial = hf_workers.tiny_model(kind)
+        frozen = {n for n, p in initial.named_parameters() if not p.requires_grad}
+        assert frozen and set(frozen) < set(ranks[0]["trained"])
+        for name, value in initial.state_dict().items():
+            if name in frozen:
+                assert torch.equal(ranks[0]["loaded"][name], value) and torch.equal(ref[name], value), name
+            else:
+                torch.testing.assert_close(ranks[0]["loaded"][name], ref[name], rtol=RTOL, atol=ATOL, msg=name)
     for run in ranks:
         assert run["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
         assert all(torch.isfinite(torch.tensor(run["losses"])))
@@ -81,12 +96,14 @@ def test_trainer_two_ranks_trains_checkpoints_and_saves_exactly(kind, tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerate_accumulate_save_state_load_state_two_ranks(tmp_path):
+@pytest.mark.parametrize("kind", ["gpt2", "lora"])
+def test_accelerate_accumulate_save_state_load_state_two_ranks(kind, tmp_path):
     """accumulate() with GA 2 on 2 ranks (a TypeError on the string stage before the adapter),
     save_state / load_state (replaying the epoch after a load gives the same losses) and
-    get_state_dict of the tied GPT-2, against stock ZeRO-3 in the same loop."""
-    ref = run_ranks(hf_workers.accelerate_run, 2, 3, str(tmp_path / "zero3"), timeout=TIMEOUT)
-    ours = run_ranks(hf_workers.accelerate_run, 2, "patrickstar", str(tmp_path / "ps"), timeout=TIMEOUT)
+    get_state_dict of the tied GPT-2, and of a PEFT LoRA model (its base in frozen chunks, the optimizer
+    given every parameter as accelerate scripts do), against stock ZeRO-3 in the same loop."""
+    ref = run_ranks(hf_workers.accelerate_run, 2, 3, str(tmp_path / "zero3"), 2, 2, kind, timeout=TIMEOUT)
+    ours = run_ranks(hf_workers.accelerate_run, 2, "patrickstar", str(tmp_path / "ps"), 2, 2, kind, timeout=TIMEOUT)
     for rank in range(2):
         run = ours[rank]
         assert run["zero_stage"] == "'patrickstar'"
@@ -96,7 +113,10 @@ def test_accelerate_accumulate_save_state_load_state_two_ranks(tmp_path):
         state_dict = run["state_dict"]
         for name, value in run["fp32"].items():
             assert torch.equal(state_dict[name], value), name
-        assert torch.equal(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"])
+        if kind == "gpt2":
+            assert torch.equal(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"])
+        else:
+            assert any("lora_A" in name for name in state_dict) and len(state_dict) == len(ref[0]["state_dict"])
     # stage 3 gathers onto rank 0 only. atol 3e-5 (lr 5e-3, 12 Adam steps): each micro-step's
     # gradients are reduce-scattered and summed in another order than ZeRO-3's buckets; an element
     # whose gradient is near zero moves by Adam's normalised update, so one rounding there shows
@@ -136,22 +156,34 @@ def test_hf_trainer_script_runs_as_a_user_runs_it(tmp_path):
     assert float(found.group(1)) < 256, found.group(0)
 
 
-def test_peft_lora_trainer_matches_zero3_saves_adapters_and_resumes(tmp_path):
-    """A ``peft.get_peft_model`` LoRA Llama through the Trainer: the frozen base in frozen chunks, the
-    adapters trained like stock ZeRO-3's, ``save_model`` writes the adapter files PEFT writes (as under
-    ZeRO-3) with the same adapter weights, and a resume from the step-2 checkpoint repeats steps 3 and 4."""
+@pytest.mark.parametrize("world_size,gas", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_peft_lora_trainer_matches_zero3_saves_adapters_and_resumes(world_size, gas, tmp_path):
+    """A ``peft.get_peft_model`` LoRA Llama through the Trainer, on 1 rank and on 2 (with gradient accumulation
+    2 and the Trainer's reentrant gradient checkpointing, the usual PEFT recipe): the frozen base in frozen
+    chunks, the adapters trained like stock ZeRO-3's, ``save_model`` writes the adapter files PEFT writes (as
+    under ZeRO-3: the same files, adapter config and adapter weights), ``PeftModel.from_pretrained`` of them
+    gives the trained model's outputs, and a resume from the step-2 checkpoint repeats steps 3 and 4."""
     pytest.importorskip("peft")
-    ref = run_ranks(hf_workers.peft_run, 1, 3, str(tmp_path / "zero3"), timeout=TIMEOUT)[0]
-    ours = run_ranks(hf_workers.peft_run, 1, "patrickstar", str(tmp_path / "ps"), timeout=TIMEOUT)[0]
-    _assert_losses(ours["losses"], ref["losses"])
-    assert ours["base_in_frozen_chunks"]
-    assert ours["files"] == ref["files"] and "adapter_model.safetensors" in ours["files"]
-    assert set(ours["adapters"]) == set(ref["adapters"]) and ours["adapters"]
-    for name, value in ours["adapters"].items():
-        torch.testing.assert_close(value, ref["adapters"][name], rtol=1e-4, atol=1e-5)
-    resumed = run_ranks(hf_workers.peft_run, 1, "patrickstar", str(tmp_path / "ps"), 4, 2,
-                        str(tmp_path / "ps" / "checkpoint-2"), timeout=TIMEOUT)[0]
-    _assert_losses(resumed["losses"], ours["losses"])  # steps 1 and 2 from the checkpoint's log history
+    checkpointing = world_size > 1
+    ref = run_ranks(hf_workers.peft_run, world_size, 3, str(tmp_path / "zero3"), 4, None, None, gas, checkpointing,
+                    timeout=TIMEOUT)  # no Trainer checkpoints
+    ours = run_ranks(hf_workers.peft_run, world_size, "patrickstar", str(tmp_path / "ps"), 4, 2, None, gas,
+                     checkpointing, timeout=TIMEOUT)
+    for run, ref_run in zip(ours, ref):
+        _assert_losses(run["losses"], ref_run["losses"])
+        assert run["base_in_frozen_chunks"] and (run["recompute_moments"] > 0) == checkpointing
+        assert run["files"] == ref_run["files"] and "adapter_model.safetensors" in run["files"]
+        assert run["adapter_config"] == ref_run["adapter_config"]
+        assert set(run["adapters"]) == set(ref_run["adapters"]) and run["adapters"]
+        for name, value in run["adapters"].items():
+            torch.testing.assert_close(value, ref_run["adapters"][name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(run["outputs"], ref_run["outputs"], rtol=RTOL, atol=1e-5)
+    reloaded = hf_workers.peft_reloaded(str(tmp_path / "ps" / "final"))
+    torch.testing.assert_close(reloaded, ours[0]["outputs"], rtol=RTOL, atol=1e-5)
+    resumed = run_ranks(hf_workers.peft_run, world_size, "patrickstar", str(tmp_path / "ps"), 4, 2,
+                        str(tmp_path / "ps" / "checkpoint-2"), gas, checkpointing, timeout=TIMEOUT)
+    for run in resumed:
+        _assert_losses(run["losses"], ours[0]["losses"])  # steps 1 and 2 from the checkpoint's log history
 
 
 def test_trainer_evaluates_and_predicts_before_training_as_zero3_does(tmp_path):

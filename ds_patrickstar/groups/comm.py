@@ -20,7 +20,8 @@ that the chunk manager puts on the ``pending`` list of every member chunk of the
 whoever reads or writes a member's values waits through :meth:`Chunk.ready` (the one
 accessor, see [Note: ready payload]), and nothing moves or frees a member before the
 collective is over. An all-gather receives in place into the group's flat storage (see
-[Note: gathered group storage]: no list, no temporary). On the strict emulated accelerator it
+[Note: gathered group storage]: no list, no temporary; on gloo see
+[Note: in-place collectives on gloo]). On the strict emulated accelerator it
 receives into a side buffer of the emulator instead (not charged to the ledger: it stands for
 the storage a GPU would write) and copies it into the storage when waited on; the other ranks'
 pieces hold NaN from the issue until then, so a read before the wait changes the numbers. A
@@ -32,11 +33,23 @@ On CUDA the collectives are issued on their own
 stream after the work queued on the compute stream (``Accelerator.collective_stream``); the
 wait makes the compute stream wait for the collective, and what follows runs there. On CPU
 (gloo) the same code runs with gloo's work handles.
+
+[Note: in-place collectives on gloo]
+gloo has no in-place form of the two single-tensor collectives: its reduce-scatter all-reduces a
+clone of the whole input, and its all-gather receives into a temporary of the whole output and
+copies it out, so each takes a second group's worth of host memory while in flight, beside the
+storage (and, for a reduce-scatter, for as long as it is in flight). On CPU tensors of a gloo
+group the reduce-scatter is therefore that all-reduce run on the input itself (the same sums:
+this rank's piece gets the same values, the other pieces, whose values nothing reads after a
+reduce-scatter, get theirs too), and the all-gather is one broadcast per rank, each from its
+piece of the output, in place (this rank's input copied into its piece first). Other backends
+(NCCL) run torch's collectives, which work in place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,8 +60,66 @@ from ..memory.pending import Pending
 from .lockstep import Lockstep
 
 # the names of torch >= 2.13 (gloo and NCCL); the older names before
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_torch_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_torch_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Waitable(Protocol):
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class _Works:
+    """Several works completed as one (an all-gather as one broadcast per rank)."""
+
+    def __init__(self, works: list[Waitable]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def _on_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
+def _piece(flat: torch.Tensor, rank: int, numel: int) -> torch.Tensor:
+    return flat[rank * numel : (rank + 1) * numel]
+
+
+def _reduce_scatter_single(
+    output: torch.Tensor, flat: torch.Tensor, op: Any, group: dist.ProcessGroup | None, async_op: bool
+) -> Waitable | None:
+    """Reduce ``flat``'s equal pieces into ``output``, this rank's piece of ``flat``; see
+    [Note: in-place collectives on gloo]."""
+    rank = dist.get_rank(group)
+    if _on_gloo(flat, group) and output.data_ptr() == _piece(flat, rank, output.numel()).data_ptr():
+        return dist.all_reduce(flat, op=op, group=group, async_op=async_op)
+    return _torch_reduce_scatter_single(output, flat, op=op, group=group, async_op=async_op)
+
+
+def _all_gather_single(
+    flat: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> Waitable | None:
+    """Every rank's ``mine`` into its piece of ``flat``; see [Note: in-place collectives on gloo]."""
+    if not _on_gloo(flat, group):
+        return _torch_all_gather_single(flat, mine, group=group, async_op=async_op)
+    numel, rank = mine.numel(), dist.get_rank(group)
+    landing = _piece(flat, rank, numel)
+    if landing.data_ptr() != mine.data_ptr():
+        with torch.no_grad():
+            landing.copy_(mine)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    works = [
+        dist.broadcast(_piece(flat, index, numel), src=global_rank, group=group, async_op=async_op)
+        for index, global_rank in enumerate(ranks)
+    ]
+    return _Works([w for w in works if w is not None]) if async_op else None
 
 
 class PendingCollective(Pending):
@@ -59,7 +130,7 @@ class PendingCollective(Pending):
     # A completed collective drops its work handle and finish action at once: the handle holds
     # the process group's buffers (NCCL and gloo flatten an all-gather's list of outputs into
     # one), and a member chunk's pending list may keep this object until that chunk is next read.
-    def __init__(self, work: dist.Work | None, finish: Callable[[], None]) -> None:
+    def __init__(self, work: Waitable | None, finish: Callable[[], None]) -> None:
         self.work = work
         self._finish: Callable[[], None] | None = finish
         self._done = False
@@ -76,6 +147,9 @@ class PendingCollective(Pending):
 
     def done(self) -> bool:
         return self._done
+
+    def finished(self) -> bool:
+        return self._done or self.work is None or self.work.is_completed()
 
 
 class ChunkComm:

@@ -4,7 +4,8 @@
 A collective on a list of tensors is not what the process group runs: NCCL (and gloo) flatten
 the list into a temporary of the whole group and copy in and out, memory no budget sees. Every
 collective on a chunk group therefore runs on one flat tensor with ``all_gather_single`` /
-``reduce_scatter_single``. The all-gather and the boundary's reduce-scatter run in place in the
+``reduce_scatter_single`` (in place on gloo too, see [Note: in-place collectives on gloo] in
+groups/comm.py). The all-gather and the boundary's reduce-scatter run in place in the
 group's own storage (see [Note: gathered group storage] in memory/store.py). Before the boundary
 of gradient accumulation the slots keep the parameters, so a micro-step's gradients are written
 into a flat buffer of ``W`` chunks allocated here, charged to the device ledger (kind

@@ -97,6 +97,7 @@ class GradientSink:
         (a leaf module's tensor this rank did not use, see [Note: leaf modules])."""
         if not self.accumulate and not boundary:
             raise RuntimeError("a non-boundary micro-step without gradient accumulation")
+        self._reductions.reap()
         flat = grad.reshape(-1) if grad is not None else None
         keep = set(info.chunk_ids)
         group = self._map.group_of_info(info)

@@ -102,7 +102,8 @@ class ChunkManager:
         training = self.comm.world_size > 1 and self.run.trains()
         for chunk_id in ids:
             self.residency.use(self.map.chunks[chunk_id], keep, training)
-        backward = self.run.in_backward()  # a backward use, or a recomputation for one: not over before it says so
+        backward = self.run.in_backward()  # a backward use: not over before it says so
+        counted = not self.run.recomputing()  # a recomputation's use ends with the backward use it serves
         for info in infos:
             joined = self.groups[self.map.group_of_info(info)].joined
             need = joined.rejoin_bytes(info)
@@ -111,8 +112,9 @@ class ChunkManager:
             joined.rejoin(info)
             joined.join(info)
             info.start_compute()
-            users = self._backward_users if backward else self._forward_users
-            users[info] = users.get(info, 0) + 1
+            if counted:
+                users = self._backward_users if backward else self._forward_users
+                users[info] = users.get(info, 0) + 1
         if training:
             self.residency.prefetch(keep, self.grads.reduced)
         self.placement.end_moment(set(keep))
@@ -163,6 +165,10 @@ class ChunkManager:
                 t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors
             ):
                 self.keep.keep(group)
+
+    def reap_reductions(self) -> None:
+        """Reduce-scatters that have finished give their buffers back now (see groups/reductions.py)."""
+        self._reductions.reap()
 
     def _let_go(self, keep: int | None = None) -> None:
         """With one rank, the frozen chunks brought from disk beyond the most recent ``keep`` go where their

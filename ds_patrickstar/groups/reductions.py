@@ -1,9 +1,12 @@
 """The reduce-scatters in flight: issued asynchronously, completed oldest first.
 
-Each reduce-scatter holds its group's flat gradient buffer until it completes (its ``after``
+Each reduce-scatter holds its group's flat gradient buffer until it is waited on (its ``after``
 action puts the owner's piece where it belongs and frees the buffer, see
 [Note: flat group buffers]), so at most :data:`LIMIT` are in flight; placement completes them
 all first when it is short of room (:meth:`InFlightReductions.drain`, see [Note: kept groups]).
+One whose collective has finished is waited on at the next backward moment or gradient
+(:meth:`InFlightReductions.reap`, which never blocks), so its buffer does not stay until the
+limit or the end of backward; what is freed when changes no value and no collective.
 """
 
 from __future__ import annotations
@@ -22,8 +25,14 @@ class InFlightReductions:
 
     def add(self, pending: Pending) -> None:
         """A reduce-scatter was issued; the oldest are completed beyond the limit."""
+        self.reap()
         self._queue.append(pending)
         while len(self._queue) > self.limit:
+            self._queue.pop(0).wait()
+
+    def reap(self) -> None:
+        """Complete, oldest first, the reduce-scatters whose collective has finished, without blocking."""
+        while self._queue and self._queue[0].finished():
             self._queue.pop(0).wait()
 
     def drain(self) -> int:

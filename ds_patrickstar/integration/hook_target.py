@@ -118,6 +118,7 @@ class TrainingFlow:
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         self.run.backward_hook()
+        self.manager.reap_reductions()
         if self.is_boundary():  # the step's disk reads need no gradient: start them now (see [Note: disk tier])
             self.optim_states.read_ahead()
         if _backward_reads_no_weights(module) and self.is_boundary() and self.manager.grads_only(infos):

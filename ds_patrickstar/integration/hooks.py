@@ -11,7 +11,8 @@
   tied weight, or a frozen parameter): an identity autograd function on the module's inputs
   whose backward runs once the module's backward is over; its tensors that still wait for a
   gradient stop being used (see [Note: tied weights between backward uses]), and so do its
-  frozen tensors, which wait for none (see [Note: frozen chunks]);
+  frozen tensors, which wait for none (see [Note: frozen chunks]; a recomputation inside backward
+  marks the frozen ones only);
 * per-parameter post-accumulate-grad hook (trainable parameters only): autograd has summed every use of the
   parameter in this backward (tied weights, modules called several times, direct use by
   a parent), so this is its last backward use: the gradient goes into the chunk
@@ -193,10 +194,16 @@ class HookRegistry:
 
         def pre_forward(mod: torch.nn.Module, args: Any, kwargs: dict) -> Any:
             target.pre_forward(mod, infos)
-            if not (post or leaf) or not torch.is_grad_enabled() or inside_backward():
+            if not torch.is_grad_enabled():
                 return None
             if not leaf:
-                return _mark_post_backward(args, kwargs, lambda: target.post_backward(mod, post))
+                # a recomputation (inside backward) marks its frozen tensors only: see [Note: frozen chunks]
+                ends = [i for i in post if not i.trainable] if inside_backward() else post
+                if not ends:
+                    return None
+                return _mark_post_backward(args, kwargs, lambda: target.post_backward(mod, ends))
+            if inside_backward():
+                return None
             marked = _mark_post_backward(args, kwargs, lambda: target.leaf_backward_over(mod))
             if marked is not None:  # else the backward epilogue hands its gradients over
                 target.leaf_called(mod)

@@ -25,3 +25,7 @@ class Pending:
 
     def done(self) -> bool:
         raise NotImplementedError
+
+    def finished(self) -> bool:
+        """Whether :meth:`wait` would return at once (the operation has run; it may not be waited on yet)."""
+        return self.done()

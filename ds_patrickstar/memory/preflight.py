@@ -38,6 +38,7 @@ __all__ = [
     "check_budget_holds",
     "check_fits",
     "largest_fitting_params",
+    "largest_frozen_params",
     "largest_group_bytes",
     "local_world_size",
     "plan_for_rank",
@@ -99,9 +100,17 @@ def plan_for_specs(
 
 
 def largest_fitting_params(plan: ModelDataPlan, available: int, world_size: int) -> int:
-    """The most parameters whose model data fits ``available`` bytes per rank at this world size."""
+    """The most trainable parameters whose model data fits ``available`` bytes per rank at this world
+    size, beside the plan's frozen chunks (see [Note: frozen chunks])."""
     per_param = plan.bytes_per_owned_element + (ACC_BYTES_PER_ELEMENT if plan.accumulate else 0)
-    return available // per_param * world_size
+    return max(0, available - plan.frozen_bytes) // per_param * world_size
+
+
+def largest_frozen_params(plan: ModelDataPlan, available: int, world_size: int) -> int:
+    """The most frozen parameters (their payload only) that fit ``available`` bytes per rank at this
+    world size beside the plan's trainable model data: the largest frozen base for these adapters."""
+    trainable = plan.model_data_bytes - plan.frozen_bytes
+    return max(0, available - trainable) // plan.lp_bytes * world_size
 
 
 def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size: int, on_disk: int = 0) -> None:
@@ -120,7 +129,18 @@ def check_fits(plan: ModelDataPlan, budget: int, host_available: int, world_size
         f") but the "
         f"accelerator budget ({budget / 2**30:.2f} GiB) plus free host memory give "
         f"{available / 2**30:.2f} GiB; the largest model that would fit has about "
-        f"{fits / 1e6:,.0f}M parameters at this world size"
+        f"{fits / 1e6:,.0f}M {_beside_frozen(plan, available, world_size)}at this world size"
+    )
+
+
+def _beside_frozen(plan: ModelDataPlan, available: int, world_size: int) -> str:
+    """How the largest fitting model reads: trainable parameters beside the frozen base, if there is one."""
+    if not plan.frozen_elements:
+        return "parameters "
+    frozen = largest_frozen_params(plan, available, world_size)
+    return (
+        f"trainable parameters beside this frozen base (or, with these trainable parameters, a frozen base "
+        f"of about {frozen / 1e6:,.0f}M parameters) "
     )
 
 

@@ -24,7 +24,8 @@ with ``W > 1`` ranks each chunk group has one flat storage of its ``W`` chunks (
 charged to the ledger as ``chunk`` while it has memory, resized to zero bytes otherwise), and
 the other ranks' members are views of it: the all-gather receives into it in place
 (``all_gather_single``), and the reduce-scatter reduces it in place
-(``reduce_scatter_single``, see groups/comm.py). This rank's own chunk has its own storage, since
+(``reduce_scatter_single``, see groups/comm.py; on gloo, which has no in-place form of either, see
+[Note: in-place collectives on gloo] there). This rank's own chunk has its own storage, since
 it lives on while the group is released and moves to the host and back; its place in the
 flat storage is a *landing slot*: the all-gather writes this rank's values there too, and the
 boundary reduce-scatter copies the owned gradient slot into it and the reduced piece back out.

@@ -39,7 +39,9 @@ pre-backward, when autograd unpacks what the block saved) the backward moments o
 Belady's next use of a chunk a recomputation needs is that recomputation, and the prefetch of the
 moment before it brings the chunk in before the recomputation starts, not at its first use. A
 recomputed module's tensors stay in use (``COMPUTE``, their chunks unmovable) until its backward
-moment: :meth:`Trace.held_chunks` gives, per moment, the chunks in use then.
+moment: :meth:`Trace.held_chunks` gives, per moment, the chunks in use then. The recomputation and
+the backward moment are one backward use of those tensors, which the module's post-backward ends
+(a frozen tensor's, see [Note: frozen chunks]): only the backward moment counts as a use.
 A reentrant checkpoint's first forward runs under ``torch.no_grad()`` inside the run's ``FORWARD``
 phase (see [Note: run state]), so those moments are part of the iteration (recorded, planned, kept
 gathered) and not taken for an evaluation forward; a recomputation runs in the ``RECOMPUTE``
