@@ -86,25 +86,28 @@ def disk_plan(
     count, piece, frozen_slots = buffers
     ids = sorted(frozen)
     all_states = OPTIM_BYTES_PER_ELEMENT * sum(states.values())
+    # the bytes and the largest record of the last ``k`` frozen chunks, for every ``k`` (one pass, not one a ``k``)
+    tail_bytes, tail_largest = [0], [0]
+    for cid in reversed(ids):
+        tail_bytes.append(tail_bytes[-1] + frozen[cid])
+        tail_largest.append(max(tail_largest[-1], frozen[cid]))
 
-    def rest(k: int) -> tuple[set[int], int]:  # the last ``k`` frozen chunks on disk, and what stays in RAM
-        out = ids[len(ids) - k :] if k else []
-        sizes = [frozen[i] for i in out]
-        return set(out), other_bytes - sum(sizes) + frozen_pool_bytes(sizes, frozen_slots)
+    def ram(k: int) -> int:  # what stays in RAM with the last ``k`` frozen chunks on disk
+        return other_bytes - tail_bytes[k] + (frozen_pool_bytes([tail_largest[k]], frozen_slots) if k else 0)
+
+    def tail(k: int) -> set[int]:  # the last ``k`` frozen chunks
+        return set(ids[len(ids) - k :]) if k else set()
 
     if frozen_first:
         for k in range(len(ids) + 1):
-            on_disk, other = rest(k)
-            if other + all_states <= host_budget:
-                return set(), on_disk
-        on_disk, other = rest(len(ids))
-        return spilled_chunks(states, other, host_budget, count, piece), on_disk
+            if ram(k) + all_states <= host_budget:
+                return set(), tail(k)
+        return spilled_chunks(states, ram(len(ids)), host_budget, count, piece), set(ids)
     spilled = spilled_chunks(states, other_bytes, host_budget, count, piece)
     if spilled != set(states):
         return spilled, set()
     buffer = disk_buffer_bytes(list(states.values()), count, piece)
     for k in range(len(ids) + 1):
-        on_disk, other = rest(k)
-        if other + buffer <= host_budget:
-            return spilled, on_disk
+        if ram(k) + buffer <= host_budget:
+            return spilled, tail(k)
     return spilled, set(ids)
