@@ -203,7 +203,7 @@ def build_groups(
     """Every chunk group of ``chunk_map``, in order."""
     groups = []
     for index in range(chunk_map.num_groups):
-        joined = JoinedBuffers(chunk_map.straddling(index), chunk_map.chunks, store.accel)
+        joined = JoinedBuffers(chunk_map.joined_tensors(index), chunk_map.chunks, store.accel)
         nbytes = chunk_map.group_bytes(index, accumulate)
         members, tensors = chunk_map.group_members(index), chunk_map.group_tensors(index)
         groups.append(ChunkGroup(index, members, tensors, nbytes, joined, comm, store, placement))
