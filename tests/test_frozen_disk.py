@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from harness import make_config, run_training
 from multiproc import run_ranks
 from test_disk_tier import assert_same
 from test_frozen_chunks import SEED, LoraStack, _lora_steps, build, frozen_bytes
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from gpt_model import GPT, GPTConfig
 
 HOST_BUDGET = 200_000  # below the LoRA stack's frozen base (405 kB in fp32, 203 kB in bf16)
 
@@ -45,6 +49,40 @@ def test_frozen_chunks_on_disk_equal_frozen_chunks_in_ram(tmp_path, dtype, twin)
     share = frozen_bytes("lora", dtype)
     frozen = [c["frozen_bytes_device"] + c["frozen_bytes_disk"] for c in disk.counters]
     assert all(share <= f <= share * 1.05 for f in frozen), (frozen, share)
+
+
+# width 128: a block's frozen matrices a little over one 125,000-element chunk, so blocks share chunks, and the
+# first-fit layout puts the LayerNorms and biases of every block into one chunk, as at width 2048 with the default
+CHECKPOINTED_LORA = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=16, vocab_size=512, lora_rank=16,
+                              activation_checkpointing=True)
+
+
+class _LossOf(GPT):
+    def forward(self, idx):
+        return super().forward(idx, idx)[1]
+
+
+def _checkpointed_lora(seed):
+    torch.manual_seed(seed)
+    model = _LossOf(CHECKPOINTED_LORA)
+    return model, lambda micro: (torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(micro)),)
+
+
+def test_checkpointed_blocks_read_ahead_and_read_the_frozen_base_at_most_twice_a_step(tmp_path):
+    """One rank, no accelerator, checkpointed blocks, the base on disk: from the second step on, frozen chunks
+    are read ahead of their use (in the previous step's order of uses), and a block's chunks read for its
+    recomputation stay for its backward, which follows at once: each step reads the base at most twice
+    (forward, recomputation with backward). Losses equal the base in RAM."""
+    ram = run_training(_checkpointed_lora, make_config("patrickstar", "bf16", chunk_size=125_000, micro_batch=1), 3,
+                       SEED)
+    config = make_config("patrickstar", "bf16", chunk_size=125_000, micro_batch=1,
+                         extra_zero=param_disk(tmp_path, host_budget=6_400_000))
+    disk = run_training(_checkpointed_lora, config, 3, SEED)
+    assert disk.losses == ram.losses
+    for counters in disk.counters[1:]:
+        assert counters["model_bytes_disk"] == 0 and counters["frozen_bytes_disk"] > 0, counters  # frozen reads only
+        assert 0 < counters["disk_bytes_read_ahead"] <= counters["disk_bytes_read"], counters
+        assert counters["disk_bytes_read"] <= 2 * counters["frozen_bytes_disk"], counters
 
 
 def _ram_and_disk(rank, world_size, swap):
