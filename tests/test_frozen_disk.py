@@ -287,8 +287,8 @@ def test_plan_puts_frozen_chunks_on_disk_first_without_accumulation():
     states, frozen = {0: 100_000, 1: 100_000}, {2: 8192, 3: 8192, 4: 8192}
     other = 2 * 100_000 * 2 + 3 * 8192  # low-precision trainable chunks + the frozen base
     budget = other + 12 * 200_000 - 8192  # two frozen chunks on disk, less one read buffer, make room
-    assert disk_plan(states, frozen, other, budget, (3, 1024, 1), frozen_first=True) == (set(), {3, 4})
-    assert disk_plan(states, frozen, other, budget, (3, 1024, 1), frozen_first=False) == ({1}, set())
+    assert disk_plan(states, frozen, other, budget, (3, 1024, 1, 0), frozen_first=True) == (set(), {3, 4})
+    assert disk_plan(states, frozen, other, budget, (3, 1024, 1, 0), frozen_first=False) == ({1}, set())
 
 
 @pytest.mark.parametrize("host_accelerator", [True, False])
@@ -319,6 +319,33 @@ def test_the_plan_counts_every_host_buffer_of_the_frozen_chunks_on_disk(tmp_path
     plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, buffers - 1, specs, ChunkComm(None, StepCounters()),
                    torch.bfloat16, False, host_accelerator=host_accelerator)
     assert f"host_budget {(buffers - 1) / 2**30:.3f} GiB cannot hold what this rank keeps in RAM" in caplog.text
+
+
+def test_one_larger_frozen_record_takes_one_read_buffer_of_its_size(tmp_path):
+    """An embedding's chunk larger than the rest makes one read buffer of its size, not every one: the read
+    buffers are the second largest record, and the plan counts them, the larger one and the chunks brought
+    from disk (one of them at most the larger); see [Note: disk tier plan]."""
+    from ds_patrickstar.chunks.layout import ChunkKind, ChunkSpec
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.disk.config import NvmeOffload
+    from ds_patrickstar.disk.swap_layout import frozen_record_bytes
+    from ds_patrickstar.disk.tier import open_disk_tier, plan_disk_tier
+    from ds_patrickstar.groups.comm import ChunkComm
+
+    cap, count = 1 << 18, 4
+    specs = [ChunkSpec(0, 4096, torch.bfloat16)] + [
+        ChunkSpec(0, cap * (4 if i == 9 else 1), torch.bfloat16, kind=ChunkKind.FROZEN) for i in range(10)]
+    record, large = frozen_record_bytes(cap, 2), frozen_record_bytes(4 * cap, 2)
+    nvme = NvmeOffload(nvme_path=str(tmp_path))
+    plan = plan_disk_tier(nvme, count, 5 * record, specs, ChunkComm(None, StepCounters()), torch.bfloat16, False,
+                          host_accelerator=True)
+    assert max(plan.frozen.values()) == large
+    assert plan.frozen_buffer_bytes == count * record + large + large + (count + 1) * record
+    _, frozen = open_disk_tier(nvme, plan.__class__(frozen=plan.frozen, frozen_buffers=count), 0, False, None)
+    try:
+        assert frozen.buffer_bytes == count * record + large
+    finally:
+        frozen.close()
 
 
 def test_a_failed_frozen_read_names_the_error_number_and_the_file(tmp_path):

@@ -76,9 +76,9 @@ class FrozenDisk:
         self.files, self.io = files, io
         self.chunks: dict[int, Chunk] = {}
         self.nbytes = dict(nbytes)  # chunk id -> bytes of its record
-        slot = max(self.nbytes.values(), default=0)
-        self._free: list[tuple[torch.Tensor, Pending | None]] = [(io.empty(slot), None) for _ in range(buffer_count)]
-        self.buffer_bytes = slot * buffer_count
+        self._slot, sizes = _read_buffer_sizes(list(nbytes.values()), buffer_count)
+        self._free: list[tuple[torch.Tensor, Pending | None]] = [(io.empty(size), None) for size in sizes]
+        self.buffer_bytes = sum(buffer.numel() for buffer, _ in self._free)
         self._reads: dict[int, _Read] = {}
         self._staging: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._spare: list[torch.Tensor] = []  # staging buffers not in use (at most FROZEN_STAGING_CHUNKS exist)
@@ -88,8 +88,7 @@ class FrozenDisk:
         self.order = UseOrder()
         self.keep = buffer_count + FROZEN_IN_USE_CHUNKS  # brought from disk and there (kept, in use): host accelerator
         self._brought: OrderedDict[int, None] = OrderedDict()  # brought and not let go, least recently first
-        self.bytes_read = 0  # frozen records read (training and outside it)
-        self.bytes_read_ahead = 0  # of those, the reads issued ahead of the chunk's use
+        self.bytes_read = self.bytes_read_ahead = 0  # records read (also outside training); of them, ahead of use
         self._counted: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
         self._pinned: list[int] = []  # addresses of read buffers pinned for the accelerator
         self._unpin: Callable[[int], None] | None = None
@@ -119,7 +118,7 @@ class FrozenDisk:
         if values is None:
             self._blank.add(chunk.chunk_id)
             return
-        buffer = self._buffer()
+        buffer = self._buffer(chunk.chunk_id)
         self._as(chunk, buffer).copy_(values.reshape(-1)[: chunk.capacity])
         self._write(chunk.chunk_id, buffer).wait()
         self._free.append((buffer, None))
@@ -140,7 +139,7 @@ class FrozenDisk:
     def _write_resident(self) -> None:
         for cid, chunk in self.chunks.items():
             if not chunk.on_host:
-                buffer = self._buffer()
+                buffer = self._buffer(cid)
                 self._as(chunk, buffer).copy_(chunk.ready())
                 self._write(cid, buffer).wait()
                 self._free.append((buffer, None))
@@ -228,10 +227,10 @@ class FrozenDisk:
     def read_ahead(self) -> None:
         """Issue the reads of the next frozen chunks of the recorded order, as far as buffers allow."""
         for cid in dict.fromkeys(self.order.ahead(_LOOK_AHEAD)):
-            if not self._free:
-                return
             if cid in self._reads or cid in self._staging or not self.chunks[cid].on_host:
                 continue
+            if not any(self._fits(cid, buffer) for buffer, _ in self._free):
+                return
             self._reads[cid] = _Read(*self._read_fresh(cid))
             self.bytes_read_ahead += self.nbytes[cid]
 
@@ -260,23 +259,26 @@ class FrozenDisk:
         return spare
 
     def _giver(self, buffer: torch.Tensor) -> Callable[[Pending], None]:
-        def give(after: Pending) -> None:
-            self._free.append((buffer, after))
+        return lambda after: self._free.append((buffer, after))
 
-        return give
+    def _fits(self, cid: int, buffer: torch.Tensor) -> bool:  # the largest record only into the large buffer
+        return (self.nbytes[cid] > self._slot) == (buffer.numel() > self._slot)
 
-    def _buffer(self) -> torch.Tensor:
-        """A free pool buffer (its last copy completed); the pending read used last gives its own when none is."""
-        if not self._free:
-            last = max(self._reads, key=self.order.next_use)
+    def _buffer(self, cid: int) -> torch.Tensor:
+        """A free pool buffer for chunk ``cid`` (its last copy completed); the pending read used last gives its
+        own when none is."""
+        free = [i for i, (buffer, _) in enumerate(self._free) if self._fits(cid, buffer)]
+        if not free:
+            last = max((c for c, read in self._reads.items() if self._fits(cid, read.buffer)), key=self.order.next_use)
             self._free.append((self._reads.pop(last).ready(), None))
-        buffer, after = self._free.pop(0)
+            free = [len(self._free) - 1]
+        buffer, after = self._free.pop(free[0])
         if after is not None:
             after.wait_host()
         return buffer
 
     def _read_fresh(self, cid: int) -> tuple[torch.Tensor, DiskPending]:
-        buffer = self._buffer()
+        buffer = self._buffer(cid)
         return buffer, self._read(cid, buffer)
 
     def _read(self, cid: int, buffer: torch.Tensor) -> DiskPending:
@@ -315,6 +317,14 @@ class FrozenDisk:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # never closed: the read buffers go with it, unpinned first
             self._unpin_all()
+
+
+def _read_buffer_sizes(records: list[int], count: int) -> tuple[int, list[int]]:
+    """The read buffers for records of ``records`` bytes: ``count`` of the second largest record, and one of the
+    largest where it is larger (see [Note: disk tier plan]); and the first size."""
+    ordered = sorted(records, reverse=True)
+    slot = ordered[min(1, len(ordered) - 1)] if ordered else 0
+    return slot, [slot] * count + ([ordered[0]] if ordered and ordered[0] > slot else [])
 
 
 def _close(io: DiskIO, files: SwapFiles) -> None:

@@ -65,7 +65,7 @@ class DiskPlan:
 
     @property
     def frozen_buffer_bytes(self) -> int:
-        return frozen_pool_bytes(list(self.frozen.values()), self.frozen_slots)
+        return frozen_pool_bytes(list(self.frozen.values()), self.frozen_slots, self.frozen_buffers)
 
 
 def plan_disk_tier(
@@ -91,7 +91,7 @@ def plan_disk_tier(
     budget = resolve_host_budget(host_budget, comm.world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
     slots = frozen_host_slots(frozen_buffers, host_accelerator)
-    buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), slots)
+    buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), slots, frozen_buffers)
     states, on_disk = disk_plan(owned, frozen, other, budget, buffers, frozen_first=not accumulate)
     result = DiskPlan(
         {c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers, slots, key
