@@ -117,7 +117,7 @@ def plan_disk_tier(
         logger.warning(
             "ds_patrickstar: disk tier: host_budget %.3f GiB cannot hold what this rank keeps in RAM even with "
             "every frozen chunk and optimizer state it can move on disk: %.3f GiB (the trainable chunks and the "
-            "disk tier's buffers, each frozen buffer the size of the largest frozen chunk on disk); a smaller "
+            "disk tier's buffers, the frozen ones sized by the largest frozen chunks on disk); a smaller "
             "buffer_count or chunk_size lowers it",
             budget / 2**30,
             held / 2**30,
