@@ -149,8 +149,12 @@ class ChunkGroup:
         self.fresh = self.prefetched = False
 
     def bring_back(self, chunk: Chunk) -> None:
-        """A frozen chunk on disk that was let go after its last use is read back (see [Note: frozen
-        chunks on disk]); with placement, bringing the chunk did that already."""
+        """The group is used: a frozen chunk on disk counts the use (see [Note: frozen use order]), and one
+        that was let go after its last use is read back (see [Note: frozen chunks on disk]); with
+        placement, bringing the chunk did that already."""
+        disk = self._store.disk
+        if disk is not None and self.owned.disk is not None:
+            disk.used(self.owned)
         if chunk.disk is not None and chunk.on_host:
             self._store.materialize(chunk)
 
