@@ -158,7 +158,7 @@ def run_try(args):
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.depth, n_head=args.heads, n_embd=args.width, block_size=args.seq_len,
-                    vocab_size=args.vocab, lora_rank=args.rank)
+                    vocab_size=args.vocab, lora_rank=args.rank, activation_checkpointing=args.checkpointing)
     engine, step = _build(args, cfg)
     gen = torch.Generator().manual_seed(0)
     times, reads, counters = [], [], []
@@ -225,7 +225,8 @@ def _shared_flags(args) -> list[str]:
     flags = ["--width", args.width, "--heads", args.heads, "--vocab", args.vocab, "--rank", args.rank,
              "--seq-len", args.seq_len, "--batch", args.batch, "--steps", args.steps,
              "--host-budget-gib", args.host_budget_gib, "--nvme-buffers", args.nvme_buffers]
-    return [str(f) for f in flags] + (["--disk", args.disk] if args.disk else [])
+    return [str(f) for f in flags] + (["--disk", args.disk] if args.disk else []) + \
+        (["--checkpointing"] if args.checkpointing else [])
 
 
 def measured(r) -> dict:
@@ -291,6 +292,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the adapters")
+    p.add_argument("--checkpointing", action="store_true", help="checkpoint every block (torch's non-reentrant)")
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="steps per try (the first is not timed)")

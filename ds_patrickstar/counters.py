@@ -87,8 +87,9 @@ class StepCounters:
     disk_wait_seconds: float = 0.0
     """seconds the training waited on the disk tier's reads and writes (the I/O not hidden)"""
     disk_bytes_read_ahead: int = 0
-    """of ``disk_bytes_read``, bytes whose reads were issued before the optimizer step began (in the
-    boundary micro-step's backward, see [Note: disk tier])"""
+    """of ``disk_bytes_read``, bytes whose reads were issued ahead of their use: optimizer states read
+    before the optimizer step began (in the boundary micro-step's backward, see [Note: disk tier]) and
+    frozen chunks read ahead of the module that uses them (see [Note: frozen use order])"""
     model_bytes_disk: int = 0
     """optimizer states in the disk tier's swap files at the end of the step"""
     disk_buffer_bytes: int = 0

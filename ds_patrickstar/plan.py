@@ -114,10 +114,11 @@ def plan_report(
         other = need - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
         budget = host_bytes + device_budget
         slots = frozen_host_slots(disk_buffers, host_accelerator=device_budget == 0)
-        spilled, frozen_out = disk_plan(owned, frozen, other, budget, (disk_buffers, piece, slots), not accumulate)
+        buffers_of = (disk_buffers, piece, slots, disk_buffers)
+        spilled, frozen_out = disk_plan(owned, frozen, other, budget, buffers_of, not accumulate)
         frozen_disk = [frozen[c] for c in frozen_out]
         buffers = disk_buffer_bytes([owned[c] for c in spilled], disk_buffers, piece)
-        buffers += frozen_pool_bytes(frozen_disk, slots)
+        buffers += frozen_pool_bytes(frozen_disk, slots, disk_buffers)
         on_disk = sum(record_bytes(owned[c]) for c in spilled) + sum(frozen_disk)
         need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) - sum(frozen_disk) + buffers
         on_device = min(need, device_budget)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 
-def _groups(accumulate: bool):
+def _groups(accumulate: bool, frozen: bool = False):
     """Two ranks, rank 0, fp32: 143 elements in one group of two 72-element chunks; the first
-    weight (100 elements) straddles the cut."""
+    weight (100 elements) straddles the cut. ``frozen``: every parameter frozen."""
     from ds_patrickstar.chunks.chunk_map import ChunkMap
     from ds_patrickstar.chunks.layout import plan_chunks
     from ds_patrickstar.counters import StepCounters
@@ -25,7 +25,8 @@ def _groups(accumulate: bool):
     comm = ChunkComm(None, StepCounters())
     comm.world_size = 2
     store = ChunkStore(HostAccelerator(), comm.counters, movable=False)
-    specs = plan_chunks([list(model.named_parameters())], 1000, 2)
+    named = list(model.named_parameters())
+    specs = plan_chunks([], 1000, 2, frozen=named) if frozen else plan_chunks([named], 1000, 2)
     chunk_map = build_chunk_map(ChunkMap(2, 0), specs, store, lambda p: True)
     assert [info.numel for info in chunk_map.straddling(0)] == [100]
     return specs, chunk_map, comm, build_groups(chunk_map, comm, store, NullPlacement(), accumulate)
@@ -77,6 +78,23 @@ def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
     comm.agree = lambda values: values  # type: ignore[method-assign]
     plan.agree()
     assert plan.allows_keep(10_000 - counted) and not plan.allows_keep(10_000 - counted + 1)
+
+
+def test_a_frozen_tensor_across_the_cut_is_a_view_of_its_group_storage():
+    """A frozen tensor straddling its group's two chunks has no joined buffer: it is a view of the group's
+    storage (the other rank's chunk and this rank's landing slot, filled by the all-gather), and neither
+    the group nor the pre-flight counts joined bytes for it."""
+    from ds_patrickstar.chunks.group_bytes import planned_group_bytes
+
+    specs, chunk_map, _, (group,) = _groups(accumulate=False, frozen=True)
+    (info,) = chunk_map.straddling(0)
+    other = group.members[1].payload  # a view of the group's storage
+    no_buffer = info.joined is None  # (no tensor in an assert: pytest's repr of an unbacked one crashes)
+    assert no_buffer and info.param.untyped_storage()._cdata == other.untyped_storage()._cdata
+    assert group.nbytes.joined == 0 and [group.nbytes] == planned_group_bytes(specs, 4, 2, False)
+    group.gather(fill=False, keep=frozenset())  # the storage gets memory; here filled by hand
+    group._store.group_storage(group.members).copy_(torch.arange(144.0))
+    assert torch.equal(info.param.detach().reshape(-1), torch.arange(100.0))
 
 
 def test_a_group_moves_only_between_the_states_its_table_allows():

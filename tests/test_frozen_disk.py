@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from harness import make_config, run_training
 from multiproc import run_ranks
 from test_disk_tier import assert_same
 from test_frozen_chunks import SEED, LoraStack, _lora_steps, build, frozen_bytes
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from gpt_model import GPT, GPTConfig
 
 HOST_BUDGET = 200_000  # below the LoRA stack's frozen base (405 kB in fp32, 203 kB in bf16)
 
@@ -45,6 +49,40 @@ def test_frozen_chunks_on_disk_equal_frozen_chunks_in_ram(tmp_path, dtype, twin)
     share = frozen_bytes("lora", dtype)
     frozen = [c["frozen_bytes_device"] + c["frozen_bytes_disk"] for c in disk.counters]
     assert all(share <= f <= share * 1.05 for f in frozen), (frozen, share)
+
+
+# width 128: a block's frozen matrices a little over one 125,000-element chunk, so blocks share chunks, and the
+# first-fit layout puts the LayerNorms and biases of every block into one chunk, as at width 2048 with the default
+CHECKPOINTED_LORA = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=16, vocab_size=512, lora_rank=16,
+                              activation_checkpointing=True)
+
+
+class _LossOf(GPT):
+    def forward(self, idx):
+        return super().forward(idx, idx)[1]
+
+
+def _checkpointed_lora(seed):
+    torch.manual_seed(seed)
+    model = _LossOf(CHECKPOINTED_LORA)
+    return model, lambda micro: (torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(micro)),)
+
+
+def test_checkpointed_blocks_read_ahead_and_read_the_frozen_base_at_most_twice_a_step(tmp_path):
+    """One rank, no accelerator, checkpointed blocks, the base on disk: from the second step on, frozen chunks
+    are read ahead of their use (in the previous step's order of uses), and a block's chunks read for its
+    recomputation stay for its backward, which follows at once: each step reads the base at most twice
+    (forward, recomputation with backward). Losses equal the base in RAM."""
+    ram = run_training(_checkpointed_lora, make_config("patrickstar", "bf16", chunk_size=125_000, micro_batch=1), 3,
+                       SEED)
+    config = make_config("patrickstar", "bf16", chunk_size=125_000, micro_batch=1,
+                         extra_zero=param_disk(tmp_path, host_budget=6_400_000))
+    disk = run_training(_checkpointed_lora, config, 3, SEED)
+    assert disk.losses == ram.losses
+    for counters in disk.counters[1:]:
+        assert counters["model_bytes_disk"] == 0 and counters["frozen_bytes_disk"] > 0, counters  # frozen reads only
+        assert 0 < counters["disk_bytes_read_ahead"] <= counters["disk_bytes_read"], counters
+        assert counters["disk_bytes_read"] <= 2 * counters["frozen_bytes_disk"], counters
 
 
 def _ram_and_disk(rank, world_size, swap):
@@ -249,8 +287,8 @@ def test_plan_puts_frozen_chunks_on_disk_first_without_accumulation():
     states, frozen = {0: 100_000, 1: 100_000}, {2: 8192, 3: 8192, 4: 8192}
     other = 2 * 100_000 * 2 + 3 * 8192  # low-precision trainable chunks + the frozen base
     budget = other + 12 * 200_000 - 8192  # two frozen chunks on disk, less one read buffer, make room
-    assert disk_plan(states, frozen, other, budget, (3, 1024, 1), frozen_first=True) == (set(), {3, 4})
-    assert disk_plan(states, frozen, other, budget, (3, 1024, 1), frozen_first=False) == ({1}, set())
+    assert disk_plan(states, frozen, other, budget, (3, 1024, 1, 0), frozen_first=True) == (set(), {3, 4})
+    assert disk_plan(states, frozen, other, budget, (3, 1024, 1, 0), frozen_first=False) == ({1}, set())
 
 
 @pytest.mark.parametrize("host_accelerator", [True, False])
@@ -281,6 +319,33 @@ def test_the_plan_counts_every_host_buffer_of_the_frozen_chunks_on_disk(tmp_path
     plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, buffers - 1, specs, ChunkComm(None, StepCounters()),
                    torch.bfloat16, False, host_accelerator=host_accelerator)
     assert f"host_budget {(buffers - 1) / 2**30:.3f} GiB cannot hold what this rank keeps in RAM" in caplog.text
+
+
+def test_one_larger_frozen_record_takes_one_read_buffer_of_its_size(tmp_path):
+    """An embedding's chunk larger than the rest makes one read buffer of its size, not every one: the read
+    buffers are the second largest record, and the plan counts them, the larger one and the chunks brought
+    from disk (one of them at most the larger); see [Note: disk tier plan]."""
+    from ds_patrickstar.chunks.layout import ChunkKind, ChunkSpec
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.disk.config import NvmeOffload
+    from ds_patrickstar.disk.swap_layout import frozen_record_bytes
+    from ds_patrickstar.disk.tier import open_disk_tier, plan_disk_tier
+    from ds_patrickstar.groups.comm import ChunkComm
+
+    cap, count = 1 << 18, 4
+    specs = [ChunkSpec(0, 4096, torch.bfloat16)] + [
+        ChunkSpec(0, cap * (4 if i == 9 else 1), torch.bfloat16, kind=ChunkKind.FROZEN) for i in range(10)]
+    record, large = frozen_record_bytes(cap, 2), frozen_record_bytes(4 * cap, 2)
+    nvme = NvmeOffload(nvme_path=str(tmp_path))
+    plan = plan_disk_tier(nvme, count, 5 * record, specs, ChunkComm(None, StepCounters()), torch.bfloat16, False,
+                          host_accelerator=True)
+    assert max(plan.frozen.values()) == large
+    assert plan.frozen_buffer_bytes == count * record + large + large + (count + 1) * record
+    _, frozen = open_disk_tier(nvme, plan.__class__(frozen=plan.frozen, frozen_buffers=count), 0, False, None)
+    try:
+        assert frozen.buffer_bytes == count * record + large
+    finally:
+        frozen.close()
 
 
 def test_a_failed_frozen_read_names_the_error_number_and_the_file(tmp_path):

@@ -78,7 +78,7 @@ class TensorInfo:
     shape: torch.Size
     group_index: int
     state: TensorState = TensorState.HOLD
-    joined: torch.Tensor | None = None  # the parameter's own buffer when it straddles chunks
+    joined: torch.Tensor | None = None  # the parameter's own buffer when it ``joins``
     released: set[int] = field(default_factory=set)  # chunks of its pieces released on this rank
     bound: bool = False  # the parameter is a view of its chunk (or its joined buffer): see memory/binding.py
     kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
@@ -90,6 +90,12 @@ class TensorInfo:
     @property
     def straddles(self) -> bool:
         return len(self.pieces) > 1
+
+    @property
+    def joins(self) -> bool:
+        """It has a joined buffer: a trainable tensor that straddles chunks (a frozen one is a view of its
+        group's storage, see [Note: straddling tensors])."""
+        return self.straddles and self.trainable
 
     @property
     def chunk_ids(self) -> list[int]:

@@ -115,11 +115,15 @@ class ChunkMap:
         """The tensors of ``group`` with pieces in several chunks (see [Note: straddling tensors])."""
         return [info for info in self.group_tensors(group) if info.straddles]
 
+    def joined_tensors(self, group: int) -> list[TensorInfo]:
+        """The tensors of ``group`` with joined buffers (see [Note: straddling tensors])."""
+        return [info for info in self.group_tensors(group) if info.joins]
+
     def group_bytes(self, group: int, accumulate: bool) -> GroupBytes:
         """What ``group`` takes on this rank's accelerator, part by part (see [Note: chunk group bytes]
         in chunks/group_bytes.py)."""
         members = self.group_members(group)
-        joined = sum(info.numel for info in self.straddling(group))
+        joined = sum(info.numel for info in self.joined_tensors(group))
         grads = accumulate and members[0].trainable  # see [Note: frozen chunks]
         return group_bytes(members[0].capacity, members[0].dtype.itemsize, self.world_size, grads, joined)
 

@@ -9,8 +9,8 @@ elements of ``lp_bytes`` bytes takes, on one rank's accelerator, these parts:
   [Note: gathered group storage] in memory/store.py); with one rank the group is the owned chunk
   and there is none;
 * ``owned``: this rank's own chunk (with ``W > 1`` beside the storage, where its landing slot is);
-* ``joined``: with ``W > 1``, the joined buffers of the tensors that straddle its chunks (see
-  [Note: straddling tensors] in groups/straddle.py);
+* ``joined``: with ``W > 1``, the joined buffers of the trainable tensors that straddle its chunks
+  (see [Note: straddling tensors] in groups/straddle.py; a frozen one is a view of the storage);
 * ``accumulator``: with gradient accumulation, the owned chunk's fp32 accumulator (see
   [Note: gradient accumulation] in groups/grads.py);
 * ``grad_buffer``: with gradient accumulation and ``W > 1``, a micro-step's flat gradient buffer
@@ -89,7 +89,8 @@ def planned_group_bytes(specs: list[ChunkSpec], lp_bytes: int, world_size: int, 
         for spec in members:
             for param in dict.fromkeys(p for _, p, _, _, _ in spec.members):
                 holders[param] = holders.get(param, 0) + 1
-        joined = sum(param.numel() for param, count in holders.items() if count > 1)
-        grads = accumulate and members[0].kind.trainable
+        trainable = members[0].kind.trainable  # a frozen straddling tensor has no joined buffer
+        joined = sum(param.numel() for param, count in holders.items() if count > 1) if trainable else 0
+        grads = accumulate and trainable
         sizes.append(group_bytes(members[0].capacity, lp_bytes, world_size, grads, joined))
     return sizes

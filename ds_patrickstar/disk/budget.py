@@ -8,10 +8,13 @@ RAM, and they pass through the tier's host buffers (``buffer_count`` step buffer
 cache, each one piece of the largest spilled chunk: :func:`disk_buffer_bytes`), which count
 against the budget only when something spills. :func:`spilled_chunks` keeps the most chunks in
 RAM for which the states kept, the rest of the model data and the buffers the spilled chunks
-need fit the budget. Frozen chunks on disk (see [Note: frozen chunks on disk]) take host buffers
-of their largest record (:func:`frozen_host_slots`): the read buffers, and the staging buffers
-(outside training) or, where the host is the accelerator, the chunks brought from disk in a step
-(kept and in use); they count against the budget whenever a frozen chunk is on disk. The run then
+need fit the budget. Frozen chunks on disk (see [Note: frozen chunks on disk]) take record-sized host
+buffers (:func:`frozen_host_slots`, :func:`frozen_pool_bytes`): the read buffers, each the size of the
+second largest record on disk, and one more of the largest where it is larger (an embedding's chunk
+is larger than the rest: only its reads use it), and the staging buffers (outside training, each the
+largest) or, where the host is the accelerator, the chunks brought from disk in a step (kept and in
+use, at most one of them the largest); they count against the budget whenever a frozen chunk is on
+disk. The run then
 fits when model data less the spilled states plus the buffers is at most budget + available host
 memory, and the swap folder has room for the spilled records (checked at initialize, naming the
 folder and the numbers); a run whose RAM share exceeds the budget even so is warned at initialize.
@@ -66,10 +69,18 @@ def frozen_host_slots(buffer_count: int, host_accelerator: bool) -> int:
     return buffer_count + max(FROZEN_STAGING_CHUNKS, brought)
 
 
-def frozen_pool_bytes(sizes: list[int], slots: int) -> int:
-    """Host bytes of ``slots`` buffers (:func:`frozen_host_slots`) for frozen chunks of ``sizes`` bytes
-    on disk, each the largest record (none when none is on disk)."""
-    return slots * align_up(max(sizes)) if sizes else 0
+def frozen_pool_bytes(sizes: list[int], slots: int, reads: int) -> int:
+    """Host bytes of the ``slots`` buffers (:func:`frozen_host_slots`, ``reads`` of them read buffers) for frozen
+    chunks of ``sizes`` bytes on disk (none when none is): the read buffers each the second largest record, one
+    more of the largest where it is larger, and the others each the largest (staging) or, chunks brought from
+    disk, at most one the largest (see [Note: disk tier plan])."""
+    if not sizes:
+        return 0
+    ordered = sorted((align_up(size) for size in sizes), reverse=True)
+    first, second = ordered[0], ordered[min(1, len(ordered) - 1)]
+    others = slots - reads
+    others = max(min(others, FROZEN_STAGING_CHUNKS) * first, first + (others - 1) * second) if others else 0
+    return reads * second + (first if first > second else 0) + others
 
 
 def disk_plan(
@@ -77,23 +88,24 @@ def disk_plan(
     frozen: dict[int, int],
     other_bytes: int,
     host_budget: int,
-    buffers: tuple[int, int, int],
+    buffers: tuple[int, int, int, int],
     frozen_first: bool,
 ) -> tuple[set[int], set[int]]:
     """The owned chunks whose states go to disk (``states``: id -> capacity) and the owned frozen
     chunks that go to disk (``frozen``: id -> payload bytes; ``other_bytes`` counts them in RAM);
-    ``buffers``: ``(buffer_count, piece, frozen host slots)``. See [Note: disk tier plan]."""
-    count, piece, frozen_slots = buffers
+    ``buffers``: ``(buffer_count, piece, frozen host slots, frozen read buffers)``. See [Note: disk tier plan]."""
+    count, piece, frozen_slots, frozen_reads = buffers
     ids = sorted(frozen)
     all_states = OPTIM_BYTES_PER_ELEMENT * sum(states.values())
-    # the bytes and the largest record of the last ``k`` frozen chunks, for every ``k`` (one pass, not one a ``k``)
-    tail_bytes, tail_largest = [0], [0]
+    # the bytes and the two largest records of the last ``k`` frozen chunks, for every ``k`` (one pass)
+    tail_bytes, tail_largest = [0], [[0, 0]]
     for cid in reversed(ids):
         tail_bytes.append(tail_bytes[-1] + frozen[cid])
-        tail_largest.append(max(tail_largest[-1], frozen[cid]))
+        tail_largest.append(sorted([*tail_largest[-1], frozen[cid]])[1:])
 
     def ram(k: int) -> int:  # what stays in RAM with the last ``k`` frozen chunks on disk
-        return other_bytes - tail_bytes[k] + (frozen_pool_bytes([tail_largest[k]], frozen_slots) if k else 0)
+        largest = tail_largest[k][-min(k, 2) :]
+        return other_bytes - tail_bytes[k] + (frozen_pool_bytes(largest, frozen_slots, frozen_reads) if k else 0)
 
     def tail(k: int) -> set[int]:  # the last ``k`` frozen chunks
         return set(ids[len(ids) - k :]) if k else set()

@@ -18,16 +18,19 @@ lives on the host with no host buffer (``on_host`` and no ``host``), so it takes
   chunk group's gather) from one of ``buffer_count`` aligned host buffers (pinned for the
   accelerator's copies where it has any) that a read filled
   (:meth:`FrozenDisk.take`), then the buffer goes back once its copy has completed. The
-  sequence of frozen chunks brought in a step repeats (every rank runs the same modules, see
-  [Note: gather order]): :class:`~ds_patrickstar.groups.gather_order.GatherOrder` records it, and
-  each bring issues the reads of the next ones, so disk reads overlap compute; the first step
-  reads on demand. A read in flight is reached only through :meth:`_Read.ready`, which waits for
-  it; under the strict emulated accelerator a read not waited on leaves NaN in the buffer.
+  sequence of uses of frozen chunks on disk in a step repeats (every rank runs the same modules,
+  see [Note: gather order]): :class:`~ds_patrickstar.disk.use_order.UseOrder` records it (see
+  [Note: frozen use order]), and each use issues the reads of the next chunks not there, as far as
+  free buffers allow, so disk reads overlap compute; the first step reads on demand. A read in
+  flight is reached only through :meth:`_Read.ready`, which waits for it; under the strict
+  emulated accelerator a read not waited on leaves NaN in the buffer.
 * **Let go after use**: where the accelerator is the host (no placement), a frozen chunk on disk
   is dropped (nothing is written) when its group is released, or, with one rank, once its use is
-  over and ``buffer_count`` chunks were brought since (consecutive modules often share a chunk,
-  and backward starts with the chunks forward ended with), and at the end of backward; with
-  placement it is evicted like any chunk, for free.
+  over and it is not among the chunks used again soonest that fit, with those in use, in
+  ``buffer_count`` + :data:`~ds_patrickstar.disk.budget.FROZEN_IN_USE_CHUNKS` (consecutive modules
+  often share a chunk, backward starts with the chunks forward ended with, and a checkpointed
+  block's backward follows its recomputation), and at the end of backward; with placement it is
+  evicted like any chunk, for free.
 * **Read outside training** (checkpoints, exports, :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`
   of a chunk on disk): through the staging buffers, one record read each, dropped at the next step.
 """
@@ -43,13 +46,15 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..chunks.chunk import Chunk
-from ..groups.gather_order import GatherOrder
 from ..memory.pending import Pending
-from .budget import FROZEN_STAGING_CHUNKS
+from .budget import FROZEN_IN_USE_CHUNKS, FROZEN_STAGING_CHUNKS
 from .io import DiskIO, DiskPending
 from .swap_files import SwapFiles
+from .use_order import UseOrder
 
 logger = logging.getLogger(__name__)
+
+_LOOK_AHEAD = 64  # uses of the recorded order searched for chunks to read ahead
 
 
 class _Read:
@@ -71,20 +76,20 @@ class FrozenDisk:
         self.files, self.io = files, io
         self.chunks: dict[int, Chunk] = {}
         self.nbytes = dict(nbytes)  # chunk id -> bytes of its record
-        slot = max(self.nbytes.values(), default=0)
-        self._free: list[tuple[torch.Tensor, Pending | None]] = [(io.empty(slot), None) for _ in range(buffer_count)]
-        self.buffer_bytes = slot * buffer_count
+        self._slot, sizes = _read_buffer_sizes(list(nbytes.values()), buffer_count)
+        self._free: list[tuple[torch.Tensor, Pending | None]] = [(io.empty(size), None) for size in sizes]
+        self.buffer_bytes = sum(buffer.numel() for buffer, _ in self._free)
         self._reads: dict[int, _Read] = {}
         self._staging: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._spare: list[torch.Tensor] = []  # staging buffers not in use (at most FROZEN_STAGING_CHUNKS exist)
         self._dirty: set[int] = set()
         self._blank: set[int] = set()  # never written: the preallocated record reads as zeros
         self._writing = 0
-        self.order = GatherOrder()
-        self.keep = buffer_count  # chunks brought from disk kept while unused, where the host is the accelerator
+        self.order = UseOrder()
+        self.keep = buffer_count + FROZEN_IN_USE_CHUNKS  # brought from disk and there (kept, in use): host accelerator
         self._brought: OrderedDict[int, None] = OrderedDict()  # brought and not let go, least recently first
-        self.bytes_read = 0  # frozen records read (training and outside it)
-        self._counted: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.bytes_read = self.bytes_read_ahead = 0  # records read (also outside training); of them, ahead of use
+        self._counted: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
         self._pinned: list[int] = []  # addresses of read buffers pinned for the accelerator
         self._unpin: Callable[[int], None] | None = None
         weakref.finalize(self, _close, io, files)
@@ -113,7 +118,7 @@ class FrozenDisk:
         if values is None:
             self._blank.add(chunk.chunk_id)
             return
-        buffer = self._buffer()
+        buffer = self._buffer(chunk.chunk_id)
         self._as(chunk, buffer).copy_(values.reshape(-1)[: chunk.capacity])
         self._write(chunk.chunk_id, buffer).wait()
         self._free.append((buffer, None))
@@ -134,7 +139,7 @@ class FrozenDisk:
     def _write_resident(self) -> None:
         for cid, chunk in self.chunks.items():
             if not chunk.on_host:
-                buffer = self._buffer()
+                buffer = self._buffer(cid)
                 self._as(chunk, buffer).copy_(chunk.ready())
                 self._write(cid, buffer).wait()
                 self._free.append((buffer, None))
@@ -184,11 +189,17 @@ class FrozenDisk:
         self._spare.append(buffer)
 
     # ---- training: read ahead ------------------------------------------------------------
+    def used(self, chunk: Chunk) -> None:
+        """``chunk`` is used now (brought or still there): recorded in the step's order; the next reads go out."""
+        self.order.used(chunk.chunk_id)
+        if chunk.chunk_id in self._brought:
+            self._brought.move_to_end(chunk.chunk_id)
+        self.read_ahead()
+
     def take(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[Pending], None]]:
         """The chunk's values in a host buffer, to be copied to the accelerator; call the second with
         that copy: the buffer goes back to the pool once it has completed. Issues the next reads."""
         cid = chunk.chunk_id
-        self.order.used(cid)
         self._brought[cid] = None
         self._brought.move_to_end(cid)
         if cid in self._staging:
@@ -202,36 +213,42 @@ class FrozenDisk:
         return self._as(chunk, buffer), done
 
     def surplus(self, keep: int | None = None) -> list[Chunk]:
-        """Chunks brought from disk and still there beyond the ``keep`` (default: :attr:`keep`) most
-        recently brought, least recently first: those to let go."""
+        """Chunks brought from disk, still there and not in use, beyond those used again soonest (see
+        [Note: frozen use order]; where the order tells nothing, the most recently used) that fit with the
+        chunks in use in ``keep`` (default: :attr:`keep`): those to let go."""
         for cid in [c for c in self._brought if self.chunks[c].on_host]:
             del self._brought[cid]
-        ids = list(self._brought)
-        return [self.chunks[c] for c in ids[: max(0, len(ids) - (self.keep if keep is None else keep))]]
+        idle = [c for c in self._brought if self.chunks[c].movable]
+        room = max(0, (self.keep if keep is None else keep) - (len(self._brought) - len(idle)))
+        recency = {c: i for i, c in enumerate(idle)}
+        ranked = sorted(idle, key=lambda c: (self.order.next_use(c), -recency[c]))
+        return [self.chunks[c] for c in ranked[room:]]
 
     def read_ahead(self) -> None:
         """Issue the reads of the next frozen chunks of the recorded order, as far as buffers allow."""
-        for cid in self.order.ahead(len(self._free) + len(self._reads)):
+        for cid in dict.fromkeys(self.order.ahead(_LOOK_AHEAD)):
             if cid in self._reads or cid in self._staging or not self.chunks[cid].on_host:
                 continue
-            if not self._free:
+            if not any(self._fits(cid, buffer) for buffer, _ in self._free):
                 return
             self._reads[cid] = _Read(*self._read_fresh(cid))
+            self.bytes_read_ahead += self.nbytes[cid]
 
     def next_step(self) -> None:
         """A step is over: the recorded order is the next step's; reads the order no longer expects go."""
         self.order.next_step()
         self.drop_staging()
-        expected = set(self.order.ahead(len(self._free) + len(self._reads)))
+        expected = set(self.order.ahead(_LOOK_AHEAD))
         for cid in [c for c in self._reads if c not in expected]:
             self._free.append((self._reads.pop(cid).ready(), None))
         self.read_ahead()
 
-    def take_counts(self) -> tuple[int, float, float]:
-        """Since the last call: bytes of frozen records read, seconds of the I/O threads, seconds waited."""
-        now = (self.bytes_read, self.io.io_seconds, self.io.wait_seconds)
+    def take_counts(self) -> tuple[int, int, float, float]:
+        """Since the last call: bytes of frozen records read, of them read ahead, seconds of the I/O threads,
+        seconds waited."""
+        now = (self.bytes_read, self.bytes_read_ahead, self.io.io_seconds, self.io.wait_seconds)
         before, self._counted = self._counted, now
-        return now[0] - before[0], now[1] - before[1], now[2] - before[2]
+        return now[0] - before[0], now[1] - before[1], now[2] - before[2], now[3] - before[3]
 
     # ---- buffers and requests ------------------------------------------------------------
     def _sparer(self, buffer: torch.Tensor) -> Callable[[Pending], None]:
@@ -242,23 +259,26 @@ class FrozenDisk:
         return spare
 
     def _giver(self, buffer: torch.Tensor) -> Callable[[Pending], None]:
-        def give(after: Pending) -> None:
-            self._free.append((buffer, after))
+        return lambda after: self._free.append((buffer, after))
 
-        return give
+    def _fits(self, cid: int, buffer: torch.Tensor) -> bool:  # the largest record only into the large buffer
+        return (self.nbytes[cid] > self._slot) == (buffer.numel() > self._slot)
 
-    def _buffer(self) -> torch.Tensor:
-        """A free pool buffer (its last copy completed); the oldest pending read gives its own when none is."""
-        if not self._free:
-            oldest = next(iter(self._reads))
-            self._free.append((self._reads.pop(oldest).ready(), None))
-        buffer, after = self._free.pop(0)
+    def _buffer(self, cid: int) -> torch.Tensor:
+        """A free pool buffer for chunk ``cid`` (its last copy completed); the pending read used last gives its
+        own when none is."""
+        free = [i for i, (buffer, _) in enumerate(self._free) if self._fits(cid, buffer)]
+        if not free:
+            last = max((c for c, read in self._reads.items() if self._fits(cid, read.buffer)), key=self.order.next_use)
+            self._free.append((self._reads.pop(last).ready(), None))
+            free = [len(self._free) - 1]
+        buffer, after = self._free.pop(free[0])
         if after is not None:
             after.wait_host()
         return buffer
 
     def _read_fresh(self, cid: int) -> tuple[torch.Tensor, DiskPending]:
-        buffer = self._buffer()
+        buffer = self._buffer(cid)
         return buffer, self._read(cid, buffer)
 
     def _read(self, cid: int, buffer: torch.Tensor) -> DiskPending:
@@ -297,6 +317,14 @@ class FrozenDisk:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # never closed: the read buffers go with it, unpinned first
             self._unpin_all()
+
+
+def _read_buffer_sizes(records: list[int], count: int) -> tuple[int, list[int]]:
+    """The read buffers for records of ``records`` bytes: ``count`` of the second largest record, and one of the
+    largest where it is larger (see [Note: disk tier plan]); and the first size."""
+    ordered = sorted(records, reverse=True)
+    slot = ordered[min(1, len(ordered) - 1)] if ordered else 0
+    return slot, [slot] * count + ([ordered[0]] if ordered and ordered[0] > slot else [])
 
 
 def _close(io: DiskIO, files: SwapFiles) -> None:

@@ -65,7 +65,7 @@ class DiskPlan:
 
     @property
     def frozen_buffer_bytes(self) -> int:
-        return frozen_pool_bytes(list(self.frozen.values()), self.frozen_slots)
+        return frozen_pool_bytes(list(self.frozen.values()), self.frozen_slots, self.frozen_buffers)
 
 
 def plan_disk_tier(
@@ -91,7 +91,7 @@ def plan_disk_tier(
     budget = resolve_host_budget(host_budget, comm.world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
     slots = frozen_host_slots(frozen_buffers, host_accelerator)
-    buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), slots)
+    buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), slots, frozen_buffers)
     states, on_disk = disk_plan(owned, frozen, other, budget, buffers, frozen_first=not accumulate)
     result = DiskPlan(
         {c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers, slots, key
@@ -117,7 +117,7 @@ def plan_disk_tier(
         logger.warning(
             "ds_patrickstar: disk tier: host_budget %.3f GiB cannot hold what this rank keeps in RAM even with "
             "every frozen chunk and optimizer state it can move on disk: %.3f GiB (the trainable chunks and the "
-            "disk tier's buffers, each frozen buffer the size of the largest frozen chunk on disk); a smaller "
+            "disk tier's buffers, the frozen ones sized by the largest frozen chunks on disk); a smaller "
             "buffer_count or chunk_size lowers it",
             budget / 2**30,
             held / 2**30,

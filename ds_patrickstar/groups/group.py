@@ -149,8 +149,12 @@ class ChunkGroup:
         self.fresh = self.prefetched = False
 
     def bring_back(self, chunk: Chunk) -> None:
-        """A frozen chunk on disk that was let go after its last use is read back (see [Note: frozen
-        chunks on disk]); with placement, bringing the chunk did that already."""
+        """The group is used: a frozen chunk on disk counts the use (see [Note: frozen use order]), and one
+        that was let go after its last use is read back (see [Note: frozen chunks on disk]); with
+        placement, bringing the chunk did that already."""
+        disk = self._store.disk
+        if disk is not None and self.owned.disk is not None:
+            disk.used(self.owned)
         if chunk.disk is not None and chunk.on_host:
             self._store.materialize(chunk)
 
@@ -203,7 +207,7 @@ def build_groups(
     """Every chunk group of ``chunk_map``, in order."""
     groups = []
     for index in range(chunk_map.num_groups):
-        joined = JoinedBuffers(chunk_map.straddling(index), chunk_map.chunks, store.accel)
+        joined = JoinedBuffers(chunk_map.joined_tensors(index), chunk_map.chunks, store.accel)
         nbytes = chunk_map.group_bytes(index, accumulate)
         members, tensors = chunk_map.group_members(index), chunk_map.group_tensors(index)
         groups.append(ChunkGroup(index, members, tensors, nbytes, joined, comm, store, placement))

@@ -6,7 +6,7 @@ With data parallelism a chunk group is one flat sequence cut into ``W`` equal me
 group, each owned by another rank. Everything that works on chunk elements (the all-gather,
 the gradient slots and the reduce-scatter, the fp32 masters and Adam, the gradient norm,
 checkpoints) works on pieces and needs nothing else. Only the module needs the tensor whole
-and contiguous: such a parameter is a view of its own *joined* buffer (charged to the device
+and contiguous: such a trainable parameter is a view of its own *joined* buffer (charged to the device
 ledger like a chunk, storage resized to zero while it is not needed). The buffer gets memory when
 its group is all-gathered and is filled from the pieces at the tensor's first use after the gather
 has completed (:meth:`JoinedBuffers.join`); it is freed with the group, and also when the group is
@@ -17,6 +17,12 @@ saved views of the parameter stay valid across the free (its storage is resized,
 gradient is copied piece by piece into the slots, as any gradient is copied into its slot. At
 most ``W - 1`` tensors per group straddle, so the extra memory is a few tensors while gathered;
 a gathered group counts its joined buffers, a kept one too (see [Note: chunk group bytes]).
+
+A frozen tensor that straddles (see [Note: frozen chunks]) has no joined buffer: its values never
+change and it has no gradient, so once the all-gather into the group's storage has completed (this
+rank's landing slot included, see [Note: gathered group storage]) the storage holds it whole and
+contiguous, and the parameter is a view of it there, valid while the group is gathered, as the other
+ranks' chunks are. It takes nothing beside the gathered group.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ class JoinedBuffers:
     @staticmethod
     def rejoin_bytes(info: TensorInfo) -> int:
         """Bytes :meth:`rejoin` will allocate: a straddling tensor of a kept group whose buffer went."""
-        return _nbytes(info) if info.straddles and not _backed(info) else 0
+        return _nbytes(info) if info.joins and not _backed(info) else 0
 
     def rejoin(self, info: TensorInfo) -> None:
         """A straddling tensor of a kept group is about to be used: its buffer comes back (filled

@@ -40,8 +40,7 @@ class PatrickStarEngine(DeepSpeedEngine):
         self._patrickstar_config = patrickstar_config
         self._deferred: DeferredModel | None = None  # meta parameters, materialized into chunks (see io/init.py)
         self.generation_synced: list[torch.nn.Module] = []  # see [Note: generation in step]
-        if patrickstar_config.nvme is not None:  # from the first allocation of initialize: see [Note: host heap]
-            map_large_allocations()
+        map_large_allocations()  # from the first allocation of initialize: see [Note: host heap]
         # The module stays where it was built: chunks are built on the host and placement brings
         # them to the accelerator when used, so a model larger than the device can start.
         super().__init__(*args, dont_change_device=True, **kwargs)

@@ -241,7 +241,8 @@ class PatrickStarOptimizer(ZeROOptimizer):
             self.counters.model_bytes_disk, self.counters.disk_buffer_bytes = disk.bytes_on_disk, disk.buffer_bytes
         frozen = self.parts.frozen_disk
         if frozen is not None:  # its reads go through the same I/O, counted by the states' counts when they exist
-            read, io_seconds, wait_seconds = frozen.take_counts()
+            read, ahead, io_seconds, wait_seconds = frozen.take_counts()
+            self.counters.disk_bytes_read_ahead += ahead
             if disk is None:
                 self.counters.disk_bytes_read, self.counters.disk_io_seconds = read, io_seconds
                 self.counters.disk_wait_seconds = wait_seconds

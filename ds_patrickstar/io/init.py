@@ -48,7 +48,6 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 from ..chunks.chunk_map import ChunkMap
-from ..disk.config import means_nvme
 from ..memory.host_heap import map_large_allocations
 
 logger = logging.getLogger(__name__)
@@ -131,13 +130,11 @@ class Init(contextlib.ContextDecorator):
             raise ValueError(f"ds_patrickstar.Init(seed={seed!r}): the seed must be an integer")
         self.enabled = enabled
         self.seed = seed
-        self.disk = zero is not None and any(means_nvme(zero.get(k)) for k in ("offload_param", "offload_optimizer"))
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        if self.disk:  # the construction's freed buffers stay out of the heap: see [Note: host heap]
-            map_large_allocations()
+        map_large_allocations()  # the construction's freed buffers stay out of the heap: see [Note: host heap]
         depth = _depth()
         if depth == 0:
             _STATE.seed = self.seed if self.seed is not None else torch.initial_seed()

@@ -1,8 +1,8 @@
 """Building the chunk map with memory: chunk buffers created, parameters made views of them.
 
 One chunk group at a time: its chunks get their buffers from the :class:`ChunkStore`, its
-parameters become views of their chunk's payload (of their joined buffer when they straddle
-chunks, see [Note: straddling tensors]) after their values are copied into the owned pieces,
+parameters become views of their chunk's payload (when they straddle chunks, of their joined
+buffer or their group's storage, see [Note: straddling tensors]) after their values are copied into the owned pieces,
 and what this rank does not keep is let go before the next group. So initialize holds one
 group's payloads beside the model at most and never doubles model memory (see [Note: storage resize]).
 Only this rank's own chunks receive values here; a parameter once a view is marked ``bound``, so
@@ -70,17 +70,22 @@ def check_bindable(specs: list[ChunkSpec], has_values: Callable[[torch.nn.Parame
 
 @torch.no_grad()
 def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: bool) -> None:
-    """The parameter becomes a view of its chunk payload (of its joined buffer when it straddles
-    chunks); its values go into the owned pieces (on the host with placement, cast to the chunk's
-    dtype) when it ``has_values``, and its own storage is dropped."""
+    """The parameter becomes a view of its chunk payload (when it straddles chunks: of its joined
+    buffer, or, frozen, of its group's storage); its values go into the owned pieces (on the host
+    with placement, cast to the chunk's dtype) when it ``has_values``, and its own storage is dropped."""
     chunk = chunk_map.chunk_of(info)
     if has_values:
         chunk_map.write_pieces(info, info.param.data.reshape(-1), lambda c: c.ready())
-    if info.straddles:
+    if info.joins:
         joined = store.accel.empty(info.numel, chunk.dtype, "chunk", f"{info.name} (joined)")
         info.joined = joined
         info.param.data = joined.view(info.shape)
         store.accel.free(joined, "chunk")
+    elif info.straddles:  # frozen: a view of its group's storage, landing slot included
+        members = chunk_map.group_members(chunk_map.group_of(chunk))
+        first = info.pieces[0]
+        start = (first.chunk_id - members[0].chunk_id) * chunk.capacity + first.offset
+        info.param.data = store.group_storage(members)[start : start + info.numel].view(info.shape)
     else:
         info.param.data = chunk.view_of(info)
     info.bound = True

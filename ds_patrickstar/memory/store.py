@@ -63,6 +63,9 @@ class DiskChunks(Protocol):
     def put(self, chunk: Chunk, values: torch.Tensor | None) -> None:
         """The chunk's first values (None: it has none yet)."""
 
+    def used(self, chunk: Chunk) -> None:
+        """``chunk`` is used now (see [Note: frozen use order])."""
+
     def take(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[Pending], None]]:
         """A host buffer of the chunk's values, and what to call with the copy that reads it."""
         ...
