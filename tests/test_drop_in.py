@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 import zipfile
 
 import pytest
@@ -302,6 +303,42 @@ def test_lost_world_warning_names_the_use_cpu_flag(dist, monkeypatch, caplog):
         _tied_engine("patrickstar")
     messages = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.integration.registration"]
     assert len(messages) == 1 and "--use_cpu" in messages[0] and "use_cpu=True" in messages[0], messages
+
+
+# ---- the exit: gloo's workers let go of the last collective first (see [Note: gloo workers idle at exit]) --
+def test_patrickstar_initialize_registers_the_exit_wait_once(dist, monkeypatch):
+    from ds_patrickstar.integration import process_exit
+
+    registered = []
+    monkeypatch.setattr(process_exit, "_registered_in", None)
+    monkeypatch.setattr(process_exit, "atexit", types.SimpleNamespace(register=registered.append))
+    _tied_engine(3)  # a stock stage registers nothing
+    assert registered == []
+    _tied_engine("patrickstar")
+    _tied_engine("patrickstar")
+    assert registered == [process_exit.wait_for_gloo_workers]
+    # the workers it waits for are found under the name the installed torch gives them, and settle
+    torch.distributed.all_reduce(torch.ones(4))
+    assert process_exit.gloo_worker_states(), "no pt_gloo_runloop thread found: torch renamed gloo's workers?"
+    assert process_exit.wait_until_settled(process_exit.gloo_worker_states)
+
+
+def test_exit_wait_needs_every_worker_blocked_for_an_unbroken_spell():
+    from ds_patrickstar.integration.process_exit import wait_until_settled
+
+    def run(samples, settle_s=0.05, timeout_s=1.0):
+        now = [0.0]
+        seen = iter(samples)
+        done = wait_until_settled(lambda: next(seen, samples[-1]), clock=lambda: now[0],
+                                  sleep=lambda s: now.__setitem__(0, now[0] + 0.01), settle_s=settle_s,
+                                  timeout_s=timeout_s)
+        return done, round(now[0], 2)
+
+    # a worker running (R) breaks the spell: settled 0.05 s after the last break
+    assert run([["S", "S"], ["S", "R"], *[["S", "S"]] * 10]) == (True, 0.07)
+    assert run([["S", "S"]] * 10) == (True, 0.05)
+    assert run([["R", "S"]]) == (False, 1.0)  # bounded: never holds the exit longer than the timeout
+    assert run([[]]) == (True, 0.05)  # no workers: nothing to wait for
 
 
 # ---- Hugging Face: 5 (evaluation only) and the end-to-end run ----------------------------

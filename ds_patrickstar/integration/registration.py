@@ -12,7 +12,8 @@ of the config (see [Note: accelerate's zero_stage]) and, with more than one rank
 Face's ``generate`` keep the ranks together (see [Note: generation in step]). A single process started without a
 launcher gets the environment ``torch.distributed`` needs (see [Note: no launcher]). A
 "patrickstar" initialize that fails leaves the model as it was (see
-[Note: initialize as a transaction]).
+[Note: initialize as a transaction]); one that succeeds has the process wait at exit for gloo's
+worker threads to let go of the last collective (see [Note: gloo workers idle at exit]).
 
 The same call installs the only other three wrappers ds_patrickstar puts on another library,
 each a no-op for every other stage: DeepSpeed's ``clone_tensors_for_torch_save`` returns our
@@ -38,6 +39,7 @@ from .ds_checkpointing import configure_from_our_config
 from .hf_compat import accelerate_num_processes, adapt_accelerate, synchronize_generation
 from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
+from .process_exit import register_wait_at_exit
 from .save_compat import keep_host_copies
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ def _initialize_patrickstar(
     except BaseException:
         roll_back(engine, saved)
         raise
+    register_wait_at_exit()  # see [Note: gloo workers idle at exit]
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
