@@ -15,7 +15,6 @@ import torch
 from ..chunks.chunk_map import owner_of
 from ..chunks.layout import ChunkSpec
 from ..groups.comm import ChunkComm
-from ..memory.host_heap import map_large_allocations
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_specs
 from .aio import AIO_UNCHECKED, AioDiskIO, load_async_io, lock_problem
 from .budget import disk_buffer_bytes, disk_plan, frozen_host_slots, frozen_pool_bytes, record_bytes
@@ -148,10 +147,9 @@ def open_disk_tier(
 ) -> tuple[DiskStates | None, FrozenDisk | None]:
     """The swap files and the I/O of the spilled chunks and the frozen chunks on disk (None for a part
     that holds nothing); ``pins``: the accelerator's pin and unpin of a host range, for the frozen
-    chunks' read buffers. Large host allocations are unmapped when freed from then on (see [Note: host heap])."""
+    chunks' read buffers."""
     if nvme is None or not (plan.spilled or plan.frozen):
         return None, None
-    map_large_allocations()
     sizes = {cid: record_bytes(c) for cid, c in plan.spilled.items()} | plan.frozen
     files = SwapFiles(nvme.nvme_path, rank, sizes, key=plan.key)
     io: DiskIO | None = None
