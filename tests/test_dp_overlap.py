@@ -102,15 +102,19 @@ def _unwaited(rank, world_size):
     """Strict emulation with every all-gather on demand, and the wait before use taken away."""
     from ds_patrickstar.groups.residency import GroupResidency
 
+    real = GroupResidency.__dict__["_wait_for_use"]
     GroupResidency._wait_for_use = staticmethod(lambda chunk: None)
-    return _quirk(rank, world_size, "mlp", "fp32", "patrickstar", 1,
-                  {"emulate_accelerator": True, "device_budget": 1 << 26, "prefetch_groups": 0})
+    try:  # a kept process: the patch goes when the job ends
+        return _quirk(rank, world_size, "mlp", "fp32", "patrickstar", 1,
+                      {"emulate_accelerator": True, "device_budget": 1 << 26, "prefetch_groups": 0})
+    finally:
+        GroupResidency._wait_for_use = real
 
 
 def test_a_read_before_the_all_gather_completed_changes_the_numbers():
     import math
 
-    ours = run_ranks(_unwaited, 2, fresh=True)  # the patch must not outlive the test in a kept process
+    ours = run_ranks(_unwaited, 2)
     # the rank whose first layer lives in the other rank's chunk reads its poisoned (NaN) payload
     # (the other rank's first read is its own chunk, and its next access waits through placement)
     assert any(math.isnan(r.losses[0]) for r in ours), [r.losses for r in ours]
@@ -143,12 +147,8 @@ def test_a_rank_failing_mid_collective_ends_the_run_with_its_error():
 
 
 def _agreements_per_step(rank, world_size):
-    """The GPT with placement; per step: how many times ``ChunkComm.agree`` ran (counted by a wrapper:
-    a kept process must not keep it, so the job runs fresh) and whether groups were still kept and
-    prefetched."""
-    import deepspeed
-    from harness import ensure_distributed, make_config
-
+    """The GPT with placement; per step: how many times ``ChunkComm.agree`` ran (counted by a wrapper,
+    taken away when the job ends) and whether groups were still kept and prefetched."""
     from ds_patrickstar.groups.comm import ChunkComm
 
     calls = {"n": 0}
@@ -159,6 +159,16 @@ def _agreements_per_step(rank, world_size):
         return real(self, *args, **kwargs)
 
     ChunkComm.agree = counting
+    try:
+        return _steps_with_agreements(calls)
+    finally:
+        ChunkComm.agree = real
+
+
+def _steps_with_agreements(calls):
+    import deepspeed
+    from harness import ensure_distributed, make_config
+
     ensure_distributed()
     model, batch_fn = build_gpt(0)
     config = make_config("patrickstar", "fp32", lr=1e-3, chunk_size=1024,
@@ -178,7 +188,7 @@ def _agreements_per_step(rank, world_size):
 
 
 def test_placement_agrees_once_per_step_not_per_decision():
-    for steps in run_ranks(_agreements_per_step, 2, fresh=True):
+    for steps in run_ranks(_agreements_per_step, 2):
         for during, total, kept, prefetched in steps[2:]:  # traced, planned: steady state
             assert during == 0, f"{during} agreements during forward and backward: {steps}"
             assert total <= 1, steps

@@ -113,17 +113,21 @@ def _collectives_worker(rank, world_size, gas):
 
     dist.reduce_scatter, dist.all_gather = counted_list, counted_gather_list
     comm._reduce_scatter_single, comm._all_gather_single = counted_single, counted_gather_single
-    for group, storage in enumerate(storages):  # the other ranks' chunks are views of the group's storage
-        for chunk in chunk_map.group_members(group):
-            if not chunk_map.is_owned(chunk) and chunk.payload.untyped_storage()._cdata != storage.untyped_storage()._cdata:
-                calls["not_views"] += 1
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(gas):
-        tokens = torch.randint(0, 256, (2, 17), generator=gen)
-        logits = engine(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), tokens[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()
+    try:  # a kept process: the counting wrappers go when the job ends
+        for group, storage in enumerate(storages):  # the other ranks' chunks are views of the group's storage
+            for chunk in chunk_map.group_members(group):
+                if not chunk_map.is_owned(chunk) and chunk.payload.untyped_storage()._cdata != storage.untyped_storage()._cdata:
+                    calls["not_views"] += 1
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(gas):
+            tokens = torch.randint(0, 256, (2, 17), generator=gen)
+            logits = engine(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), tokens[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()
+    finally:
+        dist.reduce_scatter, dist.all_gather = on_lists, gather_lists
+        comm._reduce_scatter_single, comm._all_gather_single = single, gather_single
     return {**calls, "groups": chunk_map.num_groups, "all_gathers": opt.last_step_counters["all_gathers"]}
 
 
@@ -134,7 +138,7 @@ def test_collectives_run_in_place_on_flat_tensors_in_the_ledger(gas):
     reduce-scatters each group's gradients from one flat tensor charged to the ledger
     (reduce_scatter_single, in place; see [Note: flat group buffers]): never a list, which the
     process group would flatten into a temporary of its own, outside the budget."""
-    for rank in run_ranks(_collectives_worker, 2, gas, fresh=True):
+    for rank in run_ranks(_collectives_worker, 2, gas):
         assert rank["single"] == gas * rank["groups"], rank
         assert rank["list"] == 0 and rank["gather_list"] == 0, rank
         assert rank["uncharged"] == 0 and rank["not_views"] == 0, rank

@@ -9,13 +9,22 @@ from multiproc import run_ranks
 def _limit(rank, world_size, available, keep_gathered):
     import collections
 
-    import deepspeed
     import psutil
 
     import ds_patrickstar  # noqa: F401
 
     memory = collections.namedtuple("memory", "available total")
-    psutil.virtual_memory = lambda: memory(available, available)  # a fresh process: the patch dies with it
+    real = psutil.virtual_memory
+    psutil.virtual_memory = lambda: memory(available, available)
+    try:  # a kept process: the patch goes when the job ends
+        return _initialize_and_step(keep_gathered)
+    finally:
+        psutil.virtual_memory = real
+
+
+def _initialize_and_step(keep_gathered):
+    import deepspeed
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32))
     zero = {"stage": "patrickstar", "chunk_size": 1024}
@@ -35,14 +44,14 @@ def _limit(rank, world_size, available, keep_gathered):
     (0, 1 << 30, 1 << 30),  # an explicit value wins
 ])
 def test_default_keep_gathered_follows_the_shared_host_memory(available, keep_gathered, expected):
-    results = run_ranks(_limit, 2, available, keep_gathered, fresh=True, memo=True)
+    results = run_ranks(_limit, 2, available, keep_gathered, memo=True)
     assert [limit for limit, _ in results] == [expected, expected]
 
 
 def test_a_released_default_gathers_more_than_the_kept_one():
     # the runs of the first two cases above (memo: the same deterministic runs, made once)
-    kept = run_ranks(_limit, 2, 1 << 40, None, fresh=True, memo=True)[0][1]
-    released = run_ranks(_limit, 2, 0, None, fresh=True, memo=True)[0][1]
+    kept = run_ranks(_limit, 2, 1 << 40, None, memo=True)[0][1]
+    released = run_ranks(_limit, 2, 0, None, memo=True)[0][1]
     assert released > kept, (released, kept)
 
 
