@@ -86,7 +86,7 @@ RUNS_STAGES_012 = [
 ]
 
 
-def _run(import_ps: bool, runs) -> dict:
+def _start(import_ps: bool, runs) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     # a fresh port per child (conftest set one for this process); the group itself uses a file store
@@ -94,19 +94,27 @@ def _run(import_ps: bool, runs) -> dict:
     # An installed package also registers itself when DeepSpeed is imported (ds_patrickstar_autoload.pth);
     # the baseline process turns that off, and its ds_patrickstar_loaded check shows the switch works.
     env["DS_PATRICKSTAR_AUTOLOAD"] = "0" if not import_ps else env.get("DS_PATRICKSTAR_AUTOLOAD", "1")
-    proc = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", _SCRIPT, "1" if import_ps else "0", TESTS_DIR, json.dumps(runs)],
         cwd=REPO_ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=TIMEOUT_S,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+
+
+def _result(proc: subprocess.Popen, import_ps: bool) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
         pytest.fail(
             f"subprocess ({'with' if import_ps else 'without'} import ds_patrickstar) failed, rc={proc.returncode}\n"
-            f"--- stderr (tail) ---\n{proc.stderr[-4000:]}\n--- stdout (tail) ---\n{proc.stdout[-2000:]}"
+            f"--- stderr (tail) ---\n{stderr[-4000:]}\n--- stdout (tail) ---\n{stdout[-2000:]}"
         )
     return json.loads(lines[-1][len(MARKER):])
 
@@ -117,9 +125,16 @@ ALL_RUNS = RUNS["fp32"] + RUNS["bf16"] + RUNS_STAGES_012
 @pytest.fixture(scope="module")
 def outputs():
     """Every run of this module in one subprocess without and one with the import (the same runs
-    in the same order on both sides): two interpreter start-ups instead of six."""
-    without = _run(False, ALL_RUNS)
-    with_ps = _run(True, ALL_RUNS)
+    in the same order on both sides): two interpreter start-ups instead of six, run side by side
+    (one thread each; separate processes, so neither run's numbers depend on the other)."""
+    procs = {import_ps: _start(import_ps, ALL_RUNS) for import_ps in (False, True)}
+    try:
+        without, with_ps = (_result(procs[import_ps], import_ps) for import_ps in (False, True))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert without.pop("ds_patrickstar_loaded") is False
     assert with_ps.pop("ds_patrickstar_loaded") is True
     assert sorted(without) == sorted(with_ps) == sorted(r[0] for r in ALL_RUNS)
