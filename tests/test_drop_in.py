@@ -40,6 +40,23 @@ def _run(cmd, cwd=None, **extra):
     return subprocess.run(cmd, env=_env(**extra), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
 
 
+def _start(cmd, cwd=None, **extra):
+    return subprocess.Popen(cmd, env=_env(**extra), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _side_by_side(*procs):
+    """What :func:`_run` gives for each of ``procs`` (from :func:`_start`): independent runs, side by
+    side on the machine's cores; any still running when one times out is killed."""
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def _ok(done):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     return done
@@ -55,15 +72,16 @@ sys.exit(int(sys.argv[1]))
 
 def test_main_runs_a_script_and_a_module_as_python_does(tmp_path):
     (tmp_path / "probe.py").write_text(_PROBE)
-    script = _run([sys.executable, "-m", "ds_patrickstar", "probe.py", "3", "--flag"], cwd=tmp_path)
+    script, module, missing = _side_by_side(
+        _start([sys.executable, "-m", "ds_patrickstar", "probe.py", "3", "--flag"], cwd=tmp_path),
+        _start([sys.executable, "-m", "ds_patrickstar", "-m", "probe", "0"], cwd=tmp_path),
+        _start([sys.executable, "-m", "ds_patrickstar", "nope.py"], cwd=tmp_path))
     assert script.returncode == 3, script.stderr[-3000:]  # the script's exit status
     seen = json.loads(script.stdout.strip().splitlines()[-1])
     assert seen == {"argv": ["probe.py", "3", "--flag"], "file": str(tmp_path / "probe.py"), "name": "__main__",
                     "path0": str(tmp_path), "registered": True}
-    module = _run([sys.executable, "-m", "ds_patrickstar", "-m", "probe", "0"], cwd=tmp_path)
     seen = json.loads(_ok(module).stdout.strip().splitlines()[-1])
     assert seen["argv"] == [str(tmp_path / "probe.py"), "0"] and seen["name"] == "__main__" and seen["registered"]
-    missing = _run([sys.executable, "-m", "ds_patrickstar", "nope.py"], cwd=tmp_path)
     assert missing.returncode != 0 and "can't open file" in missing.stderr
 
 
@@ -85,14 +103,15 @@ def test_installed_stage_registers_when_deepspeed_is_imported_and_can_be_turned_
     site_dir.mkdir()
     (site_dir / "ds_patrickstar_autoload.pth").write_text(open(os.path.join(ROOT, "ds_patrickstar_autoload.pth")).read())
     (tmp_path / "forgot.py").write_text(_FORGOT)
-    done = _ok(_run([sys.executable, "forgot.py", str(site_dir)], cwd=tmp_path))
-    assert "engine: PatrickStarEngine" in done.stdout
     launched = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port())}  # turned off, no-launcher help is off too: DeepSpeed's error
-    off = _run([sys.executable, "forgot.py", str(site_dir)], cwd=tmp_path, DS_PATRICKSTAR_AUTOLOAD="0", **launched)
-    assert off.returncode != 0 and "chunk_size" in off.stderr and "Extra inputs are not permitted" in off.stderr, off.stderr[-2000:]
     # a .pth left behind by a moved or removed checkout: start-up stays silent (no traceback per process)
-    orphan = _run([sys.executable, "-I", "-S", "-c", f"import site; site.addsitedir({str(site_dir)!r})"], cwd=tmp_path)
+    done, off, orphan = _side_by_side(
+        _start([sys.executable, "forgot.py", str(site_dir)], cwd=tmp_path),
+        _start([sys.executable, "forgot.py", str(site_dir)], cwd=tmp_path, DS_PATRICKSTAR_AUTOLOAD="0", **launched),
+        _start([sys.executable, "-I", "-S", "-c", f"import site; site.addsitedir({str(site_dir)!r})"], cwd=tmp_path))
+    assert "engine: PatrickStarEngine" in _ok(done).stdout
+    assert off.returncode != 0 and "chunk_size" in off.stderr and "Extra inputs are not permitted" in off.stderr, off.stderr[-2000:]
     assert orphan.returncode == 0 and orphan.stderr == "", orphan.stderr
 
 
@@ -343,17 +362,19 @@ def test_exit_wait_needs_every_worker_blocked_for_an_unbroken_spell():
 
 # ---- Hugging Face: 5 (evaluation only) and the end-to-end run ----------------------------
 def _clm(out, *args, deepspeed=True, launcher=("-m", "ds_patrickstar"), **extra):
+    """hf_clm.py started (see :func:`_side_by_side`) into ``out``."""
     cmd = [*launcher, SCRIPT, "--output_dir", str(out), "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
            "--logging_steps", "1", "--learning_rate", "3e-3", *args]
-    return _run(cmd + (["--deepspeed", CONFIG] if deepspeed else []), **extra)
+    return _start(cmd + (["--deepspeed", CONFIG] if deepspeed else []), **extra)
 
 
 def test_evaluation_without_training_runs(tmp_path):
     """--do_eval without --do_train: the eval loss of the same script without DeepSpeed."""
     pytest.importorskip("transformers")
-    ours = _ok(_clm(tmp_path / "eval", "--do_eval", launcher=(sys.executable, "-m", "ds_patrickstar")))
+    ours, plain = map(_ok, _side_by_side(
+        _clm(tmp_path / "eval", "--do_eval", launcher=(sys.executable, "-m", "ds_patrickstar")),
+        _clm(tmp_path / "plain", "--do_eval", deepspeed=False, launcher=(sys.executable,))))
     assert "ZeRO inference only makes sense" not in ours.stderr
-    plain = _ok(_clm(tmp_path / "plain", "--do_eval", deepspeed=False, launcher=(sys.executable,)))
     run, ref = (json.load(open(tmp_path / d / "run.json")) for d in ("eval", "plain"))
     assert abs(run["eval_loss"] - ref["eval_loss"]) < 1e-4, (run, ref)
 
@@ -371,9 +392,10 @@ def test_unmodified_hf_script_one_process_without_launcher_and_two_with_torchrun
 
     train = ("--do_train", "--do_eval", "--max_steps", "6", "--save_steps", "3")
     python = (sys.executable, "-m", "ds_patrickstar")
-    plain = _clm(tmp_path / "plain", *train, "--per_device_train_batch_size", "4", deepspeed=False,
-                 launcher=(sys.executable,))
-    ours = _clm(tmp_path / "ours", *train, "--per_device_train_batch_size", "4", launcher=python)
+    plain, ours = _side_by_side(
+        _clm(tmp_path / "plain", *train, "--per_device_train_batch_size", "4", deepspeed=False,
+             launcher=(sys.executable,)),
+        _clm(tmp_path / "ours", *train, "--per_device_train_batch_size", "4", launcher=python))
     for done in (plain, ours):
         _ok(done)
     assert "no launcher variables" in ours.stderr  # and what was set
@@ -386,16 +408,17 @@ def test_unmodified_hf_script_one_process_without_launcher_and_two_with_torchrun
     # tied lm_head/wte stored once: as many tensors (and elements) as without DeepSpeed
     assert _saved_tensors(tmp_path / "ours") == _saved_tensors(tmp_path / "plain")
     assert GPT2LMHeadModel.from_pretrained(tmp_path / "ours").config.n_layer == 2
-    # resume on 1 process: identical losses
+    # resume on 1 process: identical losses; and torchrun -m ds_patrickstar on 2 processes, resuming
+    # the 1-process checkpoint (same global batch)
     ckpt = str(tmp_path / "ours" / "checkpoint-3")
-    again = _ok(_clm(tmp_path / "again", *train, "--per_device_train_batch_size", "4", "--resume_from_checkpoint",
-                     ckpt, launcher=python))
+    torchrun = ("torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "ds_patrickstar")
+    again, _ = map(_ok, _side_by_side(
+        _clm(tmp_path / "again", *train, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", ckpt,
+             launcher=python),
+        _clm(tmp_path / "two", *train, "--per_device_train_batch_size", "2", "--resume_from_checkpoint", ckpt,
+             launcher=torchrun)))
     resumed = json.load(open(tmp_path / "again" / "run.json"))
     assert {s: resumed["losses"][s] for s in "456"} == {s: run["losses"][s] for s in "456"}, again.stderr[-2000:]
-    # torchrun -m ds_patrickstar on 2 processes, resuming the 1-process checkpoint (same global batch)
-    torchrun = ("torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "ds_patrickstar")
-    _ok(_clm(tmp_path / "two", *train, "--per_device_train_batch_size", "2", "--resume_from_checkpoint", ckpt,
-             launcher=torchrun))
     two = json.load(open(tmp_path / "two" / "run.json"))
     assert two["world_size"] == 2
     for step in "456":
