@@ -109,6 +109,10 @@ class TwoHosts:
 
     def launch(self, out: Path, *args: str) -> dict[str, str]:
         """torchrun on both hosts; returns each host's output; fails the test unless both exit 0."""
+        return _wait_all(self.start(out, *args))
+
+    def start(self, out: Path, *args: str) -> dict[str, subprocess.Popen]:
+        """torchrun started on both hosts (see :func:`_wait_all`)."""
         port = str(free_port())
         procs = {}
         for h in self.hosts.values():
@@ -121,7 +125,7 @@ class TwoHosts:
                    "--nvme-path", str(h["swap"]), *args]
             procs[h["name"]] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        return _wait_all(procs)
+        return procs
 
 
 def _check(*cmd):
@@ -148,7 +152,8 @@ def _wait_all(procs):
     return outputs
 
 
-def _one_host(out: Path, swap: Path, *args: str):
+def _one_host(out: Path, swap: Path, *args: str) -> dict[str, subprocess.Popen]:
+    """torchrun with both ranks on this host, started (see :func:`_wait_all`)."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env["OMP_NUM_THREADS"] = "1"
     swap.mkdir(parents=True)
@@ -156,7 +161,7 @@ def _one_host(out: Path, swap: Path, *args: str):
            str(free_port()), str(SCRIPT), "--out", str(out), "--nvme-path", str(swap), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    return _wait_all({"one host": proc})
+    return {"one host": proc}
 
 
 def _ranks(out: Path):
@@ -168,9 +173,11 @@ def test_two_hosts_train_resume_and_decide_per_host(tmp_path):
     _skip_without_namespaces()
     memory = ["--host-memory", ",".join(map(str, HOST_MEMORY))]
     with TwoHosts(tmp_path) as hosts:
-        hosts.launch(tmp_path / "two", *memory, "--save-step", str(SAVE_STEP), "--ckpt", str(tmp_path / "ckpt"))
+        # the one-host run side by side with the first two-host run: its own port, folders and swap
+        _wait_all({**hosts.start(tmp_path / "two", *memory, "--save-step", str(SAVE_STEP), "--ckpt",
+                                 str(tmp_path / "ckpt")),
+                   **_one_host(tmp_path / "one", tmp_path / "onehost" / "swap", *memory)})
         hosts.launch(tmp_path / "resumed", *memory, "--load", str(tmp_path / "ckpt"))
-    _one_host(tmp_path / "one", tmp_path / "onehost" / "swap", *memory)
     two, resumed, one = _ranks(tmp_path / "two"), _ranks(tmp_path / "resumed"), _ranks(tmp_path / "one")
     names = {h["name"]: h for h in hosts.hosts.values()}
 
