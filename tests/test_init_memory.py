@@ -9,6 +9,7 @@ plus the process baseline (resident memory before the model was built). Measured
 2-core CI machine: 1.02x (1 rank) and 1.04x (2 ranks) with and without ``Init``.
 """
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -34,7 +35,10 @@ def _reset_peak() -> None:
         f.write("5")  # VmHWM := VmRSS
 
 
-def _initialize_peak(rank, world_size, use_init):
+def _initialize_peak(rank, world_size, use_init, folder=None):
+    """The peak of ``initialize``; with a ``folder``, then the peak of ``load_pretrained`` from it on
+    the engine just made (in a fresh process: the state the load is measured in is that of a fresh
+    process after ``Init`` and ``initialize``, whatever the initialize measurement did before)."""
     import deepspeed
 
     import ds_patrickstar
@@ -52,23 +56,43 @@ def _initialize_peak(rank, world_size, use_init):
     _reset_peak()
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     peak = _proc_status("VmHWM")
+    load = _load_peak(engine, world_size, folder) if folder is not None else None
     loss = engine(torch.randn(1, WIDTH, dtype=torch.bfloat16)).float().pow(2).mean()
     engine.backward(loss)
     engine.step()
     counters = engine.optimizer.last_step_counters
-    return {"numel": numel, "baseline": baseline, "peak": peak,
+    return {"numel": numel, "baseline": baseline, "peak": peak, "load": load,
             "model_data": counters["model_bytes_host"] + counters["model_bytes_device"]}
+
+
+def _load_peak(engine, world_size, folder):
+    import ds_patrickstar
+
+    gc.collect()
+    before = _proc_status("VmRSS")
+    _reset_peak()
+    result = ds_patrickstar.load_pretrained(engine, folder)
+    peak = _proc_status("VmHWM")
+    first = engine.get_fp32_state_dict()["0.weight"] if world_size == 1 else None
+    return {"before": before, "peak": peak, "missing": result.missing_keys, "first": first}
+
+
+@functools.cache
+def _runs(world_size, use_init, folder):
+    """One fresh run per world size and ``Init`` or not, shared by the tests of both peaks: fresh
+    processes (not the kept pool), so that the baseline and the peaks are those of a process that did
+    nothing before (one that ran earlier jobs has freed heap that initialize or the load could reuse
+    unseen)."""
+    return run_ranks(_initialize_peak, world_size, use_init, folder, timeout=600, fresh=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("use_init", [True, False], ids=["Init", "no-Init"])
-def test_initialize_peak_host_memory_within_1_1x_of_model_data_plus_baseline(world_size, use_init):
-    if not os.path.exists("/proc/self/clear_refs"):
-        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak resident memory")
-    # fresh processes (not the kept pool): the baseline and the peak are those of a process that did
-    # nothing before; one that ran earlier jobs has freed heap that initialize could reuse unseen
-    for rank, r in enumerate(run_ranks(_initialize_peak, world_size, use_init, timeout=600, fresh=True)):
+def test_initialize_peak_host_memory_within_1_1x_of_model_data_plus_baseline(sharded_checkpoint, world_size,
+                                                                            use_init):
+    # the Init run goes on to the load of test_load_pretrained_peak_extra_host_memory_is_one_shard
+    for rank, r in enumerate(_runs(world_size, use_init, str(sharded_checkpoint[0]) if use_init else None)):
         assert r["numel"] >= 300_000_000
         # bf16 payload + fp32 master, momentum, variance = 14 B/param, split over the ranks
         assert abs(r["model_data"] - 14 * r["numel"] / world_size) < 0.02 * r["model_data"], r
@@ -79,26 +103,6 @@ def test_initialize_peak_host_memory_within_1_1x_of_model_data_plus_baseline(wor
 
 
 SHARDS = 6
-
-
-def _load_sharded_peak(rank, world_size, folder):
-    import deepspeed
-
-    import ds_patrickstar
-
-    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": "patrickstar", "chunk_size": 1 << 24},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-    with ds_patrickstar.Init(config=cfg):
-        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    gc.collect()
-    before = _proc_status("VmRSS")
-    _reset_peak()
-    result = ds_patrickstar.load_pretrained(engine, folder)
-    peak = _proc_status("VmHWM")
-    first = engine.get_fp32_state_dict()["0.weight"] if world_size == 1 else None
-    return {"before": before, "peak": peak, "missing": result.missing_keys, "first": first}
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +132,10 @@ def test_load_pretrained_peak_extra_host_memory_is_one_shard(sharded_checkpoint,
     """A 1.2 GB fp32 checkpoint in 6 shards (pytorch_model-0000k-of-00006.bin + index) streamed into
     the chunks: the resident memory grows by at most the largest shard (+ 64 MiB) over what it was."""
     tmp_path, largest, expected = sharded_checkpoint
-    # fresh processes (not the kept pool): a process that ran earlier jobs has freed heap to reuse,
-    # which would hide growth of the resident memory
-    for rank, r in enumerate(run_ranks(_load_sharded_peak, world_size, str(tmp_path), timeout=600, fresh=True)):
+    # the Init run of test_initialize_peak_host_memory_within_1_1x_of_model_data_plus_baseline, after
+    # its initialize: a fresh process (see _runs)
+    for rank, run in enumerate(_runs(world_size, True, str(tmp_path))):
+        r = run["load"]
         assert r["missing"] == []
         if r["first"] is not None:
             assert torch.equal(r["first"], expected)
