@@ -55,6 +55,15 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # The same before each test, before its fixtures: what the earlier tests left alive (modules
+    # they imported lazily, kept results, module-scoped fixtures) goes out of the collector's view
+    # too, after a collection that frees the cycles they dropped. A test's own objects stay in it.
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_sessionfinish(session, exitstatus):
     # The worker pools of multiproc.run_ranks live for the whole session: end them here (an
     # atexit hook in multiproc does the same if this is skipped).
