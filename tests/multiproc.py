@@ -166,6 +166,7 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
         results.put(message)
         message = buffer = None
         gc.collect()  # the job's engines (hooks, chunks) go now, not during the next job
+        gc.freeze()  # what lives on (modules the job imported, caches) is left out of later collections
 
 
 # ----------------------------------------------------------------------------------------------
