@@ -32,14 +32,14 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ds_patrickstar import kernels  # noqa: E402
-from ds_patrickstar.optim.adam_math import AdamHyper, adam_step_reference  # noqa: E402
+from ds_patrickstar.optim import kernels
+from ds_patrickstar.optim.adam_math import AdamHyper, adam_step_reference
 
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
 BYTES = {"ours": 28, "ds_cpu_adam": 40, "ds_fused_adam": 40, "torch_fused_e2e": 40, "torch_fused_fp32": 28,
@@ -121,7 +121,7 @@ def build_paths(n: int, device: str, skip_ds: bool
 
             ds_e2e()  # fail here, not in the middle of the timing
             paths[ds_name] = ds_e2e
-        except Exception as exc:  # noqa: BLE001 - report and go on without it
+        except Exception as exc:
             print(f"DeepSpeed Adam unavailable: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
     topt = torch_adamw(param, exp_avg, exp_avg_sq)
 

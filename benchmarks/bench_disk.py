@@ -30,14 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ds_patrickstar.disk.aio import AioDiskIO, load_async_io  # noqa: E402
-from ds_patrickstar.disk.io import ThreadDiskIO, aligned_empty  # noqa: E402
-from ds_patrickstar.disk.budget import record_bytes  # noqa: E402
-from ds_patrickstar.disk.swap_files import SwapFiles  # noqa: E402
-from ds_patrickstar.disk.swap_layout import PIECE_ELEMENTS  # noqa: E402
-from ds_patrickstar.optim.adam_math import AdamHyper  # noqa: E402
-from ds_patrickstar.disk.states import DiskStates  # noqa: E402
-from ds_patrickstar.optim.kernels import get_adam_backend  # noqa: E402
+from ds_patrickstar.disk.aio import AioDiskIO, load_async_io
+from ds_patrickstar.disk.budget import record_bytes
+from ds_patrickstar.disk.io import ThreadDiskIO, aligned_empty
+from ds_patrickstar.disk.states import DiskStates
+from ds_patrickstar.disk.swap_files import SwapFiles
+from ds_patrickstar.disk.swap_layout import PIECE_ELEMENTS
+from ds_patrickstar.optim.adam_math import AdamHyper
+from ds_patrickstar.optim.kernels import get_adam_backend
 
 GB = 1e9
 

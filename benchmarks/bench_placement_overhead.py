@@ -64,18 +64,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ds_patrickstar.chunks.chunk_map import ChunkMap  # noqa: E402
-from ds_patrickstar.chunks.layout import plan_chunks  # noqa: E402
-from ds_patrickstar.counters import StepCounters  # noqa: E402
-from ds_patrickstar.groups.comm import ChunkComm  # noqa: E402
-from ds_patrickstar.groups.manager import ChunkManager  # noqa: E402
-from ds_patrickstar.groups.reductions import InFlightReductions  # noqa: E402
-from ds_patrickstar.integration.assembly import make_placement  # noqa: E402
-from ds_patrickstar.integration.config import PatrickStarConfig  # noqa: E402
-from ds_patrickstar.memory.binding import build_chunk_map  # noqa: E402
-from ds_patrickstar.memory.emulated import EmulatedAccelerator  # noqa: E402
-from ds_patrickstar.memory.store import ChunkStore  # noqa: E402
-from ds_patrickstar.run_state import RunState  # noqa: E402
+from ds_patrickstar.chunks.chunk_map import ChunkMap
+from ds_patrickstar.chunks.layout import plan_chunks
+from ds_patrickstar.counters import StepCounters
+from ds_patrickstar.groups.comm import ChunkComm
+from ds_patrickstar.groups.manager import ChunkManager
+from ds_patrickstar.groups.reductions import InFlightReductions
+from ds_patrickstar.integration.assembly import make_placement
+from ds_patrickstar.integration.config import PatrickStarConfig
+from ds_patrickstar.memory.binding import build_chunk_map
+from ds_patrickstar.memory.emulated import EmulatedAccelerator
+from ds_patrickstar.memory.store import ChunkStore
+from ds_patrickstar.run_state import RunState
 
 
 def describe_machine() -> str:

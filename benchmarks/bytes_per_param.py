@@ -48,10 +48,10 @@ def run_case(args):
     """One case, inside torch.distributed.run: train and read the model data at every moment."""
     sys.path[:0] = [str(HERE), str(HERE.parent)]
     import deepspeed
+    import gpt_model
     import torch
 
     import ds_patrickstar  # noqa: F401  (registers the stage)
-    import gpt_model
 
     torch.manual_seed(0)
     model, cfg = gpt_model.build_model(args.model)

@@ -23,9 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 import bench_utils as bu
+import torch
 
 logger = logging.getLogger("compare_zero3")
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train_gpt.py"

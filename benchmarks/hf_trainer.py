@@ -15,14 +15,13 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
 import bench_utils as bu
 import data
+import torch
 
 bu.add_repo_to_path()
 
-import ds_patrickstar  # noqa: E402,F401  (registers stage "patrickstar" before the Trainer initializes DeepSpeed)
+import ds_patrickstar  # noqa: F401  (registers stage "patrickstar" before the Trainer initializes DeepSpeed)
 
 logger = logging.getLogger("hf_trainer")
 

@@ -4,8 +4,8 @@
     python benchmarks/lora_init_memory.py --layers 4 --json runs/lora_init_memory.json
 
 Each rank (a process of its own, on gloo) builds a GPT of ``gpt_model.py`` (``--width``, ``--layers``, GPT-2
-vocabulary, the LM head tied to the embedding) inside ``ds_patrickstar.Init``, puts rank-``--rank`` adapters
-beside every linear layer of its blocks (``gpt_model.add_lora``; the rest frozen), initializes stage
+vocabulary, the LM head tied to the embedding) with rank-``--rank`` adapters beside every linear layer of its
+blocks (``GPTConfig.lora_rank``; the rest frozen) inside ``ds_patrickstar.Init``, initializes stage
 "patrickstar" (bf16, ``keep_gathered`` 0) and trains ``--steps`` steps on random tokens. A rank's peak resident
 growth is its peak resident set (``VmHWM``, reset to the current ``VmRSS`` through ``/proc/self/clear_refs``
 just before the ``Init`` block) less its resident set then: everything the run added, from the model's
@@ -13,9 +13,14 @@ construction through ``deepspeed.initialize`` (materialization, the chunks) to t
 adapters and their Adam states, activations, DeepSpeed's and torch's own allocations). The peak is also read
 at the end of each phase (construction, initialize, each step), so the phase that set it is known.
 
-The table: per rank its peak growth, beside the target (``--base-share`` x the frozen base's bytes + ``--slack-mib``)
-and the frozen base's bytes; the growth at each phase's end, and the rank's own frozen chunks (counters).
-Exit status 1 when a rank fails or is above the target.
+``--backends`` runs the same script on stock ZeRO-3 too (``zero3``: ``deepspeed.zero.Init``, stage 3 with
+``bench_utils.ZERO3_MEMORY_TUNED`` and ``stage3_max_reuse_distance`` 0, so that a parameter is released after
+its use as ``keep_gathered`` 0 releases a group), one backend after the other, each in processes of its own.
+
+The table: per backend and rank its peak growth, beside the target (``--base-share`` x the frozen base's bytes
++ ``--slack-mib``) and the frozen base's bytes; the growth at each phase's end, and the rank's own frozen
+chunks (counters).
+Exit status 1 when a rank fails or a rank of ours is above the target.
 """
 
 import argparse
@@ -34,6 +39,7 @@ MIB = 2**20
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="patrickstar,zero3", help="comma-separated: patrickstar, zero3")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=28, help="28 at width 1024: a 0.40B base")
@@ -52,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds for the run")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--rank-result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--backend", default="patrickstar", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -66,11 +73,16 @@ def reset_peak():
 
 
 def ds_config(args):
-    zero = {"stage": "patrickstar", "keep_gathered": args.keep_gathered}
-    if args.chunk_size is not None:
-        zero["chunk_size"] = args.chunk_size
-    if args.prefetch_groups is not None:
-        zero["prefetch_groups"] = args.prefetch_groups
+    if args.backend == "zero3":
+        from bench_utils import ZERO3_MEMORY_TUNED
+
+        zero = {"stage": 3, **ZERO3_MEMORY_TUNED, "stage3_max_reuse_distance": 0}
+    else:
+        zero = {"stage": "patrickstar", "keep_gathered": args.keep_gathered}
+        if args.chunk_size is not None:
+            zero["chunk_size"] = args.chunk_size
+        if args.prefetch_groups is not None:
+            zero["prefetch_groups"] = args.prefetch_groups
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "steps_per_print": 10**9, "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}}
@@ -91,7 +103,7 @@ def run_rank(args):
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     cfg = gpt_model.GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.width, block_size=args.seq_len,
-                              vocab_size=args.vocab)
+                              vocab_size=args.vocab, lora_rank=args.rank)
     gc.collect()
     baseline = proc_status("VmRSS")
     reset_peak()
@@ -100,10 +112,11 @@ def run_rank(args):
     def mark(phase):
         phases[phase] = {"peak_growth": proc_status("VmHWM") - baseline, "rss_growth": proc_status("VmRSS") - baseline}
 
-    with ds_patrickstar.Init(config=config):
+    init = ds_patrickstar.Init(config=config) if args.backend == "patrickstar" else deepspeed.zero.Init(
+        config_dict_or_path=config)
+    with init:
         model = gpt_model.GPT(cfg)
-    gpt_model.add_lora(model, args.rank)
-    frozen = {id(p): p.numel() for p in model.parameters() if not p.requires_grad}
+    frozen = {id(p): getattr(p, "ds_numel", p.numel()) for p in model.parameters() if not p.requires_grad}
     trainable = [p for p in model.parameters() if p.requires_grad]
     mark("construction")
     start = time.perf_counter()
@@ -120,13 +133,14 @@ def run_rank(args):
         engine.step()
         step_s.append(time.perf_counter() - start)
         mark(f"step {step + 1}")
-    counters = engine.get_patrickstar_counters()
-    result = {"rank": int(os.environ["RANK"]), "baseline_rss": baseline, "peak_growth": proc_status("VmHWM") - baseline,
+    counters = engine.get_patrickstar_counters() if args.backend == "patrickstar" else {}
+    result = {"backend": args.backend, "rank": int(os.environ["RANK"]), "baseline_rss": baseline,
+              "peak_growth": proc_status("VmHWM") - baseline,
               "phases": phases, "frozen_params": sum(frozen.values()),
               "trainable_params": sum(p.numel() for p in trainable), "init_s": init_s, "step_s": step_s,
-              "loss": loss.item(), "frozen_bytes_host": counters["frozen_bytes_host"],
-              "model_bytes_host": counters["model_bytes_host"],
-              "host_bytes_allocated": counters["host_bytes_allocated"]}
+              "loss": loss.item(), "frozen_bytes_host": counters.get("frozen_bytes_host"),
+              "model_bytes_host": counters.get("model_bytes_host"),
+              "host_bytes_allocated": counters.get("host_bytes_allocated")}
     Path(args.rank_result).write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -173,7 +187,8 @@ def launch(args, workdir):
 
 
 def child_command(args, out):
-    flags = ["--world-size", args.world_size, "--width", args.width, "--layers", args.layers, "--heads", args.heads,
+    flags = ["--backend", args.backend, "--world-size", args.world_size, "--width", args.width,
+             "--layers", args.layers, "--heads", args.heads,
              "--vocab", args.vocab, "--rank", args.rank, "--seq-len", args.seq_len, "--batch", args.batch,
              "--steps", args.steps, "--keep-gathered", args.keep_gathered]
     if args.chunk_size is not None:
@@ -187,13 +202,15 @@ def format_table(args, results):
     base = 2 * results[0]["frozen_params"]
     target = args.base_share * base + args.slack_mib * MIB
     phases = list(results[0]["phases"])
-    lines = [f"| rank | peak growth (MiB) | target (MiB) | growth / base | {' | '.join(phases)} (peak growth, MiB) "
+    lines = [f"| backend | rank | peak growth (MiB) | target (MiB) | growth / base | {' | '.join(phases)} "
+             f"(peak growth, MiB) "
              f"| own frozen chunks (MiB) | within target |",
-             "|---|---|---|---|" + "---|" * len(phases) + "---|---|"]
+             "|---|---|---|---|---|" + "---|" * len(phases) + "---|---|"]
     for r in results:
         cells = " | ".join(f"{r['phases'][p]['peak_growth'] / MIB:.0f}" for p in phases)
-        lines.append(f"| {r['rank']} | {r['peak_growth'] / MIB:.0f} | {target / MIB:.0f} | "
-                     f"{r['peak_growth'] / base:.3f} | {cells} | {r['frozen_bytes_host'] / MIB:.0f} | "
+        own = "" if r["frozen_bytes_host"] is None else f"{r['frozen_bytes_host'] / MIB:.0f}"
+        lines.append(f"| {r['backend']} | {r['rank']} | {r['peak_growth'] / MIB:.0f} | {target / MIB:.0f} | "
+                     f"{r['peak_growth'] / base:.3f} | {cells} | {own} | "
                      f"{'yes' if r['peak_growth'] <= target else 'NO'} |")
     return "\n".join(lines), target
 
@@ -203,8 +220,13 @@ def main(argv=None):
     if args.rank_result:
         run_rank(args)
         return 0
-    with tempfile.TemporaryDirectory(prefix="lora_init_memory_") as workdir:
-        results = launch(args, workdir)
+    results = []
+    for backend in args.backends.split(","):
+        if backend not in ("patrickstar", "zero3"):
+            raise SystemExit(f"--backends: unknown backend {backend!r}; use patrickstar and/or zero3")
+        args.backend = backend
+        with tempfile.TemporaryDirectory(prefix="lora_init_memory_") as workdir:
+            results += launch(args, workdir)
     table, target = format_table(args, results)
     r0 = results[0]
     print(f"lora_init_memory: {args.world_size} ranks, GPT width {args.width} x {args.layers} layers, vocab "
@@ -219,7 +241,7 @@ def main(argv=None):
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "ranks": results, "target": target}, indent=1))
-    return 0 if all(r["peak_growth"] <= target for r in results) else 1
+    return 0 if all(r["peak_growth"] <= target for r in results if r["backend"] == "patrickstar") else 1
 
 
 if __name__ == "__main__":

@@ -11,16 +11,16 @@ The search starts from an estimate (``--host-mem-gib`` / a guess of the backend'
 walks up or down by ``--grow`` until it brackets the largest depth that trains, then bisects
 down to one layer.
 
-Backends (each as its users would run it): ``patrickstar`` (``ds_patrickstar.Init`` +
-stage "patrickstar"), ``patrickstar-disk`` (the same with the disk tier, swap files under
-``--disk DIR``, whose free space bounds the depth searched; host_budget 60% of the cap), ``zero3`` (stock ZeRO-3 with ``deepspeed.zero.Init``), ``zero3-tuned`` (the
-same with DeepSpeed's memory knobs turned down, ``bench_utils.ZERO3_MEMORY_TUNED``), ``zero3-offload``
-(ZeRO-3 + ``offload_param`` + ``offload_optimizer`` to the CPU, CUDA only), ``zero3-infinity``
-(stock ZeRO-Infinity: ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on ``"device": "nvme"``
-under ``--disk DIR``, DeepSpeed's async_io op with its default ``aio`` block; added with
-``--disk`` where that op loads, skipped with a message where it does not) and ``torch``
-(plain PyTorch AdamW on an fp32 model under bf16 autocast; world size 1 only). On CUDA the
-device's memory is a limit too (an out-of-memory error fails the try).
+Backends (each as its users would run it): ``patrickstar`` (``ds_patrickstar.Init`` + stage
+"patrickstar"), ``patrickstar-disk`` (the same with the disk tier, swap files under ``--disk DIR``,
+whose free space bounds the depth searched; host_budget 60% of the cap), ``zero3`` (stock ZeRO-3 with
+``deepspeed.zero.Init``), ``zero3-tuned`` (the same with DeepSpeed's memory knobs turned down,
+``bench_utils.ZERO3_MEMORY_TUNED``), ``zero3-offload`` (ZeRO-3 + ``offload_param`` +
+``offload_optimizer`` to the CPU, CUDA only), ``zero3-infinity`` (stock ZeRO-Infinity: ZeRO-3 with
+``offload_optimizer`` and ``offload_param`` on ``"device": "nvme"`` under ``--disk DIR``, DeepSpeed's
+async_io op with its default ``aio`` block; added with ``--disk`` where that op loads, skipped with a
+message where it does not) and ``torch`` (plain PyTorch AdamW on an fp32 model under bf16 autocast;
+world size 1 only). On CUDA the device's memory is a limit too (an out-of-memory error fails the try).
 
 The table: the largest parameter count per backend and world size, the peak host memory of
 that try over its parameter count (bytes/param all-in: every process of the try, baseline
@@ -152,7 +152,6 @@ def run_try(args):
     """Build, initialize and train; rank 0 writes a JSON result to ``args.result``."""
     sys.path[:0] = [str(HERE), str(HERE.parent)]
     import torch
-
     from gpt_model import GPT, GPTConfig
 
     torch.manual_seed(0)

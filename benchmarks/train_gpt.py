@@ -16,16 +16,15 @@ import statistics
 import time
 from pathlib import Path
 
+import bench_utils as bu
+import data
 import deepspeed
+import gpt_model
 import torch
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
-
-import bench_utils as bu
-import data
-import gpt_model
 
 logger = logging.getLogger("train_gpt")
 

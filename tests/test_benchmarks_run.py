@@ -1,7 +1,7 @@
 """Benchmarks still run, at tiny sizes: the placement-overhead benchmark builds the chunk manager,
 placement and the run state by hand (as no user does), so a change of their signatures breaks it
 without any other test noticing; the LoRA benchmark drives ``max_model.py``'s tries and search
-helpers with a model of its own."""
+helpers with a model of its own; and every script at least imports."""
 from __future__ import annotations
 
 import os
@@ -32,3 +32,16 @@ def test_lora_max_benchmark_trains_a_tiny_lora_gpt(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| patrickstar | 1 |"))
     assert "| trained |" in row, done.stdout[-2000:]
+
+
+def test_every_benchmark_script_imports():
+    """Each script's module-level imports resolve (one process: torch and DeepSpeed are imported once)."""
+    script = (
+        "import importlib.util, pathlib, sys\n"
+        "sys.path[:0] = ['benchmarks', '.']\n"
+        "for path in sorted(pathlib.Path('benchmarks').glob('*.py')):\n"
+        "    spec = importlib.util.spec_from_file_location('benchmark_' + path.stem, path)\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -29,7 +29,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ..io import checkpoint, commit
 from ..io.export import host_parameters
 from ..io.init import DeferredModel, swap_deferred
-from ..memory.host_heap import map_large_allocations
+from ..memory.host_heap import BuildWindow, map_large_allocations
 from .config import PatrickStarConfig, check_reduction_settings, torch_adam_from_block
 from .hf_compat import unsynchronize_generation
 from .zero_optimizer import PatrickStarOptimizer
@@ -44,7 +44,8 @@ class PatrickStarEngine(DeepSpeedEngine):
             map_large_allocations()
         # The module stays where it was built: chunks are built on the host and placement brings
         # them to the accelerator when used, so a model larger than the device can start.
-        super().__init__(*args, dont_change_device=True, **kwargs)
+        with BuildWindow():  # see [Note: host heap]
+            super().__init__(*args, dont_change_device=True, **kwargs)
         self.enable_backward_allreduce = False
 
     def zero_optimization(self) -> bool:

@@ -49,7 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..chunks.chunk_map import ChunkMap
 from ..disk.config import means_nvme
-from ..memory.host_heap import map_large_allocations
+from ..memory.host_heap import BuildWindow, map_large_allocations
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ class Init(contextlib.ContextDecorator):
         depth = _depth()
         if depth == 0:
             _STATE.seed = self.seed if self.seed is not None else torch.initial_seed()
+            _STATE.window = BuildWindow()  # see [Note: host heap]
+            _STATE.window.open()
             _HOOK.acquire()
         _STATE.depth = depth + 1
         return self
@@ -150,6 +152,7 @@ class Init(contextlib.ContextDecorator):
             _STATE.depth -= 1
             if _STATE.depth == 0:
                 _HOOK.release()
+                _STATE.window.close()
 
 
 def _module_seed(base: int, name: str) -> int:

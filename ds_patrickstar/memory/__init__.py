@@ -6,7 +6,7 @@ CUDA accelerator (``cuda.py``) and its strict CPU twin (``emulated.py``, with th
 caching allocator in ``caching_allocator.py``), the device ledger that counts every accelerator
 byte under the budget (``ledger.py``), the host pool that hands out every pinned host buffer of
 model data (``host_pool.py``), the chunk store that creates and moves chunk buffers
-(``store.py``), the C heap's mmap threshold under the disk tier (``host_heap.py``), binding
+(``store.py``), the C heap's mmap threshold (``host_heap.py``), binding
 parameters to their chunks (``binding.py``) and the pre-flight arithmetic (``preflight.py``).
 May import: ``chunks`` and the leaf modules ``counters``/``autograd_state``.
 """
