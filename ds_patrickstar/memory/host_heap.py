@@ -79,9 +79,9 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
 
 
 class BuildWindow:
-    """While open (windows nest, from any thread), every host allocation of at least
-    :data:`BUILD_THRESHOLD` is mapped on its own; see [Note: host heap]. A context manager, or
-    :meth:`open` then :meth:`close` once."""
+    """While open (windows nest, from any thread), a host allocation of at least :data:`BUILD_THRESHOLD`
+    that the heap's free space cannot serve is mapped on its own instead of growing the heap; see
+    [Note: host heap]. A context manager, or :meth:`open` then :meth:`close` once."""
 
     def __init__(self) -> None:
         self._open = False
