@@ -21,12 +21,12 @@ for _p in (_REPO_ROOT, _TESTS_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import harness  # noqa: E402  (sets env + threads on import)
+import harness
 
 harness.setup_single_process_env()
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 def pytest_configure(config):

@@ -24,8 +24,9 @@ import math
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any
 
 import torch
 
@@ -94,16 +95,16 @@ def ensure_distributed() -> None:
 # Config
 # --------------------------------------------------------------------------------------
 def make_config(
-    stage: Union[int, str],
+    stage: int | str,
     dtype: str = "fp32",
     gas: int = 1,
     clip: float = 0.0,
     lr: float = 1e-3,
     weight_decay: float = 0.0,
-    scheduler: Union[None, str, dict] = None,
-    optimizer_type: Optional[str] = "AdamW",
+    scheduler: None | str | dict = None,
+    optimizer_type: str | None = "AdamW",
     chunk_size: int = 4096,
-    extra_zero: Optional[dict] = None,
+    extra_zero: dict | None = None,
     micro_batch: int = MICRO_BATCH,
 ) -> dict:
     """A DeepSpeed config dict.
@@ -118,7 +119,7 @@ def make_config(
     """
     if dtype not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"dtype must be fp32/bf16/fp16, got {dtype!r}")
-    cfg: Dict[str, Any] = {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gas,
         "train_batch_size": micro_batch * gas,  # world size 1
@@ -157,7 +158,7 @@ def make_config(
             "min_loss_scale": 1,
         }
     if stage == "patrickstar":
-        zero: Dict[str, Any] = {"stage": "patrickstar", "chunk_size": chunk_size}
+        zero: dict[str, Any] = {"stage": "patrickstar", "chunk_size": chunk_size}
     elif stage in (0, 1, 2, 3):
         zero = {"stage": stage}
         if stage == 3:
@@ -185,7 +186,7 @@ def is_patrickstar(config: dict) -> bool:
     return config.get("zero_optimization", {}).get("stage") == "patrickstar"
 
 
-def zero_stage(config: dict) -> Union[int, str]:
+def zero_stage(config: dict) -> int | str:
     return config.get("zero_optimization", {}).get("stage", 0)
 
 
@@ -194,19 +195,19 @@ def zero_stage(config: dict) -> Union[int, str]:
 # --------------------------------------------------------------------------------------
 @dataclass
 class RunResult:
-    losses: List[float]  # one per micro-step, in order
-    fp32_weights: Dict[str, torch.Tensor]  # full fp32 master weights (CPU), by param name
-    lp_weights: Dict[str, torch.Tensor]  # full module weights (CPU, module dtype), by param name
-    grad_norms: List[Optional[float]] = field(default_factory=list)  # one per optimizer step
-    lrs: List[List[float]] = field(default_factory=list)  # per optimizer step, per group (after step)
-    loss_scales: List[Optional[float]] = field(default_factory=list)  # per optimizer step (after step)
+    losses: list[float]  # one per micro-step, in order
+    fp32_weights: dict[str, torch.Tensor]  # full fp32 master weights (CPU), by param name
+    lp_weights: dict[str, torch.Tensor]  # full module weights (CPU, module dtype), by param name
+    grad_norms: list[float | None] = field(default_factory=list)  # one per optimizer step
+    lrs: list[list[float]] = field(default_factory=list)  # per optimizer step, per group (after step)
+    loss_scales: list[float | None] = field(default_factory=list)  # per optimizer step (after step)
     skipped_steps: int = 0
     optimizer_class: str = ""  # class of engine.basic_optimizer (what DeepSpeed picked)
-    stage: Union[int, str] = 0
+    stage: int | str = 0
     dtype: str = "fp32"
-    frozen: List[str] = field(default_factory=list)  # names of requires_grad=False params
-    init_weights: Dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 weights before training
-    counters: List[Dict[str, int]] = field(default_factory=list)  # patrickstar: per optimizer step
+    frozen: list[str] = field(default_factory=list)  # names of requires_grad=False params
+    init_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 weights before training
+    counters: list[dict[str, int]] = field(default_factory=list)  # patrickstar: per optimizer step
 
 
 def seed_everything(seed: int) -> None:
@@ -251,20 +252,20 @@ def extract_loss(out) -> torch.Tensor:
     return loss
 
 
-def _to_cpu(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _to_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     t = t.detach()
     if dtype is not None:
         t = t.to(dtype)
     return t.to("cpu", copy=True)
 
 
-def _stock_weights(engine, stage) -> (Dict[str, torch.Tensor], Dict[str, torch.Tensor]):
+def _stock_weights(engine, stage) -> (dict[str, torch.Tensor], dict[str, torch.Tensor]):
     """(fp32 master weights, low-precision module weights) of a stock engine."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    fp32: Dict[str, torch.Tensor] = {}
-    lp: Dict[str, torch.Tensor] = {}
+    fp32: dict[str, torch.Tensor] = {}
+    lp: dict[str, torch.Tensor] = {}
     for name, p in engine.module.named_parameters():
         hp = safe_get_full_fp32_param(p) if p.requires_grad else None
         if stage == 3:
@@ -280,11 +281,11 @@ def _stock_weights(engine, stage) -> (Dict[str, torch.Tensor], Dict[str, torch.T
     return fp32, lp
 
 
-def _patrickstar_weights(engine) -> (Dict[str, torch.Tensor], Dict[str, torch.Tensor]):
+def _patrickstar_weights(engine) -> (dict[str, torch.Tensor], dict[str, torch.Tensor]):
     sd32 = engine.get_fp32_state_dict()  # every name of a tied parameter; compared once, as for ZeRO-3
     fp32 = {name: _to_cpu(sd32[name], torch.float32) for name, _ in engine.module.named_parameters()}
     sd = engine.module.state_dict()
-    lp: Dict[str, torch.Tensor] = {}
+    lp: dict[str, torch.Tensor] = {}
     for name, _ in engine.module.named_parameters():
         if name not in sd:
             raise KeyError(f"patrickstar engine.module.state_dict() lacks parameter {name!r}")
@@ -292,7 +293,7 @@ def _patrickstar_weights(engine) -> (Dict[str, torch.Tensor], Dict[str, torch.Te
     return fp32, lp
 
 
-def read_weights(engine, config: dict) -> (Dict[str, torch.Tensor], Dict[str, torch.Tensor]):
+def read_weights(engine, config: dict) -> (dict[str, torch.Tensor], dict[str, torch.Tensor]):
     """(fp32 master weights, module weights) by parameter name, as host copies: the consolidated
     fp32 state dict of a patrickstar engine, DeepSpeed's full fp32 params of a stock one."""
     if is_patrickstar(config):
@@ -300,7 +301,7 @@ def read_weights(engine, config: dict) -> (Dict[str, torch.Tensor], Dict[str, to
     return _stock_weights(engine, zero_stage(config))
 
 
-def _loss_scale(engine) -> Optional[float]:
+def _loss_scale(engine) -> float | None:
     opt = engine.optimizer
     for attr in ("cur_scale", "loss_scale"):
         try:
@@ -350,11 +351,11 @@ def run_training(
     steps: int,
     seed: int,
     *,
-    client_optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None,
-    client_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+    client_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    client_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     use_engine_backward: bool = True,
-    param_groups_fn: Optional[Callable[[torch.nn.Module], Any]] = None,
-    scale_torch_backward: Optional[bool] = None,
+    param_groups_fn: Callable[[torch.nn.Module], Any] | None = None,
+    scale_torch_backward: bool | None = None,
 ) -> RunResult:
     """Train ``steps`` optimizer steps (``steps * gradient_accumulation_steps`` micro-steps).
 
@@ -419,11 +420,11 @@ def _train(deepspeed, model, batch_fn, model_parameters, optimizer, config, clie
     del model, optimizer, model_parameters
     try:
         gas = engine.gradient_accumulation_steps()
-        losses: List[float] = []
-        grad_norms: List[Optional[float]] = []
-        lrs: List[List[float]] = []
-        loss_scales: List[Optional[float]] = []
-        counters: List[Dict[str, int]] = []
+        losses: list[float] = []
+        grad_norms: list[float | None] = []
+        lrs: list[list[float]] = []
+        loss_scales: list[float | None] = []
+        counters: list[dict[str, int]] = []
         for micro in range(steps * gas):
             inputs = _cast_inputs(batch_fn(micro), dtype)
             out = engine(**inputs) if isinstance(inputs, dict) else engine(*inputs)
@@ -469,7 +470,7 @@ def _train(deepspeed, model, batch_fn, model_parameters, optimizer, config, clie
         gc.collect()
 
 
-_REFERENCE_RUNS: Dict[tuple, RunResult] = {}
+_REFERENCE_RUNS: dict[tuple, RunResult] = {}
 
 
 def reference_run(model_fn: Callable[[int], Any], config: dict, steps: int, seed: int, **kwargs) -> RunResult:
@@ -506,7 +507,7 @@ def _err(a: torch.Tensor, b: torch.Tensor):
     return d.max().item(), rel, idx
 
 
-def update_errors(ours: RunResult, ref: RunResult) -> Dict[str, tuple]:
+def update_errors(ours: RunResult, ref: RunResult) -> dict[str, tuple]:
     """Per param: (||d_ours - d_ref||_2, ||d_ref||_2) where d = final fp32 - initial weight.
 
     Elementwise weight differences after a few Adam steps are dominated by elements whose
@@ -533,12 +534,12 @@ def compare(
     rtol: float,
     atol: float,
     *,
-    loss_rtol: Optional[float] = None,
-    loss_atol: Optional[float] = None,
+    loss_rtol: float | None = None,
+    loss_atol: float | None = None,
     check_lp: bool = False,
-    lp_rtol: Optional[float] = None,
-    lp_atol: Optional[float] = None,
-    update_rtol: Optional[float] = None,
+    lp_rtol: float | None = None,
+    lp_atol: float | None = None,
+    update_rtol: float | None = None,
     update_atol: float = 1e-7,
 ) -> None:
     """Assert ``ours`` matches the reference run ``ref``.
@@ -556,7 +557,7 @@ def compare(
     """
     loss_rtol = rtol if loss_rtol is None else loss_rtol
     loss_atol = atol if loss_atol is None else loss_atol
-    problems: List[str] = []
+    problems: list[str] = []
 
     # ---- losses
     if len(ours.losses) != len(ref.losses):
@@ -642,7 +643,8 @@ def compare(
     ]
     if gn_bad:
         problems.append(
-            f"global grad norms differ first at step {gn_bad[0]}:\n    ours: {ours.grad_norms}\n    ref:  {ref.grad_norms}"
+            f"global grad norms differ first at step {gn_bad[0]}:\n    ours: {ours.grad_norms}\n"
+            f"    ref:  {ref.grad_norms}"
         )
     if update_rtol is not None:
         init_diff = [
@@ -657,7 +659,9 @@ def compare(
                 continue
             numel = ref.fp32_weights[n].numel()
             if e > update_rtol * r + update_atol * math.sqrt(numel):
-                failing.append(f"{n}: ||d_ours - d_ref|| = {e:.3e}, ||d_ref|| = {r:.3e} (rel {e / r if r else math.inf:.3e})")
+                failing.append(
+                    f"{n}: ||d_ours - d_ref|| = {e:.3e}, ||d_ref|| = {r:.3e} (rel {e / r if r else math.inf:.3e})"
+                )
         if failing:
             problems.append(
                 f"weight updates differ (update_rtol={update_rtol:g}) in {len(failing)} params; "

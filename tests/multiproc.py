@@ -138,7 +138,7 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
 
         gc.collect()
         gc.freeze()  # the imports live as long as the worker: kept out of every later collection
-    except BaseException:  # noqa: BLE001 - the traceback travels to the parent
+    except BaseException:
         results.put((None, rank, False, traceback.format_exc()))
         return
     env, cwd, seed = dict(os.environ), os.getcwd(), torch.initial_seed()
@@ -159,7 +159,7 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
             buffer = io.BytesIO()
             torch.save(fn(rank, world_size, *args), buffer)  # plain bytes: no shared-memory handles
             message = (job_id, rank, True, buffer.getvalue())
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             message = (job_id, rank, False, traceback.format_exc())
         finally:
             faulthandler.cancel_dump_traceback_later()

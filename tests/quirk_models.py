@@ -15,8 +15,8 @@ in milliseconds on CPU. No dropout or other randomness inside forward.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
@@ -353,7 +353,7 @@ def two_param_groups(model: nn.Module, weight_decay: float = 0.1, no_decay_lr=No
     that ignored per-group hyper-parameters would be caught by the LR as well.
     """
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 else no_decay).append(p)
@@ -367,7 +367,7 @@ def two_param_groups(model: nn.Module, weight_decay: float = 0.1, no_decay_lr=No
 
 
 # --------------------------------------------------------------------------------------
-QUIRK_MODELS: Dict[str, Callable[[int], Tuple[nn.Module, Callable]]] = {
+QUIRK_MODELS: dict[str, Callable[[int], tuple[nn.Module, Callable]]] = {
     "mlp": build_mlp,  # (a)
     "tied": build_tied,  # (b)
     "reused": build_reused,  # (c)

@@ -18,9 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from harness import deepspeed_checkpointing
-
 from quirk_models import D_IN, HID, N_CLASSES, classification_batches
 
 STEPS = 4

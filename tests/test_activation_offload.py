@@ -110,7 +110,7 @@ def test_offload_matches_zero3(mode, world_size, dtype, budget):
 
 def test_auto_fits_where_checkpointing_alone_does_not():
     """The same budget without offload fails at the moment the tide leaves no room for the chunks."""
-    from multiproc import run_ranks, WorkerError
+    from multiproc import WorkerError, run_ranks
 
     with pytest.raises(WorkerError, match="DeviceBudgetExceeded"):
         run_ranks(_train, 1, "patrickstar", "fp32", "none", BUDGET)

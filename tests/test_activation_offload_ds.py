@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from harness import deepspeed_checkpointing
 from test_activation_offload import (
     BATCH,
@@ -80,7 +79,6 @@ def _builder(api: str, gated: bool = False):
 
 def _train(rank, world_size, api, stage, mode, budget, steps=STEPS, gas=1):
     """One run with DeepSpeed's checkpointing configured from the run's config (cpu_checkpointing off)."""
-    import deepspeed
     from harness import ensure_distributed, make_config, run_training
 
     import ds_patrickstar  # noqa: F401
@@ -187,8 +185,8 @@ def test_an_input_of_every_block_stays(dist):
 
 def _cuda_run(mode: str) -> tuple[list[float], list[dict]]:
     import deepspeed
-
     import harness
+
     import ds_patrickstar  # noqa: F401
 
     harness.ensure_distributed()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from multiproc import run_ranks
 from test_activation_offload import STEPS, _train
 from test_vs_zero3 import check

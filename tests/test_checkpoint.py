@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from multiproc import WorkerError, run_ranks
 
 STEPS, SAVE_AT = 10, 5

@@ -11,10 +11,9 @@ import pathlib
 import subprocess
 import sys
 
+import harness
 import pytest
 import torch
-
-import harness
 from harness import make_config
 
 

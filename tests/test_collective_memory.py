@@ -13,7 +13,6 @@ import re
 
 import pytest
 import torch
-
 from multiproc import run_ranks
 
 from ds_patrickstar.groups.reductions import InFlightReductions

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from multiproc import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -102,7 +101,7 @@ def test_chunk_groups_send_no_more_than_zero3(preset, chunk_size, world_size):
     specs = plan_chunks([named], chunk_size, world_size)
     covered = {}
     for spec in specs:
-        for name, param, offset, start, numel in spec.members:
+        for name, _param, offset, start, numel in spec.members:
             assert 0 <= offset and offset + numel <= spec.capacity
             covered.setdefault(name, []).append((start, numel))
     for name, param in named:  # every element of every tensor exactly once

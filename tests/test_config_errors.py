@@ -8,10 +8,9 @@ import math
 import re
 import types
 
+import harness
 import pytest
 import torch
-
-import harness
 from harness import make_config
 
 
@@ -53,7 +52,8 @@ def _train_step(engine, nan=False):
 # ---- zero_optimization: our keys ------------------------------------------------------
 def test_unknown_key_lists_the_options():
     with pytest.raises(ValueError, match=r"zero_optimization\.chunk_sise=4096 is not an option of stage "
-                                         r"'patrickstar'; the options are: chunk_size, .*max_consecutive_skipped_steps"):
+                                         r"'patrickstar'; the options are: chunk_size, "
+                                         r".*max_consecutive_skipped_steps"):
         _init(_config(chunk_sise=4096))
 
 

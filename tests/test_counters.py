@@ -17,9 +17,7 @@ import math
 import os
 
 import pytest
-
 import torch
-
 from multiproc import run_ranks
 
 STEPS = 4
@@ -58,7 +56,8 @@ def _train(rank, world_size, monitor_dir=None, keep_gathered=None):
         engine.step()
         per_step.append(engine.get_patrickstar_counters())
     manager = engine.optimizer.manager
-    layout = {"capacities": [c.capacity for c in manager.map.chunks], "element_size": manager.map.chunks[0].payload.element_size(),
+    layout = {"capacities": [c.capacity for c in manager.map.chunks],
+              "element_size": manager.map.chunks[0].payload.element_size(),
               "used": [c.used for c in manager.map.chunks]}
     return {"before": before, "per_step": per_step, "layout": layout, "samples": engine.global_samples}
 

@@ -3,10 +3,9 @@ Adam) against stock ZeRO-3 on the same GPU: losses and fp32 master weights. The 
 skipped without CUDA; the comparison with ZeRO-3 also runs on CPU here on the strict emulated
 accelerator (the same training loop, model and check), and the rest of the placement logic in
 test_placement.py, test_gpu_path_defects.py and test_strict_parity.py."""
+import harness
 import pytest
 import torch
-
-import harness
 
 HIDDEN, LAYERS, BATCH = 4096, 8, 16
 LAYER_BYTES = (HIDDEN * HIDDEN + 3 * HIDDEN) * 4  # a block: LayerNorm (2 x HIDDEN) and Linear (HIDDEN^2 + HIDDEN)
@@ -184,11 +183,11 @@ class _Blocks(torch.nn.Module):
 
 
 def _train_blocks(mode, steps=4, tokens=4096):
+    import gc
+
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
-
-    import gc
 
     harness.ensure_distributed()
     gc.collect()

@@ -1,7 +1,6 @@
 """Data parallel on real processes (gloo): patrickstar against stock ZeRO-3 at the same world size."""
 import pytest
 import torch
-
 from multiproc import WorkerError, run_ranks
 
 STEPS = 6
@@ -32,11 +31,10 @@ def _config(stage, gas, dtype="fp32", budget=None):
 
 def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_step=None, budget=None):
     import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from harness import allow_fp16_on_cpu
 
     import ds_patrickstar  # noqa: F401
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    from harness import allow_fp16_on_cpu
 
     model = _model()
     with allow_fp16_on_cpu():
@@ -71,7 +69,8 @@ def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_st
 def _assert_same(ours, ref, rtol=RTOL, atol=ATOL):
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol)
     for name, value in ref["weights"].items():
-        torch.testing.assert_close(ours["weights"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ours["weights"][name], value, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("world_size,gas", [(2, 1), (3, 1), (2, 2)])

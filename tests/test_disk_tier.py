@@ -14,7 +14,6 @@ import subprocess
 
 import pytest
 import torch
-
 from harness import make_config, run_training
 from multiproc import run_ranks
 from quirk_models import QUIRK_MODELS
@@ -55,7 +54,8 @@ def assert_same(a, b):
     ("tied", "fp32", 1, "threads"), ("reused", "bf16", 2, "threads"), ("tied", "fp32", 1, "aio")])
 def test_states_on_disk_equal_states_in_ram(tmp_path, model, dtype, gas, backend):
     needs_backend(backend)
-    ram = run_training(QUIRK_MODELS[model], make_config("patrickstar", dtype, gas=gas, chunk_size=1024), steps=3, seed=0)
+    ram = run_training(QUIRK_MODELS[model], make_config("patrickstar", dtype, gas=gas, chunk_size=1024), steps=3,
+                       seed=0)
     disk = run_training(
         QUIRK_MODELS[model],
         make_config("patrickstar", dtype, gas=gas, chunk_size=1024,
@@ -281,9 +281,9 @@ def test_spill_counts_buffers_of_the_spilled_chunks_only():
 # ---- bad input ------------------------------------------------------------------------
 def _init(zero_extra):
     import deepspeed
+    from harness import ensure_distributed
 
     import ds_patrickstar  # noqa: F401
-    from harness import ensure_distributed
 
     ensure_distributed()
     model = torch.nn.Linear(64, 64)
@@ -293,7 +293,8 @@ def _init(zero_extra):
 
 def test_missing_nvme_path_names_path_and_bytes(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(ValueError, match=r"nvme_path=.*nope.* does not exist: the disk tier needs [\d,]+ bytes .* free"):
+    with pytest.raises(ValueError,
+                       match=r"nvme_path=.*nope.* does not exist: the disk tier needs [\d,]+ bytes .* free"):
         _init(disk_zero(missing))
 
 
@@ -306,7 +307,8 @@ def test_missing_nvme_path_names_path_and_bytes(tmp_path):
 def test_unusable_nvme_path(probe, problem):
     from ds_patrickstar.disk.swap_files import PathProbe, check_swap_path
 
-    with pytest.raises(ValueError, match=f"{problem}: the disk tier needs 123,456 bytes there .*, [\\d,]+ bytes are free"):
+    with pytest.raises(ValueError,
+                       match=f"{problem}: the disk tier needs 123,456 bytes there .*, [\\d,]+ bytes are free"):
         check_swap_path("/some/dir", PathProbe(**probe), 123456)
     check_swap_path("/some/dir", PathProbe(True, True, True, False, 123456), 123456)
 
@@ -399,10 +401,10 @@ def stand_in_aio(monkeypatch):
 def test_io_backend_choice(caplog, monkeypatch):
     """"auto" is "threads", which checks every read and write, and says so, also where the async_io op
     is built; "aio" warns what it does not check; where it cannot work it names the key and the way out."""
-    from ds_patrickstar.disk.config import NvmeOffload
-    from ds_patrickstar.disk.tier import make_disk_io
     from ds_patrickstar.disk.aio import AioDiskIO, lock_problem
+    from ds_patrickstar.disk.config import NvmeOffload
     from ds_patrickstar.disk.io import ThreadDiskIO
+    from ds_patrickstar.disk.tier import make_disk_io
 
     assert "raise `ulimit -l`" in lock_problem(2**30, limit=8 << 20, privileged=False)
     assert lock_problem(2**30, limit=8 << 20, privileged=True) == lock_problem(4096, 8 << 20, False) == ""
@@ -441,9 +443,9 @@ def _steps(engine, n, seed=0):
 
 def test_checkpoint_resume_with_disk_tier(tmp_path):
     """Saved through 1024-element pieces, resumed into the default pieces and into RAM."""
-    from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
-    from ds_patrickstar.disk.io import ThreadDiskIO
     from ds_patrickstar.disk.budget import record_bytes
+    from ds_patrickstar.disk.io import ThreadDiskIO
+    from ds_patrickstar.io.checkpoint import consolidate_fp32_state_dict
 
     ckpt = str(tmp_path / "ckpt")
     engine = _engine(tmp_path / "a")

@@ -78,7 +78,8 @@ def test_the_note_index_lists_every_note_where_it_lives():
         for match in re.finditer(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]\s*$", path.read_text(), re.M):
             where = path.relative_to(package) if path.is_relative_to(package) else path.relative_to(REPO)
             headers[match.group(1)] = str(where)
-    index = dict(re.findall(r"^\| \[Note: ([^\]]+)\] \| `([^`]+)` \|", (REPO / "docs" / "architecture.md").read_text(), re.M))
+    architecture = (REPO / "docs" / "architecture.md").read_text()
+    index = dict(re.findall(r"^\| \[Note: ([^\]]+)\] \| `([^`]+)` \|", architecture, re.M))
     wrong = {name: (where, index.get(name)) for name, where in headers.items() if index.get(name) != where}
     assert not wrong, f"Note -> (module, index entry): {wrong}"
     assert not set(index) - set(headers), f"indexed Notes no module holds: {sorted(set(index) - set(headers))}"

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from multiproc import WorkerError, run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -18,7 +18,6 @@ import zipfile
 
 import pytest
 import torch
-
 from harness import make_config
 from multiproc import free_port
 
@@ -101,7 +100,8 @@ print("engine:", type(engine).__name__)
 def test_installed_stage_registers_when_deepspeed_is_imported_and_can_be_turned_off(tmp_path):
     site_dir = tmp_path / "site"
     site_dir.mkdir()
-    (site_dir / "ds_patrickstar_autoload.pth").write_text(open(os.path.join(ROOT, "ds_patrickstar_autoload.pth")).read())
+    with open(os.path.join(ROOT, "ds_patrickstar_autoload.pth")) as f:
+        (site_dir / "ds_patrickstar_autoload.pth").write_text(f.read())
     (tmp_path / "forgot.py").write_text(_FORGOT)
     launched = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port())}  # turned off, no-launcher help is off too: DeepSpeed's error
@@ -111,7 +111,8 @@ def test_installed_stage_registers_when_deepspeed_is_imported_and_can_be_turned_
         _start([sys.executable, "forgot.py", str(site_dir)], cwd=tmp_path, DS_PATRICKSTAR_AUTOLOAD="0", **launched),
         _start([sys.executable, "-I", "-S", "-c", f"import site; site.addsitedir({str(site_dir)!r})"], cwd=tmp_path))
     assert "engine: PatrickStarEngine" in _ok(done).stdout
-    assert off.returncode != 0 and "chunk_size" in off.stderr and "Extra inputs are not permitted" in off.stderr, off.stderr[-2000:]
+    assert off.returncode != 0, off.stderr[-2000:]
+    assert "chunk_size" in off.stderr and "Extra inputs are not permitted" in off.stderr, off.stderr[-2000:]
     assert orphan.returncode == 0 and orphan.stderr == "", orphan.stderr
 
 

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from test_placement import BATCH, BUDGET, HIDDEN, LAYERS, _config, _mlp, _run
 
 from ds_patrickstar.memory.ledger import DeviceBudgetExceeded

@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import hf_workers  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+import hf_workers
+from multiproc import run_ranks
 
 RTOL, ATOL = 1e-5, 1e-6
 TIMEOUT = 400

@@ -5,7 +5,6 @@ import logging
 
 import pytest
 import torch
-
 from harness import make_config
 
 
@@ -61,7 +60,8 @@ def test_a_real_offload_device_is_an_error_naming_why(dist, key, device):
     accepted = r" or \"nvme\" \(the disk tier\)"
     with pytest.raises(ValueError, match=rf"zero_optimization\.{key} cannot be used with stage 'patrickstar': "
                                          rf".*placement.* is automatic.*got \{{'device': '{device}'\}}, and only "
-                                         rf"\"device\": \"none\" \(no offload\){accepted} is accepted\. Remove the key\.$"):
+                                         rf"\"device\": \"none\" \(no offload\){accepted} is accepted\. "
+                                         rf"Remove the key\.$"):
         _init(cfg)
 
 

@@ -7,7 +7,6 @@ other host buffer of a copy (see [Note: pinned host memory]).
 """
 import pytest
 import torch
-
 from multiproc import run_ranks
 
 from ds_patrickstar.memory.emulated import EmulatedAccelerator
@@ -77,7 +76,6 @@ def test_a_pool_going_away_unpins_what_it_holds():
 # ---- a training run: host bytes allocated == host bytes counted -----------------------------
 def _host_bytes(rank, world_size, budget, runs):
     import deepspeed
-
     import harness  # noqa: F401  (the distributed environment of the pool's workers)
     from test_placement import BATCH, HIDDEN, _config, _mlp
 

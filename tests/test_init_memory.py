@@ -17,7 +17,6 @@ import re
 
 import pytest
 import torch
-
 from multiproc import run_ranks
 
 LAYERS, WIDTH = 18, 4096  # 302,063,616 parameters

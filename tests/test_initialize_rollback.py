@@ -15,11 +15,11 @@ import threading
 
 import pytest
 import torch
+from harness import make_config
+from test_disk_tier import disk_zero
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
-from harness import make_config
-from test_disk_tier import disk_zero
 
 EMULATED = {"emulate_accelerator": True, "device_budget": 10**6}
 MODULE_HOOKS = (

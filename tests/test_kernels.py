@@ -80,7 +80,7 @@ def check_against_reference(step_fn, n, lp_dtype, hyper, *, step, grad_scale, gr
     lp, master, exp_avg, exp_avg_sq = (t.cpu() for t in bufs)
     for name, got, want in (("master", master, ref[1]), ("exp_avg", exp_avg, ref[2]),
                             ("exp_avg_sq", exp_avg_sq, ref[3])):
-        torch.testing.assert_close(got.double(), want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.double(), want, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
     # The low-precision param is exactly the new master rounded to nearest even.
     assert torch.equal(lp, master.to(lp_dtype))
     return bufs

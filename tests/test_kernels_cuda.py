@@ -22,7 +22,7 @@ from ds_patrickstar.optim import kernels
 from ds_patrickstar.optim.adam_math import AdamHyper
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_kernels import HYPERS, check_against_reference, hyper_id, make_inputs  # noqa: E402
+from test_kernels import HYPERS, check_against_reference, hyper_id, make_inputs
 
 NVCC = shutil.which("nvcc") or (shutil.which(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
                                  if os.environ.get("CUDA_HOME") else None)

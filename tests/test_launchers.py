@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from multiproc import free_port
 
 REPO = Path(__file__).resolve().parents[1]

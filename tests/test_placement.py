@@ -1,8 +1,8 @@
 """Tide-aware placement on the emulated accelerator: Belady, budget, prefetch, re-trace, tracer accuracy."""
+import harness
 import pytest
 import torch
 
-import harness
 from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
 from ds_patrickstar.placement.policy import belady_victims, optimizer_chunks_on_device
 from ds_patrickstar.placement.tracer import NEVER, Moment, Trace
@@ -61,8 +61,8 @@ def test_eviction_queue_agrees_with_the_plain_belady_rule():
                 if not others:
                     continue
                 need = rng.randint(1, len(others))
-                expected = belady_victims(others, need, lambda c: trace.next_use(c, moment))
-                got = placer.victims(need, lambda c: None if c in m.chunks else 1)
+                expected = belady_victims(others, need, lambda c, trace=trace, moment=moment: trace.next_use(c, moment))
+                got = placer.victims(need, lambda c, m=m: None if c in m.chunks else 1)
                 assert [trace.next_use(c, moment) for c in got] == [trace.next_use(c, moment) for c in expected]
                 for c in got:
                     resident.discard(c)
@@ -160,7 +160,8 @@ def test_budget_is_enforced():
 def test_a_budget_below_one_chunk_group_is_refused_at_initialize():
     """The pre-flight check: a budget that cannot hold the largest chunk group a moment gathers (here
     one fp32 chunk of ~103 KB) fails at initialize with the key and the bytes, not in the first step."""
-    with pytest.raises(ValueError, match=r"device_budget=100,000 B cannot hold the largest chunk group .*10[0-9],[0-9]{3} B"):
+    with pytest.raises(ValueError,
+                       match=r"device_budget=100,000 B cannot hold the largest chunk group .*10[0-9],[0-9]{3} B"):
         _run(_config("patrickstar", emulate_accelerator=True, device_budget=100_000), steps=1)
 
 

@@ -5,12 +5,11 @@ import sys
 
 import pytest
 import torch
-
 from multiproc import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from gpt_model import GPT, GPTConfig  # noqa: E402
+from gpt_model import GPT, GPTConfig
 
 TINY = GPTConfig(n_layer=3, n_head=2, n_embd=64, block_size=32, vocab_size=128)
 CHUNK = 4096

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from multiproc import run_ranks
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 
+import harness
 import pytest
 import torch
-
-import harness
 from harness import make_config
 
 GIB = 1 << 30

@@ -9,7 +9,6 @@
 """
 import pytest
 import torch
-
 from multiproc import run_ranks
 
 

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from ds_patrickstar.memory.emulated import EmulatedAccelerator
-from ds_patrickstar.memory.pending import CopyHazard
-from ds_patrickstar.memory.ledger import DeviceBudgetExceeded, DeviceLedger
 from ds_patrickstar.chunks.chunk import Chunk
 from ds_patrickstar.counters import StepCounters
+from ds_patrickstar.memory.emulated import EmulatedAccelerator
+from ds_patrickstar.memory.ledger import DeviceBudgetExceeded, DeviceLedger
+from ds_patrickstar.memory.pending import CopyHazard
 from ds_patrickstar.memory.store import ChunkStore
 
 

@@ -7,8 +7,6 @@ about half the model's low-precision parameters next to its activations, so a mi
 tests/test_vs_zero3.py (justified there).
 """
 import pytest
-import torch
-
 from harness import make_config, run_training
 from quirk_models import QUIRK_MODELS
 from test_vs_zero3 import BF16_MODELS, FP16_MODELS, LR, REFERENCE_MODEL, SEED, check

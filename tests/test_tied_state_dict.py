@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-
 from multiproc import run_ranks
 
 
@@ -97,7 +96,8 @@ def _state_dicts(rank, world_size, kind, ckpt_dir):
     if _chunk_aliases(engine, reloaded):
         raise AssertionError(f"rank {rank}: state_dict after load_state_dict returns chunk views")
     return {"names": names, "sd": sd, "fp32": fp32, "gathered": gathered, "perturbed": after_perturb,
-            "reloaded": {k: v.clone() for k, v in reloaded.items()}, "resumed": _resume(rank, world_size, kind, ckpt_dir)}
+            "reloaded": {k: v.clone() for k, v in reloaded.items()},
+            "resumed": _resume(rank, world_size, kind, ckpt_dir)}
 
 
 def _resume(rank, world_size, kind, ckpt_dir):

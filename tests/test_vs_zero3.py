@@ -48,7 +48,6 @@ import os
 
 import pytest
 import torch
-
 from harness import compare, make_config, reference_run, run_training
 from quirk_models import QUIRK_MODELS, two_param_groups
 
@@ -151,7 +150,9 @@ def test_unused_params_get_weight_decay(backend, dtype):
 # gradient accumulation, clipping
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "model,dtype", [("mlp", "fp32"), ("tied", "fp32"), ("reused", "fp32"), ("tied", "bf16"), ("ckpt_reentrant", "bf16"), ("mlp", "fp16")]
+    "model,dtype",
+    [("mlp", "fp32"), ("tied", "fp32"), ("reused", "fp32"), ("tied", "bf16"), ("ckpt_reentrant", "bf16"),
+     ("mlp", "fp16")]
 )
 def test_grad_accumulation(backend, model, dtype):
     ours, ref = run_pair(backend, model, dtype, gas=2)

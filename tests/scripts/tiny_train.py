@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the working tree's ds_patrickstar
 
-import deepspeed  # noqa: E402
+import deepspeed
 
-import ds_patrickstar  # noqa: E402,F401
+import ds_patrickstar  # noqa: F401
 
 
 def parse_args():
