@@ -121,7 +121,7 @@ def build_paths(n: int, device: str, skip_ds: bool
 
             ds_e2e()  # fail here, not in the middle of the timing
             paths[ds_name] = ds_e2e
-        except Exception as exc:
+        except Exception as exc:  # report and go on without it
             print(f"DeepSpeed Adam unavailable: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
     topt = torch_adamw(param, exp_avg, exp_avg_sq)
 

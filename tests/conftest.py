@@ -21,7 +21,7 @@ for _p in (_REPO_ROOT, _TESTS_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import harness
+import harness  # sets the environment and threads on import
 
 harness.setup_single_process_env()
 

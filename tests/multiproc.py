@@ -138,7 +138,7 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
 
         gc.collect()
         gc.freeze()  # the imports live as long as the worker: kept out of every later collection
-    except BaseException:
+    except BaseException:  # the traceback travels to the parent
         results.put((None, rank, False, traceback.format_exc()))
         return
     env, cwd, seed = dict(os.environ), os.getcwd(), torch.initial_seed()
