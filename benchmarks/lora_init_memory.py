@@ -220,10 +220,12 @@ def main(argv=None):
     if args.rank_result:
         run_rank(args)
         return 0
+    backends = args.backends.split(",")
+    unknown = [b for b in backends if b not in ("patrickstar", "zero3")]
+    if unknown:
+        raise SystemExit(f"--backends: unknown backend {unknown[0]!r}; use patrickstar and/or zero3")
     results = []
-    for backend in args.backends.split(","):
-        if backend not in ("patrickstar", "zero3"):
-            raise SystemExit(f"--backends: unknown backend {backend!r}; use patrickstar and/or zero3")
+    for backend in backends:
         args.backend = backend
         with tempfile.TemporaryDirectory(prefix="lora_init_memory_") as workdir:
             results += launch(args, workdir)
