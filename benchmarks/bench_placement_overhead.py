@@ -72,10 +72,10 @@ from ds_patrickstar.groups.manager import ChunkManager
 from ds_patrickstar.groups.reductions import InFlightReductions
 from ds_patrickstar.integration.assembly import make_placement
 from ds_patrickstar.integration.config import PatrickStarConfig
-from ds_patrickstar.memory.binding import build_chunk_map
 from ds_patrickstar.memory.emulated import EmulatedAccelerator
-from ds_patrickstar.memory.store import ChunkStore
 from ds_patrickstar.run_state import RunState
+from ds_patrickstar.store.binding import build_chunk_map
+from ds_patrickstar.store.chunk_store import ChunkStore
 
 
 def describe_machine() -> str:

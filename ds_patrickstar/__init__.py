@@ -7,14 +7,17 @@ The sub-packages, bottom to top; each imports only from those below it (``tests/
 checks it):
 
 * ``chunks``: the layout, chunks, tensor states and the chunk map (no memory of its own);
-* ``memory``: accelerator primitives and the strict CPU twin, the device ledger, the chunk store,
-  binding parameters to chunks, the pre-flight arithmetic;
+* ``memory``: accelerator primitives and the strict CPU twin, the device ledger, the host pool, the
+  pre-flight arithmetic;
+* ``disk``: the disk tier (spilled optimizer states, frozen chunks on disk, their files and I/O, its
+  config and set-up);
+* ``store``: the chunk store (where each chunk's values live: accelerator, host or disk record) and
+  binding parameters to chunks;
 * ``placement``: the memory tracer, the placement policy, the runtime that carries it out;
 * ``activations``: activation offload (saved tensors and held inputs to host memory and back);
 * ``groups``: collectives and chunk groups (gather, keep, prefetch, release, reduce-scatter), the
   chunk manager: the core runtime, also with one rank;
 * ``optim``: Adam math, kernels, optimizer states, per-chunk Adam;
-* ``disk``: the disk tier (spilled optimizer states, their files and I/O, its config and set-up);
 * ``io``: checkpoints, state-dict streaming, ``Init``, ``load_pretrained``;
 * ``integration``: DeepSpeed registration, config, engine, ZeRO-optimizer adapter, assembly,
   hooks, Hugging Face.

@@ -17,9 +17,9 @@ def _groups(accumulate: bool, frozen: bool = False):
     from ds_patrickstar.groups.comm import ChunkComm
     from ds_patrickstar.groups.group import build_groups
     from ds_patrickstar.memory.accelerator import HostAccelerator
-    from ds_patrickstar.memory.binding import build_chunk_map
-    from ds_patrickstar.memory.store import ChunkStore
     from ds_patrickstar.placement.interface import NullPlacement
+    from ds_patrickstar.store.binding import build_chunk_map
+    from ds_patrickstar.store.chunk_store import ChunkStore
 
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 3))
     comm = ChunkComm(None, StepCounters())

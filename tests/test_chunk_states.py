@@ -33,7 +33,7 @@ def test_illegal_transition_raises(old, new):
 def _store():
     from ds_patrickstar.counters import StepCounters
     from ds_patrickstar.memory.accelerator import HostAccelerator
-    from ds_patrickstar.memory.store import ChunkStore
+    from ds_patrickstar.store.chunk_store import ChunkStore
 
     return ChunkStore(HostAccelerator(), StepCounters(), movable=False)
 

@@ -298,25 +298,23 @@ def test_the_plan_counts_every_host_buffer_of_the_frozen_chunks_on_disk(tmp_path
     accelerator, the chunks brought from disk (kept and in use); what stays in RAM and those buffers fit
     ``host_budget`` (see [Note: disk tier plan])."""
     from ds_patrickstar.chunks.layout import ChunkKind, ChunkSpec
-    from ds_patrickstar.counters import StepCounters
     from ds_patrickstar.disk.config import NvmeOffload
     from ds_patrickstar.disk.swap_layout import frozen_record_bytes
     from ds_patrickstar.disk.tier import plan_disk_tier
-    from ds_patrickstar.groups.comm import ChunkComm
 
     cap, count = 1 << 20, 4
     specs = [ChunkSpec(0, 4096, torch.bfloat16)] + [
         ChunkSpec(0, cap, torch.bfloat16, kind=ChunkKind.FROZEN) for _ in range(40)]
     record = frozen_record_bytes(cap, 2)
     budget = 24 * record  # 24 of the 40 frozen chunks' bytes
-    plan = plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, budget, specs, ChunkComm(None, StepCounters()),
+    plan = plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, budget, specs, (1, 0),
                           torch.bfloat16, False, host_accelerator=host_accelerator)
     buffers = (count + (count + 2 if host_accelerator else 2)) * record
     assert plan.frozen_buffer_bytes == buffers
     in_ram = (40 - len(plan.frozen)) * record + 4096 * 14
     assert in_ram + buffers <= budget < in_ram + buffers + record
     assert "cannot hold" not in caplog.text
-    plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, buffers - 1, specs, ChunkComm(None, StepCounters()),
+    plan_disk_tier(NvmeOffload(nvme_path=str(tmp_path)), count, buffers - 1, specs, (1, 0),
                    torch.bfloat16, False, host_accelerator=host_accelerator)
     assert f"host_budget {(buffers - 1) / 2**30:.3f} GiB cannot hold what this rank keeps in RAM" in caplog.text
 
@@ -326,18 +324,16 @@ def test_one_larger_frozen_record_takes_one_read_buffer_of_its_size(tmp_path):
     buffers are the second largest record, and the plan counts them, the larger one and the chunks brought
     from disk (one of them at most the larger); see [Note: disk tier plan]."""
     from ds_patrickstar.chunks.layout import ChunkKind, ChunkSpec
-    from ds_patrickstar.counters import StepCounters
     from ds_patrickstar.disk.config import NvmeOffload
     from ds_patrickstar.disk.swap_layout import frozen_record_bytes
     from ds_patrickstar.disk.tier import open_disk_tier, plan_disk_tier
-    from ds_patrickstar.groups.comm import ChunkComm
 
     cap, count = 1 << 18, 4
     specs = [ChunkSpec(0, 4096, torch.bfloat16)] + [
         ChunkSpec(0, cap * (4 if i == 9 else 1), torch.bfloat16, kind=ChunkKind.FROZEN) for i in range(10)]
     record, large = frozen_record_bytes(cap, 2), frozen_record_bytes(4 * cap, 2)
     nvme = NvmeOffload(nvme_path=str(tmp_path))
-    plan = plan_disk_tier(nvme, count, 5 * record, specs, ChunkComm(None, StepCounters()), torch.bfloat16, False,
+    plan = plan_disk_tier(nvme, count, 5 * record, specs, (1, 0), torch.bfloat16, False,
                           host_accelerator=True)
     assert max(plan.frozen.values()) == large
     assert plan.frozen_buffer_bytes == count * record + large + large + (count + 1) * record

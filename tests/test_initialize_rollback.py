@@ -104,7 +104,7 @@ def _fail_in_kernel_build(monkeypatch, error):
 
 def _fail_in_binding(monkeypatch, error):
     """The second chunk gets no memory: the first chunk's parameters are bound, the others are not."""
-    from ds_patrickstar.memory.store import ChunkStore
+    from ds_patrickstar.store.chunk_store import ChunkStore
 
     real, calls = ChunkStore.create, []
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "ds_patrickstar"
-LAYERS = ["chunks", "memory", "placement", "activations", "groups", "optim", "disk", "io", "integration"]
+LAYERS = ["chunks", "memory", "disk", "store", "placement", "activations", "groups", "optim", "io", "integration"]
 LEAVES = {"counters", "autograd_state", "run_state"}  # importable from every layer
 ENTRY_POINTS = {"__init__", "__main__", "plan", "zero_to_fp32"}  # the package root and the command lines: any layer
 MAX_MODULE_LINES = 400

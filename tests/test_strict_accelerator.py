@@ -13,7 +13,7 @@ from ds_patrickstar.counters import StepCounters
 from ds_patrickstar.memory.emulated import EmulatedAccelerator
 from ds_patrickstar.memory.ledger import DeviceBudgetExceeded, DeviceLedger
 from ds_patrickstar.memory.pending import CopyHazard
-from ds_patrickstar.memory.store import ChunkStore
+from ds_patrickstar.store.chunk_store import ChunkStore
 
 
 def test_copy_is_poison_until_waited_on():

@@ -37,7 +37,7 @@ reduce-scatter to the step: ``state_dict`` and ``load_state_dict`` refuse to run
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from enum import Enum
 
 import torch
 
@@ -80,7 +80,7 @@ class TensorInfo:
     state: TensorState = TensorState.HOLD
     joined: torch.Tensor | None = None  # the parameter's own buffer when it ``joins``
     released: set[int] = field(default_factory=set)  # chunks of its pieces released on this rank
-    bound: bool = False  # the parameter is a view of its chunk (or its joined buffer): see memory/binding.py
+    bound: bool = False  # the parameter is a view of its chunk (or its joined buffer): see store/binding.py
     kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
 
     @property
@@ -139,12 +139,14 @@ class TensorInfo:
             self.transition(TensorState.HOLD)
 
 
-class DiskHome(Protocol):
-    """Where a frozen chunk on disk keeps its values (see [Note: frozen chunks on disk])."""
+class Home(Enum):
+    """Where a chunk's values live now (see [Note: chunk locations] in store/chunk_store.py): on the accelerator
+    (its payload), on the host (its host buffer) or in its disk record (a frozen chunk on disk away from use,
+    see [Note: frozen chunks on disk]). Only the chunk store changes it."""
 
-    def values(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's values in a host buffer, read (and waited on) if need be."""
-        ...
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
 
 
 @dataclass(eq=False)
@@ -153,7 +155,7 @@ class Chunk:
 
     The buffers (``payload`` on the accelerator, ``host`` while the chunk lives on the host,
     the gradient accumulators ``acc``/``acc_host``) are created and moved by
-    :class:`~ds_patrickstar.memory.store.ChunkStore`; their values are read and written only
+    :class:`~ds_patrickstar.store.chunk_store.ChunkStore`; their values are read and written only
     through :meth:`ready` / :meth:`ready_acc` (see [Note: ready payload]).
     """
 
@@ -166,14 +168,19 @@ class Chunk:
     payload: torch.Tensor = field(
         default_factory=lambda: torch.empty(0)
     )  # on the accelerator; parameters are views of it
-    host: torch.Tensor | None = None  # the values while the chunk lives on the host (see memory/store.py)
-    on_host: bool = False
+    host: torch.Tensor | None = None  # the values while the chunk lives on the host (see store/chunk_store.py)
+    home: Home = Home.DEVICE  # where the values live now; changed by the chunk store only
     acc: torch.Tensor | None = None  # fp32 gradient accumulator beside the payload (GA > 1)
     acc_host: torch.Tensor | None = None  # ... and while the chunk is away from the accelerator
     pending: list = field(default_factory=list)  # copies into or out of this chunk not yet waited on
     prefetched: bool = False
     kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
-    disk: DiskHome | None = None  # a frozen chunk whose home is its disk record (see [Note: frozen chunks on disk])
+    on_disk: bool = False  # a frozen chunk whose record is its home away from use (see [Note: frozen chunks on disk])
+
+    @property
+    def on_host(self) -> bool:
+        """Away from the accelerator: on the host or in its disk record."""
+        return self.home is not Home.DEVICE
 
     @property
     def trainable(self) -> bool:
@@ -195,9 +202,11 @@ class Chunk:
         """The chunk's values where they live now, once every copy into or out of the chunk has
         completed: the one accessor for reading or writing them (see [Note: ready payload])."""
         self.wait_pending()
-        if self.on_host and self.host is None and self.disk is not None:
-            return self.disk.values(self)
-        return self.host_buffer() if self.on_host else self.payload
+        if self.home is Home.DISK:
+            raise RuntimeError(
+                f"chunk {self.chunk_id} lives in its disk record: read it through ChunkStore.values (it stages it)"
+            )
+        return self.host_buffer() if self.home is Home.HOST else self.payload
 
     def host_buffer(self) -> torch.Tensor:
         """The host buffer of a chunk that lives on the host (not waited on: use :meth:`ready`)."""

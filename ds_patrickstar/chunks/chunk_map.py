@@ -4,7 +4,7 @@ or frozen (see [Note: frozen chunks] in chunks/kind.py).
 Chunks come in groups of ``W`` (the data-parallel world size); chunk ``g*W + r`` of group ``g``
 is owned by rank ``r`` (see [Note: chunk groups] in ``groups/comm.py``). The map is built from the
 layout (:func:`~ds_patrickstar.chunks.layout.plan_chunks`) one group at a time and answers
-lookups; nothing here allocates or moves memory (``memory/binding.py`` gives the chunks their
+lookups; nothing here allocates or moves memory (``store/binding.py`` gives the chunks their
 buffers and makes the parameters views of them).
 """
 

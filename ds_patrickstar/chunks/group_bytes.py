@@ -6,7 +6,7 @@ A chunk group (see [Note: chunk groups] in groups/comm.py) of ``W`` chunks of ``
 elements of ``lp_bytes`` bytes takes, on one rank's accelerator, these parts:
 
 * ``storage``: with ``W > 1``, the flat storage of its ``W`` chunks while it is gathered (see
-  [Note: gathered group storage] in memory/store.py); with one rank the group is the owned chunk
+  [Note: gathered group storage] in store/chunk_store.py); with one rank the group is the owned chunk
   and there is none;
 * ``owned``: this rank's own chunk (with ``W > 1`` beside the storage, where its landing slot is);
 * ``joined``: with ``W > 1``, the joined buffers of the trainable tensors that straddle its chunks

@@ -8,6 +8,6 @@ backend; ``aio.py``: DeepSpeed's ``aio_handle``), the swap files and their folde
 (``swap_layout.py``), the spilled states with their read-ahead and step stream (``states.py``),
 the frozen chunks on disk with their read-ahead in trace order (``frozen.py``) and the tier's
 set-up at initialize (``tier.py``).
-May import: ``optim``, ``groups``, ``activations``, ``placement``, ``memory``, ``chunks`` and the
-leaf modules.
+May import: ``memory``, ``chunks`` and the leaf modules: it is storage, below everything it serves (the
+chunk store, the optimizer states, the assembly call it directly).
 """

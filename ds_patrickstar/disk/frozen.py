@@ -5,8 +5,8 @@ With the disk tier, the owned slices of the frozen chunks that ``host_budget`` c
 [Note: disk tier plan]) live in the swap folder, one record per chunk (``chunk<id>.swap``, the
 payload in the training dtype, padded to 4 KiB; see [Note: swap files]), beside the spilled
 optimizer states, through the same I/O (see [Note: disk I/O]) and under the same lock. Such a
-chunk's home is its record (:attr:`~ds_patrickstar.chunks.chunk.Chunk.disk`): away from use it
-lives on the host with no host buffer (``on_host`` and no ``host``), so it takes no RAM.
+chunk's home is its record (:attr:`~ds_patrickstar.chunks.chunk.Chunk.on_disk`): away from use it
+lives there (:attr:`~ds_patrickstar.chunks.chunk.Home.DISK`, no host buffer), so it takes no RAM.
 
 * **Written once**: at initialize, right after each chunk group is bound (one chunk at a time:
   :meth:`FrozenDisk.put`; a chunk built without values, under ``ds_patrickstar.Init``, is not
@@ -31,7 +31,7 @@ lives on the host with no host buffer (``on_host`` and no ``host``), so it takes
   often share a chunk, backward starts with the chunks forward ended with, and a checkpointed
   block's backward follows its recomputation), and at the end of backward; with placement it is
   evicted like any chunk, for free.
-* **Read outside training** (checkpoints, exports, :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`
+* **Read outside training** (checkpoints, exports: :meth:`~ds_patrickstar.store.chunk_store.ChunkStore.values`
   of a chunk on disk): through the staging buffers, one record read each, dropped at the next step.
 """
 
@@ -101,11 +101,12 @@ class FrozenDisk:
             self._pinned.append(buffer.data_ptr())
         self._unpin = unpin
 
-    def adopt(self, chunk: Chunk) -> None:
-        """``chunk`` lives on disk if the plan put it there."""
-        if chunk.chunk_id in self.nbytes:
-            self.chunks[chunk.chunk_id] = chunk
-            chunk.disk = self
+    def adopt(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` lives on disk (the plan put it there); if so it is this tier's from now on."""
+        if chunk.chunk_id not in self.nbytes:
+            return False
+        self.chunks[chunk.chunk_id] = chunk
+        return True
 
     @property
     def bytes_on_disk(self) -> int:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..optim.states import OptimizerChunk
+from ..memory.optimizer_chunk import OptimizerChunk
 from .budget import MIN_DISK_BUFFERS as MIN_BUFFERS
 from .io import DiskIO, DiskPending
 from .swap_files import SwapFiles

@@ -14,7 +14,6 @@ import torch
 
 from ..chunks.chunk_map import owner_of
 from ..chunks.layout import ChunkSpec
-from ..groups.comm import ChunkComm
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT, local_world_size, plan_for_specs
 from .aio import AIO_UNCHECKED, AioDiskIO, load_async_io, lock_problem
 from .budget import disk_buffer_bytes, disk_plan, frozen_host_slots, frozen_pool_bytes, record_bytes
@@ -72,22 +71,24 @@ def plan_disk_tier(
     frozen_buffers: int,
     host_budget: int | float | None,
     specs: list[ChunkSpec],
-    comm: ChunkComm,
+    ranks: tuple[int, int],
     dtype: torch.dtype,
     accumulate: bool,
     key: str = "zero_optimization.offload_optimizer.nvme_path",
     host_accelerator: bool = False,
 ) -> DiskPlan:
     """What goes to disk on this rank (see [Note: disk tier plan]), after checking ``nvme_path`` has room
-    for it (``nvme``: the disk tier's settings when an offload block names a disk, else None; ``key``: the
-    ``nvme_path`` key an error names; ``host_accelerator``: the host is the accelerator, no placement)."""
+    for it (``ranks``: the data-parallel ``(world size, rank)``; ``nvme``: the disk tier's settings when an
+    offload block names a disk, else None; ``key``: the ``nvme_path`` key an error names;
+    ``host_accelerator``: the host is the accelerator, no placement)."""
     if nvme is None:
         return DiskPlan()
-    plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
-    mine = [(i, s) for i, s in enumerate(specs) if owner_of(i, comm.world_size) == comm.rank]
+    world_size, rank = ranks
+    plan = plan_for_specs(specs, world_size, rank, dtype.itemsize, accumulate)
+    mine = [(i, s) for i, s in enumerate(specs) if owner_of(i, world_size) == rank]
     owned = {i: s.capacity for i, s in mine if s.kind.trainable}  # only trainable chunks have optimizer states
     frozen = {i: frozen_record_bytes(s.capacity, dtype.itemsize) for i, s in mine if not s.kind.trainable}
-    budget = resolve_host_budget(host_budget, comm.world_size)
+    budget = resolve_host_budget(host_budget, world_size)
     other = plan.model_data_bytes - OPTIM_BYTES_PER_ELEMENT * plan.owned_elements
     slots = frozen_host_slots(frozen_buffers, host_accelerator)
     buffers = (nvme.buffer_count, piece_elements(nvme.buffer_size), slots, frozen_buffers)
@@ -96,7 +97,7 @@ def plan_disk_tier(
         {c: owned[c] for c in sorted(states)}, {c: frozen[c] for c in sorted(on_disk)}, frozen_buffers, slots, key
     )
     needed = sum(record_bytes(c) for c in result.spilled.values()) + sum(result.frozen.values())
-    folder = rank_folder(nvme.nvme_path, comm.rank)
+    folder = rank_folder(nvme.nvme_path, rank)
     check_swap_path(nvme.nvme_path, PathProbe.of(nvme.nvme_path), needed, stale_bytes(folder), key)
     logger.info(
         "ds_patrickstar: disk tier: host budget %.3f GiB; optimizer states of %d of %d owned chunks and %d of %d "

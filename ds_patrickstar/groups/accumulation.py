@@ -7,8 +7,8 @@ import torch
 
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
-from ..memory.store import ChunkStore
 from ..placement.interface import Placement
+from ..store.chunk_store import ChunkStore
 from .comm import ChunkComm
 from .flat import FlatBuffers
 from .group import ChunkGroup

@@ -6,7 +6,7 @@ the list into a temporary of the whole group and copy in and out, memory no budg
 collective on a chunk group therefore runs on one flat tensor with ``all_gather_single`` /
 ``reduce_scatter_single`` (in place on gloo too, see [Note: in-place collectives on gloo] in
 groups/comm.py). The all-gather and the boundary's reduce-scatter run in place in the
-group's own storage (see [Note: gathered group storage] in memory/store.py). Before the boundary
+group's own storage (see [Note: gathered group storage] in store/chunk_store.py). Before the boundary
 of gradient accumulation the slots keep the parameters, so a micro-step's gradients are written
 into a flat buffer of ``W`` chunks allocated here, charged to the device ledger (kind
 ``grad_buffer``, room made by placement first), and reduce-scattered in place: the owner's piece
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..chunks.chunk import Chunk
-from ..memory.store import ChunkStore
 from ..placement.interface import Placement
+from ..store.chunk_store import ChunkStore
 
 KIND = "grad_buffer"
 

@@ -43,8 +43,8 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
-from ..memory.store import ChunkStore
 from ..placement.interface import Placement
+from ..store.chunk_store import ChunkStore
 from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
 from .flat import FlatBuffers

@@ -25,13 +25,13 @@ from enum import Enum
 
 import torch
 
-from ..chunks.chunk import Chunk, TensorInfo
+from ..chunks.chunk import Chunk, Home, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.group_bytes import GroupBytes
 from ..chunks.state import IllegalTransition, TensorState
 from ..memory.pending import Pending
-from ..memory.store import ChunkStore
 from ..placement.interface import Placement
+from ..store.chunk_store import ChunkStore
 from .comm import ChunkComm, PendingCollective
 from .straddle import JoinedBuffers
 
@@ -153,15 +153,15 @@ class ChunkGroup:
         that was let go after its last use is read back (see [Note: frozen chunks on disk]); with
         placement, bringing the chunk did that already."""
         disk = self._store.disk
-        if disk is not None and self.owned.disk is not None:
+        if disk is not None and self.owned.on_disk:
             disk.used(self.owned)
-        if chunk.disk is not None and chunk.on_host:
+        if chunk.home is Home.DISK:
             self._store.materialize(chunk)
 
     def let_go(self, chunk: Chunk) -> None:
         """Where the accelerator is the host (no placement), a frozen chunk on disk whose use is over
         goes (nothing is written: its values are on disk); placement evicts it otherwise."""
-        if chunk.disk is not None and not self._store.movable and chunk.movable and not chunk.on_host:
+        if chunk.on_disk and not self._store.movable and chunk.movable and chunk.home is Home.DEVICE:
             self._store.to_host(chunk)
 
     def keep(self) -> None:

@@ -39,9 +39,9 @@ import torch
 from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
-from ..memory.store import ChunkStore
 from ..placement.interface import Placement
 from ..run_state import RunState
+from ..store.chunk_store import ChunkStore
 from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink

@@ -45,7 +45,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..activations.offloader import ActivationOffloader, repeated_blocks
-from ..chunks.chunk import TensorInfo
+from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..counters import StepCounters
@@ -58,9 +58,7 @@ from ..groups.reductions import InFlightReductions
 from ..io.export import ChunkExport, owned_host_values
 from ..io.init import DeferredModel
 from ..memory.accelerator import Accelerator
-from ..memory.binding import build_chunk_map, check_bindable
 from ..memory.emulated import EmulatedAccelerator
-from ..memory.store import ChunkStore
 from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
 from ..placement.chunk_needs import chunk_needs
@@ -69,6 +67,8 @@ from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from ..run_state import RunState
+from ..store.binding import build_chunk_map, check_bindable
+from ..store.chunk_store import ChunkStore
 from .config import PatrickStarConfig
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
@@ -125,7 +125,7 @@ class ChunkedModel:
         if self.closed:
             return
         self.closed = True
-        give_back(self.chunk_map, self.has_values, self.hooks, self.disk, self.accel, self.frozen_disk)
+        give_back(self.chunk_map, self.has_values, self.hooks, self.disk, self.accel, self.frozen_disk, self.store)
 
 
 @torch.no_grad()
@@ -173,6 +173,7 @@ def give_back(
     disk: DiskStates | None,
     accel: Accelerator,
     frozen_disk: FrozenDisk | None = None,
+    store: ChunkStore | None = None,
 ) -> None:
     """A failed initialize: every bound parameter that came with values gets them back from the chunks this
     rank owns (no collective runs on a failing rank), then what was built goes (:func:`release`); see
@@ -180,7 +181,9 @@ def give_back(
     try:
         infos = [info for info in chunk_map.infos() if info.bound and has_values(info.param)]
         why = "they lie in chunks other ranks own, and a rank whose initialize failed starts no collective"
-        unbind_parameters(infos, lambda: owned_host_values(chunk_map, infos), "a failed deepspeed.initialize", why)
+        values = store.values if store is not None else Chunk.ready
+        read = lambda: owned_host_values(chunk_map, infos, values)
+        unbind_parameters(infos, read, "a failed deepspeed.initialize", why)
     finally:
         release(hooks, disk, accel, frozen_disk)
 
@@ -295,14 +298,16 @@ def assemble(
     disk: DiskStates | None = None
     frozen_disk: FrozenDisk | None = None
     hooks: HookRegistry | None = None
+    store: ChunkStore | None = None
     try:
         check_bindable(plan.specs, has_values)
         build_kernels({accel.device, torch.device("cpu")} if plan.movable else {accel.device})
         pins = (accel.pin_host_range, accel.unpin_host_range)
         disk, frozen_disk = open_disk_tier(options.nvme, plan.disk, comm.rank, plan.poison, pins)
         run = RunState()
-        store, placement, manager = _build_chunks(
-            module, options, plan, chunk_map, has_values, device, deferred, accumulate, run, frozen_disk
+        store = ChunkStore(accel, counters, movable=plan.movable, disk=frozen_disk)
+        placement, manager = _build_chunks(
+            module, options, plan, chunk_map, has_values, device, deferred, accumulate, run, store
         )
         owned = chunk_map.trainable_owned()  # frozen chunks have no optimizer states (see [Note: frozen chunks])
         optim_states = OptimizerStates(owned, accel, start_on_device=not plan.movable, disk=disk)
@@ -314,7 +319,7 @@ def assemble(
             placement,
             stepped_groups={c.group_index for c in chunk_map.chunks if c.trainable},
         )
-        export = ChunkExport(chunk_map, comm, accel, optim_states, frozen_disk)
+        export = ChunkExport(chunk_map, comm, store, optim_states)
         leaves = leaf_tensors(module, chunk_map.info)  # see [Note: leaf modules]
         comm.lockstep.advice = divergence_advice(module)  # see [Note: ranks in lockstep]
         flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary, run, leaves)
@@ -322,7 +327,7 @@ def assemble(
             module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations), leaves
         )
     except BaseException:
-        _give_back_logged(chunk_map, has_values, hooks, disk, accel, frozen_disk)
+        _give_back_logged(chunk_map, has_values, hooks, disk, accel, frozen_disk, store)
         raise
     return ChunkedModel(
         counters,
@@ -354,12 +359,10 @@ def _build_chunks(
     deferred: DeferredModel | None,
     accumulate: bool,
     run: RunState,
-    frozen_disk: FrozenDisk | None,
-) -> tuple[ChunkStore, Placement, ChunkManager]:
+    store: ChunkStore,
+) -> tuple[Placement, ChunkManager]:
     """The chunks with the parameters bound to them (the first change to the model), placement and the manager."""
     counters, comm, accel = plan.counters, plan.comm, plan.accel
-    store = ChunkStore(accel, counters, movable=plan.movable)
-    store.disk = frozen_disk
     build_chunk_map(chunk_map, plan.specs, store, has_values)
     reductions = InFlightReductions()
     placement: Placement = NullPlacement()  # one memory (see [Note: null placement])
@@ -377,10 +380,10 @@ def _build_chunks(
         prefetch_groups=options.prefetch_groups,
     )
     if deferred:  # values from each module's own init, into the owned chunks only (see io/init.py)
-        with frozen_disk.writing() if frozen_disk is not None else contextlib.nullcontext():
-            deferred.materialize(chunk_map)
+        with store.disk.writing() if store.disk is not None else contextlib.nullcontext():
+            deferred.materialize(chunk_map, store.values)
     module.to(device)  # buffers (and non-float frozen parameters); chunk parameters are views already there
-    return store, placement, manager
+    return placement, manager
 
 
 def _give_back_logged(
@@ -390,10 +393,11 @@ def _give_back_logged(
     disk: DiskStates | None,
     accel: Accelerator,
     frozen_disk: FrozenDisk | None,
+    store: ChunkStore | None,
 ) -> None:
     """After a failed :func:`assemble`: :func:`give_back`; an error doing so is logged, the failure's own
     error is the one that propagates."""
     try:
-        give_back(chunk_map, has_values, hooks, disk, accel, frozen_disk)
+        give_back(chunk_map, has_values, hooks, disk, accel, frozen_disk, store)
     except Exception:
         logger.exception("ds_patrickstar: giving back what a failed initialize built failed too")

@@ -5,7 +5,7 @@ the ranks of this host share.
 Without placement every rank keeps its model data in host memory, and the groups it keeps gathered
 between uses (see [Note: kept groups]) come on top: with every group kept, a rank also holds the
 gathered storage of every group, the whole model in bf16/fp16 (see [Note: gathered group
-storage] in memory/store.py). The ranks on one host share its memory, so ``keep_gathered: None``
+storage] in store/chunk_store.py). The ranks on one host share its memory, so ``keep_gathered: None``
 (the default) is decided at initialize. Each rank's *share* is
 
 * the host's available memory at that moment, plus the bytes the chunk parameters' own
@@ -67,7 +67,7 @@ NON_MODEL_BYTES = 1 << 29
 
 def every_group_bytes(plan: ModelDataPlan) -> int:
     """The storage of every chunk group gathered: the whole low-precision model (see
-    [Note: gathered group storage] in memory/store.py)."""
+    [Note: gathered group storage] in store/chunk_store.py)."""
     return plan.total_elements * plan.lp_bytes
 
 

@@ -82,7 +82,9 @@ def plan_run(
     block = "offload_optimizer" if options.offload_optimizer is not None else "offload_param"
     key = f"zero_optimization.{block}.nvme_path"
     host = not placement_runs(options, device)
-    disk = plan_disk_tier(options.nvme, buffers, options.host_budget, specs, comm, dtype, accumulate, key, host)
+    disk = plan_disk_tier(
+        options.nvme, buffers, options.host_budget, specs, (comm.world_size, comm.rank), dtype, accumulate, key, host
+    )
     on_disk = host_bytes_saved(options.nvme, disk)
     accel = make_accelerator(options, device, specs, comm, dtype, accumulate, on_disk)
     comm.bind(accel, poison=isinstance(accel, EmulatedAccelerator))

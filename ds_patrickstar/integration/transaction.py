@@ -3,7 +3,7 @@
 [Note: initialize as a transaction]
 Before the engine is built, :class:`ModelState` records what initialize changes on the user's objects,
 holding no parameter's values (they would stay in memory beside the chunks, and initialize never
-doubles model memory: see memory/binding.py): every submodule's parameter and buffer entries, every
+doubles model memory: see store/binding.py): every submodule's parameter and buffer entries, every
 parameter's device, dtype and gradient, every buffer's tensor (buffers are small and never chunked),
 and a client optimizer's param groups. What needs no parameter's values is decided first (see
 :func:`~ds_patrickstar.integration.planning.plan_run` and ``assembly.py``: a run refused there changes

@@ -20,6 +20,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from torch.distributed import ProcessGroup
 
+from ..chunks.chunk import Home
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
@@ -267,8 +268,8 @@ class PatrickStarOptimizer(ZeROOptimizer):
         """This rank's frozen chunks (see [Note: frozen chunks]), ``(on the accelerator, on the host, only on
         disk)``: a frozen chunk on disk away from use is on disk only (see [Note: frozen chunks on disk])."""
         owned = [c for c in self.chunk_map.chunks if not c.trainable and self.chunk_map.is_owned(c)]
-        disk = sum(c.nbytes for c in owned if c.on_host and c.host is None and c.disk is not None)
-        host = sum(c.nbytes for c in owned if c.on_host) - disk
+        disk = sum(c.nbytes for c in owned if c.home is Home.DISK)
+        host = sum(c.nbytes for c in owned if c.home is Home.HOST)
         return (*self.placement.split_model_bytes(sum(c.nbytes for c in owned) - host - disk, host), disk)
 
     def model_data_bytes(self) -> int:

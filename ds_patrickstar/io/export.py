@@ -42,10 +42,10 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
-from ..disk.frozen import FrozenDisk
 from ..groups.comm import ChunkComm
 from ..memory.accelerator import Accelerator
 from ..optim.states import OptimizerStates
+from ..store.chunk_store import ChunkStore
 
 _HOST_COPY = "_ds_patrickstar_host_copy"
 
@@ -55,14 +55,17 @@ def is_host_copy(value: object) -> bool:
     return isinstance(value, torch.Tensor) and getattr(value, _HOST_COPY, False) is True
 
 
-def owned_host_values(chunk_map: ChunkMap, infos: list[TensorInfo]) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+def owned_host_values(
+    chunk_map: ChunkMap, infos: list[TensorInfo], values: Callable[[Chunk], torch.Tensor] = Chunk.ready
+) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     """``(tensor, its whole value as a new host tensor)`` for each of ``infos`` whose every piece lies in a
-    chunk this rank owns, read where the chunk lives; no collective (at initialize, the owned chunks are
-    the only ones holding values: see memory/binding.py)."""
+    chunk this rank owns, read where the chunk lives (``values``: the store's accessor, which reaches the
+    disk tier's records too); no collective (at initialize, the owned chunks are the only ones holding
+    values: see store/binding.py)."""
     for info in infos:
         chunks = [chunk_map.chunks[piece.chunk_id] for piece in info.pieces]
         if all(chunk_map.is_owned(chunk) for chunk in chunks):
-            pieces = [chunk.ready()[piece.in_chunk] for chunk, piece in zip(chunks, info.pieces)]
+            pieces = [values(chunk)[piece.in_chunk] for chunk, piece in zip(chunks, info.pieces)]
             value = pieces[0].to("cpu", copy=True) if len(pieces) == 1 else torch.cat([p.cpu() for p in pieces])
             yield info, value.view(info.shape)
 
@@ -74,15 +77,14 @@ class ChunkExport:
         self,
         chunk_map: ChunkMap,
         comm: ChunkComm,
-        accel: Accelerator,
+        store: ChunkStore,
         optim_states: OptimizerStates,
-        frozen_disk: FrozenDisk | None = None,
     ) -> None:
         self.map = chunk_map
-        self.frozen_disk = frozen_disk
+        self.store = store
         self.comm = comm
         self.optim_states = optim_states
-        self.accel = accel
+        self.accel: Accelerator = store.accel
         self._consumed: list[str] = []
         self.skip_frozen = False  # state_dict() leaves frozen parameters out (exclude_frozen_parameters)
 
@@ -113,13 +115,13 @@ class ChunkExport:
             if self.skip_frozen and not self.map.is_trainable_group(group):
                 continue
             if fp32_masters and not self.map.is_trainable_group(group):
-                hosts = self._group_on_host(group, lambda c: c.ready(), torch.float32, "frozen values")
+                hosts = self._group_on_host(group, self.store.values, torch.float32, "frozen values")
             elif fp32_masters:
                 hosts = self._group_on_host(
                     group, lambda c: self.optim_states.master_values(c.chunk_id), torch.float32, "fp32 masters"
                 )
             else:
-                hosts = self._group_on_host(group, lambda c: c.ready(), members[0].dtype, "values")
+                hosts = self._group_on_host(group, self.store.values, members[0].dtype, "values")
             yield members, hosts
 
     @contextlib.contextmanager
@@ -191,7 +193,8 @@ class ChunkExport:
     def writing(self) -> contextlib.AbstractContextManager[None]:
         """Inside the block, values written into frozen chunks on disk reach their records (see
         [Note: frozen chunks on disk])."""
-        return self.frozen_disk.writing() if self.frozen_disk is not None else contextlib.nullcontext()
+        disk = self.store.disk
+        return disk.writing() if disk is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def load_from_state_dict(
@@ -221,7 +224,7 @@ class ChunkExport:
             )
             return
         flat = value.reshape(-1)
-        self.map.write_pieces(info, flat, lambda chunk: chunk.ready())
+        self.map.write_pieces(info, flat, self.store.values)
         for piece in info.pieces:  # spilled masters piece by piece through the disk tier's cache
             if piece.chunk_id in self.optim_states.chunks:
                 self.optim_states.write_values(piece.chunk_id, "master", piece.offset, flat[piece.in_param])

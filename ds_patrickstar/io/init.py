@@ -13,7 +13,7 @@ At ``deepspeed.initialize`` (:class:`DeferredModel`):
 1. before DeepSpeed casts the module, each meta parameter is swapped, in every module that
    holds it (tied parameters stay tied) and in the optimizer's param groups, for a parameter
    of the training dtype whose storage is empty;
-2. binding (``memory/binding.py``) makes it a view of its chunk as usual, but copies nothing
+2. binding (``store/binding.py``) makes it a view of its chunk as usual, but copies nothing
    (``_bind`` there);
 3. :meth:`DeferredModel.materialize` then runs, one module at a time, the module's own init
    on a host scratch of that module's parameters (fp32): ``reset_parameters()`` if the
@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils.hooks import RemovableHandle
 
+from ..chunks.chunk import Chunk
 from ..chunks.chunk_map import ChunkMap
 from ..disk.config import means_nvme
 from ..memory.host_heap import BuildWindow, map_large_allocations
@@ -175,6 +176,7 @@ class DeferredModel:
         self.module = module
         self.swapped: dict[torch.Tensor, nn.Parameter] = {}  # meta -> storage-less
         self.seeds: dict[nn.Parameter, int] = {}  # storage-less -> base seed
+        self._values: Callable[[Chunk], torch.Tensor] = Chunk.ready  # see materialize
         for name, buf in module.named_buffers():
             if buf.is_meta:
                 raise ValueError(
@@ -226,11 +228,13 @@ class DeferredModel:
 
     # ---- materialization --------------------------------------------------------------
     @torch.no_grad()
-    def materialize(self, chunk_map: ChunkMap) -> None:
+    def materialize(self, chunk_map: ChunkMap, values: Callable[[Chunk], torch.Tensor] = Chunk.ready) -> None:
         """Fill the owned chunk slices (and the whole of non-chunk parameters) from each module's
-        own init, one module at a time; see [Note: deferred init]."""
+        own init, one module at a time; see [Note: deferred init]. ``values``: a chunk's values to write
+        into (the store's accessor, which reaches the disk tier's records too)."""
         if not self.swapped:
             return
+        self._values = values
         owner: dict[nn.Parameter, tuple[str, str]] = {}  # param -> (module name, key) of its first holder
         for mod_name, mod in self.module.named_modules():
             for key, param in mod._parameters.items():
@@ -274,13 +278,12 @@ class DeferredModel:
         for key, param in mine:
             self._write(param, scratch[key], chunk_map)
 
-    @staticmethod
-    def _write(param: nn.Parameter, value: torch.Tensor, chunk_map: ChunkMap) -> None:
+    def _write(self, param: nn.Parameter, value: torch.Tensor, chunk_map: ChunkMap) -> None:
         info = chunk_map.info(param)
         if info is None:  # in no chunk: whole, on every rank
             param.data = value.detach().to(param.dtype)
             return
-        chunk_map.write_pieces(info, value.detach().reshape(-1), lambda chunk: chunk.ready())
+        chunk_map.write_pieces(info, value.detach().reshape(-1), self._values)
 
 
 def swap_deferred(module: nn.Module, dtype: torch.dtype | None) -> DeferredModel:

@@ -5,8 +5,8 @@ accelerator of a plain CPU run), what an asynchronous operation hands back (``pe
 CUDA accelerator (``cuda.py``) and its strict CPU twin (``emulated.py``, with the model of CUDA's
 caching allocator in ``caching_allocator.py``), the device ledger that counts every accelerator
 byte under the budget (``ledger.py``), the host pool that hands out every pinned host buffer of
-model data (``host_pool.py``), the chunk store that creates and moves chunk buffers
-(``store.py``), the C heap's mmap threshold (``host_heap.py``), binding
-parameters to their chunks (``binding.py``) and the pre-flight arithmetic (``preflight.py``).
+model data (``host_pool.py``), the fp32 states of one chunk as the optimizer and the disk tier see
+them (``optimizer_chunk.py``), the C heap's mmap threshold (``host_heap.py``) and the pre-flight
+arithmetic (``preflight.py``).
 May import: ``chunks`` and the leaf modules ``counters``/``autograd_state``.
 """

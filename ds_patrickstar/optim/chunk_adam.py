@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Chunk
+from ..memory.optimizer_chunk import OptimizerChunk
 from ..placement.interface import Placement
 from .adam_math import AdamHyper, AdamStep, adam_step_reference
-from .states import OptimizerChunk, OptimizerStates
+from .states import OptimizerStates
 
 logger = logging.getLogger(__name__)
 

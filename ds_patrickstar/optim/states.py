@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from ..chunks.chunk import Chunk
+from ..disk.states import DiskStates
 from ..memory.accelerator import Accelerator
 from ..memory.ledger import DeviceBudgetExceeded
+from ..memory.optimizer_chunk import OptimizerChunk
 from ..placement.policy import optimizer_chunks_on_device
 from ..placement.tracer import Trace
 
@@ -34,67 +34,11 @@ logger = logging.getLogger(__name__)
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-@dataclass(eq=False)
-class OptimizerChunk:
-    """fp32 master, momentum and variance aligned with one owned param chunk."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.master, self.exp_avg, self.exp_avg_sq
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    def sliced(self, start: int, stop: int) -> OptimizerChunk:
-        return OptimizerChunk(*(t[start:stop] for t in self.tensors()))
-
-
-class StateStream(Protocol):
-    """A step's pass over the spilled chunks' states, piece by piece (``disk/states.py``)."""
-
-    def start(self) -> None: ...
-
-    def __iter__(self) -> Iterator[tuple[int, int, OptimizerChunk]]: ...
-
-    def abandon(self) -> None: ...
-
-
-class SpilledStates(Protocol):
-    """The optimizer states of the chunks that live on disk (the disk tier, ``disk/states.py``, which
-    implements it); see [Note: disk tier]."""
-
-    capacities: dict[int, int]
-
-    def initialize(self, chunk_id: int, values: torch.Tensor) -> None: ...
-
-    def slices(
-        self, chunk_id: int, start: int = 0, stop: int | None = None, write: bool = False
-    ) -> Iterator[tuple[int, OptimizerChunk]]: ...
-
-    def flush(self) -> None: ...
-
-    def read_ahead(self, extents: dict[int, int]) -> None: ...
-
-    @property
-    def reading_ahead(self) -> bool: ...
-
-    def cancel_read_ahead(self) -> None: ...
-
-    def stream(self, extents: dict[int, int]) -> StateStream: ...
-
-    @property
-    def bytes_on_disk(self) -> int: ...
-
-
 class OptimizerStates:
     """Creates the states of the owned chunks and moves them; see [Note: optimizer-state placement]."""
 
     def __init__(
-        self, chunks: list[Chunk], accel: Accelerator, start_on_device: bool, disk: SpilledStates | None = None
+        self, chunks: list[Chunk], accel: Accelerator, start_on_device: bool, disk: DiskStates | None = None
     ) -> None:
         self.accel = accel
         self.chunks = {c.chunk_id: c for c in chunks}

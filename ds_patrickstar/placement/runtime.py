@@ -16,8 +16,8 @@ from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded, DeviceLedger
-from ..memory.store import ChunkStore
 from ..run_state import RunState
+from ..store.chunk_store import ChunkStore
 from .interface import NO_TIDE, ActivationPolicy, InFlightReductions, StatePlacement
 from .policy import Placer
 from .positions import TracePositions

@@ -41,67 +41,52 @@ prefetches run on the copy stream, and the consumer waits through :meth:`Chunk.r
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
-from ..chunks.chunk import Chunk
+from ..chunks.chunk import Chunk, Home
 from ..counters import StepCounters
-from .accelerator import Accelerator
-from .pending import Pending
+from ..disk.frozen import FrozenDisk
+from ..memory.accelerator import Accelerator
+from ..memory.pending import Pending
 
 logger = logging.getLogger(__name__)
-
-
-class DiskChunks(Protocol):
-    """The disk tier's frozen chunks, as the store sees them (see [Note: frozen chunks on disk])."""
-
-    def adopt(self, chunk: Chunk) -> None:
-        """Make the disk the home of ``chunk`` if the plan put it there (sets ``chunk.disk``)."""
-
-    def put(self, chunk: Chunk, values: torch.Tensor | None) -> None:
-        """The chunk's first values (None: it has none yet)."""
-
-    def used(self, chunk: Chunk) -> None:
-        """``chunk`` is used now (see [Note: frozen use order])."""
-
-    def take(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[Pending], None]]:
-        """A host buffer of the chunk's values, and what to call with the copy that reads it."""
-        ...
-
-    def next_step(self) -> None:
-        """A step is over (the order of reads ahead starts again)."""
-
-    def surplus(self, keep: int | None = None) -> list[Chunk]:
-        """Chunks brought from disk beyond the ``keep`` most recent, least recently brought first."""
-        ...
 
 
 class ChunkStore:
     """Creates, frees and moves chunk buffers; keeps running totals of what is where."""
 
-    def __init__(self, accel: Accelerator, counters: StepCounters, movable: bool) -> None:
+    def __init__(
+        self, accel: Accelerator, counters: StepCounters, movable: bool, disk: FrozenDisk | None = None
+    ) -> None:
         self.accel = accel
         self.counters = counters
         self.movable = movable  # chunks have a host home (placement); else they stay put
         self.host_bytes = 0  # model data on the host: host buffers and accumulators
         self._flats: dict[int, torch.Tensor] = {}  # a group's first chunk id -> its flat storage
         self._freeing: dict[int, Pending] = {}  # flat storages freed when that reduce-scatter completes
-        self.disk: DiskChunks | None = None  # frozen chunks on disk (see [Note: frozen chunks on disk])
+        self.disk = disk  # frozen chunks on disk (see [Note: frozen chunks on disk])
+
+    def values(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's values where they live, waited on (:meth:`Chunk.ready`); a frozen chunk in its disk
+        record is read into a staging buffer of the disk tier (see [Note: frozen chunks on disk])."""
+        if chunk.home is Home.DISK and self.disk is not None:
+            chunk.wait_pending()
+            return self.disk.values(chunk)
+        return chunk.ready()
 
     # ---- creation -----------------------------------------------------------------
     def create(self, chunk: Chunk, owned: bool) -> None:
         """Give ``chunk`` its payload, backed for now so that parameter views can be made of it
         (:meth:`settle` follows). An owned chunk's values go to the host with placement."""
         if owned and self.disk is not None:
-            self.disk.adopt(chunk)
+            chunk.on_disk = self.disk.adopt(chunk)
         chunk.payload = self.accel.empty(chunk.capacity, chunk.dtype, "chunk", f"chunk {chunk.chunk_id}")
         # the pool may cache one chunk's host buffers: payload, accumulator, three optimizer states
         self.accel.host_pool.cache_at_least(chunk.capacity * (chunk.dtype.itemsize + 16))
         if owned and self.movable:
             chunk.host = self._host_zeros(chunk.capacity, chunk.dtype)
-            chunk.on_host = True
+            chunk.home = Home.HOST
         elif owned:
             chunk.payload.zero_()
 
@@ -109,14 +94,14 @@ class ChunkStore:
         """After the views were made: an owned chunk's payload keeps memory only if it lives there; a
         frozen chunk on disk goes there (see [Note: frozen chunks on disk]; ``has_values``: False when
         nothing was written into it)."""
-        if chunk.disk is not None and self.disk is not None:
+        if chunk.on_disk and self.disk is not None:
             self.disk.put(chunk, chunk.ready() if has_values else None)
             if chunk.host is not None:
                 self._drop_host(chunk.host)
                 chunk.host = None
             if chunk.is_materialized:
                 self.accel.free(chunk.payload, "chunk")
-            chunk.on_host = True
+            chunk.home = Home.DISK
             return
         if chunk.on_host:
             self.accel.free(chunk.payload, "chunk")
@@ -189,7 +174,7 @@ class ChunkStore:
 
     # ---- this rank's chunk: present with a gathered group (W == 1) -------------------
     def materialize(self, chunk: Chunk) -> None:
-        if chunk.on_host and chunk.disk is not None:  # a frozen chunk on disk, let go after its last use
+        if chunk.home is Home.DISK:  # a frozen chunk on disk, let go after its last use
             self.to_device(chunk)
         if not chunk.is_materialized:
             self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
@@ -208,16 +193,16 @@ class ChunkStore:
         if chunk.on_host:
             return
         self._wait_collectives(chunk)
-        if chunk.disk is not None:  # its values are on disk already: nothing is copied
+        if chunk.on_disk:  # its values are on disk already: nothing is copied
             chunk.wait_pending()
             self.accel.free(chunk.payload, "chunk")
-            chunk.on_host, chunk.prefetched = True, False
+            chunk.home, chunk.prefetched = Home.DISK, False
             return
         host = self.accel.host_empty(chunk.capacity, chunk.dtype)
         self.host_bytes += chunk.nbytes
         pending = self.accel.copy(host, chunk.payload)  # ordered after every earlier copy of the chunk
         self.accel.free(chunk.payload, "chunk", after=pending)
-        chunk.host, chunk.on_host, chunk.pending = host, True, [pending]
+        chunk.host, chunk.home, chunk.pending = host, Home.HOST, [pending]
         self._acc_to_host(chunk)
         chunk.prefetched = False
         self.counters.bytes_to_host += chunk.nbytes
@@ -227,7 +212,7 @@ class ChunkStore:
             return
         self._wait_collectives(chunk)
         self.accel.materialize(chunk.payload, "chunk", f"chunk {chunk.chunk_id}")
-        if chunk.host is None and chunk.disk is not None and self.disk is not None:
+        if chunk.home is Home.DISK and self.disk is not None:
             host, done = self.disk.take(chunk)  # a read buffer of the disk tier
             pending = self.accel.copy(chunk.payload, host)
             done(pending)
@@ -235,7 +220,7 @@ class ChunkStore:
             host = chunk.host_buffer()
             pending = self.accel.copy(chunk.payload, host)
             self._drop_host(host, after=pending)
-        chunk.host, chunk.on_host, chunk.pending = None, False, [pending]
+        chunk.host, chunk.home, chunk.pending = None, Home.DEVICE, [pending]
         self._acc_to_device(chunk)
         self.counters.bytes_to_device += chunk.nbytes
 

@@ -21,7 +21,7 @@ import torch
 from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.layout import ChunkSpec
-from .store import ChunkStore
+from .chunk_store import ChunkStore
 
 logger = logging.getLogger(__name__)
 
