@@ -13,11 +13,6 @@ from typing import Any
 import torch
 
 
-def inside_backward() -> bool:
-    """Whether autograd is running a backward pass now (e.g. an activation-checkpoint recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Tensors inside (possibly nested) tuples, lists, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):

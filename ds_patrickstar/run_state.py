@@ -18,7 +18,7 @@ A run is in one :class:`Phase` at a time:
 * ``EVAL_FORWARD``: a forward of the root module under ``no_grad``; when it ends the run is back in
   the phase it came from;
 * ``BACKWARD``: a backward pass is running (from the first hook autograd fires in it to the
-  backward epilogue);
+  final callback that ends it, see [Note: end of backward] in integration/backward_end.py);
 * ``RECOMPUTE``: inside a backward, a hooked module's forward runs again (an activation-checkpoint
   recomputation); the next backward hook is ``BACKWARD`` again (a non-reentrant checkpoint may
   stop a recomputation early, so its end is not waited for);
@@ -26,8 +26,8 @@ A run is in one :class:`Phase` at a time:
 * ``STEP``: the optimizer step is running; it ends in ``IDLE`` even where it raises.
 
 The hooks move the run (``integration/hook_target.py``: the root module's forward begins and ends,
-a backward hook fires, a hooked module's forward runs inside backward), and so does the optimizer
-(the backward epilogue, the step); every other part only asks. A hooked module called on its own,
+a backward hook fires, a hooked module's forward runs inside backward, autograd's final callback
+ends the backward), and so does the optimizer (the step); every other part only asks. A hooked module called on its own,
 outside the root module's forward, moves nothing: its moments are not training moments. The legal
 moves are the table :data:`_LEGAL`; anything else raises :class:`IllegalRunTransition` naming both
 phases. A forward or backward that raised leaves its phase as it was: the run is

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from ..autograd_state import inside_backward, iter_tensors
+from ..autograd_state import iter_tensors
 from ..chunks.chunk import TensorInfo
 from ..groups.manager import ChunkManager
 from ..io.export import ChunkExport
 from ..optim.states import OptimizerStates
 from ..placement.interface import Placement
 from ..run_state import RunState
+from .backward_end import BackwardEnd
 
 
 def _backward_reads_no_weights(module: torch.nn.Module) -> bool:
@@ -55,10 +56,11 @@ class TrainingFlow:
         # see [Note: leaf modules]
         self._leaves = {m: manager.leaves.add(self._module_names[m], infos) for m, infos in (leaves or {}).items()}
         self._meter_ctx: AbstractContextManager[Any] | None = None
+        self.backward = BackwardEnd(self.end_backward)  # see [Note: end of backward]
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
-        if inside_backward():  # the whole model checkpointed: its recomputation
+        if self.backward.running:  # the whole model checkpointed: its recomputation
             return
         training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
         if training and self.run.forward_without_backward():
@@ -79,7 +81,7 @@ class TrainingFlow:
             self._meter_ctx.__enter__()
 
     def root_forward_end(self) -> None:
-        if inside_backward():
+        if self.backward.running:
             return
         self.run.end_forward()
         self.manager.end_forward()  # see [Note: ranks in lockstep]
@@ -93,7 +95,7 @@ class TrainingFlow:
     # ---- module moments -------------------------------------------------------------------
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
         kind = "fwd:"
-        if inside_backward():  # a forward inside backward: a recomputation
+        if self.backward.running:  # a forward inside backward: a recomputation
             self.run.recompute()
             kind = "rec:"
         self.manager.access(infos, kind + self._module_names.get(module, "?"))
@@ -101,7 +103,7 @@ class TrainingFlow:
     def block_forward(self, index: int, inputs: Any) -> None:
         """A block's training forward begins (not a recomputation): its inputs are counted for as long
         as they are held (see [Note: held inputs]), its saved tensors begin (see [Note: activation offload])."""
-        if self._meter_ctx is None or inside_backward():
+        if self._meter_ctx is None or self.backward.running:
             return
         tensors = list(iter_tensors(inputs))
         offloader, meter = self.placement.activation_policy(), self.placement.meter()
@@ -116,8 +118,22 @@ class TrainingFlow:
             return  # an activation-checkpoint recomputation: the tensors stay in COMPUTE for backward
         self.manager.after_forward(infos)
 
-    def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+    def in_backward(self) -> bool:
+        """A backward pass of ours is running (see [Note: end of backward])."""
+        return self.backward.running
+
+    def backward_begins(self) -> None:
+        """Autograd runs one of our backward hooks: the run is in its backward, whose end is queued."""
         self.run.backward_hook()
+        self.backward.arm()
+
+    def end_backward(self) -> None:
+        """The backward pass is over (its final callback; see [Note: end of backward]): the epilogue."""
+        self.manager.end_backward(self.is_boundary())
+        self.run.end_backward()  # see [Note: run state]
+
+    def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
+        self.backward_begins()
         self.manager.reap_reductions()
         if self.is_boundary():  # the step's disk reads need no gradient: start them now (see [Note: disk tier])
             self.optim_states.read_ahead()
@@ -126,7 +142,7 @@ class TrainingFlow:
         self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))
 
     def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.run.backward_hook()
+        self.backward_begins()
         self.manager.backward_use_over(infos)
 
     def leaf_called(self, module: torch.nn.Module) -> None:
@@ -134,11 +150,11 @@ class TrainingFlow:
 
     def leaf_backward_over(self, module: torch.nn.Module) -> None:
         """One forward call's backward of a leaf module is over (see [Note: leaf modules])."""
-        self.run.backward_hook()
+        self.backward_begins()
         self.manager.leaves.backward_over(self._leaves[module], self.is_boundary())
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
-        self.run.backward_hook()
+        self.backward_begins()
         self.manager.take_grad(info, grad, self.is_boundary())
 
     # ---- state dicts (see [Note: state_dict]) ------------------------------------------

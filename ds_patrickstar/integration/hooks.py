@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..autograd_state import inside_backward, iter_tensors
+from ..autograd_state import iter_tensors
 from ..chunks.chunk import TensorInfo
 
 
@@ -69,6 +69,10 @@ class HookTarget(Protocol):
     def leaf_backward_over(self, module: torch.nn.Module) -> None: ...
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None: ...
+
+    def backward_begins(self) -> None: ...
+
+    def in_backward(self) -> bool: ...
 
     def before_load_state_dict(self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None: ...
 
@@ -160,7 +164,7 @@ class HookRegistry:
                 tied = any(holders[id(i.param)] > 1 for i in infos)
                 self._register_module(sub, infos, infos if tied else [i for i in infos if not i.trainable])
         # after the root module's own post-forward: the training forward is over once its uses are
-        self._handles.append(module.register_forward_hook(lambda mod, args, output: target.root_forward_end()))
+        self._handles.append(module.register_forward_hook(lambda mod, args, output: self._root_forward_end(output)))
         self._handles.append(
             module.register_state_dict_post_hook(
                 lambda mod, state_dict, prefix, meta: target.after_state_dict(state_dict, prefix)
@@ -198,11 +202,11 @@ class HookRegistry:
                 return None
             if not leaf:
                 # a recomputation (inside backward) marks its frozen tensors only: see [Note: frozen chunks]
-                ends = [i for i in post if not i.trainable] if inside_backward() else post
+                ends = [i for i in post if not i.trainable] if target.in_backward() else post
                 if not ends:
                     return None
                 return _mark_post_backward(args, kwargs, lambda: target.post_backward(mod, ends))
-            if inside_backward():
+            if target.in_backward():
                 return None
             marked = _mark_post_backward(args, kwargs, lambda: target.leaf_backward_over(mod))
             if marked is not None:  # else the backward epilogue hands its gradients over
@@ -220,6 +224,15 @@ class HookRegistry:
 
         self._handles.append(sub.register_forward_pre_hook(pre_forward, with_kwargs=True))
         self._handles.append(sub.register_forward_hook(post_forward))
+
+    def _root_forward_end(self, output: Any) -> None:
+        """The root module's forward is over; when backward reaches its outputs, before any module, the
+        backward's end is queued (see [Note: end of backward])."""
+        target = self._target
+        target.root_forward_end()
+        outputs = [t for t in iter_tensors(output) if t.requires_grad]
+        if outputs and not target.in_backward():
+            torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: target.backward_begins(), mode="any")
 
     def _grad_hook(self, info: TensorInfo) -> Callable[[torch.Tensor], None]:
         target = self._target

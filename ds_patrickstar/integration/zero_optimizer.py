@@ -24,6 +24,7 @@ from ..chunks.chunk import Home
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
+from ..run_state import Phase
 from .assembly import ChunkedModel, assemble
 from .config import PatrickStarConfig
 
@@ -109,8 +110,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
 
     # ---- engine interface -------------------------------------------------------
     def backward_epilogue(self, **kwargs: Any) -> None:
-        self.manager.end_backward(self.is_gradient_accumulation_boundary())
-        self.run.end_backward()  # see [Note: run state]
+        """DeepSpeed's engine after ``loss.backward()``: autograd's final callback ended the backward
+        already; only a backward that reached none of our hooks ends here (see [Note: end of backward])."""
+        if self.run.phase is Phase.FORWARD_DONE:
+            self.parts.flow.end_backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._frozen_or_extra:
