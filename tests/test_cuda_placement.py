@@ -224,3 +224,16 @@ def test_activation_offload_on_cuda_moves_bytes_and_keeps_the_numbers():
     assert kept_counters["activation_bytes_offloaded"] == 0
     # On CUDA the allocator's tide (everything allocated that is not model data) shows the saving.
     assert counters["peak_non_model_bytes_device"] < kept_counters["peak_non_model_bytes_device"] - 4 * 4096 * 1024 * 4
+
+
+@pytest.mark.gpu
+def test_all_gathers_and_reduce_scatters_run_on_streams_of_their_own():
+    """[Note: collective buffers]: two collective streams beside the copy stream, each entered by its kind."""
+    from ds_patrickstar.memory.cuda import CudaAccelerator
+
+    accel = CudaAccelerator(torch.device("cuda", torch.cuda.current_device()), 1 << 30)
+    streams = accel.collective_streams
+    assert len({s.cuda_stream for s in (*streams.values(), accel.copy_stream)}) == 3
+    for kind, stream in streams.items():
+        with accel.collective_stream(kind) as issue:
+            assert torch.cuda.current_stream() == stream and issue.kind == kind

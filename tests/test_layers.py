@@ -86,6 +86,12 @@ def test_no_class_over_the_size_limit():
     assert max(sizes.values()) <= MAX_CLASS_LINES, {k: v for k, v in sizes.items() if v > MAX_CLASS_LINES}
 
 
+def test_no_buffer_is_handed_to_record_stream():
+    """Collective buffers are held until the collective is waited on and freed after (see [Note: collective
+    buffers]); a ``record_stream`` block stays reserved after the ledger released it."""
+    assert [str(p.relative_to(PACKAGE)) for p in _modules() if "record_stream" in p.read_text()] == []
+
+
 # ---- Notes ------------------------------------------------------------------------------------
 NOTE_HEADER = re.compile(r'^\s*(?:#\s*)?(?:r?""")?\[Note: ([^\]]+)\]\s*$', re.MULTILINE)
 NOTE_CITED = re.compile(r"\[Note:\s+([^\]]+?)\]")

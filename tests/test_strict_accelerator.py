@@ -62,6 +62,23 @@ def test_free_after_a_copy_waits_for_it():
     assert accel.ledger.total == 0
 
 
+def test_freeing_a_buffer_before_its_collective_is_waited_on_raises():
+    """[Note: collective buffers]: a collective holds its buffers until its wait; the twin raises on an
+    early free (on a GPU the allocator would hand the block on while the collective's stream used it)."""
+    accel = EmulatedAccelerator(1 << 20)
+    buf = accel.empty(8, torch.float32, "chunk", "a group's storage")
+    with accel.collective_stream("reduce_scatter", buf) as issue:
+        pass
+    with pytest.raises(CopyHazard, match="collective"):
+        accel.free(buf, "chunk")
+    issue.complete()
+    accel.free(buf, "chunk")
+    assert accel.ledger.total == 0
+    with pytest.raises(ValueError, match="'broadcast'"):
+        with accel.collective_stream("broadcast", buf):
+            pass
+
+
 def test_overwriting_a_source_before_its_copy_completes_raises():
     accel = EmulatedAccelerator(1 << 20)
     src = torch.ones(4)

@@ -29,10 +29,26 @@ reduce-scatter divides a flat buffer of the group's gradients (the group's stora
 micro-step's gradient buffer, see [Note: flat group buffers]) by ``W`` and sums it into this
 rank's piece in place, then, when waited on, runs its ``after`` action (the gradient sink puts
 the piece where it belongs).
-On CUDA the collectives are issued on their own
-stream after the work queued on the compute stream (``Accelerator.collective_stream``); the
-wait makes the compute stream wait for the collective, and what follows runs there. On CPU
-(gloo) the same code runs with gloo's work handles.
+On CUDA the collectives are issued on a stream of their kind after the work queued on the
+compute stream (``Accelerator.collective_stream``); the wait makes the compute stream wait for
+the collective, and what follows runs there. On CPU (gloo) the same code runs with gloo's work
+handles.
+
+[Note: collective buffers]
+A collective's buffers (the group's storage, the owned chunk it sends, a micro-step's gradient
+buffer) are held by the collective until it is waited on, and freed only after: the storage a
+reduce-scatter reads goes in its ``after`` action, a released group's storage after its members'
+pending collectives, a gradient buffer after its reduce-scatter. On CUDA the all-gathers and the
+reduce-scatters run on two streams of their own (at high priority, as FSDP2's), so an all-gather
+ahead of use is not queued behind a reduce-scatter, nor either behind a copy. No buffer is handed to
+torch's record-stream: after the wait the compute stream, on which every buffer was allocated, is
+ordered after the collective, so the block the caching allocator gets back at the free is safe to
+reuse there, and the ledger releases the bytes exactly when the allocator does (a recorded-stream
+block stays reserved until the collective's stream passes it, after the ledger let the bytes go: a
+tight budget at several ranks could over-commit). The strict twin holds each collective's buffers
+until its wait (:class:`~ds_patrickstar.memory.accelerator.CollectiveIssue`) and raises
+:class:`~ds_patrickstar.memory.pending.CopyHazard` on a free before it, so a missing wait fails a
+CPU test.
 
 [Note: in-place collectives on gloo]
 gloo has no in-place form of the two single-tensor collectives: its reduce-scatter all-reduces a
@@ -55,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from ..counters import StepCounters
-from ..memory.accelerator import Accelerator, HostAccelerator
+from ..memory.accelerator import Accelerator, CollectiveIssue, HostAccelerator
 from ..memory.pending import Pending
 from .lockstep import Lockstep
 
@@ -130,9 +146,10 @@ class PendingCollective(Pending):
     # A completed collective drops its work handle and finish action at once: the handle holds
     # the process group's buffers (NCCL and gloo flatten an all-gather's list of outputs into
     # one), and a member chunk's pending list may keep this object until that chunk is next read.
-    def __init__(self, work: Waitable | None, finish: Callable[[], None]) -> None:
+    def __init__(self, work: Waitable | None, finish: Callable[[], None], issue: CollectiveIssue | None = None) -> None:
         self.work = work
         self._finish: Callable[[], None] | None = finish
+        self._issue = issue  # its buffers are held until the wait (see [Note: collective buffers])
         self._done = False
 
     def wait(self) -> None:
@@ -141,7 +158,9 @@ class PendingCollective(Pending):
         self._done = True  # the finish action may wait the member chunks again: no re-entry
         if self.work is not None:
             self.work.wait()
-        finish, self.work, self._finish = self._finish, None, None
+        if self._issue is not None:
+            self._issue.complete()
+        finish, self.work, self._finish, self._issue = self._finish, None, None, None
         if finish is not None:
             finish()
 
@@ -191,7 +210,7 @@ class ChunkComm:
         if self.poison:  # strict emulation: received into a side buffer, visible only once waited on
             staging = self._staging.setdefault((flat.numel(), mine.dtype), [])
             output = staging.pop() if staging else torch.empty_like(flat)
-        with self.accel.collective_stream(flat, mine):
+        with self.accel.collective_stream("all_gather", flat, mine) as issue:
             work = _all_gather_single(output, mine, group=self.group, async_op=True)
 
         def finish() -> None:
@@ -206,7 +225,7 @@ class ChunkComm:
                     piece.fill_(float("nan"))
         self.counters.all_gathers += 1
         self.counters.bytes_all_gathered += (self.world_size - 1) * numel * mine.element_size()
-        return PendingCollective(work, finish)
+        return PendingCollective(work, finish, issue)
 
     def reduce_scatter_mean_single_async(
         self, flat: torch.Tensor, what: str, after: Callable[[], None] = lambda: None
@@ -222,11 +241,11 @@ class ChunkComm:
         mine = flat[self.rank * numel : (self.rank + 1) * numel]
         with torch.no_grad():
             flat.div_(self.world_size)
-        with self.accel.collective_stream(flat):
+        with self.accel.collective_stream("reduce_scatter", flat) as issue:
             work = _reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.counters.reduce_scatters += 1
         self.counters.bytes_reduce_scattered += (self.world_size - 1) * numel * flat.element_size()
-        return PendingCollective(work, after)
+        return PendingCollective(work, after, issue)
 
     def agree(self, values: list[int]) -> list[int]:
         """The elementwise minimum of ``values`` over the ranks (one all-reduce, one host sync): what

@@ -26,7 +26,7 @@ import contextlib
 import ctypes
 import functools
 import sys
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -89,9 +89,13 @@ class Accelerator:
             self._deferred.append((after, tensor, _nbytes(tensor), kind))
 
     def _free_now(self, tensor: torch.Tensor, nbytes: int, kind: str) -> None:
+        self._check_free(tensor)
         self._backed.pop(tensor.untyped_storage().data_ptr(), None)
         tensor.untyped_storage().resize_(0)
         self.ledger.release(nbytes, kind)
+
+    def _check_free(self, tensor: torch.Tensor) -> None:
+        """Raise where freeing ``tensor`` now is a hazard (the strict twin checks collectives in flight)."""
 
     def close(self) -> None:
         """The run is over: every allocation still backed is freed, once the copies in flight have
@@ -178,10 +182,18 @@ class Accelerator:
         """:meth:`copy` for an activation, ``on_device`` being its accelerator side."""
         return self.copy(dst, src)
 
-    def collective_stream(self, *tensors: torch.Tensor) -> AbstractContextManager[None]:
-        """Where a collective is issued (see [Note: asynchronous collectives] in groups/comm.py): the
-        calling thread on the host; a stream of its own on CUDA."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def collective_stream(self, kind: str, *buffers: torch.Tensor) -> Iterator[CollectiveIssue]:
+        """Where a collective of ``kind`` (:data:`COLLECTIVE_KINDS`) over ``buffers`` is issued: the
+        calling thread on the host; on CUDA the stream of its kind (see [Note: collective buffers] in
+        groups/comm.py). The issue it yields completes when the collective is waited on."""
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"collective kind {kind!r}: one of {COLLECTIVE_KINDS}")
+        issue = self._issue(kind, buffers)
+        yield issue
+
+    def _issue(self, kind: str, buffers: tuple[torch.Tensor, ...]) -> CollectiveIssue:
+        return CollectiveIssue(kind)
 
     # ---- memory statistics (non-model memory; see placement/tracer.py) ---------------------------
     def memory_in_use(self) -> tuple[int, int]:
@@ -197,6 +209,24 @@ class Accelerator:
     def release_cached(self) -> None:
         """Give the allocator's segments with no block in use back to the device (nothing where there is
         no allocator), so that the activations made next lay out segments of their own."""
+
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter")
+
+
+class CollectiveIssue:
+    """One collective issued on its kind's stream, until it is waited on (:meth:`complete`); the strict
+    twin holds its buffers until then (see [Note: collective buffers] in groups/comm.py)."""
+
+    def __init__(self, kind: str, on_complete: Callable[[], None] | None = None) -> None:
+        self.kind = kind
+        self._on_complete = on_complete
+
+    def complete(self) -> None:
+        """The collective was waited on: whatever the compute stream does next is ordered after it."""
+        on_complete, self._on_complete = self._on_complete, None
+        if on_complete is not None:
+            on_complete()
 
 
 class HostAccelerator(Accelerator):

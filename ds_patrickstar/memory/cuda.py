@@ -1,4 +1,5 @@
-"""The CUDA accelerator: a copy stream, a collective stream, the caching allocator's statistics.
+"""The CUDA accelerator: a copy stream, an all-gather and a reduce-scatter stream, the caching
+allocator's statistics.
 
 On CUDA (:class:`CudaAccelerator`) a copy runs on a dedicated copy stream after the work
 already queued on the compute stream, and records an event; waiting is
@@ -25,10 +26,11 @@ caching allocator model] in ``caching_allocator.py``), so a CPU test fails with 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 
-from .accelerator import Accelerator
+from .accelerator import COLLECTIVE_KINDS, Accelerator, CollectiveIssue
 from .pending import Pending
 
 
@@ -60,14 +62,17 @@ class CudaAccelerator(Accelerator):
         super().__init__(budget)
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
-        self.comm_stream = torch.cuda.Stream(device)
+        # as FSDP2's: the collectives of the next groups are not queued behind the copies, nor
+        # all-gathers behind reduce-scatters (see [Note: collective buffers] in groups/comm.py)
+        self.collective_streams = {kind: torch.cuda.Stream(device, priority=-1) for kind in COLLECTIVE_KINDS}
         stats = torch.cuda.memory_stats(device)
         self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
 
     def _drain(self) -> None:
         """Copies and collectives still queued on our streams complete before their buffers are freed."""
         self.copy_stream.synchronize()
-        self.comm_stream.synchronize()
+        for stream in self.collective_streams.values():
+            stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
 
     def _pin_host(self, address: int, nbytes: int) -> None:
@@ -85,16 +90,15 @@ class CudaAccelerator(Accelerator):
         return _CudaPending(event, to_host=not dst.is_cuda)
 
     @contextlib.contextmanager
-    def collective_stream(self, *tensors: torch.Tensor):
-        """Issue on the collective stream, after the work queued on the compute stream (as FSDP2's
-        all-gather and reduce-scatter streams); the buffers are not reused by the caching allocator
-        before the collective ran. Its work handle's ``wait()`` makes the compute stream wait."""
-        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.comm_stream):
-            yield
-        for tensor in tensors:
-            if tensor.is_cuda:
-                tensor.record_stream(self.comm_stream)
+    def collective_stream(self, kind: str, *buffers: torch.Tensor) -> Iterator[CollectiveIssue]:
+        """Issue on the stream of ``kind``, after the work queued on the compute stream (as FSDP2's
+        all-gather and reduce-scatter streams). Its work handle's ``wait()`` makes the compute stream
+        wait for it; the buffers are freed only after that (see [Note: collective buffers] in
+        groups/comm.py), so nothing keeps a block reserved behind the allocator's back."""
+        stream = self.collective_streams[kind]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield CollectiveIssue(kind)
 
     def memory_in_use(self) -> tuple[int, int]:
         """Peak since the previous call from deltas of the process-wide peak: never resets torch's

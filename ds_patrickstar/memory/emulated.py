@@ -33,6 +33,10 @@
   that fits no piece takes a new segment beside them, so reserved memory may pass the budget by at
   most the pieces: on a GPU the 1 GiB the default budget leaves out covers that; the twin, with no
   device beyond its budget, checks at moments only, as it does the tide.
+* **A collective holds its buffers until it is waited on.** Freeing (resizing to zero bytes) a buffer
+  that an all-gather or a reduce-scatter issued and not waited on reads or writes raises
+  :class:`CopyHazard`, as a GPU would let the caching allocator hand its block to other work while the
+  collective's stream still used it (see [Note: collective buffers] in groups/comm.py).
 
 The CUDA counterpart is :mod:`~ds_patrickstar.memory.cuda`.
 """
@@ -44,7 +48,7 @@ from collections import Counter, deque
 
 import torch
 
-from .accelerator import Accelerator
+from .accelerator import Accelerator, CollectiveIssue
 from .caching_allocator import TWIN_GEOMETRY, CachingAllocatorModel
 from .pending import CopyHazard, Pending
 
@@ -122,6 +126,7 @@ class EmulatedAccelerator(Accelerator):
         self._pinned: dict[int, int] = {}  # address -> bytes pinned by this accelerator's host pool
         self.torch_pinned = TorchPinnedModel()
         self.activation_memory = CachingAllocatorModel(TWIN_GEOMETRY)  # fed by the tracer's meter
+        self._collective_buffers: Counter[int] = Counter()  # storage data_ptr -> collectives in flight on it
 
     # ---- which memory a buffer is in ----------------------------------------------------
     def _on_device(self, tensor: torch.Tensor) -> bool:
@@ -131,10 +136,25 @@ class EmulatedAccelerator(Accelerator):
 
     def _drain(self) -> None:
         """The copies still queued are dropped, not run: every buffer they read or write is freed now
-        (running one whose source went would raise :class:`CopyHazard` on the way out)."""
+        (running one whose source went would raise :class:`CopyHazard` on the way out); so are the
+        collectives' holds on their buffers."""
         for pending in self._queue:
             pending.completed = True
         self._queue.clear()
+        self._collective_buffers.clear()
+
+    # ---- collectives hold their buffers (see [Note: collective buffers]) -------------------
+    def _issue(self, kind: str, buffers: tuple[torch.Tensor, ...]) -> CollectiveIssue:
+        ptrs = [b.untyped_storage().data_ptr() for b in buffers if b.untyped_storage().nbytes()]
+        self._collective_buffers.update(ptrs)
+        return CollectiveIssue(kind, lambda: self._collective_buffers.subtract(ptrs))
+
+    def _check_free(self, tensor: torch.Tensor) -> None:
+        if self._collective_buffers[tensor.untyped_storage().data_ptr()] > 0:
+            raise CopyHazard(
+                f"a buffer of {tensor.numel() * tensor.element_size():,} B was freed while a collective that "
+                "reads or writes it was in flight: wait on the collective first"
+            )
 
     def _pin_host(self, address: int, nbytes: int) -> None:
         if address in _PINNED:
