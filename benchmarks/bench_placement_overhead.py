@@ -69,10 +69,10 @@ from ds_patrickstar.chunks.layout import plan_chunks
 from ds_patrickstar.counters import StepCounters
 from ds_patrickstar.groups.comm import ChunkComm
 from ds_patrickstar.groups.manager import ChunkManager
-from ds_patrickstar.groups.reductions import InFlightReductions
 from ds_patrickstar.integration.assembly import make_placement
 from ds_patrickstar.integration.config import PatrickStarConfig
 from ds_patrickstar.memory.emulated import EmulatedAccelerator
+from ds_patrickstar.memory.reductions import InFlightReductions
 from ds_patrickstar.run_state import RunState
 from ds_patrickstar.store.binding import build_chunk_map
 from ds_patrickstar.store.chunk_store import ChunkStore

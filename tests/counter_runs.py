@@ -21,7 +21,7 @@ STEPS = 3
 # timings and what the host pool happens to cache are not behaviour
 NOT_COMPARED = {"disk_io_seconds", "disk_wait_seconds"}
 # with several ranks, when gloo completes a reduce-scatter decides when its buffer goes (reaped at the next
-# moment or gradient, see groups/reductions.py): the peaks differ from run to run, nothing moved does
+# moment or gradient, see memory/reductions.py): the peaks differ from run to run, nothing moved does
 TIMING_DEPENDENT = {"peak_model_bytes_device", "peak_device_bytes"}
 
 _GPT = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}

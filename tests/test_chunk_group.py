@@ -39,7 +39,7 @@ class _OneMomentPlacement:
 
     @staticmethod
     def gathered_rooms(trace, held):
-        from ds_patrickstar.placement.runtime import gathered_rooms
+        from ds_patrickstar.placement.planner import gathered_rooms
 
         return gathered_rooms([m.non_model for m in trace.moments], 10_000, held)
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from ds_patrickstar.groups.reductions import InFlightReductions
 from ds_patrickstar.memory.pending import Pending
+from ds_patrickstar.memory.reductions import InFlightReductions
 
 NUMEL = 1 << 24  # elements per rank: a 2-rank bf16 group of 64 MiB
 
@@ -81,7 +81,7 @@ class _Reduction(Pending):
 
 def test_finished_reduce_scatters_give_their_buffers_back_without_waiting_for_the_limit():
     """A reduce-scatter whose collective has run is completed (its buffer freed) at the next issue or
-    backward moment, oldest first, never blocking on one still running (see groups/reductions.py)."""
+    backward moment, oldest first, never blocking on one still running (see memory/reductions.py)."""
     reductions = InFlightReductions(limit=2)
     first, second, third = _Reduction(True), _Reduction(False), _Reduction(True)
     reductions.add(first)

@@ -143,7 +143,7 @@ def test_7_retrace_with_a_higher_tide_replans_optimizer_states():
     engine, _, counters = _run(_config("patrickstar", emulate_accelerator=True, device_budget=3_000_000),
                                steps=6, batches=[4, 4, 4, 64, 64, 64])
     assert counters[2]["adam_chunks_device"] > counters[-1]["adam_chunks_device"]
-    assert engine.optimizer.optim_states.trace_planned is engine.optimizer.placement.tracer.trace
+    assert engine.optimizer.placement.steps.planned_from is engine.optimizer.placement.tracer.trace
     engine.destroy()
 
 

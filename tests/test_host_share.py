@@ -103,8 +103,8 @@ def test_near_the_cap_a_1_21b_gpt_at_two_ranks_releases_every_group():
 
 def test_the_step_counts_the_gathered_storage_prefetch_accumulation_buffers_and_gradients():
     """What a step allocates beyond the model data with no group kept, part by part."""
-    from ds_patrickstar.groups.reductions import LIMIT
     from ds_patrickstar.integration.host_share import step_bytes
+    from ds_patrickstar.memory.reductions import LIMIT
     from ds_patrickstar.plan import specs_for
 
     chunk_size = 1 << 10

@@ -7,12 +7,12 @@ import torch
 
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
+from ..memory.reductions import InFlightReductions
 from ..placement.interface import Placement
 from ..store.chunk_store import ChunkStore
 from .comm import ChunkComm
 from .flat import FlatBuffers
 from .group import ChunkGroup
-from .reductions import InFlightReductions
 
 
 class ScatteredAccumulation:

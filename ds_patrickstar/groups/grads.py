@@ -24,7 +24,7 @@ gradients go into the slots as with GA = 1, and after the slots' reduce-scatter 
 adds its accumulator and writes the sum into its slot, rounded once: the optimizer reads the
 slot as always. Cost per rank: 4 / ``W`` bytes per parameter during accumulation, plus the
 buffers of the groups being filled or reduced (a few groups: backward completes them in
-order, and the reduce-scatters in flight are bounded, see :mod:`~ds_patrickstar.groups.reductions`);
+order, and the reduce-scatters in flight are bounded, see :mod:`~ds_patrickstar.memory.reductions`);
 a group whose gradients are all in is kept or released at once (its joined copies go, see
 [Note: kept groups]). Communication: every micro-step reduce-scatters the whole model, so the
 reduce-scatter volume per step is GA times that of GA = 1, as in ZeRO-3, which reduce-scatters
@@ -43,6 +43,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
+from ..memory.reductions import InFlightReductions
 from ..placement.interface import Placement
 from ..store.chunk_store import ChunkStore
 from .accumulation import ScatteredAccumulation
@@ -50,7 +51,6 @@ from .comm import ChunkComm
 from .flat import FlatBuffers
 from .group import ChunkGroup
 from .keep import KeepPolicy
-from .reductions import InFlightReductions
 from .residency import GroupResidency
 
 _NORM_SLICE = 1 << 22

@@ -39,6 +39,7 @@ import torch
 from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
+from ..memory.reductions import InFlightReductions
 from ..placement.interface import Placement
 from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
@@ -48,7 +49,6 @@ from .grads import GradientSink
 from .group import build_groups
 from .keep import KeepPolicy
 from .leaves import LeafGradients
-from .reductions import InFlightReductions
 from .residency import GroupResidency
 
 _S = TensorState
@@ -167,7 +167,7 @@ class ChunkManager:
                 self.keep.keep(group)
 
     def reap_reductions(self) -> None:
-        """Reduce-scatters that have finished give their buffers back now (see groups/reductions.py)."""
+        """Reduce-scatters that have finished give their buffers back now (see memory/reductions.py)."""
         self._reductions.reap()
 
     def _let_go(self, keep: int | None = None) -> None:

@@ -54,11 +54,11 @@ from ..disk.states import DiskStates
 from ..disk.tier import open_disk_tier
 from ..groups.comm import ChunkComm
 from ..groups.manager import ChunkManager
-from ..groups.reductions import InFlightReductions
 from ..io.export import ChunkExport, owned_host_values
 from ..io.init import DeferredModel
 from ..memory.accelerator import Accelerator
 from ..memory.emulated import EmulatedAccelerator
+from ..memory.reductions import InFlightReductions
 from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
 from ..placement.chunk_needs import chunk_needs
@@ -316,7 +316,6 @@ def assemble(
             optim_states,
             basic_optimizer.param_groups,
             plan.adamw,
-            placement,
             stepped_groups={c.group_index for c in chunk_map.chunks if c.trainable},
         )
         export = ChunkExport(chunk_map, comm, store, optim_states)

@@ -65,8 +65,8 @@ class TrainingFlow:
         training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
         if training and self.run.forward_without_backward():
             self.placement.drop_forward()  # see [Note: moments and the trace]
-        if self.run.start_forward(training):
-            self.placement.start_iteration(inputs, self.optim_states)
+        if self.run.start_forward(training) and self.placement.start_iteration(inputs):
+            self.optim_states.all_to_host()  # a (re-)trace measures the tide without them
         if not training:
             self.placement.evaluation_begins()  # see [Note: evaluation moments]
             return

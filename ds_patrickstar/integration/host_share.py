@@ -25,7 +25,7 @@ model data, and :func:`step_bytes` from the chunk plan for the parts after it):
   the other ranks' chunks) and its joined buffers, the largest group counted for each;
 * with gradient accumulation, the flat gradient buffers of ``W`` chunks of the micro-steps before
   the boundary: the one being filled and the reduce-scatters in flight
-  (:data:`~ds_patrickstar.groups.reductions.LIMIT`), the largest counted for each (see
+  (:data:`~ds_patrickstar.memory.reductions.LIMIT`), the largest counted for each (see
   [Note: flat group buffers]);
 * the step's temporaries: the gradient autograd makes for a parameter before its slot takes it,
   twice the largest parameter (a tied weight's two contributions before they are summed);
@@ -54,8 +54,8 @@ import torch
 from ..chunks.group_bytes import planned_group_bytes
 from ..chunks.layout import ChunkSpec
 from ..groups.comm import ChunkComm
-from ..groups.reductions import LIMIT as REDUCTIONS_IN_FLIGHT
 from ..memory.preflight import ModelDataPlan, local_world_size
+from ..memory.reductions import LIMIT as REDUCTIONS_IN_FLIGHT
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from torch.distributed import ProcessGroup
 
-from ..chunks.chunk import Home
+from ..chunks.chunk import Chunk, Home
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
@@ -141,7 +141,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
             self.run.end_step()
 
     def _step(self) -> None:
-        self.placement.begin_step(self.optim_states)
+        wanted = self.placement.plan_step(self.optim_states.capacities())  # see [Note: placement planner]
+        if wanted is not None:
+            self.optim_states.place(wanted)
+        self.placement.step_moment(self.optim_states.on_device)
         loss_scale = self.loss_scale  # the scale the gradients were made with, before update_scale()
         scaled_norm = math.sqrt(self.manager.owned_grad_norm_sq(self.accel.device).item())
         self.overflow = not math.isfinite(scaled_norm)
@@ -151,13 +154,18 @@ class PatrickStarOptimizer(ZeROOptimizer):
         else:
             self.consecutive_skipped_steps = 0
             self._global_grad_norm = scaled_norm / loss_scale
-            self.adam.apply(1.0 / combined_scale(scaled_norm, loss_scale, self.clip_grad))
+            self.adam.apply(1.0 / combined_scale(scaled_norm, loss_scale, self.clip_grad), self._place_for_update)
             # We stand in for the basic optimizer's step. Its own step() finds no gradient (they live
             # in the chunks) and changes nothing, but whatever wraps it sees a step: a torch LR
             # scheduler uses that to tell a missed step from a real one.
             self.optimizer.step()
         self.manager.finish_step()
         self.placement.end_step()
+
+    def _place_for_update(self, chunk: Chunk) -> None:
+        """Hybrid Adam: ``chunk`` is updated where its optimizer states live (see [Note: optimizer-state
+        placement]); placement moves it there."""
+        self.placement.place_for_update(chunk, chunk.chunk_id in self.optim_states.on_device)
 
     def _skip_step(self) -> None:
         self._global_grad_norm = float("inf")

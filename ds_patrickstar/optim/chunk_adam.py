@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..chunks.chunk import Chunk
 from ..memory.optimizer_chunk import OptimizerChunk
-from ..placement.interface import Placement
 from .adam_math import AdamHyper, AdamStep, adam_step_reference
 from .states import OptimizerStates
 
@@ -96,7 +96,6 @@ class ChunkAdam:
         states: OptimizerStates,
         param_groups: list[dict[str, Any]],
         adamw: bool,
-        placement: Placement,
         stepped_groups: set[int],
     ) -> None:
         self._chunks = chunks  # the owned chunks
@@ -104,13 +103,13 @@ class ChunkAdam:
         self._states = states
         self.param_groups = param_groups
         self.adamw = adamw
-        self._placement = placement
         self.group_steps = [0] * len(param_groups)
 
-    def apply(self, grad_scale: float) -> None:
-        """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``; the spilled
-        chunks' pieces stream behind the others, their first reads started in backward or now
-        (see [Note: disk tier])."""
+    def apply(self, grad_scale: float, place: Callable[[Chunk], None]) -> None:
+        """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``, each after
+        ``place(chunk)`` has put it where its optimizer states live (the step's driver asks placement:
+        see [Note: placement planner]); the spilled chunks' pieces stream behind the others, their
+        first reads started in backward or now (see [Note: disk tier])."""
         for index in self._stepped_groups:
             self.group_steps[index] += 1
         disk, extents = self._states.disk, self._states.spilled_extents()
@@ -119,6 +118,7 @@ class ChunkAdam:
             stream.start()
         for chunk in self._chunks:
             if chunk.used and chunk.chunk_id not in self._states.spilled:
+                place(chunk)
                 self._update(chunk, self._values(chunk), self._states.states[chunk.chunk_id], grad_scale)
         if stream is None:
             return
@@ -127,6 +127,7 @@ class ChunkAdam:
             for chunk_id, start, state in stream:
                 chunk = self._states.chunks[chunk_id]
                 if chunk_id not in values:
+                    place(chunk)
                     values[chunk_id] = self._values(chunk)
                 self._update(chunk, values[chunk_id][start : start + state.master.numel()], state, grad_scale)
         except BaseException:
@@ -148,11 +149,7 @@ class ChunkAdam:
             grad_scale=grad_scale,
         )
 
-    def _values(self, chunk: Chunk) -> torch.Tensor:
-        return self._chunk_values(chunk)[: chunk.used]
-
-    def _chunk_values(self, chunk: Chunk) -> torch.Tensor:
-        """Hybrid Adam: a chunk is updated where its optimizer state lives (see
-        [Note: optimizer-state placement])."""
-        self._placement.place_for_update(chunk, chunk.chunk_id in self._states.on_device)
-        return chunk.ready()
+    @staticmethod
+    def _values(chunk: Chunk) -> torch.Tensor:
+        """The chunk's used values where it is now (placed for its update)."""
+        return chunk.ready()[: chunk.used]

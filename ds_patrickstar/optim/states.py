@@ -6,8 +6,10 @@ host when placement is active (on the only device otherwise). After each trace (
 warm-up iteration, and every re-trace when shapes or control flow change) the memory
 the tide leaves at its highest, less the chunks the busiest moment holds (a recomputed module's
 until its backward, see [Note: chunk bytes per moment]), decides which chunks' states live on the accelerator,
-in chunk order, and the states move to match the new decision: a re-trace with a higher
-tide sends states back to the host, a lower one brings more in. A chunk is updated by
+in chunk order (the planner's :func:`~ds_patrickstar.placement.planner.states_on_device`, see
+[Note: placement planner]), and the states move to match the new decision
+(:meth:`OptimizerStates.place`): a re-trace with a higher tide sends states back to the host, a
+lower one brings more in. A chunk is updated by
 Adam where its states live; the others are updated on the host by the CPU kernel, and
 their chunks are not brought to the accelerator for the step. With the disk tier, the states of
 the *spilled* chunks live on disk instead (see [Note: disk tier]); they are updated on the host
@@ -26,8 +28,6 @@ from ..disk.states import DiskStates
 from ..memory.accelerator import Accelerator
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.optimizer_chunk import OptimizerChunk
-from ..placement.policy import optimizer_chunks_on_device
-from ..placement.tracer import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ class OptimizerStates:
             self.states[chunk.chunk_id] = self._create(chunk, start_on_device)
             if start_on_device:
                 self.on_device.add(chunk.chunk_id)
-        self.trace_planned: Trace | None = None  # the trace the current decision was made from
 
     def _create(self, chunk: Chunk, on_device: bool) -> OptimizerChunk:
         values = chunk.ready()
@@ -67,38 +66,33 @@ class OptimizerStates:
         return OptimizerChunk(*tensors)
 
     # ---- placement ------------------------------------------------------------------
-    def plan(self, trace: Trace, budget: int, policy: str, needs: list[int], chunk: int) -> None:
-        """Re-decide from ``trace`` which chunks' states live on the accelerator and move them:
-        what the tide leaves at its highest, less the busiest moment's chunks (``needs``, per moment:
-        the chunks held then, their groups gathered, with what gradient accumulation adds, see
-        [Note: chunk bytes per moment]) and room for two chunks of ``chunk`` bytes in flight."""
-        if trace is self.trace_planned:
-            return
-        self.trace_planned = trace
-        peak_non_model = max(m.non_model for m in trace.moments)
-        busiest = max(needs, default=0)
-        free = budget - peak_non_model - busiest - 2 * chunk
-        capacities = {cid: c.capacity for cid, c in self.chunks.items() if cid not in self.spilled}
-        wanted = optimizer_chunks_on_device(free, capacities, policy)
+    def capacities(self) -> dict[int, int]:
+        """Elements of each owned chunk whose states may live on the accelerator (not the spilled ones)."""
+        return {cid: c.capacity for cid, c in self.chunks.items() if cid not in self.spilled}
+
+    def place(self, wanted: set[int]) -> None:
+        """The states of the chunks in ``wanted`` on the accelerator, the others' on the host, as the
+        placement planner decided (see [Note: placement planner]): those leaving first, then those
+        coming in chunk order; where the budget holds fewer than planned now (the tide is higher than
+        traced), the rest stay on the host."""
         for chunk_id in sorted(self.on_device - wanted):
             self._move(chunk_id, to_device=False)
         for chunk_id in sorted(wanted - self.on_device):
             try:
                 self._move(chunk_id, to_device=True)
-            except DeviceBudgetExceeded as err:  # the tide is higher now than traced: keep the rest on the host
+            except DeviceBudgetExceeded as err:
                 logger.info("ds_patrickstar: optimizer states stay on the host from chunk %d on (%s)", chunk_id, err)
                 break
         logger.info(
             "ds_patrickstar: optimizer states of %d of %d chunks on the accelerator",
             len(self.on_device),
-            len(capacities),
+            len(self.capacities()),
         )
 
     def all_to_host(self) -> None:
         """Before a (re-)trace: every state on the host, so the new tide is measured without them."""
         for chunk_id in sorted(self.on_device):
             self._move(chunk_id, to_device=False)
-        self.trace_planned = None
 
     def _move(self, chunk_id: int, to_device: bool) -> None:
         old = self.states[chunk_id]

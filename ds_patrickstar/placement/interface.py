@@ -1,5 +1,6 @@
-"""What placement offers the layers above (:class:`Placement`) and what it needs from them (the small
-protocols they implement), and the placement of a run without an accelerator (:class:`NullPlacement`).
+"""What placement offers the layers above (:class:`Placement`), the activation offload it drives
+(:class:`ActivationPolicy`, which the layer above implements), and the placement of a run without an
+accelerator (:class:`NullPlacement`).
 
 [Note: null placement]
 A plain CPU run (``HostAccelerator``) has one memory: chunks stay where they are built, nothing is
@@ -25,27 +26,6 @@ NO_TIDE = (
     "no placement trace to plot: placement runs on CUDA or with "
     "zero_optimization.emulate_accelerator=true, after at least one iteration"
 )
-
-
-class InFlightReductions(Protocol):
-    """The data-parallel reduce-scatters in flight (``groups/reductions.py``): completing them frees
-    their flat gradient buffers, which placement does first when it is short of room (see
-    [Note: kept groups])."""
-
-    def drain(self) -> int:
-        """Wait on every reduce-scatter in flight; returns how many there were."""
-        ...
-
-
-class StatePlacement(Protocol):
-    """Where the optimizer states live (``optim/states.py``); see [Note: optimizer-state placement]."""
-
-    on_device: set[int]
-    trace_planned: Trace | None
-
-    def plan(self, trace: Trace, budget: int, policy: str, needs: list[int], chunk: int) -> None: ...
-
-    def all_to_host(self) -> None: ...
 
 
 class ActivationPolicy(Protocol):
@@ -84,7 +64,9 @@ class Placement(Protocol):
 
     def last_iteration(self) -> Trace | None: ...
 
-    def start_iteration(self, inputs: object, states: StatePlacement) -> None: ...
+    def start_iteration(self, inputs: object) -> bool:
+        """An iteration begins; whether it traces (then the optimizer states go to the host first)."""
+        ...
 
     def evaluation_begins(self) -> None:
         """A forward under ``no_grad`` begins (see [Note: evaluation moments])."""
@@ -127,7 +109,14 @@ class Placement(Protocol):
         ...
 
     # ---- the step ----
-    def begin_step(self, states: StatePlacement) -> None: ...
+    def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
+        """The planner's decision of where the optimizer states live from this step on (None: where they
+        are); see [Note: placement planner]."""
+        ...
+
+    def step_moment(self, on_device: set[int]) -> None:
+        """The step is a moment, using the chunks updated on the accelerator."""
+        ...
 
     def end_step(self) -> None: ...
 
@@ -149,8 +138,8 @@ class NullPlacement:
     def last_iteration(self) -> Trace | None:
         return None
 
-    def start_iteration(self, inputs: object, states: StatePlacement) -> None:
-        pass
+    def start_iteration(self, inputs: object) -> bool:
+        return False
 
     def evaluation_begins(self) -> None:
         pass
@@ -188,7 +177,10 @@ class NullPlacement:
     def split_model_bytes(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
         return 0, on_accelerator + on_host  # one memory: the "accelerator" is the host
 
-    def begin_step(self, states: StatePlacement) -> None:
+    def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
+        return None
+
+    def step_moment(self, on_device: set[int]) -> None:
         pass
 
     def end_step(self) -> None:

@@ -37,40 +37,10 @@ import heapq
 from collections.abc import Callable, Iterable
 
 from ..memory.ledger import DeviceBudgetExceeded
-from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
+from .planner import headroom, prefetch_for
 from .tracer import Trace
 
-__all__ = ["EvictionQueue", "Placer", "belady_victims", "optimizer_chunks_on_device"]
-
-
-def belady_victims(resident: dict[int, int], need: int, next_use: Callable[[int], int]) -> list[int]:
-    """Chunks to evict, farthest next use first, until ``need`` bytes are freed: the rule in its
-    plain O(n log n) form, the oracle :class:`EvictionQueue` is tested against."""
-    chosen, freed = [], 0
-    for chunk in sorted(resident, key=lambda c: (-next_use(c), c)):
-        if freed >= need:
-            break
-        chosen.append(chunk)
-        freed += resident[chunk]
-    if freed < need:
-        raise DeviceBudgetExceeded(
-            f"cannot free {need} bytes on the accelerator: only {freed} bytes of movable chunks are resident"
-        )
-    return chosen
-
-
-def optimizer_chunks_on_device(free_bytes: int, capacities: dict[int, int], policy: str) -> set[int]:
-    """Chunks (in id order) whose optimizer state fits the memory left at the optimizer moment."""
-    if policy == "static":
-        return set()
-    chosen, used = set(), 0
-    for chunk, capacity in sorted(capacities.items()):
-        cost = capacity * OPTIM_BYTES_PER_ELEMENT
-        if used + cost > free_bytes:
-            break
-        chosen.add(chunk)
-        used += cost
-    return chosen
+__all__ = ["EvictionQueue", "Placer"]
 
 
 class EvictionQueue:
@@ -152,8 +122,9 @@ class EvictionQueue:
 
 
 class Placer:
-    """Decides evictions and prefetches; see [Note: placement]. Pure bookkeeping: the runtime
-    performs the moves it asks for and tells it which chunks arrive on the accelerator."""
+    """The planner's eviction order kept online (see [Note: placement planner]): which resident chunk goes
+    first, by next use in the trace; see [Note: placement]. Bookkeeping only: the driver performs the moves
+    it asks for and tells it which chunks arrive on the accelerator."""
 
     def __init__(self, budget: int, policy: str, static_fraction: float, movable: Iterable[int]) -> None:
         self.budget = budget
@@ -210,9 +181,8 @@ class Placer:
         return -(self._base + self._trace.next_use(chunk, self._moment))  # farthest next use first
 
     def headroom(self, trace: Trace | None, moment: int, non_model_now: int) -> int:
-        """Bytes model data may use on the accelerator at ``moment``."""
-        planned = trace.non_model_ahead(moment) if trace is not None and moment < len(trace) else 0
-        return self.budget - max(planned, non_model_now)
+        """Bytes model data may use on the accelerator at ``moment`` (:func:`~.planner.headroom`)."""
+        return headroom(self.budget, trace, moment, non_model_now)
 
     def victims(self, need: int, size_if_evictable: Callable[[int], int | None]) -> list[int]:
         """Chunks to evict for ``need`` bytes, by priority; see :class:`EvictionQueue`."""
@@ -231,9 +201,8 @@ class Placer:
         return self._queue.take_below(need, size_if_evictable, -(self._base + moment))
 
     def prefetch(self, trace: Trace | None, moment: int) -> tuple[int, ...]:
-        if trace is None or self.policy == "static" or moment + 1 >= len(trace):
-            return ()
-        return trace.moments[moment + 1].chunks
+        """The chunks to bring after ``moment`` (:func:`~.planner.prefetch_for`)."""
+        return prefetch_for(trace, moment, self.policy)
 
     def release_after_use(self, chunk: int) -> bool:
         """Static policy: chunks outside the kept fraction go back to the host after use."""

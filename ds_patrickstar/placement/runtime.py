@@ -16,12 +16,15 @@ from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded, DeviceLedger
+from ..memory.reductions import InFlightReductions
 from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
-from .interface import NO_TIDE, ActivationPolicy, InFlightReductions, StatePlacement
+from .interface import NO_TIDE, ActivationPolicy
+from .planner import gathered_rooms
 from .policy import Placer
 from .positions import TracePositions
 from .shapes import RetraceReason
+from .step_plan import StepPlan
 from .tide_plot import plot_tide
 from .tracer import MemoryTracer, SavedTensorMeter, Trace
 
@@ -45,8 +48,9 @@ class PlacementRuntime:
         self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
         self.run = run
         self.ledger, self.chunks, self.reductions = store.accel.ledger, chunks, reductions
-        self._largest_chunk = max((c.nbytes for c in chunks), default=0)
         self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
+        largest = max((c.nbytes for c in chunks), default=0)
+        self.steps = StepPlan(placer.budget, placer.policy, chunk_needs, largest, counters)
         self.moment = -1
         self.label = ""  # the label of the current moment
         # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
@@ -272,16 +276,17 @@ class PlacementRuntime:
         return plot_tide(self.tide, self.placer.budget, path, title, recomputations, caption)
 
     # ---- iterations and the step (see [Note: optimizer-state placement]) ----------------
-    def start_iteration(self, inputs: object, states: StatePlacement) -> None:
+    def start_iteration(self, inputs: object) -> bool:
         """The first training forward after a step (see [Note: run state]) starts an iteration (a new
-        trace when the input shapes changed); before a (re-)trace every optimizer state goes to the
-        host, so that the new tide is measured without them."""
+        trace when the input shapes changed); returns whether it traces: then every optimizer state goes
+        to the host first (the caller moves them), so that the new tide is measured without them."""
         self.tracer.start_iteration(tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs)))
         self.moment = self.positions.forward_mark = -1
         if self.tracer.tracing:
-            states.all_to_host()
+            self.steps.forget()
         if self.activations is not None:
             self.activations.start_iteration(self.tracer)
+        return self.tracer.tracing
 
     def evaluation_begins(self) -> None:
         """A forward under ``no_grad`` begins (see [Note: evaluation moments])."""
@@ -302,65 +307,28 @@ class PlacementRuntime:
         if self.activations is not None:
             self.activations.drop_forward()
 
-    def begin_step(self, states: StatePlacement) -> None:
-        """The optimizer step is a moment; after a (re-)trace, the optimizer states are re-placed and
-        the step uses only the chunks whose states live on the accelerator."""
+    def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
+        """The step begins: the planner's decision of where the optimizer states of the chunks
+        (``capacities``: id -> elements) live from now on, after a (re-)trace or a re-plan; None: where
+        they are (see [Note: placement planner])."""
         self.tracer.cover_previous()  # before any plan is made from a trace for larger inputs
         self.counters.retraces_shape = int(self.tracer.retraced is RetraceReason.SHAPE)
         self.counters.retraces_order = int(self.tracer.retraced is RetraceReason.ORDER)
         trace = self.tracer.current_trace()
-        if trace is not None:
-            if raise_tide(trace, self.positions.take_over(), states):
-                self.counters.tide_replans += 1
-            plan_states(trace, states, self.placer, self._chunk_needs, self._largest_chunk)
-        self.begin_moment("step", tuple(sorted(states.on_device)))
+        return self.steps.decide(trace, self.positions.take_over(), capacities) if trace is not None else None
+
+    def step_moment(self, on_device: set[int]) -> None:
+        """The optimizer step is a moment, using the chunks whose states live on the accelerator (the
+        trace's step moment names them after a new decision); after a trace, "auto" activation offload
+        plans from it, before the gather plan is agreed (see [Note: auto activation offload])."""
+        self.steps.settle(self.tracer.current_trace(), on_device)
+        self.begin_moment("step", tuple(sorted(on_device)))
         traced = self.tracer.last_iteration() if self.tracer.tracing else None
         if self.activations is not None and traced is not None:
-            # before the gather plan is agreed from this trace (see [Note: auto activation offload])
             self.activations.plan(traced, self.movable_room(), self._chunk_needs, self.stranded_peak)
 
     def end_step(self) -> None:
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
-
-
-def raise_tide(trace: Trace, over: dict[int, int], states: StatePlacement) -> bool:
-    """Where a batch's tide rose above the plan (``over``: moment -> bytes measured), the trace plans
-    for it and the optimizer states are planned again; see [Note: traces across input shapes]."""
-    for index, non_model in over.items():
-        trace.raise_tide(index, non_model)
-    if over:
-        states.trace_planned = None
-        logger.info("ds_patrickstar: the tide rose above the plan at %d moment(s); re-planning from it", len(over))
-    return bool(over)
-
-
-def plan_states(
-    trace: Trace, states: StatePlacement, placer: Placer, chunk_needs: Callable[[Trace], list[int]], chunk: int
-) -> None:
-    """After a (re-)trace or a re-plan, the optimizer states are re-placed and the step uses only the
-    chunks whose states live on the accelerator (see [Note: optimizer-state placement])."""
-    if trace is states.trace_planned:
-        return
-    states.plan(trace, placer.budget, placer.policy, chunk_needs(trace), chunk)
-    step_moment = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
-    if step_moment is not None:
-        trace.replace_chunks(step_moment, tuple(sorted(states.on_device)))
-
-
-def gathered_rooms(tides: list[int], base: int, held: Callable[[int], int]) -> tuple[list[int], list[int]]:
-    """Per moment of a trace whose tides are ``tides``: the accelerator bytes gathered chunk groups may
-    take on this rank, ``(kept for the rest of the iteration, gathered ahead of the next moments)``:
-    ``base`` (the budget less what cannot move: optimizer states on the accelerator, fragmentation),
-    less the tide of that moment and, at each later moment, its tide and ``held(later)`` (the groups
-    it holds beside the kept ones; up to the next iteration's first moment), whichever is highest,
-    resp. less the tide of that moment and the next two (see [Note: agreed gather plan])."""
-    keep = [0] * len(tides)
-    later = tides[0] + held(0) if tides else 0  # the next iteration's first moment
-    for index in range(len(tides) - 1, -1, -1):
-        keep[index] = base - max(tides[index], later)
-        later = max(later, tides[index] + held(index))
-    ahead = [base - max(tides[index : index + 3]) for index in range(len(tides))]
-    return keep, ahead
 
 
 def note_peaks(counters: StepCounters, ledger: DeviceLedger, non_model: int, meter: SavedTensorMeter | None) -> None:

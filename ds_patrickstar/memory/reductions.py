@@ -2,8 +2,10 @@
 
 Each reduce-scatter holds its group's flat gradient buffer until it is waited on (its ``after``
 action puts the owner's piece where it belongs and frees the buffer, see
-[Note: flat group buffers]), so at most :data:`LIMIT` are in flight; placement completes them
-all first when it is short of room (:meth:`InFlightReductions.drain`, see [Note: kept groups]).
+[Note: flat group buffers] in groups/flat.py), so at most :data:`LIMIT` are in flight; placement
+completes them all first when it is short of room (:meth:`InFlightReductions.drain`, see
+[Note: kept groups] in groups/keep.py). It sits on the memory floor, beside the other buffers in
+flight, so that placement calls it directly: nothing calls up.
 One whose collective has finished is waited on at the next backward moment or gradient
 (:meth:`InFlightReductions.reap`, which never blocks), so its buffer does not stay until the
 limit or the end of backward; what is freed when changes no value and no collective.
@@ -11,7 +13,7 @@ limit or the end of backward; what is freed when changes no value and no collect
 
 from __future__ import annotations
 
-from ..memory.pending import Pending
+from .pending import Pending
 
 LIMIT = 2
 

@@ -1,0 +1,79 @@
+"""The placement planner's decisions as pure functions of hand-made traces (see [Note: placement planner]):
+nothing is allocated, moved or traced."""
+import pytest
+
+from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
+from ds_patrickstar.memory.preflight import OPTIM_BYTES_PER_ELEMENT
+from ds_patrickstar.placement.planner import (
+    IN_FLIGHT_CHUNKS,
+    belady_victims,
+    gathered_rooms,
+    headroom,
+    prefetch_for,
+    states_on_device,
+)
+from ds_patrickstar.placement.tracer import Moment, Trace
+
+
+def _trace(*moments):
+    trace = Trace()
+    for label, chunks, tide in moments:
+        trace.add(Moment(label, chunks, tide))
+    return trace
+
+
+TRACE = _trace(("fwd:a", (0,), 100), ("fwd:b", (1,), 300), ("bwd:b", (1,), 500), ("bwd:a", (0,), 200),
+               ("step", (), 0))
+CAPS = {0: 10, 1: 10, 2: 10}  # 10 elements: 120 B of optimizer states each
+STATE = 10 * OPTIM_BYTES_PER_ELEMENT
+
+
+def test_optimizer_states_fill_what_the_highest_tide_and_the_busiest_moment_leave():
+    needs, chunk = [40, 40, 60, 40, 0], 8
+    base = 500 + 60 + IN_FLIGHT_CHUNKS * chunk  # the highest tide, the busiest moment, the moves in flight
+    assert states_on_device(TRACE, base + 2 * STATE, "auto", needs, chunk, CAPS) == {0, 1}
+    assert states_on_device(TRACE, base + 2 * STATE - 1, "auto", needs, chunk, CAPS) == {0}
+    assert states_on_device(TRACE, base + 3 * STATE, "auto", needs, chunk, CAPS) == {0, 1, 2}
+    assert states_on_device(TRACE, base - 1, "auto", needs, chunk, CAPS) == set()
+    assert states_on_device(TRACE, 10**9, "static", needs, chunk, CAPS) == set()  # the static policy: host Adam
+
+
+def test_a_higher_tide_at_one_moment_moves_states_back_to_the_host():
+    higher = _trace(("fwd:a", (0,), 100), ("fwd:b", (1,), 300 + STATE), ("bwd:b", (1,), 500 + STATE),
+                    ("step", (), 0))
+    budget = 500 + 2 * STATE
+    assert states_on_device(TRACE, budget, "auto", [0], 0, CAPS) == {0, 1}
+    assert states_on_device(higher, budget, "auto", [0], 0, CAPS) == {0}
+
+
+def test_headroom_is_the_budget_less_the_tide_here_and_next_or_now():
+    assert headroom(1000, TRACE, 1, 0) == 1000 - 500  # the next moment's tide is higher
+    assert headroom(1000, TRACE, 3, 0) == 1000 - 200  # the step (0) after: this moment's
+    assert headroom(1000, TRACE, 0, 700) == 300  # the non-model memory now is higher than planned
+    assert headroom(1000, None, 0, 50) == 950  # no trace: what is there now
+    assert headroom(1000, TRACE, 99, 50) == 950  # off the trace
+
+
+def test_prefetch_brings_the_next_moments_chunks():
+    assert prefetch_for(TRACE, 0, "auto") == (1,)
+    assert prefetch_for(TRACE, 3, "auto") == ()  # the step uses none
+    assert prefetch_for(TRACE, 4, "auto") == ()  # the last moment
+    assert prefetch_for(None, 0, "auto") == ()
+    assert prefetch_for(TRACE, 0, "static") == ()
+
+
+def test_belady_evicts_the_farthest_next_use_first():
+    resident = {0: 10, 1: 10}
+    assert belady_victims(resident, 10, lambda c: TRACE.next_use(c, 1)) == [0]  # 1 is used at 2, 0 at 3
+    assert belady_victims(resident, 15, lambda c: TRACE.next_use(c, 1)) == [0, 1]
+    with pytest.raises(DeviceBudgetExceeded):
+        belady_victims(resident, 21, lambda c: TRACE.next_use(c, 1))
+
+
+def test_gathered_rooms_keep_for_the_rest_and_ahead_for_the_next_moments():
+    tides = [100, 300, 500, 200]
+    keep, ahead = gathered_rooms(tides, 1000, lambda index: 10)
+    assert ahead == [500, 500, 500, 800]  # the highest tide of this moment and the next two
+    # kept from moment i: beside its tide and, at every later moment (up to the next iteration's first),
+    # that moment's tide and the groups it holds
+    assert keep == [1000 - 510, 1000 - 510, 1000 - 500, 1000 - 200]
