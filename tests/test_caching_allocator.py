@@ -117,7 +117,7 @@ def _stranded_at_backward(mode: str, budget: int) -> tuple[list[int], list[int]]
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": zero}
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    accel = engine.optimizer.placement.store.accel
+    accel = engine.optimizer.accel
     stranded, moved = [], []
     try:
         for step in range(STEPS):

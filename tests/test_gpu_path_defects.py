@@ -240,13 +240,13 @@ def test_10_placement_bookkeeping_never_scans_every_chunk(monkeypatch):
 
     def index_only(*args):
         runtime = make_placement(*args)
-        runtime.chunks = _IndexOnly(runtime.chunks)
+        runtime.moves.chunks = _IndexOnly(runtime.moves.chunks)
         return runtime
 
     monkeypatch.setattr(assembly, "make_placement", index_only)
     engine, ours, counters = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=4)
     runtime = engine.optimizer.manager.placement
-    assert isinstance(runtime.chunks, _IndexOnly)
+    assert isinstance(runtime.moves.chunks, _IndexOnly)
     assert counters[-1]["evictions"] > 0
     assert runtime.model_bytes_on_device() == runtime.ledger.total
     _, ref, _ = _run(_config(3), steps=4)

@@ -277,15 +277,15 @@ def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
     pieces first) they are not counted a second time; where it is the lower, they are."""
     from types import SimpleNamespace
 
+    from ds_patrickstar.placement.moves import ChunkMoves
     from ds_patrickstar.placement.policy import Placer
-    from ds_patrickstar.placement.runtime import PlacementRuntime
     from ds_patrickstar.placement.tracer import Moment, Trace
 
     trace = Trace()
     for non_model in (100, 500, 500, 100):
         trace.add(Moment("m", (), non_model))
     stranded = [300]
-    runtime = PlacementRuntime.__new__(PlacementRuntime)
+    runtime = ChunkMoves.__new__(ChunkMoves)
     runtime.placer = Placer(1000, "auto", 0.5, [])
     runtime.ledger = SimpleNamespace(non_model=0)
     runtime.tracer = SimpleNamespace(non_model_now=lambda ledger: 100)

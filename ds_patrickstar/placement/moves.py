@@ -1,0 +1,173 @@
+"""The moves placement makes at a moment: room by Belady evictions, a chunk brought or evicted, the next
+moment's chunks prefetched, a chunk placed for its Adam update; see [Note: placement].
+
+:class:`ChunkMoves` carries out the planner's answers (see [Note: placement planner]) through the chunk
+store, under the budget beside the tide; the runtime (``runtime.py``) says which moment it is and where
+it stands in the trace (:attr:`ChunkMoves.at`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..chunks.chunk import Chunk
+from ..counters import StepCounters
+from ..memory.ledger import DeviceBudgetExceeded
+from ..memory.reductions import InFlightReductions
+from ..run_state import RunState
+from ..store.chunk_store import ChunkStore
+from .policy import Placer
+from .tracer import MemoryTracer, Trace
+
+
+class ChunkMoves:
+    """Room, bring, evict and prefetch at the current moment; see the module docstring."""
+
+    def __init__(
+        self,
+        placer: Placer,
+        tracer: MemoryTracer,
+        store: ChunkStore,
+        counters: StepCounters,
+        chunks: list[Chunk],
+        reductions: InFlightReductions,
+        run: RunState,
+    ) -> None:
+        self.placer, self.tracer, self.store, self.counters = placer, tracer, store, counters
+        self.ledger, self.chunks, self.reductions, self.run = store.accel.ledger, chunks, reductions, run
+        self.moment = -1  # the current moment (recorded), for the errors
+        self.at = -1  # the trace position the current moment is placed at (-1: none)
+        self.stranded_peak = 0  # the most stranded allocator bytes at a recorded moment this iteration
+
+    @staticmethod
+    def nbytes(chunk: Chunk) -> int:
+        """What the chunk occupies on the accelerator when it is there (payload + accumulator)."""
+        return chunk.nbytes + chunk.acc_nbytes
+
+    def _evictable(self, keep: set[int]) -> Callable[[int], int | None]:
+        chunks = self.chunks
+
+        def size(chunk_id: int) -> int | None:
+            chunk = chunks[chunk_id]
+            return None if chunk_id in keep or not chunk.movable else self.nbytes(chunk)
+
+        return size
+
+    def to_device(self, chunk: Chunk) -> None:
+        self.store.to_device(chunk)
+        self.placer.arrived(chunk.chunk_id)
+
+    def evict(self, chunk: Chunk) -> None:
+        """``chunk`` to the host (an asynchronous copy; see [Note: chunk locations])."""
+        if not chunk.on_host:
+            self.store.to_host(chunk)
+            self.placer.left(chunk.chunk_id)
+
+    def _headroom(self, trace: Trace | None, moment: int) -> int:
+        """Bytes model data may take at ``moment``: the budget less the higher of the tide ahead and the
+        memory reserved now (the tide now and the stranded pieces): see [Note: stranded allocator bytes]."""
+        self.non_model()
+        return self.placer.headroom(trace, moment, self.ledger.non_model)
+
+    def non_model(self) -> int:
+        """The tide now; the ledger's charges must fit beside it and the allocator's stranded pieces
+        (reserved memory in use now, see [Note: stranded allocator bytes])."""
+        non_model = self.tracer.non_model_now(self.ledger)
+        stranded = self.store.accel.fragmentation()
+        self.ledger.non_model = non_model + stranded
+        if self.run.records():
+            self.stranded_peak = max(self.stranded_peak, stranded)
+        return non_model
+
+    def plan_trace(self) -> Trace | None:
+        """The trace the current moment is placed from (None while tracing or off the trace)."""
+        trace = self.tracer.current_trace()
+        return trace if self.run.records() or self.at >= 0 else None
+
+    def make_room(self, need: int, keep: set[int]) -> None:
+        """Evict until ``need`` more bytes of model data fit beside the tide. Evictions whose copies
+        are still in flight count as occupied until they complete (see [Note: deferred frees]):
+        new victims are chosen only for what those will not free, then the oldest are waited on."""
+        accel = self.store.accel
+        accel.reclaim()
+        trace = self.plan_trace()
+        headroom = self._headroom(trace, self.at)
+        over = self.ledger.total + need - headroom
+        if over <= 0:
+            return
+        if self.reductions.drain():  # reduce-scatters in flight hold gradient buffers: done first
+            accel.reclaim()
+            over = self.ledger.total + need - headroom
+            if over <= 0:
+                return
+        short = over - accel.in_flight_bytes()
+        if short > 0:
+            try:
+                self._evict_all(self.placer.victims(short, self._evictable(keep)))
+            except DeviceBudgetExceeded as err:
+                raise DeviceBudgetExceeded(
+                    f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
+                    f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
+                    f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
+                    f"Raise zero_optimization.device_budget or lower chunk_size."
+                ) from None
+        accel.reclaim(need_below=headroom - need)
+
+    def _evict_all(self, victims: list[int]) -> None:
+        for victim in victims:
+            self.evict(self.chunks[victim])
+            self.counters.evictions += 1
+
+    def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        """``chunk`` on the accelerator (room made for it), its copy waited on."""
+        if chunk.on_host:
+            self.make_room(self.nbytes(chunk), keep | {chunk.chunk_id})
+            self.to_device(chunk)
+        chunk.wait_pending()
+
+    def _room_for_prefetch(self, nbytes: int, trace: Trace | None, keep: set[int]) -> bool:
+        """Whether ``nbytes`` fit at the next moment, after evicting chunks used only after it (see
+        [Note: placement]); nothing is evicted when that would not be enough."""
+        if self._fits(nbytes, trace):
+            return True
+        accel = self.store.accel
+        headroom = self._headroom(trace, self.at + 1)
+        short = self.ledger.total + nbytes - headroom - accel.in_flight_bytes()
+        victims = self.placer.victims_used_after(short, self._evictable(keep), self.at + 1) if short > 0 else []
+        if victims is None:
+            return False
+        self._evict_all(victims)
+        accel.reclaim(need_below=headroom - nbytes)
+        return True
+
+    def movable_room(self) -> int:
+        """The budget less what no moment can move: the optimizer states on the accelerator and the
+        allocator's stranded pieces as they are now (a margin for plans: :meth:`make_room` counts them
+        only where the tide is lower, see [Note: stranded allocator bytes] in memory/cuda.py); no
+        reserve beyond it."""
+        return self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
+
+    def _fits(self, nbytes: int, trace: Trace | None) -> bool:
+        return self.ledger.total + nbytes <= self._headroom(trace, self.at + 1)
+
+    def after_use(self, chunk: Chunk) -> None:
+        if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
+            self.evict(chunk)
+
+    def place_for_update(self, chunk: Chunk, on_device: bool) -> None:
+        """Hybrid Adam updates ``chunk`` where its states live (see [Note: optimizer-state placement])."""
+        if on_device:
+            self.bring(chunk, {chunk.chunk_id})
+            self.counters.adam_chunks_device += 1
+        else:
+            self.evict(chunk)
+            self.counters.adam_chunks_host += 1
+
+    def prefetch(self, ahead: tuple[int, ...], trace: Trace | None, in_use: set[int]) -> None:
+        """Bring the chunks of ``ahead`` (the next moment's) that are away and fit at the next moment."""
+        for chunk_id in ahead:
+            chunk = self.chunks[chunk_id]
+            if chunk.on_host and self._room_for_prefetch(self.nbytes(chunk), trace, in_use | set(ahead)):
+                self.to_device(chunk)
+                self.counters.prefetches += 1
+                chunk.prefetched = True
