@@ -30,8 +30,9 @@ from ..io import checkpoint, commit
 from ..io.export import host_parameters
 from ..io.init import DeferredModel, swap_deferred
 from ..memory.host_heap import BuildWindow, map_large_allocations
-from .config import PatrickStarConfig, check_reduction_settings, torch_adam_from_block
+from .config import PatrickStarConfig
 from .hf_compat import unsynchronize_generation
+from .optimizer_keys import check_reduction_settings, torch_adam_from_block
 from .zero_optimizer import PatrickStarOptimizer
 
 
@@ -241,22 +242,9 @@ class PatrickStarEngine(DeepSpeedEngine):
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         tag = commit.resolve_tag(load_dir, tag)
-        self._verify_on_every_rank(load_dir, tag)
+        _verify_on_every_rank(load_dir, tag)
         checkpoint.check_model_file(self.optimizer.chunk_map, load_dir, tag)
         return super().load_checkpoint(load_dir, tag, **kwargs)
-
-    def _verify_on_every_rank(self, load_dir: str, tag: str) -> None:
-        """Each rank reads back its share of the tag's files; every rank raises the first problem found."""
-        try:
-            commit.verify_complete(load_dir, tag, dist.get_rank(), dist.get_world_size())
-            problem = None
-        except commit.CheckpointError as err:
-            problem = str(err)
-        problems: list = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p), None)
-        if first:
-            raise commit.CheckpointError(first)
 
     def _copy_recovery_script(self, save_path):
         """DeepSpeed's zero_to_fp32.py cannot read our format; ours is python -m ds_patrickstar.zero_to_fp32."""
@@ -289,6 +277,20 @@ class PatrickStarEngine(DeepSpeedEngine):
     def get_fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 values of every parameter, keyed by name (a collective with data parallelism)."""
         return self.optimizer.fp32_state_dict(self.module)
+
+
+def _verify_on_every_rank(load_dir: str, tag: str) -> None:
+    """Each rank reads back its share of the tag's files; every rank raises the first problem found."""
+    try:
+        commit.verify_complete(load_dir, tag, dist.get_rank(), dist.get_world_size())
+        problem = None
+    except commit.CheckpointError as err:
+        problem = str(err)
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise commit.CheckpointError(first)
 
 
 @contextlib.contextmanager

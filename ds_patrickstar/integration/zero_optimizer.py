@@ -20,11 +20,12 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from torch.distributed import ProcessGroup
 
-from ..chunks.chunk import Chunk, Home
+from ..chunks.chunk import Chunk
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
 from ..run_state import Phase
+from .accounts import StepAccounts
 from .assembly import ChunkedModel, assemble
 from .config import PatrickStarConfig
 
@@ -91,6 +92,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.counters, self.accel, self.chunk_map = parts.counters, parts.accel, parts.chunk_map
         self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
         self.export, self.adam, self.run = parts.export, parts.adam, parts.run
+        self.accounts = StepAccounts(parts)
         self.last_step_counters: dict[str, int | float] = self.counters.as_dict()  # all zero before the first step
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
         self.fp16_groups = [
@@ -231,61 +233,18 @@ class PatrickStarOptimizer(ZeROOptimizer):
         :meth:`destroy` does nothing more."""
         self.parts.abandon()
 
-    # ---- accounting -------------------------------------------------------------
+    # ---- accounting (``accounts.py``) -----------------------------------------------
     def end_step_counters(self) -> dict[str, int | float]:
         """Close the step: ``counters`` (everything counted since the previous step, including the
         collectives of a ``state_dict()``/``get_fp32_state_dict()`` in between) become
         ``last_step_counters`` and start again from zero. The engine calls this after every
         optimizer step, applied or skipped (see ``PatrickStarEngine._take_model_step``)."""
-        device, host = self.model_data_bytes_split()
-        self.counters.model_bytes_device, self.counters.model_bytes_host = device, host
-        frozen_split = self.frozen_bytes_split()
-        self.counters.frozen_bytes_device, self.counters.frozen_bytes_host, self.counters.frozen_bytes_disk = (
-            frozen_split
-        )
-        self.counters.host_bytes_allocated = self.accel.host_pool.allocated
-        disk = self.parts.disk
-        if disk is not None:
-            counts = disk.take_counts()
-            self.counters.disk_bytes_read, self.counters.disk_bytes_written = counts.bytes_read, counts.bytes_written
-            self.counters.disk_io_seconds, self.counters.disk_wait_seconds = counts.io_seconds, counts.wait_seconds
-            self.counters.disk_bytes_read_ahead = counts.bytes_read_ahead
-            self.counters.model_bytes_disk, self.counters.disk_buffer_bytes = disk.bytes_on_disk, disk.buffer_bytes
-        frozen = self.parts.frozen_disk
-        if frozen is not None:  # its reads go through the same I/O, counted by the states' counts when they exist
-            read, ahead, io_seconds, wait_seconds = frozen.take_counts()
-            self.counters.disk_bytes_read_ahead += ahead
-            if disk is None:
-                self.counters.disk_bytes_read, self.counters.disk_io_seconds = read, io_seconds
-                self.counters.disk_wait_seconds = wait_seconds
-            self.counters.disk_buffer_bytes += frozen.buffer_bytes
-        self.last_step_counters = self.counters.as_dict()
-        self.counters.reset()
-        self.accel.ledger.reset_peak()
+        self.last_step_counters = self.accounts.close_step()
         return self.last_step_counters
-
-    def model_data_bytes_split(self) -> tuple[int, int]:
-        """Model data this rank holds now, ``(on the accelerator, on the host)``: chunks, gradient
-        accumulators and optimizer states (gathered temporaries excluded; an evicted buffer still
-        being copied out counts where its values now live, see [Note: deferred frees])."""
-        self.accel.reclaim()
-        kinds = self.accel.ledger.by_kind
-        # buffers whose copy to the host is still in flight hold values that live on the host already
-        device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim")) - self.accel.in_flight_bytes()
-        host = self.parts.store.host_bytes + self.optim_states.bytes_on_host()
-        return self.placement.split_model_bytes(device, host)
-
-    def frozen_bytes_split(self) -> tuple[int, int, int]:
-        """This rank's frozen chunks (see [Note: frozen chunks]), ``(on the accelerator, on the host, only on
-        disk)``: a frozen chunk on disk away from use is on disk only (see [Note: frozen chunks on disk])."""
-        owned = [c for c in self.chunk_map.chunks if not c.trainable and self.chunk_map.is_owned(c)]
-        disk = sum(c.nbytes for c in owned if c.home is Home.DISK)
-        host = sum(c.nbytes for c in owned if c.home is Home.HOST)
-        return (*self.placement.split_model_bytes(sum(c.nbytes for c in owned) - host - disk, host), disk)
 
     def model_data_bytes(self) -> int:
         """Bytes of model data: low-precision chunks + fp32 master/momentum/variance (+ accumulators)."""
-        return sum(self.model_data_bytes_split())
+        return sum(self.accounts.model_data_bytes_split())
 
     def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value on every rank (a collective with data parallelism)."""
