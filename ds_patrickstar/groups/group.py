@@ -16,6 +16,12 @@ accelerator yet; once gathered, a group of one rank stays so, its chunk moved by
 gathered, its use over, kept for its next use (see [Note: kept groups]); keeping a kept group again
 leaves it kept. A use makes a kept group ``GATHERED``; any gathered group may be released. A group
 never goes from ``RELEASED`` to ``KEPT``.
+
+The group holds what is in flight on it: its all-gather (:attr:`ChunkGroup.gathering`, also on every
+member's pending list, so a reader of a member waits through :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`)
+and the reduce-scatter that still reads its storage after a release (:attr:`ChunkGroup.reducing`): the
+storage goes, and its bytes leave the ledger, when that reduce-scatter completes (its ``after`` action),
+and a gather into the same storage waits for it first (see [Note: collective buffers]).
 """
 
 from __future__ import annotations
@@ -76,6 +82,10 @@ class ChunkGroup:
         self.prefetched = False  # gathered ahead of use and not used since
         # a micro-step's flat gradient buffer (see [Note: flat group buffers])
         self.grad_buffer: torch.Tensor | None = None
+        # the reduce-scatter in flight that still reads the released group's storage: the storage goes
+        # when it completes (see [Note: chunk group states])
+        self.reducing: Pending | None = None
+        self.gathering: Pending | None = None  # the all-gather into the storage, until the group is released
 
     def __repr__(self) -> str:
         return f"ChunkGroup({self.index}, {self.state.value})"
@@ -118,14 +128,18 @@ class ChunkGroup:
         self._placement.bring(owned, needed)
         self._store.materialize(owned)
         if self._comm.world_size > 1:
+            if self.reducing is not None:  # its storage is about to be gathered into again
+                self.reducing.wait()
             self._store.materialize_group(members, owned)
             flat = self._store.group_storage(members)
             if fill:
                 pending = self._comm.all_gather_async(flat, owned.ready(), f"all-gather of chunk group {self.index}")
+                self.gathering = pending
                 for chunk in members:
                     chunk.pending.append(pending)
                 self.joined.charge_gathered()  # filled at first use (see JoinedBuffers.join)
             else:
+                self.gathering = None
                 for chunk in members:
                     if chunk is not owned:
                         chunk.ready().zero_()
@@ -137,7 +151,8 @@ class ChunkGroup:
         """The other ranks' chunks go (the storage: now, once the collectives on it completed, or
         with ``until``, a reduce-scatter reading it, when that completes)."""
         self.joined.drop()
-        self._store.release_group(self.members, self.owned, until)
+        self.reducing, self.gathering = until, None
+        self._store.release_group(self.members, self.owned, storage_stays=until is not None)
         self.let_go(self.owned)
         # The other ranks' copies of these tensors go FREE and come back HOLD when the group is
         # gathered again; ours must read the same, or a later "all used in this forward" test
@@ -193,6 +208,7 @@ class ChunkGroup:
         @torch.no_grad()
         def into_slot() -> None:
             owned.ready().copy_(landing)
+            self.reducing = None
             self._store.free_group(members)
             then(owned)
 

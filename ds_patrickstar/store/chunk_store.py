@@ -64,7 +64,6 @@ class ChunkStore:
         self.movable = movable  # chunks have a host home (placement); else they stay put
         self.host_bytes = 0  # model data on the host: host buffers and accumulators
         self._flats: dict[int, torch.Tensor] = {}  # a group's first chunk id -> its flat storage
-        self._freeing: dict[int, Pending] = {}  # flat storages freed when that reduce-scatter completes
         self.disk = disk  # frozen chunks on disk (see [Note: frozen chunks on disk])
 
     def values(self, chunk: Chunk) -> torch.Tensor:
@@ -137,11 +136,9 @@ class ChunkStore:
         return self._flats[members[0].chunk_id]
 
     def materialize_group(self, members: list[Chunk], owned: Chunk) -> None:
-        """The group's flat storage gets memory (its values come from the all-gather); a free still
-        waiting on a reduce-scatter of the same group completes first."""
+        """The group's flat storage gets memory (its values come from the all-gather; the group has
+        completed a reduce-scatter still reading it first, see [Note: chunk group states])."""
         key = members[0].chunk_id
-        if key in self._freeing:
-            self._freeing.pop(key).wait()
         flat = self._flats[key]
         if flat.untyped_storage().nbytes() == 0:
             self.accel.materialize(flat, "chunk", f"the gathered group of chunk {key}")
@@ -149,25 +146,22 @@ class ChunkStore:
             if chunk is not owned:
                 chunk.mark_present()
 
-    def release_group(self, members: list[Chunk], owned: Chunk, until: Pending | None = None) -> None:
+    def release_group(self, members: list[Chunk], owned: Chunk, storage_stays: bool = False) -> None:
         """The other ranks' members are released; the flat storage goes now (once the collectives on
-        it completed) or, with ``until``, when :meth:`free_group` is called as that completes."""
+        it completed) or, with ``storage_stays``, when :meth:`free_group` is called (a reduce-scatter
+        still reads it: the group frees it when that completes)."""
         others = [c for c in members if c is not owned]
         for chunk in others:
             chunk.mark_released()
         flat = self._flats[members[0].chunk_id]
-        if flat.untyped_storage().nbytes() == 0:
-            return
-        if until is not None:
-            self._freeing[members[0].chunk_id] = until
+        if flat.untyped_storage().nbytes() == 0 or storage_stays:
             return
         for chunk in others:
             chunk.wait_pending()
         self.accel.free(flat, "chunk")
 
     def free_group(self, members: list[Chunk]) -> None:
-        """The reduce-scatter that :meth:`release_group` waited for completed: the flat storage goes."""
-        self._freeing.pop(members[0].chunk_id, None)
+        """The reduce-scatter that read the released group's storage completed: the storage goes."""
         flat = self._flats[members[0].chunk_id]
         if flat.untyped_storage().nbytes():
             self.accel.free(flat, "chunk")
