@@ -51,7 +51,7 @@ class StepAccounts:
         # buffers whose copy to the host is still in flight hold values that live on the host already
         device = sum(kinds.get(k, 0) for k in ("chunk", "grad_acc", "optim")) - self.accel.in_flight_bytes()
         host = self.parts.store.host_bytes + self.parts.optim_states.bytes_on_host()
-        return self.parts.placement.split_model_bytes(device, host)
+        return self._split(device, host)
 
     def frozen_bytes_split(self) -> tuple[int, int, int]:
         """This rank's frozen chunks (see [Note: frozen chunks]), ``(on the accelerator, on the host, only on
@@ -61,4 +61,9 @@ class StepAccounts:
         disk = sum(c.nbytes for c in owned if c.home is Home.DISK)
         host = sum(c.nbytes for c in owned if c.home is Home.HOST)
         on_device = sum(c.nbytes for c in owned) - host - disk
-        return (*self.parts.placement.split_model_bytes(on_device, host), disk)
+        return (*self._split(on_device, host), disk)
+
+    def _split(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
+        """``(on the accelerator, on the host)``; without placement there is one memory, the host (see
+        [Note: null placement])."""
+        return (on_accelerator, on_host) if self.parts.placement.budgeted() else (0, on_accelerator + on_host)

@@ -152,8 +152,8 @@ def make_placement(
 def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str) -> list[torch.nn.Module]:
     """The blocks whose inputs the emulated accelerator's meter counts (see [Note: held inputs]) and whose
     activations may be offloaded (see [Note: activation offload]); none without either."""
-    offloader = placement.activation_policy()
-    if offloader is None and placement.meter() is None:
+    offloader = placement.activations
+    if offloader is None and placement.meter is None:
         return []
     blocks = repeated_blocks(module)
     if not blocks and offloader is not None:

@@ -71,7 +71,7 @@ class TrainingFlow:
             self.placement.evaluation_begins()  # see [Note: evaluation moments]
             return
         self.placement.forward_begins()
-        offloader, meter = self.placement.activation_policy(), self.placement.meter()
+        offloader, meter = self.placement.activations, self.placement.meter
         if offloader is not None:  # its hooks count what stays, as the meter's would
             offloader.start_forward()
             self._meter_ctx = offloader.hooks()
@@ -85,7 +85,7 @@ class TrainingFlow:
             return
         self.run.end_forward()
         self.manager.end_forward()  # see [Note: ranks in lockstep]
-        offloader = self.placement.activation_policy()
+        offloader = self.placement.activations
         if self._meter_ctx is not None and offloader is not None:
             offloader.end_forward()
         if self._meter_ctx is not None:
@@ -106,7 +106,7 @@ class TrainingFlow:
         if self._meter_ctx is None or self.backward.running:
             return
         tensors = list(iter_tensors(inputs))
-        offloader, meter = self.placement.activation_policy(), self.placement.meter()
+        offloader, meter = self.placement.activations, self.placement.meter
         if offloader is not None:
             offloader.enter_block(index, tensors)
         elif meter is not None:

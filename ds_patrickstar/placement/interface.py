@@ -81,9 +81,12 @@ class Placement(Protocol):
         [Note: moments and the trace])."""
         ...
 
-    def meter(self) -> SavedTensorMeter | None: ...
+    activations: ActivationPolicy | None  # activation offload (see [Note: activation offload])
 
-    def activation_policy(self) -> ActivationPolicy | None: ...
+    @property
+    def meter(self) -> SavedTensorMeter | None:
+        """The emulated accelerator's count of saved activations (None elsewhere)."""
+        ...
 
     # ---- room and moves ----
     def make_room(self, need: int, keep: set[int]) -> None: ...
@@ -102,11 +105,6 @@ class Placement(Protocol):
         ...
 
     def gathered_rooms(self, trace: Trace, held: Callable[[int], int]) -> tuple[list[int], list[int]]: ...
-
-    def split_model_bytes(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
-        """``(on the accelerator, on the host)`` of the model data the accelerator's and the host's
-        accounts hold."""
-        ...
 
     # ---- the step ----
     def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
@@ -150,11 +148,8 @@ class NullPlacement:
     def drop_forward(self) -> None:
         pass
 
-    def meter(self) -> SavedTensorMeter | None:
-        return None
-
-    def activation_policy(self) -> ActivationPolicy | None:
-        return None
+    meter: SavedTensorMeter | None = None
+    activations: ActivationPolicy | None = None
 
     def make_room(self, need: int, keep: set[int]) -> None:
         pass
@@ -173,9 +168,6 @@ class NullPlacement:
 
     def gathered_rooms(self, trace: Trace, held: Callable[[int], int]) -> tuple[list[int], list[int]]:
         return [], []
-
-    def split_model_bytes(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
-        return 0, on_accelerator + on_host  # one memory: the "accelerator" is the host
 
     def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
         return None

@@ -147,17 +147,12 @@ class PlacementRuntime:
     def last_iteration(self) -> Trace | None:
         return self.tracer.last_iteration()
 
+    @property
     def meter(self) -> SavedTensorMeter | None:
         return self.tracer.meter
 
-    def activation_policy(self) -> ActivationPolicy | None:
-        return self.activations
-
     def budgeted(self) -> bool:
         return True
-
-    def split_model_bytes(self, on_accelerator: int, on_host: int) -> tuple[int, int]:
-        return on_accelerator, on_host
 
     def plot_tide(self, path: str, caption: str) -> str:
         """A PNG of the last iteration's tide (see :mod:`~ds_patrickstar.placement.tide_plot`)."""
