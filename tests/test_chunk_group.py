@@ -68,7 +68,7 @@ def test_the_plan_counts_a_kept_group_as_the_keep_decision_does():
 
     specs, chunk_map, comm, groups = _groups(accumulate=True)
     assert [g.nbytes for g in groups] == planned_group_bytes(specs, 4, 2, True)  # the pre-flight's count
-    residency = GroupResidency(chunk_map, comm, groups, NullPlacement(), None, 0)
+    residency = GroupResidency(chunk_map, comm, groups, NullPlacement(), None, 0, None)
     before = residency.gathered_bytes
     residency.gather(0, fill=False)
     counted = residency.gathered_bytes - before

@@ -35,7 +35,7 @@ def _initialize_and_step(keep_gathered):
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     engine.backward(engine(torch.randn(2, 16)).square().mean())
     engine.step()
-    return engine.optimizer.manager.keep.limit, engine.get_patrickstar_counters()["all_gathers"]
+    return engine.optimizer.manager.residency.policy.limit, engine.get_patrickstar_counters()["all_gathers"]
 
 
 @pytest.mark.parametrize("available,keep_gathered,expected", [

@@ -8,10 +8,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..memory.reductions import InFlightReductions
-from ..placement.interface import Placement
-from ..store.chunk_store import ChunkStore
 from .comm import ChunkComm
-from .flat import FlatBuffers
 from .group import ChunkGroup
 
 
@@ -28,20 +25,16 @@ class ScatteredAccumulation:
         chunk_map: ChunkMap,
         groups: list[ChunkGroup],
         comm: ChunkComm,
-        store: ChunkStore,
-        placement: Placement,
         reductions: InFlightReductions,
-        flat: FlatBuffers,
     ) -> None:
-        self._map, self._groups, self._comm, self._store = chunk_map, groups, comm, store
-        self._placement, self._reductions, self._flat = placement, reductions, flat
+        self._map, self._groups, self._comm, self._reductions = chunk_map, groups, comm, reductions
 
     def _member_index(self, chunk: Chunk) -> int:
         return chunk.chunk_id - self._map.group_of(chunk) * self._comm.world_size
 
     def _buffer(self, group: ChunkGroup, keep: set[int]) -> torch.Tensor:
         if group.grad_buffer is None:
-            group.grad_buffer = self._flat.zeros(group.members, keep, group.index)
+            group.grad_buffer = group.flat_buffer(keep)
         return group.grad_buffer
 
     @torch.no_grad()
@@ -62,24 +55,25 @@ class ScatteredAccumulation:
         keep = group.chunk_ids
         buf = self._buffer(group, keep)
         group.grad_buffer = None
-        self._placement.bring(owned, keep)  # the owned chunk, then room for its new accumulator beside it
+        group.bring(owned, keep)  # the owned chunk, then room for its new accumulator beside it
         if owned.acc is None and owned.acc_host is None:
-            self._placement.make_room(group.nbytes.accumulator, keep)
-        self._store.accumulator(owned)
+            group.make_room(group.nbytes.accumulator, keep)
+        group.accumulator(owned)
         pending = self._comm.reduce_scatter_mean_single_async(
-            buf, f"micro-step reduce-scatter of chunk group {index}", after=lambda: self._add_owned(owned, buf)
+            buf, f"micro-step reduce-scatter of chunk group {index}", after=lambda: self._add_owned(group, buf)
         )
         owned.pending.append(pending)  # the owned chunk (and its accumulator) stays until it completes
         self._reductions.add(pending)
 
     @torch.no_grad()
-    def _add_owned(self, owned: Chunk, buf: torch.Tensor) -> None:
+    def _add_owned(self, group: ChunkGroup, buf: torch.Tensor) -> None:
+        owned = group.owned
         acc = owned.ready_acc()
         if acc is None:
             raise RuntimeError(f"chunk {owned.chunk_id}: its gradient accumulator went before its reduce-scatter")
         rank = self._comm.rank
         acc.add_(buf[rank * owned.capacity : (rank + 1) * owned.capacity])
-        self._flat.free(buf)
+        group.free_flat_buffer(buf)
 
     @torch.no_grad()
     def fold(self, owned: Chunk) -> None:
@@ -96,5 +90,5 @@ class ScatteredAccumulation:
         """Buffers of a micro-step that did not finish (none after a complete backward) go."""
         for group in self._groups:
             if group.grad_buffer is not None:
-                self._flat.free(group.grad_buffer)
+                group.free_flat_buffer(group.grad_buffer)
                 group.grad_buffer = None

@@ -44,13 +44,9 @@ from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.reductions import InFlightReductions
-from ..placement.interface import Placement
-from ..store.chunk_store import ChunkStore
 from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
-from .flat import FlatBuffers
 from .group import ChunkGroup
-from .keep import KeepPolicy
 from .residency import GroupResidency
 
 _NORM_SLICE = 1 << 22
@@ -65,23 +61,16 @@ class GradientSink:
         chunk_map: ChunkMap,
         groups: list[ChunkGroup],
         comm: ChunkComm,
-        store: ChunkStore,
         residency: GroupResidency,
-        keep: KeepPolicy,
         reductions: InFlightReductions,
-        placement: Placement,
         accumulate: bool,
     ) -> None:
-        self._map, self._groups, self._comm, self._store = chunk_map, groups, comm, store
-        self._residency, self._keep, self._reductions = residency, keep, reductions
-        self._placement = placement
+        self._map, self._groups, self._comm = chunk_map, groups, comm
+        self._residency, self._reductions = residency, reductions
         self.accumulate = accumulate
-        self._flat = FlatBuffers(store, placement)
         # GA > 1: a local fp32 accumulator per chunk with one rank, else reduce-scatters per micro-step
         self._scattered = (
-            ScatteredAccumulation(chunk_map, groups, comm, store, placement, reductions, self._flat)
-            if accumulate and comm.world_size > 1
-            else None
+            ScatteredAccumulation(chunk_map, groups, comm, reductions) if accumulate and comm.world_size > 1 else None
         )
         self.reduced: set[int] = set()  # groups whose reduce-scatter was issued this step
         self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
@@ -109,14 +98,15 @@ class GradientSink:
             return
         if self._comm.world_size > 1 and not self._residency.is_present(group):  # see ChunkManager.grads_only
             self._residency.gather(group, fill=False)
+        chunk_group = self._groups[group]
         for piece in info.pieces:
             chunk = self._map.chunks[piece.chunk_id]
-            self._placement.bring(chunk, keep)  # a gradient is never written through a host round trip
+            chunk_group.bring(chunk, keep)  # a gradient is never written through a host round trip
             part = flat[piece.in_param] if flat is not None else None
             if self.accumulate and self._scattered is None:
                 if chunk.acc is None and chunk.acc_host is None:
-                    self._placement.make_room(chunk.acc_nbytes or 4 * chunk.capacity, keep)
-                acc_slot = self._store.accumulator(chunk)[piece.in_chunk]
+                    chunk_group.make_room(chunk.acc_nbytes or 4 * chunk.capacity, keep)
+                acc_slot = chunk_group.accumulator(chunk)[piece.in_chunk]
                 if part is not None:
                     acc_slot.add_(part.to(acc_slot.dtype))
                 part = acc_slot
@@ -142,7 +132,7 @@ class GradientSink:
             raise RuntimeError("a micro-step reduce-scatter without data-parallel gradient accumulation")
         self._scattered.reduce(group)
         if self._residency.is_present(group):
-            self._keep.keep(group)
+            self._residency.keep_or_release(group)
 
     def _reduce_group(self, group: int) -> None:
         """Launch the reduce-scatter of ``group``'s gradients in its storage
@@ -179,7 +169,7 @@ class GradientSink:
                 if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
                     info.settle()
             for group in reversed(self._residency.present()):  # the first groups of the forward stay longest
-                self._keep.keep(group)
+                self._residency.keep_or_release(group)
             return
         for group in self._trainable:
             if group in self.reduced:

@@ -39,6 +39,7 @@ from ..memory.pending import Pending
 from ..placement.interface import Placement
 from ..store.chunk_store import ChunkStore
 from .comm import ChunkComm, PendingCollective
+from .flat import FlatBuffers
 from .straddle import JoinedBuffers
 
 
@@ -77,6 +78,7 @@ class ChunkGroup:
         self.nbytes = nbytes
         self.joined = joined
         self._comm, self._store, self._placement = comm, store, placement
+        self._flat = FlatBuffers(store, placement)
         self.state = _S.GATHERED if all(c.is_materialized for c in members) else _S.RELEASED
         self.fresh = False  # gathered (maybe still in flight) and not used since
         self.prefetched = False  # gathered ahead of use and not used since
@@ -106,6 +108,26 @@ class ChunkGroup:
     @property
     def chunk_ids(self) -> set[int]:
         return {c.chunk_id for c in self.members}
+
+    # ---- its chunks on the accelerator -----------------------------------------------------
+    def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        """A member (or its accelerator memory) is needed now: placement brings it, keeping ``keep``."""
+        self._placement.bring(chunk, keep)
+
+    def make_room(self, nbytes: int, keep: set[int]) -> None:
+        """``nbytes`` more for this group (a buffer, an accumulator, a joined copy), keeping ``keep``."""
+        self._placement.make_room(nbytes, keep)
+
+    def accumulator(self, chunk: Chunk) -> torch.Tensor:
+        """The fp32 gradient accumulator of a member (created on first use; see [Note: gradient accumulation])."""
+        return self._store.accumulator(chunk)
+
+    def flat_buffer(self, keep: set[int]) -> torch.Tensor:
+        """A zeroed flat gradient buffer of the group (room made first; see [Note: flat group buffers])."""
+        return self._flat.zeros(self.members, keep, self.index)
+
+    def free_flat_buffer(self, buf: torch.Tensor) -> None:
+        self._flat.free(buf)
 
     # ---- gather and release ---------------------------------------------------------
     def gather_bytes(self) -> int:

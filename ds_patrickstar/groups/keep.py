@@ -19,49 +19,33 @@ the groups used later, on *every* rank: which groups are
 gathered decides which collectives run, so the decision must be the same everywhere, and a kept
 group is never released on one rank alone. The ranks agree on that room once per step, not per
 decision (see [Note: agreed gather plan]). The same holds for a prefetch under placement. Under pressure,
-placement first completes the reduce-scatters in flight (``PlacementRuntime.drain_reductions``),
-which frees their flat gradient buffers (see [Note: flat group buffers] in groups/flat.py).
+placement first completes the reduce-scatters in flight (``memory/reductions.py``, drained by
+placement's moves), which frees their flat gradient buffers (see [Note: flat group buffers] in groups/flat.py).
 A no-grad forward (evaluation) keeps nothing. After the reduce-scatter, and at every step,
 no other rank's chunk stays gathered (its values would be stale after the update).
 """
 
 from __future__ import annotations
 
-from .comm import ChunkComm
 from .gather_plan import GatherPlan
-from .residency import GroupResidency
 
 
 class KeepPolicy:
-    """Keeps or releases a group after a use; see [Note: kept groups]."""
+    """Whether a group whose use is over stays gathered, and how many kept bytes are too many; see
+    [Note: kept groups]. A decision only: the residency (``residency.py``) keeps or releases."""
 
-    def __init__(
-        self,
-        comm: ChunkComm,
-        residency: GroupResidency,
-        plan: GatherPlan | None,
-        limit: int | None,
-    ) -> None:
-        self._comm, self._residency = comm, residency
+    def __init__(self, plan: GatherPlan | None, limit: int | None) -> None:
         self._plan = plan
         self.limit = limit  # bytes of kept groups' chunks; None: as many as memory holds
 
-    def keep(self, group: int) -> None:
-        """Keep ``group`` gathered for its next use, releasing the oldest kept groups over the limit;
-        with placement only when the agreed plan holds it for the rest of the iteration. With one rank
-        nothing is gathered (a group is its one chunk, which placement moves): nothing to keep."""
-        if self._comm.world_size == 1:
-            return
-        residency = self._residency
-        if self.limit is not None and residency.groups[group].nbytes.members > self.limit:
-            residency.release(group)
-            return
-        if self._plan is not None and not self._plan.allows_keep(residency.gathered_bytes):
-            residency.release(group)
-            return
-        residency.keep(group)
-        while self.limit is not None and sum(residency.kept.values()) > self.limit:
-            residency.release(next(iter(residency.kept)))
-        held = sum(residency.kept.values())
-        counters = self._comm.counters
-        counters.peak_kept_gathered_bytes = max(counters.peak_kept_gathered_bytes, held)
+    def keeps(self, members_bytes: int, gathered_bytes: int) -> bool:
+        """Whether a group of ``members_bytes`` stays gathered beside ``gathered_bytes`` of gathered groups
+        (itself included): within the limit and, with placement, what the agreed plan holds for the rest of
+        the iteration."""
+        if self.limit is not None and members_bytes > self.limit:
+            return False
+        return self._plan is None or self._plan.allows_keep(gathered_bytes)
+
+    def over(self, kept_bytes: int) -> bool:
+        """Whether ``kept_bytes`` of kept groups' chunks pass the limit (the oldest then go)."""
+        return self.limit is not None and kept_bytes > self.limit

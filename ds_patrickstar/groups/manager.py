@@ -47,7 +47,6 @@ from .comm import ChunkComm
 from .gather_plan import GatherPlan
 from .grads import GradientSink
 from .group import build_groups
-from .keep import KeepPolicy
 from .leaves import LeafGradients
 from .residency import GroupResidency
 
@@ -78,11 +77,10 @@ class ChunkManager:
         self.groups = build_groups(chunk_map, comm, store, placement, accumulate)
         sizes = [group.nbytes for group in self.groups]
         self.plan = GatherPlan(sizes, comm, placement) if placement.budgeted() else None
-        self.residency = GroupResidency(chunk_map, comm, self.groups, placement, self.plan, prefetch_groups)
-        self.keep = KeepPolicy(comm, self.residency, self.plan, keep_gathered)
-        self.grads = GradientSink(
-            chunk_map, self.groups, comm, store, self.residency, self.keep, reductions, placement, accumulate
+        self.residency = GroupResidency(
+            chunk_map, comm, self.groups, placement, self.plan, prefetch_groups, keep_gathered
         )
+        self.grads = GradientSink(chunk_map, self.groups, comm, self.residency, reductions, accumulate)
         self.leaves = LeafGradients(self.grads)  # see [Note: leaf modules]
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
@@ -142,7 +140,7 @@ class ChunkManager:
         for group in sorted(groups):
             if all(t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors):
                 if saved:
-                    self.keep.keep(group)
+                    self.residency.keep_or_release(group)
                 else:
                     self.residency.release(group)
 
@@ -164,7 +162,7 @@ class ChunkManager:
             if self.residency.is_present(group) and all(
                 t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors
             ):
-                self.keep.keep(group)
+                self.residency.keep_or_release(group)
 
     def reap_reductions(self) -> None:
         """Reduce-scatters that have finished give their buffers back now (see memory/reductions.py)."""

@@ -7,8 +7,8 @@ from tensor states, which every rank moves identically, so every rank enters the
 collectives in the same order. Each group's state and its collectives are its
 :class:`~ds_patrickstar.groups.group.ChunkGroup`'s; this class holds the groups, decides which are
 gathered when, and keeps the bytes of those gathered (see [Note: chunk group bytes]) and the order
-of the kept ones; which stay *kept* is the :class:`~ds_patrickstar.groups.keep.KeepPolicy`'s
-decision.
+of the kept ones, and keeps or releases a group whose use is over as the
+:class:`~ds_patrickstar.groups.keep.KeepPolicy` decides (see [Note: kept groups]).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .comm import ChunkComm
 from .gather_order import GatherOrder
 from .gather_plan import GatherPlan
 from .group import ChunkGroup
+from .keep import KeepPolicy
 
 
 class GroupResidency:
@@ -34,6 +35,7 @@ class GroupResidency:
         placement: Placement,
         plan: GatherPlan | None,
         prefetch_groups: int,
+        keep_gathered: int | None,
     ) -> None:
         self._map, self._comm = chunk_map, comm
         self.groups = groups
@@ -44,6 +46,7 @@ class GroupResidency:
         self.gathered_bytes = sum(g.nbytes.gathered for g in groups if g.present)
         self.kept: dict[int, int] = {}  # kept group -> bytes of its chunks, oldest first
         self.order = GatherOrder()
+        self.policy = KeepPolicy(plan, keep_gathered)
 
     def is_present(self, group: int) -> bool:
         return self.groups[group].present
@@ -78,6 +81,21 @@ class GroupResidency:
         """``group`` stays gathered for its next use, the newest of the kept groups."""
         self.groups[group].keep()
         self.kept[group] = self.groups[group].nbytes.members
+
+    def keep_or_release(self, group: int) -> None:
+        """``group``'s use is over: kept gathered for its next use, releasing the oldest kept groups over the
+        limit, or released (see [Note: kept groups]). With one rank nothing is gathered (a group is its one
+        chunk, which placement moves): nothing to keep."""
+        if self._comm.world_size == 1:
+            return
+        if not self.policy.keeps(self.groups[group].nbytes.members, self.gathered_bytes):
+            self.release(group)
+            return
+        self.keep(group)
+        while self.policy.over(sum(self.kept.values())):
+            self.release(next(iter(self.kept)))
+        counters = self._comm.counters
+        counters.peak_kept_gathered_bytes = max(counters.peak_kept_gathered_bytes, sum(self.kept.values()))
 
     def unkeep(self, group: int) -> None:
         """``group`` is no longer kept (used again, or reduced)."""

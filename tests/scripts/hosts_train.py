@@ -83,7 +83,7 @@ def decisions(engine, budget):
     """What this rank's defaults decided, and where its swap files are."""
     parts = engine.optimizer.parts
     record = {"local_world_size": local_world_size(engine.world_size),
-              "keep_gathered": engine.optimizer.manager.keep.limit, "host_budget": budget.budget,
+              "keep_gathered": engine.optimizer.manager.residency.policy.limit, "host_budget": budget.budget,
               "spilled": [], "swap_folder": None, "manifest_host": None}
     if parts.disk is not None:
         folder = parts.disk.files.folder
