@@ -185,6 +185,39 @@ class ChunkGroup:
         self._to(_S.RELEASED)
         self.fresh = self.prefetched = False
 
+    # ---- its life in an iteration (FSDP2's pre_forward/pre_backward, post_forward, post_backward, finalize)
+    def pre_use(self, chunk: Chunk, keep: frozenset[int], gathered_now: bool) -> bool:
+        """A moment uses ``chunk`` of this gathered group (forward, backward or recomputation): it is
+        brought (unless the group was ``gathered_now``, which brought it), counted and waited on; returns
+        whether this is the first use since the group was gathered. The caller gathers a released group."""
+        counters = self._comm.counters
+        if not gathered_now:
+            self._placement.bring(chunk, set(keep))
+            if self.prefetched:
+                self.prefetched = False
+                counters.prefetched_all_gather_hits += 1
+        self.bring_back(chunk)
+        first, self.fresh = self.fresh, False
+        self.unkeep()  # in use again: no longer a candidate for release
+        if chunk.prefetched:
+            chunk.prefetched = False
+            counters.prefetch_hits += 1
+        chunk.wait_pending()  # the compute reads the payload through the views (see [Note: ready payload])
+        return first
+
+    def use_over(self) -> bool:
+        """Whether every tensor of the group is done for now (``HOLD_AFTER_FWD``): after a forward use, or a
+        backward use of a tensor still waiting for its gradient; the group may then be kept or released."""
+        return all(t.state is TensorState.HOLD_AFTER_FWD for t in self.tensors)
+
+    def finalize(self) -> None:
+        """The step is over: the members' gradient accumulators go and its tensors settle (``HOLD``)."""
+        for chunk in self.members:
+            self._store.drop_accumulator(chunk)
+        for info in self.tensors:
+            if info.state not in (TensorState.HOLD, TensorState.FREE):
+                info.settle()
+
     def bring_back(self, chunk: Chunk) -> None:
         """The group is used: a frozen chunk on disk counts the use (see [Note: frozen use order]), and one
         that was let go after its last use is read back (see [Note: frozen chunks on disk]); with

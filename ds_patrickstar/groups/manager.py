@@ -138,7 +138,7 @@ class ChunkManager:
             return
         saved = self.run.saves_for_backward()  # a backward will read it; a no-grad forward releases
         for group in sorted(groups):
-            if all(t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors):
+            if self.groups[group].use_over():
                 if saved:
                     self.residency.keep_or_release(group)
                 else:
@@ -159,9 +159,7 @@ class ChunkManager:
             self._let_go()
             return
         for group in sorted(groups):
-            if self.residency.is_present(group) and all(
-                t.state is _S.HOLD_AFTER_FWD for t in self.groups[group].tensors
-            ):
+            if self.residency.is_present(group) and self.groups[group].use_over():
                 self.residency.keep_or_release(group)
 
     def reap_reductions(self) -> None:
@@ -232,11 +230,8 @@ class ChunkManager:
         self.residency.order.next_step()
         if self.plan is not None:
             self.plan.agree()  # see [Note: agreed gather plan]
-        for chunk in self.map.chunks:
-            self.store.drop_accumulator(chunk)
-        for info in self.map.infos():
-            if info.state not in (_S.HOLD, _S.FREE):
-                info.settle()
+        for group in self.groups:
+            group.finalize()
         self.grads.next_step()
 
     def release_all_groups(self) -> None:

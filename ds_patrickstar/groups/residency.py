@@ -104,32 +104,15 @@ class GroupResidency:
 
     # ---- use ------------------------------------------------------------------------
     def use(self, chunk: Chunk, keep: frozenset[int], training: bool) -> None:
-        """``chunk`` is used now: its group gathered (or brought), counted, and waited on."""
-        counters = self._comm.counters
+        """``chunk`` is used now: its group gathered if released, then used (:meth:`ChunkGroup.pre_use`);
+        a training moment's first use of a group is its place in the gather order."""
         chunk_group = self.groups[self._map.group_of(chunk)]
-        if not chunk_group.present:
+        gathered_now = not chunk_group.present
+        if gathered_now:
             self.gather(chunk_group.index, keep=keep)
-        else:
-            self._placement.bring(chunk, set(keep))
-            if chunk_group.prefetched:
-                chunk_group.prefetched = False
-                counters.prefetched_all_gather_hits += 1
-        chunk_group.bring_back(chunk)
-        if chunk_group.fresh:
-            chunk_group.fresh = False
-            if training:
-                self.order.used(chunk_group.index)
-        self.unkeep(chunk_group.index)  # in use again: no longer a candidate for release
-        if chunk.prefetched:
-            chunk.prefetched = False
-            counters.prefetch_hits += 1
-        self._wait_for_use(chunk)
-
-    @staticmethod
-    def _wait_for_use(chunk: Chunk) -> None:
-        """The compute that follows reads the payload through the views: every copy and
-        collective into the chunk must be complete (see [Note: ready payload])."""
-        chunk.wait_pending()
+        if chunk_group.pre_use(chunk, keep, gathered_now) and training:
+            self.order.used(chunk_group.index)
+        self.kept.pop(chunk_group.index, None)  # in use again: no longer kept
 
     def prefetch(self, in_use: frozenset[int], reduced: set[int]) -> None:
         """Issue the all-gathers of the next groups in the gather order (see [Note: gather order]);
