@@ -17,7 +17,12 @@ gathered, its use over, kept for its next use (see [Note: kept groups]); keeping
 leaves it kept. A use makes a kept group ``GATHERED``; any gathered group may be released. A group
 never goes from ``RELEASED`` to ``KEPT``.
 
-The group holds what is in flight on it: its all-gather (:attr:`ChunkGroup.gathering`, also on every
+A group's life in an iteration is its own, as FSDP2's parameter group's: a moment's use
+(:meth:`ChunkGroup.pre_use`, FSDP2's ``pre_forward``/``pre_backward``: the group gathered, the chunk
+brought and waited on), the end of a use (:meth:`ChunkGroup.use_over`, then kept or released by the
+residency's keep decision; FSDP2's ``post_forward``), the reduce-scatter once its last gradient is in
+(:meth:`ChunkGroup.reduce_scatter`, FSDP2's ``post_backward``) and the end of the step
+(:meth:`ChunkGroup.finalize`). The group holds what is in flight on it: its all-gather (:attr:`ChunkGroup.gathering`, also on every
 member's pending list, so a reader of a member waits through :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`)
 and the reduce-scatter that still reads its storage after a release (:attr:`ChunkGroup.reducing`): the
 storage goes, and its bytes leave the ledger, when that reduce-scatter completes (its ``after`` action),
