@@ -1,4 +1,6 @@
 """Tide-aware placement on the emulated accelerator: Belady, budget, prefetch, re-trace, tracer accuracy."""
+import re
+
 import harness
 import pytest
 import torch
@@ -296,3 +298,19 @@ def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
     assert runtime._headroom(trace, 0) == 1000 - 550
     assert runtime._headroom(trace, 3) == 1000 - 550  # tide ahead 100: now + stranded decide
     assert runtime.stranded_peak == 450  # the auto plan's margin (see [Note: auto activation offload])
+
+
+def test_a_budget_below_the_activations_names_what_would_fit():
+    """The error that stops a run below its activations names each remedy with its bytes (issue 42)."""
+    from ds_patrickstar.memory.ledger import DeviceBudgetExceeded as Exceeded
+
+    engine = None
+    with pytest.raises(Exceeded) as err:
+        engine, *_ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET), steps=1,
+                          batches=[2048])
+    text = str(err.value)
+    short = int(re.search(r"device_budget of at least ([\d,]+) B \(([\d,]+) B more\)", text).group(2).replace(",", ""))
+    assert short > 0
+    for remedy in ('offload_activations "auto"', "activation checkpointing", "train_micro_batch_size_per_gpu"):
+        assert remedy in text, (remedy, text)
+    assert engine is None

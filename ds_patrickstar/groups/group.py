@@ -22,11 +22,12 @@ A group's life in an iteration is its own, as FSDP2's parameter group's: a momen
 brought and waited on), the end of a use (:meth:`ChunkGroup.use_over`, then kept or released by the
 residency's keep decision; FSDP2's ``post_forward``), the reduce-scatter once its last gradient is in
 (:meth:`ChunkGroup.reduce_scatter`, FSDP2's ``post_backward``) and the end of the step
-(:meth:`ChunkGroup.finalize`). The group holds what is in flight on it: its all-gather (:attr:`ChunkGroup.gathering`, also on every
-member's pending list, so a reader of a member waits through :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`)
-and the reduce-scatter that still reads its storage after a release (:attr:`ChunkGroup.reducing`): the
-storage goes, and its bytes leave the ledger, when that reduce-scatter completes (its ``after`` action),
-and a gather into the same storage waits for it first (see [Note: collective buffers]).
+(:meth:`ChunkGroup.finalize`). The group holds what is in flight on it: its all-gather
+(:attr:`ChunkGroup.gathering`, also on every member's pending list, so a reader of a member waits
+through :meth:`~ds_patrickstar.chunks.chunk.Chunk.ready`) and the reduce-scatter that still reads its
+storage after a release (:attr:`ChunkGroup.reducing`): the storage goes, and its bytes leave the
+ledger, when that reduce-scatter completes (its ``after`` action), and a gather into the same storage
+waits for it first (see [Note: collective buffers]).
 """
 
 from __future__ import annotations

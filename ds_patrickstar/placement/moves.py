@@ -17,6 +17,7 @@ from ..memory.reductions import InFlightReductions
 from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
 from .policy import Placer
+from .remedies import budget_remedies
 from .tracer import MemoryTracer, Trace
 
 
@@ -38,6 +39,7 @@ class ChunkMoves:
         self.moment = -1  # the current moment (recorded), for the errors
         self.at = -1  # the trace position the current moment is placed at (-1: none)
         self.stranded_peak = 0  # the most stranded allocator bytes at a recorded moment this iteration
+        self.offloading = False  # activation offload is on (for the remedies a budget error names)
 
     @staticmethod
     def nbytes(chunk: Chunk) -> int:
@@ -105,11 +107,19 @@ class ChunkMoves:
             try:
                 self._evict_all(self.placer.victims(short, self._evictable(keep)))
             except DeviceBudgetExceeded as err:
+                non_model = self.placer.budget - headroom
+                held = sum(self.nbytes(self.chunks[c]) for c in keep if not self.chunks[c].on_host) + need
+                remedies = budget_remedies(
+                    self.ledger.total + need + non_model - self.placer.budget,
+                    self.placer.budget,
+                    non_model,
+                    held,
+                    self.offloading,
+                )
                 raise DeviceBudgetExceeded(
                     f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
                     f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
-                    f"{self.placer.budget - headroom:,} B of non-model memory ({err}; needed now: {sorted(keep)}). "
-                    f"Raise zero_optimization.device_budget or lower chunk_size."
+                    f"{non_model:,} B of non-model memory ({err}; needed now: {sorted(keep)}). {remedies}"
                 ) from None
         accel.reclaim(need_below=headroom - need)
 

@@ -24,6 +24,7 @@ from .moves import ChunkMoves
 from .planner import gathered_rooms
 from .policy import Placer
 from .positions import TracePositions
+from .remedies import budget_remedies
 from .shapes import RetraceReason
 from .step_plan import StepPlan
 from .tide_plot import plot_tide
@@ -53,7 +54,7 @@ class PlacementRuntime:
         self.label = ""  # the label of the current moment
         # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
         self.tide: list[tuple[int, int, int, int]] = []
-        self.activations: ActivationPolicy | None = None  # see [Note: activation offload]
+        self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self.positions = TracePositions(placer.budget // 64)  # see [Note: evaluation moments]
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
@@ -81,6 +82,16 @@ class PlacementRuntime:
             self.placer.rekey(trace, self.moves.at)
             new_iteration = False
         self.placer.touch(chunk_ids, trace, self.moves.at, new_iteration)
+
+    @property
+    def activations(self) -> ActivationPolicy | None:
+        """Activation offload, when on (see [Note: activation offload])."""
+        return self._activations
+
+    @activations.setter
+    def activations(self, policy: ActivationPolicy | None) -> None:
+        self._activations = policy
+        self.moves.offloading = policy is not None
 
     @property
     def moment(self) -> int:
@@ -115,10 +126,12 @@ class PlacementRuntime:
         self.moves.make_room(0, in_use)
         model, non_model = self.ledger.total, self.moves.non_model()
         if model + self.ledger.non_model > self.placer.budget:
+            short = model + self.ledger.non_model - self.placer.budget
+            remedies = budget_remedies(short, self.placer.budget, non_model, model, self.activations is not None)
             raise DeviceBudgetExceeded(
                 f"model data {model:,} B + non-model {non_model:,} B + stranded allocator pieces "
                 f"{self.ledger.non_model - non_model:,} B exceed the accelerator budget of "
-                f"{self.placer.budget:,} B at moment {self.moment}"
+                f"{self.placer.budget:,} B at moment {self.moment}. {remedies}"
             )
         trace = self.moves.plan_trace()
         if self.run.records():
