@@ -18,13 +18,13 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import bench_utils as bu
 import torch
+from bench_harness import backend_config, error_line, run_logged
 
 logger = logging.getLogger("compare_zero3")
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train_gpt.py"
@@ -59,15 +59,6 @@ def parse_args(argv=None):
     p.add_argument("--world-size", type=int, default=1,
                    help="data-parallel ranks: > 1 runs each child under torchrun --nproc_per_node N")
     return p.parse_args(argv)
-
-
-def backend_config(backend, offload):
-    cuda = torch.cuda.is_available()
-    if backend in ("patrickstar", "patrickstar-static"):
-        return bu.CONFIG_DIR / ("patrickstar_gpu.json" if cuda else "patrickstar_cpu.json")
-    if backend in ("zero3", "zero3-tuned"):
-        return bu.CONFIG_DIR / ("zero3_offload_gpu.json" if offload else "zero3_cpu.json")
-    raise ValueError(f"unknown backend {backend!r}")
 
 
 def placement_overrides(args, backend):
@@ -153,21 +144,12 @@ def _run_backend(args, backend, workdir):
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = child_command(args, backend, json_path, Path(workdir) / backend, child_config(args, backend, workdir))
     logger.info("%s: %s (log: %s)", backend, " ".join(cmd), log_path)
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.timeout} s"}
-    if rc != 0 or not json_path.exists():
-        return {"error": f"exit {rc}: {last_error_line(log_path)}"}
+    failed = run_logged(cmd, log_path, args.timeout, child_env())
+    if failed:
+        return failed
+    if not json_path.exists():
+        return {"error": f"no result: {error_line(log_path.read_text(errors='replace')) or 'no output'}"}
     return json.loads(json_path.read_text())
-
-
-def last_error_line(log_path):
-    lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (errors or lines or ["no output"])[-1][:200]
 
 
 def measure(payload, warmup):
