@@ -17,14 +17,13 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import bench_utils as bu
 import torch
-from bench_harness import backend_config, error_line, run_logged
+from bench_harness import backend_config, error_line, run_logged, steady_summary
 
 logger = logging.getLogger("compare_zero3")
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train_gpt.py"
@@ -157,9 +156,13 @@ def measure(payload, warmup):
     summary, records = payload["summary"], payload["records"]
     counters = summary.get("patrickstar_counters") or {}
     timed = records[warmup:] or records[-1:]
-    step_s = statistics.median(r["seconds"] for r in timed)
+    steady = steady_summary([r["seconds"] for r in records[:len(records) - len(timed)]],
+                            [r["seconds"] for r in timed])
+    step_s = steady["step_s"]
     return {
         "step_time_s": step_s,
+        "step_spread": steady["spread"],
+        "first_steps_extra_s": steady["first_steps_extra_s"],
         "tokens_per_s": records[0]["tokens"] / step_s,
         "host_peak_bytes": summary["host_peak_rss_bytes"],
         "gpu_max_bytes": summary["gpu_max_allocated_bytes"],
@@ -191,6 +194,7 @@ def gib(b):
 # A new column (e.g. data-parallel communication volume) is one more row here plus its key in measure().
 COLUMNS = [
     ("step time (ms)", "step_time_s", lambda v: f"{v * 1e3:.1f}", True),
+    ("spread", "step_spread", lambda v: f"{v:.0%}", False),
     ("tokens/s", "tokens_per_s", lambda v: f"{v:.0f}", True),
     ("peak host (GiB)", "host_peak_bytes", lambda v: f"{gib(v):.3f}", True),
     ("GPU max alloc (GiB)", "gpu_max_bytes", lambda v: f"{gib(v):.3f}", True),

@@ -56,7 +56,7 @@ from gpu_suite_max_model import run_max_model
 log = logging.getLogger("gpu_suite")
 REPO = HERE.parent
 # each part's share of what the parts before it left, in the order they run (the dry run's: its trial counts)
-SHARES = {"builds": 0.1, "lora": 0.1, "dynamic_padding": 0.12, "throughput": 0.45, "sweep": 0.23,
+SHARES = {"builds": 0.12, "lora": 0.14, "dynamic_padding": 0.16, "throughput": 0.36, "sweep": 0.22,
           "gpu_tests": 1.0, "max_model": 0.5}
 DRY_SHARES = {"builds": 0, "lora": 1.5, "dynamic_padding": 1.5, "throughput": 5, "sweep": 2.5, "gpu_tests": 0,
               "max_model": 1.5}
@@ -82,6 +82,8 @@ def parse_args(argv=None):
                    f"{','.join(GPU_DEFAULT_PARTS)}; dry: all)")
     p.add_argument("--size-fractions", default="0.5,1.5,3", help="throughput: model data over the GPU's memory")
     p.add_argument("--sweep-points", default="12,16", help="sweep: GiB on an 80 GB GPU; B/off: no checkpointing")
+    p.add_argument("--backends", default=None, help="backends of the trial parts, of ours,zero3-offload,zero3 "
+                   "(GPU: ours,zero3-offload: ZeRO-3 without offload is a second call's; dry: all)")
     p.add_argument("--batch", type=int, default=None, help="micro-batch (8; dry 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512; dry 16)")
     p.add_argument("--warmup", default=None, help="untimed steps per trial: a count or auto (until settled)")
@@ -108,6 +110,10 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, cpu if dry else gpu)
     args.warmup = args.warmup if args.warmup == "auto" else int(args.warmup)
+    args.backends = [x for x in (args.backends or ("ours,zero3-offload,zero3" if dry else "ours,zero3-offload"))
+                     .split(",") if x]
+    if set(args.backends) - {*parts.OFFLOADED, "zero3"}:
+        p.error(f"--backends: unknown {sorted(set(args.backends) - {*parts.OFFLOADED, 'zero3'})}")
     args.size_fractions = [float(f) for f in args.size_fractions.split(",") if f]
     args.sweep_points = [x for x in args.sweep_points.split(",") if x]
     if dry:

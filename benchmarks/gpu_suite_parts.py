@@ -28,7 +28,7 @@ HOST_BASE_BYTES = 6 * GIB  # a trial's process besides model data: torch, CUDA c
 # (up to how many parameters, width, heads): GPT-3's shapes; the dry run's tiny ones
 GPU_SHAPES = [(2.2e9, 2048, 16), (4e9, 2560, 32), (1e10, 4096, 32), (float("inf"), 5120, 40)]
 DRY_SHAPES = [(5e4, 32, 2), (1.5e5, 48, 2), (float("inf"), 64, 2)]
-REFERENCE_GPU_BYTES = 80e9  # the sweep's budgets are GiB on an 80 GB GPU, scaled by the GPU's memory over this
+REFERENCE_GPU_BYTES = 85e9  # an H100 80 GB's memory (79.2 GiB): the sweep's GiB, scaled by a GPU's memory over it
 DRY_DEVICE_BYTES = 1_000_000  # the dry run's pretend GPU: ours' device_budget, and what ZeRO-3 must fit
 DRY_CHUNK = 8192  # elements: chunks small enough for the dry run's budgets
 DRY_STOCK_SKIP = {  # stock ZeRO-3 costs ~10 s of CPU to start a trial here: the dry run runs it once
@@ -74,7 +74,7 @@ def run_trial(ctx, head: dict, argv: list[str], deadline: float, need: float) ->
                          lock_cleaner(ctx.child_env, ctx.cuda))
         max_model.remove_shm_buffers(port)
     if ctx.args.dry_run and head.get("backend") == "zero3-offload" and got["status"] == "measured":
-        got["stand_in"] = "plain ZeRO-3 on the CPU (no CUDA: nothing to offload from)"
+        got["stand_in"] = "ZeRO-3 with the offload config on the CPU (no CUDA: nothing to offload from)"
     trial = {**head, **got}
     log.info("%s: %s %s", " ".join(str(head[k]) for k in ("size", "point", "backend", "padding") if k in head),
              trial["status"],
@@ -110,6 +110,8 @@ def run_plan(ctx, name: str, plan: list[tuple[dict, list[str] | str]], deadline:
         return part_result(got, **(extra(got) if extra else {}))
 
     for head, argv in plan:
+        if head["backend"] not in ctx.args.backends:
+            argv = "skipped: not among --backends (a call with it fills this row in; --merge joins the calls)"
         if isinstance(argv, str):  # "skipped: why" or "failed: error", decided before launching
             status, _, why = argv.partition(": ")
             trials.append({**head, "status": status, "error" if status == "failed" else "reason": why})
@@ -139,14 +141,14 @@ def params_of(preset: str, overrides: dict) -> int:
     return gpt_model.count_params_for_config(gpt_model.get_config(preset, **overrides))
 
 
-def host_shortfall(ctx, backend: str, params: int) -> str | None:
+def host_shortfall(ctx, backend: str, params: int, device: float | None = None) -> str | None:
     """Why ``backend`` cannot hold a model of ``params`` in this host's available memory, by arithmetic before
-    launching (ZeRO-3 offload: 18 bytes/param on the host; ours: its 14 bytes/param past 90% of the GPU), or
-    None."""
+    launching (ZeRO-3 offload: 18 bytes/param on the host; ours: its 14 bytes/param past 90% of the GPU, or past
+    its budget ``device``), or None."""
     if backend == "zero3-offload":
         need = ZERO3_OFFLOAD_HOST_BYTES_PER_PARAM * params
     elif backend == "ours":
-        need = max(0.0, OURS_BYTES_PER_PARAM * params - 0.9 * ctx.device_bytes)
+        need = max(0.0, OURS_BYTES_PER_PARAM * params - (device or 0.9 * ctx.device_bytes))
     else:
         return None
     need += 0 if ctx.args.dry_run else HOST_BASE_BYTES
@@ -236,7 +238,7 @@ def sweep_plan(ctx, args) -> list[tuple[dict, list[str] | str]]:
                 argv = with_option(argv, "--emulate-budget" if args.dry_run else "--device-budget", budget)
             else:
                 argv += ["--memory-fraction", f"{budget / ctx.device_bytes:.6f}"]
-            plan.append((head, host_shortfall(ctx, backend, params_of(preset, sized)) or argv))
+            plan.append((head, host_shortfall(ctx, backend, params_of(preset, sized), budget) or argv))
     return plan
 
 

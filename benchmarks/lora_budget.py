@@ -36,7 +36,7 @@ import bench_utils as bu
 import data
 import gpt_model
 import torch
-from bench_harness import markdown_table, run_logged
+from bench_harness import markdown_table, run_logged, steady_summary
 
 logger = logging.getLogger("lora_budget")
 BACKENDS = ("zero3", "patrickstar", "patrickstar-unbounded")
@@ -195,7 +195,8 @@ def measure(dtype, zero3, ours, unbounded):
                                            [r["loss"] for r in zero3["records"]], tol["loss"])
     weight_diff, update_error, updates_ok = adapter_differences(ours, dict(zero3, update_rtol=tol["update_rtol"]))
     later = [r["counters"] for r in ours["records"][1:]] or [ours["records"][0]["counters"]]
-    step = {b: statistics.median(r["seconds"] for r in res["records"][1:] or res["records"])
+    step = {b: steady_summary([r["seconds"] for r in res["records"][:1]],
+                              [r["seconds"] for r in res["records"][1:] or res["records"]])["step_s"]
             for b, res in (("zero3", zero3), ("patrickstar", ours), ("unbounded", unbounded))}
     return {"dtype": dtype, "frozen_params": ours["frozen_params"], "trainable_params": ours["trainable_params"],
             "frozen_bytes": ours["frozen_bytes"], "budget": ours["budget"],

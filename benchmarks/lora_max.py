@@ -42,7 +42,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import max_model
-from bench_harness import build_under_init, error_line, markdown_table
+from bench_harness import build_under_init, error_line, markdown_table, steady_summary
 
 GIB = 1024**3
 BACKENDS = ("patrickstar", "patrickstar-disk", "zero3-cpu", "zero3-nvme", "torch")
@@ -215,11 +215,11 @@ def _shared_flags(args) -> list[str]:
 
 
 def measured(r) -> dict:
-    """Over the timed steps (all but the first): the median step time and bytes read, tokens/s, and the
-    bytes read over the seconds those steps took (read GB/s)."""
-    times, reads = (r["step_times"][1:], r["read_bytes"][1:]) if len(r["step_times"]) > 1 else \
-        (r["step_times"], r["read_bytes"])
-    step = statistics.median(times)
+    """Over the timed steps (all but the first): the median step time (``bench_harness.steady_summary``) and
+    bytes read, tokens/s, and the bytes read over the seconds those steps took (read GB/s)."""
+    first = 1 if len(r["step_times"]) > 1 else 0
+    times, reads = r["step_times"][first:], r["read_bytes"][first:]
+    step = steady_summary(r["step_times"][:first], times)["step_s"]
     return {"step": step, "tokens": r.get("tokens", 0) / step, "read": statistics.median(reads),
             "read_gbs": sum(reads) / sum(times) / 1e9}
 
