@@ -43,7 +43,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_harness import build_under_init, ds_config, free_port, gpt_params
+from bench_harness import build_under_init, ds_config, free_port, gpt_params, markdown_table
 
 GIB = 1024 ** 3
 # bytes/param guesses for the first try only (the search corrects them)
@@ -334,49 +334,46 @@ def search(args, backend, world_size, log_dir, try_depth=None, guess_bytes_per_p
 def table(best, args):
     """One row per backend and world size; the ratio is against the larger of ZeRO-3 with its
     defaults and ZeRO-3 tuned for memory at the same world size (the best ZeRO-3 a user gets)."""
-    rows = ["| backend | world size | largest model | depth | peak host | bytes/param all-in | step time | "
-            "params vs best ZeRO-3 |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (backend, ws), r in best.items():
         if r is None:
-            rows.append(f"| {backend} | {ws} | nothing trains | | | | | |")
+            rows.append([backend, ws, "nothing trains", "", "", "", "", ""])
             continue
         stock = [best.get((b, ws)) for b in (BASELINE, "zero3-tuned")]
         base = max((b for b in stock if b), key=lambda b: b["params"], default=None)
         ratio = f"{r['params'] / base['params']:.2f}x" if base else "n/a"
-        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | {r['depth']} | "
-                    f"{r['peak_host_bytes'] / GIB:.2f} GiB | {r['peak_host_bytes'] / r['params']:.1f} | "
-                    f"{statistics.median(r['step_times']):.1f} s | {ratio} |")
-    return "\n".join(rows)
+        rows.append([backend, ws, f"{r['params'] / 1e9:.3f}B", r["depth"], f"{r['peak_host_bytes'] / GIB:.2f} GiB",
+                     f"{r['peak_host_bytes'] / r['params']:.1f}", f"{statistics.median(r['step_times']):.1f} s", ratio])
+    return "\n".join(markdown_table(["backend", "world size", "largest model", "depth", "peak host",
+                                     "bytes/param all-in", "step time", "params vs best ZeRO-3"], rows))
 
 
 def breakdown_table(best):
     """Per backend's largest model: the last step's forward, backward and optimizer step seconds
     (rank 0), and for the disk tier the I/O it moved, its busy seconds and the seconds the step
     waited on it; hidden I/O is the I/O threads' busy time the step did not wait for."""
-    rows = ["| backend | world size | largest model | forward | backward | step (Adam, I/O) | disk read+written "
-            "| I/O busy | I/O waited | I/O hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (backend, ws), r in best.items():
         if not r or not r.get("breakdown"):
             continue
         last = r["breakdown"][-1]
         disk = "disk_io_seconds" in last and last["disk_bytes_read"] + last["disk_bytes_written"] > 0
-        moved = f"{(last['disk_bytes_read'] + last['disk_bytes_written']) / GIB:.1f} GiB" if disk else "-"
-        busy = f"{last['disk_io_seconds']:.1f} s" if disk else "-"
-        waited = f"{last['disk_wait_seconds']:.1f} s" if disk else "-"
-        hidden = (f"{max(0.0, 1 - last['disk_wait_seconds'] / max(last['disk_io_seconds'], 1e-9)):.0%}"
-                  if disk else "-")
-        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | {last.get('forward', 0):.1f} s | "
-                    f"{last.get('backward', 0):.1f} s | {last.get('step', 0):.1f} s | {moved} | {busy} | {waited} "
-                    f"| {hidden} |")
-    return "\n".join(rows)
+        io = ([f"{(last['disk_bytes_read'] + last['disk_bytes_written']) / GIB:.1f} GiB",
+               f"{last['disk_io_seconds']:.1f} s", f"{last['disk_wait_seconds']:.1f} s",
+               f"{max(0.0, 1 - last['disk_wait_seconds'] / max(last['disk_io_seconds'], 1e-9)):.0%}"]
+              if disk else ["-"] * 4)
+        rows.append([backend, ws, f"{r['params'] / 1e9:.3f}B", f"{last.get('forward', 0):.1f} s",
+                     f"{last.get('backward', 0):.1f} s", f"{last.get('step', 0):.1f} s", *io])
+    return "\n".join(markdown_table(["backend", "world size", "largest model", "forward", "backward",
+                                     "step (Adam, I/O)", "disk read+written", "I/O busy", "I/O waited",
+                                     "I/O hidden"], rows))
 
 
 def resident_table(best):
     """Per backend's largest model, rank 0's resident memory (GiB) by phase of its last step: at the
     end of the build and of initialize, then the peak during forward, backward and optimizer step,
     and the model data the backend counts (ds_patrickstar: its counters)."""
-    rows = ["| backend | world size | largest model | built | initialized | forward peak | backward peak | "
-            "step peak | after the step | model data |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (backend, ws), r in best.items():
         phases = (r or {}).get("resident_rank0")
         if not phases or "step" not in phases:
@@ -384,9 +381,11 @@ def resident_table(best):
         data = r.get("model_data_bytes_rank0")
         cells = [phases[p][k] / GIB for p, k in (("build", "end"), ("initialize", "end"), ("forward", "peak"),
                                                    ("backward", "peak"), ("step", "peak"), ("step", "end"))]
-        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | " + " | ".join(f"{c:.2f}" for c in cells)
-                    + (f" | {data / GIB:.2f} |" if data else " | - |"))
-    return "\n".join(rows)
+        rows.append([backend, ws, f"{r['params'] / 1e9:.3f}B", *(f"{c:.2f}" for c in cells),
+                     f"{data / GIB:.2f}" if data else "-"])
+    return "\n".join(markdown_table(["backend", "world size", "largest model", "built", "initialized",
+                                     "forward peak", "backward peak", "step peak", "after the step", "model data"],
+                                    rows))
 
 
 def parse_args(argv=None):
