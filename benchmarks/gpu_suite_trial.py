@@ -199,10 +199,11 @@ def host_memory(cuda: bool) -> dict:
     return out
 
 
-def train(args, engine, device, timer: PhaseTimer, vocab: int) -> tuple[list[dict], list[dict]]:
+def train(args, engine, device, timer: PhaseTimer, adam: AdamClock, vocab: int) -> tuple[list[dict], list[dict]]:
     """(warm-up records, timed records) of training steps on random tokens."""
-    gen, adam = torch.Generator().manual_seed(0), AdamClock(engine, args.backend)
-    lengths = changing_lengths(args.max_warmup + args.steps + 8, args.seq_len)
+    gen = torch.Generator().manual_seed(0)
+    most_warmup = max(args.max_warmup, 0 if args.warmup == "auto" else args.warmup)
+    lengths = changing_lengths(most_warmup + args.steps + 1, args.seq_len)
 
     def step(i: int) -> dict:
         length = lengths[i] if args.dynamic_padding and i else args.seq_len
@@ -265,16 +266,16 @@ def run(args) -> dict:
     start = time.perf_counter()
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)
     init_s = time.perf_counter() - start
-    device, timer = get_accelerator().current_device_name(), PhaseTimer(cuda)
+    device, timer, adam = get_accelerator().current_device_name(), PhaseTimer(cuda), AdamClock(engine, args.backend)
     if args.paddings:  # the fixed length first, then dynamic padding on the same engine
         runs = {}
         for padding in ("fixed", "dynamic"):
             args.dynamic_padding = padding == "dynamic"
-            warm, records = train(args, engine, device, timer, cfg.vocab_size)
+            warm, records = train(args, engine, device, timer, adam, cfg.vocab_size)
             runs[padding] = {**summarize(args, cfg, n_params, warm, records), "records": records}
         figures = {"paddings": runs, "records": records}
     else:
-        warm, records = train(args, engine, device, timer, cfg.vocab_size)
+        warm, records = train(args, engine, device, timer, adam, cfg.vocab_size)
         figures = {**summarize(args, cfg, n_params, warm, records), "records": records}
     host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
     host["model_data_bytes"] = bu.model_data_bytes(engine, "patrickstar" if args.backend == "ours" else 3)
