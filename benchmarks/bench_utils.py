@@ -2,16 +2,14 @@
 import json
 import os
 import resource
-import socket
 import sys
 from pathlib import Path
 
 import psutil
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
-GIB = 1024 ** 3
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_harness import CONFIG_DIR, GIB, REPO_ROOT, free_port  # noqa: F401  (re-exported: the scripts use them here)
 
 # ZeRO-3 "tuned" for memory: the knobs DeepSpeed documents for running out of memory, turned down
 # from their defaults (live params 1e9, reuse distance 1e9, prefetch 5e7, sub-group 1e9, reduce
@@ -31,12 +29,6 @@ def add_repo_to_path():
     """Make ``import ds_patrickstar`` work from a checkout that is not pip-installed."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.append(str(REPO_ROOT))
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def setup_single_process_env():

@@ -17,14 +17,13 @@ import argparse
 import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import bench_utils as bu
 import torch
+from bench_harness import backend_config, error_line, run_logged, steady_summary
 
 logger = logging.getLogger("compare_zero3")
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train_gpt.py"
@@ -59,15 +58,6 @@ def parse_args(argv=None):
     p.add_argument("--world-size", type=int, default=1,
                    help="data-parallel ranks: > 1 runs each child under torchrun --nproc_per_node N")
     return p.parse_args(argv)
-
-
-def backend_config(backend, offload):
-    cuda = torch.cuda.is_available()
-    if backend in ("patrickstar", "patrickstar-static"):
-        return bu.CONFIG_DIR / ("patrickstar_gpu.json" if cuda else "patrickstar_cpu.json")
-    if backend in ("zero3", "zero3-tuned"):
-        return bu.CONFIG_DIR / ("zero3_offload_gpu.json" if offload else "zero3_cpu.json")
-    raise ValueError(f"unknown backend {backend!r}")
 
 
 def placement_overrides(args, backend):
@@ -153,21 +143,12 @@ def _run_backend(args, backend, workdir):
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = child_command(args, backend, json_path, Path(workdir) / backend, child_config(args, backend, workdir))
     logger.info("%s: %s (log: %s)", backend, " ".join(cmd), log_path)
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.timeout} s"}
-    if rc != 0 or not json_path.exists():
-        return {"error": f"exit {rc}: {last_error_line(log_path)}"}
+    failed = run_logged(cmd, log_path, args.timeout, child_env())
+    if failed:
+        return failed
+    if not json_path.exists():
+        return {"error": f"no result: {error_line(log_path.read_text(errors='replace')) or 'no output'}"}
     return json.loads(json_path.read_text())
-
-
-def last_error_line(log_path):
-    lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (errors or lines or ["no output"])[-1][:200]
 
 
 def measure(payload, warmup):
@@ -175,9 +156,13 @@ def measure(payload, warmup):
     summary, records = payload["summary"], payload["records"]
     counters = summary.get("patrickstar_counters") or {}
     timed = records[warmup:] or records[-1:]
-    step_s = statistics.median(r["seconds"] for r in timed)
+    steady = steady_summary([r["seconds"] for r in records[:len(records) - len(timed)]],
+                            [r["seconds"] for r in timed])
+    step_s = steady["step_s"]
     return {
         "step_time_s": step_s,
+        "step_spread": steady["spread"],
+        "first_steps_extra_s": steady["first_steps_extra_s"],
         "tokens_per_s": records[0]["tokens"] / step_s,
         "host_peak_bytes": summary["host_peak_rss_bytes"],
         "gpu_max_bytes": summary["gpu_max_allocated_bytes"],
@@ -209,6 +194,7 @@ def gib(b):
 # A new column (e.g. data-parallel communication volume) is one more row here plus its key in measure().
 COLUMNS = [
     ("step time (ms)", "step_time_s", lambda v: f"{v * 1e3:.1f}", True),
+    ("spread", "step_spread", lambda v: f"{v:.0%}", False),
     ("tokens/s", "tokens_per_s", lambda v: f"{v:.0f}", True),
     ("peak host (GiB)", "host_peak_bytes", lambda v: f"{gib(v):.3f}", True),
     ("GPU max alloc (GiB)", "gpu_max_bytes", lambda v: f"{gib(v):.3f}", True),

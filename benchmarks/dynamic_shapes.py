@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils as bu
+from bench_harness import changing_lengths
 
 bu.add_repo_to_path()
 logger = logging.getLogger("dynamic_shapes")
@@ -38,15 +39,6 @@ TWIN = dict(n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)
 TWIN_BUDGET = 1_700_000  # B: below the model's 2.1 MB of fp32 parameters and optimizer states
 TWIN_BATCH = 2
 HF_BUDGET = 16_000_000  # B: the HF GPT-2 (3.5 MB of fp32 parameters and optimizer states) and its activations
-
-
-def changing_lengths(steps: int, longest: int, seed: int = 0) -> list[int]:
-    """A length per step, as dynamic padding gives: random in [longest/4, longest], the longest at step 1."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(max(1, longest // 4), longest - 1) for _ in range(steps)]
-    if steps > 1:
-        lengths[1] = longest
-    return lengths
 
 
 def gpt_config(stage, budget: int | None = None, chunk: int = 8192, **zero) -> dict:

@@ -8,7 +8,6 @@ import importlib.metadata
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -34,45 +33,17 @@ class Budget:
     def deadline(self, shares: dict[str, float], part: str) -> float:
         names = list(shares)
         rest = sum(shares[n] for n in names[names.index(part):])
-        return time.monotonic() + self.left() * shares[part] / rest
+        return time.monotonic() + (self.left() * shares[part] / rest if rest else self.left())
 
 
 def skipped(reason: str) -> dict:
     return {"status": "skipped", "reason": reason}
 
 
-def run_process(cmd: list[str], timeout: float, env: dict, cwd: Path, sole_builder: bool) -> tuple[int | None, str]:
-    """Run ``cmd``; (its exit code, or None when ``timeout`` ran out, and its output). On a timeout the whole
-    session goes (a JIT build's compilers too) and, where the suite is the machine's ``sole_builder`` (a lent
-    GPU), the build locks it may have left are removed."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    return wait_process(proc, timeout, env, sole_builder)
-
-
-def wait_process(proc: subprocess.Popen, timeout: float, env: dict, sole_builder: bool) -> tuple[int | None, str]:
-    """:func:`run_process` for a process already started (in a session of its own, its output piped)."""
-    try:
-        out, _ = proc.communicate(timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        if sole_builder:
-            remove_build_locks(env)
-        return None, f"timed out after {timeout:.0f} s\n{out or ''}"
-    return proc.returncode, out or ""
-
-
-def failure(code: int | None, out: str, lines: int = 8) -> str:
-    """What a failed child says: its exit (or that it timed out) and the tail of its output."""
-    head = out.splitlines()[0] if code is None else f"exit {code}"
-    return f"{head}: {tail(out if code is not None else out.partition(chr(10))[2], lines)}"
-
-
-def tail(out: str, lines: int = 8) -> str:
-    """The last ``lines`` lines of a child's output that say something (DeepSpeed's warnings left out)."""
-    kept = [ln for ln in (out or "").splitlines() if ln.strip() and "[WARNING]" not in ln]
-    return "\n".join(kept[-lines:])[-2000:]
+def lock_cleaner(env: dict, sole_builder: bool):
+    """What to run when a child is killed at its deadline: where the suite's processes are the machine's only
+    builders (a lent GPU), remove the JIT build locks it may have left (:func:`remove_build_locks`)."""
+    return (lambda: remove_build_locks(env)) if sole_builder else None
 
 
 def remove_build_locks(env: dict) -> list[str]:

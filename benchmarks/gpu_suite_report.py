@@ -6,17 +6,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench_harness import markdown_table as _table
+
 GIB, MB = 2**30, 1e6
 BEGIN, END = "<!-- gpu-suite:begin -->", "<!-- gpu-suite:end -->"
 FLOPS_FORMULA = ("TFLOPS = (6 * N + 12 * L * H * T) * tokens / step time / 1e12, N the parameters in matmuls "
                  "(without the position table; the tied embedding once), L layers, H width, T sequence length: "
                  "the attention term 12 L H T is included (tflops_6n in the JSON leaves it out); no recomputation, "
                  "no optimizer")
-NOT_BUILT: list[dict] = []
-PART_TITLES = {"builds": "JIT builds of the ops", "gpu_tests": "GPU tests (`pytest -m gpu`)",
-               "throughput": "throughput, three sizes", "max_model": "largest model at a capped host memory",
-               "breakdown": "where the step goes", "host_memory": "host memory against the counters",
-               "dynamic_padding": "dynamic padding against a fixed length", "lora": "LoRA past GPU memory"}
+PART_TITLES = {"builds": "JIT builds of the ops", "lora": "LoRA past GPU memory",
+               "dynamic_padding": "dynamic padding against a fixed length",
+               "throughput": "throughput at 0.5x / 1.5x / 3x of GPU memory", "sweep": "equal memory",
+               "gpu_tests": "GPU tests (`pytest -m gpu`)", "max_model": "largest model at a capped host memory",
+               "breakdown": "where the step goes", "host_memory": "host memory against the counters"}
 
 
 def _measured(parts: dict) -> list[dict]:
@@ -67,10 +69,6 @@ def _f(value, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
     return "" if value is None else fmt.format(value / scale)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def _machine(meta: dict) -> list[str]:
     gib = _f(meta.get("gpu_memory_bytes"), "{:.0f} GiB", GIB)
     line = (f"**Machine.** {meta['gpu']}{f' ({gib})' if gib else ''}, driver {meta.get('driver')}, torch "
@@ -78,34 +76,39 @@ def _machine(meta: dict) -> list[str]:
             f"{meta['cpus']} CPUs, {meta['host_memory_bytes'] / GIB:.0f} GiB host memory; {meta['date']}, commit "
             f"{meta.get('git_commit')}; {_f(meta.get('wall_s'), '{:.0f}')} s of a {meta['budget_s']:.0f} s budget.")
     out = [line, "", f"`{meta['command']}`", ""]
+    if meta.get("merged_from"):
+        out = [line, "", "Merged from " + "; ".join(f"`{m['command']}` ({m['date']}, commit {m['git_commit']}, "
+                                                   f"{_f(m.get('wall_s'), '{:.0f}')} s)" for m in meta["merged_from"])
+               + ".", ""]
     if meta["dry_run"]:
         out += ["**Dry run**: ours on the strict emulated accelerator, stock ZeRO-3 on the CPU, tiny sizes: a check "
                 "that the suite runs, not GPU figures.", ""]
     return out
 
 
+def _why(trial: dict) -> str:
+    return (trial.get("reason") or trial.get("error") or "")[-160:]
+
+
+def _trials_note(part: dict) -> str:
+    trials = part["trials"]
+    left = [f"{' '.join(str(t[k]) for k in ('size', 'point', 'backend', 'padding') if t.get(k))}: {t['status']} "
+            f"{_why(t)}" for t in trials if t["status"] != "measured"]
+    return f"{sum(t['status'] == 'measured' for t in trials)} of {len(trials)} trials measured" + (
+        "; " + "; ".join(left) if left else "")
+
+
 def _part_note(name: str, part: dict) -> str:
-    if part.get("status") != "measured":
+    if "trials" in part:
+        return _trials_note(part)
+    if part.get("status") not in ("measured", "cut"):
         return part.get("reason") or part.get("error") or ""
     if name == "builds":
         return "; ".join(f"{op}: {'ok' if r['ok'] else 'FAILED ' + r.get('error', '')[-100:]} {r['seconds']:.0f} s"
                          for op, r in part["ops"].items())
     if name == "gpu_tests":
         counts = ", ".join(f"{part[k]} {k}" for k in ("passed", "failures", "errors", "skipped") if k in part)
-        return f"{part.get('outcome')}: {counts}"
-    if name == "throughput":
-        trials = part["trials"]
-        left = [f"{t['size']} {t['backend']}: {t.get('reason') or t.get('error', '')[-120:]}"
-                for t in trials if t["status"] != "measured"]
-        return f"{sum(t['status'] == 'measured' for t in trials)} of {len(trials)} trials measured" + (
-            "; " + "; ".join(left) if left else "")
-    if name == "lora":
-        return "; ".join(f"{t['backend']}: {t['status']} {t.get('reason') or t.get('error', '')[-120:]}".strip()
-                         for t in part["trials"])
-    if name == "dynamic_padding":
-        return "; ".join(f"{t['backend']} {t['padding']}: " + (f"{t['tokens_per_s']:.0f} tokens/s"
-                         if t["status"] == "measured" else t.get("reason") or t.get("error", "")[-120:])
-                         for t in part["trials"])
+        return f"{part.get('outcome', part.get('reason'))}: {counts}"
     if name == "max_model":
         return "; ".join(f"{b}: {r.get('stopped') or r.get('reason') or 'done'}" for b, r in part["backends"].items())
     return f"from the {part.get('source')}"
@@ -118,43 +121,119 @@ def _parts(result: dict) -> list[str]:
         used = _f(part.get("seconds_used"), "{:.0f}")
         rows.append([title, part["status"], f"{used} ({_f(part.get('deadline_s'), '{:.0f}')})" if used else "",
                      _part_note(name, part).replace("|", "/").replace("\n", " ")])
-    rows += [[r["row"], "not run", "", r["reason"]] for r in result["not_run"]]
+    rows += [[r["row"], "not run", "", r["reason"]] for r in result.get("not_run", [])]
     return ["**Parts.**", "", *_table(["part", "status", "seconds (deadline)", "note"], rows), ""]
+
+
+def _not_measured(t: dict, width: int) -> list[str]:
+    """A trial's cells past its name where it was not measured: its status and why, then blanks."""
+    return [t["status"], _why(t).replace("\n", " "), *[""] * (width - 2)]
+
+
+def _shape(t: dict) -> str:
+    o = t.get("overrides") or t.get("shape") or {}
+    return f"{o['n_layer']} x {o['n_embd']}" if "n_layer" in o else ""
 
 
 def _throughput(result: dict) -> list[str]:
     part = result["parts"].get("throughput", {})
-    trials = [t for t in part.get("trials", []) if t["status"] == "measured"]
-    if not trials:
+    if not part.get("trials"):
         return []
-    ratio = {r["size"]: r for r in part["ratios"]}
+    ratio = {r["size"]: r for r in part.get("ratios", [])}
     rows = []
-    for t in trials:
+    for t in part["trials"]:
+        head = [t["size"], _f(t.get("params"), "{:.4g} M", 1e6), _shape(t),
+                t["backend"] + (" (stand-in)" if t.get("stand_in") else "")]
+        if t["status"] != "measured":
+            rows.append(head + _not_measured(t, 9))
+            continue
         r = ratio.get(t["size"], {})
         versus = r.get("ours_over_zero3_offload") if t["backend"] == "ours" else None
-        rows.append([t["size"], f"{t['params'] / 1e6:.4g} M", t["backend"] + (" (stand-in)" if t.get("stand_in")
-                                                                              else ""),
-                     f"{t['step_s'] * 1e3:.1f}", f"{t['tokens_per_s']:.1f}", f"{t['tflops']:.3g}",
-                     _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB), f"{t['host']['peak_rss_bytes'] / GIB:.2f}",
-                     _f(versus, "{:.2f}x"), _f(r.get("practicality", {}).get(t["backend"]), "{:.2f}x")])
-    first = trials[0]
-    return [f"**Throughput** (batch {first['batch']} x {first['seq_len']} tokens, median of the timed steps). "
-            f"{result['flops']}.", "",
-            *_table(["model", "params", "backend", "step (ms)", "tokens/s", "TFLOPS", "GPU max (GiB)",
-                     "peak RSS (GiB)", "ours / ZeRO-3 offload", "practicality (/ no offload)"], rows), ""]
+        rows.append(head + ["measured", f"{t['step_s'] * 1e3:.1f}", _f(t.get("spread"), "{:.0%}"),
+                            f"{t['tokens_per_s']:.1f}", f"{t['tflops']:.3g}",
+                            _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
+                            f"{t['host']['peak_rss_bytes'] / GIB:.2f}", _f(versus, "{:.2f}x"),
+                            _f(r.get("practicality", {}).get(t["backend"]), "{:.2f}x")])
+    sizes = ", ".join(dict.fromkeys(t["size"] for t in part["trials"]))
+    return [f"**Throughput** at model data (ours' 14 bytes/param) of {sizes} the GPU's "
+            f"{_f(result['meta'].get('device_bytes'), '{:.3g}', GIB)} GiB (activation checkpointing on; median of the "
+            f"timed steps, spread (max - min) / median). {result['flops']}.", "",
+            *_table(["model", "params", "layers x width", "backend", "status", "step (ms)", "spread", "tokens/s",
+                     "TFLOPS", "GPU max (GiB)", "peak RSS (GiB)", "ours / ZeRO-3 offload",
+                     "practicality (/ no offload)"], rows), "", *_first_steps(result), ""]
+
+
+def _first_steps(result: dict) -> list[str]:
+    """The warm-up steps' extra seconds over as many steady steps, per measured trial, on a line of their own."""
+    cells = []
+    for name in ("lora", "dynamic_padding", "throughput", "sweep"):
+        for t in result["parts"].get(name, {}).get("trials", []):
+            if t["status"] == "measured" and "first_steps_extra_s" in t:
+                who = " ".join(str(t[k]) for k in ("size", "point", "backend", "padding") if t.get(k))
+                cells.append(f"{name} {who}: {t['warmup_steps']} warm-up steps, "
+                             f"{t['first_steps_extra_s']:+.2f} s over steady")
+    return ["**First steps** (their extra time over the steady median): " + "; ".join(cells) + "."] if cells else []
+
+
+def _sweep(result: dict) -> list[str]:
+    part = result["parts"].get("sweep", {})
+    if not part.get("trials"):
+        return []
+    ratio = {r["point"]: r["ours_over_zero3_offload"] for r in part.get("ratios", [])}
+    rows = []
+    for t in part["trials"]:
+        head = [t["point"], t["backend"], f"{t['budget_bytes'] / GIB:.3g}"]
+        if t["status"] != "measured":
+            rows.append(head + _not_measured(t, 10))
+            continue
+        counters = t["records"][-1].get("counters") or {}
+        moved = (counters["bytes_to_device"] + counters["bytes_to_host"]) if "bytes_to_device" in counters else None
+        phases = t["phases_s"]
+        rows.append(head + ["measured", f"{t['tokens_per_s']:.1f}",
+                            _f(ratio.get(t["point"]) if t["backend"] == "ours" else None, "{:.2f}x"),
+                            _f(moved, "{:.1f}", MB), *(f"{phases[k] * 1e3:.1f}" for k in ("forward", "backward",
+                                                                                          "step")),
+                            _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
+                            f"{t['step_s']:.3f} / {_f(t.get('predicted_step_s'), '{:.3f}') or 'n/a'}"])
+    size = part["trials"][0]
+    return [f"**Equal memory** ({size['size']}, {_f(size.get('params'), '{:.4g} M', 1e6)} params: ours at "
+            "`device_budget` B, ZeRO-3 offload held to B by `torch.cuda.set_per_process_memory_fraction`; B in GiB "
+            "on an 80 GB GPU, scaled by this GPU's memory; MB moved: ours' counters, bytes_to_device + "
+            "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it).",
+            "", *_table(["point", "backend", "B (GiB)", "status", "tokens/s", "ours / ZeRO-3 offload",
+                         "MB moved / step", "forward (ms)", "backward (ms)", "engine.step() (ms)", "GPU max (GiB)",
+                         "step measured / predicted (s)"], rows), ""]
 
 
 def _lora(result: dict) -> list[str]:
-    trials = [t for t in result["parts"].get("lora", {}).get("trials", []) if t["status"] == "measured"]
+    trials = result["parts"].get("lora", {}).get("trials", [])
     if not trials:
         return []
-    rows = [[t["size"], f"{t['params'] / 1e6:.4g} M", f"{t['trainable_params'] / 1e6:.3g} M", t["backend"],
-             f"{t['tokens_per_s']:.1f}", _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
-             f"{t['host']['peak_rss_bytes'] / GIB:.2f}", ", ".join(f"{x:.4f}" for x in t["losses"])] for t in trials]
-    return [f"**LoRA past GPU memory** (rank {trials[0]['lora']} adapters on every linear layer of the blocks, "
-            f"the rest frozen; ours' device budget below the frozen base).", "",
-            *_table(["model", "params", "trainable", "backend", "tokens/s", "GPU max (GiB)", "peak RSS (GiB)",
-                     "losses"], rows), ""]
+    rows = []
+    for t in trials:
+        if t["status"] != "measured":
+            rows.append([t["size"], "", "", t["backend"], *_not_measured(t, 5)])
+            continue
+        rows.append([t["size"], f"{t['params'] / 1e6:.4g} M", f"{t['trainable_params'] / 1e6:.3g} M", t["backend"],
+                     "measured", f"{t['tokens_per_s']:.1f}", _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
+                     f"{t['host']['peak_rss_bytes'] / GIB:.2f}", ", ".join(f"{x:.4f}" for x in t["losses"])])
+    return ["**LoRA past GPU memory** (adapters on every linear layer of the blocks, the rest frozen; ours' device "
+            "budget below the frozen base).", "",
+            *_table(["model", "params", "trainable", "backend", "status", "tokens/s", "GPU max (GiB)",
+                     "peak RSS (GiB)", "losses"], rows), ""]
+
+
+def _dynamic_padding(result: dict) -> list[str]:
+    trials = result["parts"].get("dynamic_padding", {}).get("trials", [])
+    if not trials:
+        return []
+    rows = [[t["size"], t["backend"], t.get("padding", "fixed, dynamic"), *(["measured", f"{t['tokens_per_s']:.1f}",
+                                                       _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB)]
+                                                      if t["status"] == "measured" else _not_measured(t, 3))]
+            for t in trials]
+    return ["**Dynamic padding** (each step's batch padded to its own longest sequence, tokens/s of the tokens "
+            "run, against a fixed length).", "",
+            *_table(["model", "backend", "padding", "status", "tokens/s", "GPU max (GiB)"], rows), ""]
 
 
 def _breakdown(result: dict) -> list[str]:
@@ -218,8 +297,8 @@ def _max_model(result: dict) -> list[str]:
 
 
 def render(result: dict) -> str:
-    lines = [*_machine(result["meta"]), *_parts(result), *_throughput(result), *_breakdown(result),
-             *_host_memory(result), *_lora(result), *_max_model(result)]
+    lines = [*_machine(result["meta"]), *_parts(result), *_lora(result), *_dynamic_padding(result),
+             *_throughput(result), *_sweep(result), *_breakdown(result), *_host_memory(result), *_max_model(result)]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -2,9 +2,12 @@
 
     python benchmarks/gpu_suite_trial.py --backend ours --model gpt2-medium --batch 4 --seq-len 512 --json OUT.json
 
-Builds the GPT (``gpt_model.py`` preset, ``--overrides`` a JSON dict of ``GPTConfig`` fields), initializes
-the backend with the config a user would take from ``configs/`` (``compare_zero3.backend_config``), trains
-``--warmup`` untimed then ``--steps`` timed steps on random tokens and writes one JSON: per timed step the wall
+Builds the GPT (``gpt_model.py`` preset, ``--overrides`` a JSON dict of ``GPTConfig`` fields; ``--init``: under
+the backend's own Init, as a model larger than host memory in fp32 must be), initializes the backend with the
+config a user would take from ``configs/`` (``bench_harness.backend_config``), trains untimed warm-up steps
+(``--warmup``: a count, or ``auto``: until the step time settles, at most ``--max-warmup``) then ``--steps``
+timed steps on random tokens (``bench_harness.timed_steps``) and writes one JSON: the steady-state summary
+(median, spread, the warm-up steps' extra seconds), per step the wall
 time (synchronized) and the forward / backward / ``engine.step()`` times (CUDA events on the current stream on
 CUDA, ``time.perf_counter`` on the CPU), ours' counters of the step (bytes moved, Adam chunks on host/device,
 host bytes), the host's RSS (now and peak), ``torch.cuda.host_memory_stats()`` where torch has it, the GPU's
@@ -12,13 +15,14 @@ peak allocation and, on CUDA, the pinned copy bandwidth both ways (to turn ours'
 
 Backends: ``ours`` (stage "patrickstar"; ``--emulate-budget B`` runs it on the strict emulated accelerator with
 ``device_budget`` B, the dry run), ``zero3-offload`` (stock ZeRO-3, ``offload_param`` + ``offload_optimizer``
-to the CPU; on a machine without CUDA plain ZeRO-3 on the CPU stands in for it) and ``zero3`` (no offload).
+to the CPU; on a machine without CUDA plain ZeRO-3 on the CPU stands in for it; ``--memory-fraction F`` holds
+it to that share of the GPU, ``torch.cuda.set_per_process_memory_fraction``) and ``zero3`` (no offload).
+``predicted_step_s`` is the engine's counter of that name where it has one (else None).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -29,11 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils as bu
 import gpt_model
-from compare_zero3 import backend_config
+from bench_harness import backend_config, build_under_init, changing_lengths, steady_summary, timed_steps
 
 BACKENDS = ("ours", "zero3-offload", "zero3")
 PHASES = ("forward", "backward", "step")
-COUNTER_KEYS = ("prefetches", "retraces_shape", "tide_replans",
+COUNTER_KEYS = ("predicted_step_s", "prefetches", "retraces_shape", "tide_replans",
                 "bytes_to_device", "bytes_to_host", "evictions", "adam_chunks_host", "adam_chunks_device",
                 "host_bytes_allocated", "model_bytes_host", "model_bytes_device", "peak_device_bytes",
                 "frozen_bytes_device", "frozen_bytes_host")
@@ -47,11 +51,19 @@ def parse_args(argv=None):
     p.add_argument("--overrides", default="{}", help="JSON dict of GPTConfig fields over the preset")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", default="auto", help="untimed steps: a count, or auto (until the step time settles)")
+    p.add_argument("--max-warmup", type=int, default=6, help="--warmup auto: at most this many")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (the median reported)")
+    p.add_argument("--init", action="store_true", help="build the model under the backend's Init")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="CUDA: torch.cuda.set_per_process_memory_fraction(F) before anything is allocated")
     p.add_argument("--dynamic-padding", action="store_true",
                    help="each step's sequences padded to their own longest: a length per step in [seq-len/4, "
-                        "seq-len], the first at seq-len; tokens/s counts the tokens each step ran")
+                        "seq-len] (bench_harness.changing_lengths), the first at seq-len; tokens/s counts the "
+                        "tokens each step ran")
+    p.add_argument("--paddings", action="store_true",
+                   help="one engine, two runs: a fixed length, then --dynamic-padding; the JSON's 'paddings' holds "
+                        "each one's figures")
     p.add_argument("--device-budget", type=int, default=None, help="ours on CUDA: zero_optimization.device_budget")
     p.add_argument("--emulate-budget", type=int, default=None,
                    help="ours on the strict emulated accelerator with this device_budget (no CUDA)")
@@ -59,7 +71,9 @@ def parse_args(argv=None):
                    "blocks, the rest frozen (0: train everything)")
     p.add_argument("--chunk-size", type=int, default=None, help="ours: chunk_size (elements) over the config's")
     p.add_argument("--json", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.warmup = args.warmup if args.warmup == "auto" else int(args.warmup)
+    return args
 
 
 def trial_config(args, cuda: bool) -> dict:
@@ -185,14 +199,14 @@ def host_memory(cuda: bool) -> dict:
     return out
 
 
-def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
-    gen, adam = torch.Generator().manual_seed(0), AdamClock(engine, args.backend)
-    lengths = random.Random(0)
-    records = []
-    for i in range(args.warmup + args.steps):
-        length = args.seq_len
-        if args.dynamic_padding and i:
-            length = lengths.randint(max(1, args.seq_len // 4), args.seq_len)
+def train(args, engine, device, timer: PhaseTimer, adam: AdamClock, vocab: int) -> tuple[list[dict], list[dict]]:
+    """(warm-up records, timed records) of training steps on random tokens."""
+    gen = torch.Generator().manual_seed(0)
+    most_warmup = max(args.max_warmup, 0 if args.warmup == "auto" else args.warmup)
+    lengths = changing_lengths(most_warmup + args.steps + 1, args.seq_len)
+
+    def step(i: int) -> dict:
+        length = lengths[i] if args.dynamic_padding and i else args.seq_len
         tokens = torch.randint(0, vocab, (args.batch, length + 1), generator=gen).to(device)
         if timer.cuda:
             torch.cuda.synchronize()
@@ -209,24 +223,25 @@ def train(args, engine, device, timer: PhaseTimer, vocab: int) -> list[dict]:
         if hasattr(engine, "get_patrickstar_counters"):
             counters = engine.get_patrickstar_counters()
             record["counters"] = {k: counters[k] for k in COUNTER_KEYS if k in counters}
-        if i >= args.warmup:
-            records.append(record)
-    return records
+        return record
+
+    return timed_steps(step, args.warmup, args.steps, args.max_warmup)
 
 
-def summarize(args, cfg, n_params: int, records: list[dict]) -> dict:
-    step_s = statistics.median(r["wall_s"] for r in records)
-    tokens = args.batch * args.seq_len
+def summarize(args, cfg, n_params: int, warm: list[dict], records: list[dict]) -> dict:
+    steady = steady_summary([r["wall_s"] for r in warm], [r["wall_s"] for r in records])
+    step_s, tokens = steady["step_s"], args.batch * args.seq_len
     if args.dynamic_padding:  # steps of different lengths: the tokens they ran over the seconds they took
         step_s = sum(r["wall_s"] for r in records) / len(records)
         tokens = sum(r["tokens"] for r in records) / len(records)
     flops = gpt_model.flops_per_token(cfg, n_params, args.seq_len) * tokens
-    return {"step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+    predicted = (records[-1].get("counters") or {}).get("predicted_step_s")
+    return {**steady, "step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
             "tflops": flops / step_s / 1e12, "tflops_6n": 6 * n_params * tokens / step_s / 1e12,
             "phases_s": {k: statistics.median(r[k] for r in records) for k in (*PHASES, "other")},
             "adam_s": {k: statistics.median(r[k] for r in records) for k in ("adam_s", "adam_host_s")
                        if k in records[0]},
-            "final_loss": records[-1]["loss"]}
+            "predicted_step_s": predicted, "final_loss": records[-1]["loss"]}
 
 
 def run(args) -> dict:
@@ -236,27 +251,44 @@ def run(args) -> dict:
     import ds_patrickstar  # noqa: F401  (registers stage "patrickstar")
 
     cuda = torch.cuda.is_available()
+    if args.memory_fraction is not None and cuda:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     config = trial_config(args, cuda)
     torch.manual_seed(0)
     cfg = gpt_model.get_config(args.model, **json.loads(args.overrides))
-    model = gpt_model.GPT(cfg)
-    n_params = gpt_model.count_params(model, exclude_position_embedding=True)
+    params = gpt_model.count_params_for_config(cfg)
+    n_params = params - cfg.block_size * cfg.n_embd  # in matmuls: without the position table
+    model = (build_under_init(args.backend, config, lambda: gpt_model.GPT(cfg)) if args.init
+             else gpt_model.GPT(cfg))
     if args.lora:
         gpt_model.add_lora(model, args.lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
     start = time.perf_counter()
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)
     init_s = time.perf_counter() - start
-    records = train(args, engine, get_accelerator().current_device_name(), PhaseTimer(cuda), cfg.vocab_size)
+    device, timer, adam = get_accelerator().current_device_name(), PhaseTimer(cuda), AdamClock(engine, args.backend)
+    if args.paddings:  # the fixed length first, then dynamic padding on the same engine
+        runs = {}
+        for padding in ("fixed", "dynamic"):
+            args.dynamic_padding = padding == "dynamic"
+            warm, records = train(args, engine, device, timer, adam, cfg.vocab_size)
+            runs[padding] = {**summarize(args, cfg, n_params, warm, records), "records": records}
+        figures = {"paddings": runs, "records": records}
+    else:
+        warm, records = train(args, engine, device, timer, adam, cfg.vocab_size)
+        figures = {**summarize(args, cfg, n_params, warm, records), "records": records}
     host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
     host["model_data_bytes"] = bu.model_data_bytes(engine, "patrickstar" if args.backend == "ours" else 3)
     return {"backend": args.backend, "model": args.model, "overrides": json.loads(args.overrides),
-            "params": gpt_model.count_params_for_config(cfg), "params_matmul": n_params, "batch": args.batch,
-            "seq_len": args.seq_len, "init_s": init_s, "timing": "cuda events" if cuda else "perf_counter",
+            "params": params, "params_matmul": n_params, "batch": args.batch, "seq_len": args.seq_len,
+            "init_s": init_s, "timing": "cuda events" if cuda else "perf_counter",
             "emulated": args.backend == "ours" and args.emulate_budget is not None, "lora": args.lora,
-            "trainable_params": sum(p.numel() for p in trainable), "losses": [r["loss"] for r in records],
-            **summarize(args, cfg, n_params, records), "records": records, "host": host,
-            "gpu_max_allocated_bytes": gpu_max, "pinned": pinned_bandwidth()}
+            "device_budget": config["zero_optimization"].get("device_budget"),
+            "memory_fraction": args.memory_fraction if cuda else None,
+            "activation_checkpointing": cfg.activation_checkpointing,
+            "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in trainable),
+            "losses": [r["loss"] for r in records], **figures, "host": host, "gpu_max_allocated_bytes": gpu_max,
+            "pinned": pinned_bandwidth()}
 
 
 def main(argv=None):

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import bench_utils as bu
 import data
 import gpt_model
 import torch
+from bench_harness import markdown_table, run_logged, steady_summary
 
 logger = logging.getLogger("lora_budget")
 BACKENDS = ("zero3", "patrickstar", "patrickstar-unbounded")
@@ -152,16 +152,9 @@ def run_backend(args, backend, dtype, workdir):
            "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--lr", str(args.lr), "--seed", str(args.seed),
            "--checkpointing" if args.checkpointing else "--no-checkpointing"]
-    log = Path(workdir) / f"{backend}_{dtype}.log"
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.timeout:.0f} s"}
-    if rc != 0 or not out.exists():
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln or "Exceeded" in ln]
-        return {"error": f"exit {rc}: {(errors or lines or ['no output'])[-1][:300]}"}
+    failed = run_logged(cmd, Path(workdir) / f"{backend}_{dtype}.log", args.timeout)
+    if failed or not out.exists():
+        return failed or {"error": "no result"}
     return torch.load(out, weights_only=False)
 
 
@@ -202,7 +195,8 @@ def measure(dtype, zero3, ours, unbounded):
                                            [r["loss"] for r in zero3["records"]], tol["loss"])
     weight_diff, update_error, updates_ok = adapter_differences(ours, dict(zero3, update_rtol=tol["update_rtol"]))
     later = [r["counters"] for r in ours["records"][1:]] or [ours["records"][0]["counters"]]
-    step = {b: statistics.median(r["seconds"] for r in res["records"][1:] or res["records"])
+    step = {b: steady_summary([r["seconds"] for r in res["records"][:1]],
+                              [r["seconds"] for r in res["records"][1:] or res["records"]])["step_s"]
             for b, res in (("zero3", zero3), ("patrickstar", ours), ("unbounded", unbounded))}
     return {"dtype": dtype, "frozen_params": ours["frozen_params"], "trainable_params": ours["trainable_params"],
             "frozen_bytes": ours["frozen_bytes"], "budget": ours["budget"],
@@ -225,23 +219,24 @@ def mib(b):
 
 
 def format_table(rows):
-    lines = ["| dtype | frozen base (MiB) | budget (MiB) | peak device (MiB) | peak / budget | model / non-model at "
-             "peaks (MiB) | to device / to host per step (MiB) | step ZeRO-3 / ours (s) | ours / ZeRO-3 | "
-             "max loss diff | max adapter diff | max update error | within tolerance | bit-equal to no budget |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["dtype", "frozen base (MiB)", "budget (MiB)", "peak device (MiB)", "peak / budget",
+              "model / non-model at peaks (MiB)", "to device / to host per step (MiB)", "step ZeRO-3 / ours (s)",
+              "ours / ZeRO-3", "max loss diff", "max adapter diff", "max update error", "within tolerance",
+              "bit-equal to no budget"]
+    body = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['dtype']} | FAILED: {r['error']} |")
+            body.append([r["dtype"], f"FAILED: {r['error']}"])
             continue
-        lines.append(
-            f"| {r['dtype']} | {mib(r['frozen_bytes'])} | {mib(r['budget'])} | {mib(r['peak_device_bytes'])} | "
-            f"{r['peak_device_bytes'] / r['budget']:.2f} | {mib(r['peak_model_bytes_device'])} / "
-            f"{mib(r['peak_non_model_bytes_device'])} | {mib(r['bytes_to_device_per_step'])} / "
-            f"{mib(r['bytes_to_host_per_step'])} | {r['step_s_zero3']:.3f} / {r['step_s_ours']:.3f} | "
-            f"{r['step_s_ours'] / r['step_s_zero3']:.2f}x | {r['max_loss_diff']:.2e} | {r['max_adapter_diff']:.2e} | "
-            f"{r['max_update_error']:.2e} | {'yes' if r['within_tolerance'] else 'NO'} | "
-            f"{'yes' if r['equal_to_unbounded'] else 'no'} |")
-    return "\n".join(lines)
+        body.append([
+            r["dtype"], mib(r["frozen_bytes"]), mib(r["budget"]), mib(r["peak_device_bytes"]),
+            f"{r['peak_device_bytes'] / r['budget']:.2f}",
+            f"{mib(r['peak_model_bytes_device'])} / {mib(r['peak_non_model_bytes_device'])}",
+            f"{mib(r['bytes_to_device_per_step'])} / {mib(r['bytes_to_host_per_step'])}",
+            f"{r['step_s_zero3']:.3f} / {r['step_s_ours']:.3f}", f"{r['step_s_ours'] / r['step_s_zero3']:.2f}x",
+            f"{r['max_loss_diff']:.2e}", f"{r['max_adapter_diff']:.2e}", f"{r['max_update_error']:.2e}",
+            "yes" if r["within_tolerance"] else "NO", "yes" if r["equal_to_unbounded"] else "no"])
+    return "\n".join(markdown_table(header, body))
 
 
 def describe(args):

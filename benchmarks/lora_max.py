@@ -30,7 +30,6 @@ hits excluded) over that step; achieved GB/s is that over the step's time.
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -43,6 +42,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import max_model
+from bench_harness import build_under_init, error_line, markdown_table, steady_summary
 
 GIB = 1024**3
 BACKENDS = ("patrickstar", "patrickstar-disk", "zero3-cpu", "zero3-nvme", "torch")
@@ -128,16 +128,8 @@ def _build(args, cfg):
         return None, torch_step
     import deepspeed
 
-    import ds_patrickstar
-
     config = ds_config(args)
-    if args.backend.startswith("patrickstar"):
-        init = ds_patrickstar.Init(config=config)
-    else:
-        deepspeed.init_distributed(dist_backend="gloo")
-        init = deepspeed.zero.Init(config_dict_or_path=config)
-    with init:
-        model = GPT(cfg)
+    model = build_under_init(args.backend, config, lambda: GPT(cfg))
     adapters = _adapters(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=adapters)
 
@@ -187,14 +179,6 @@ def sizes(args, depth) -> dict:
     return {"base": count_params_for_config(cfg) - adapters, "adapters": adapters}
 
 
-def error_line(log_path, limit=240) -> str | None:
-    """The last exception line of a try's log (``SomeError: ...``, at most ``limit`` characters), or None."""
-    pattern = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception|Exceeded)\b.*")
-    lines = Path(log_path).read_text(errors="replace").splitlines() if os.path.exists(log_path) else []
-    line = next((line for line in reversed(lines) if pattern.match(line)), None)
-    return line if line is None or len(line) <= limit else line[: limit - 3] + "..."
-
-
 def attempt(args, backend, depth) -> dict:
     """One try of ``backend`` at ``depth``: what it measured, or ``ok: False`` and why."""
     result = tempfile.mktemp(prefix="lora_max_", suffix=".json")
@@ -212,7 +196,8 @@ def attempt(args, backend, depth) -> dict:
         out.update(json.loads(Path(result).read_text()), ok=True)
     else:
         crashed = run["why"] is None or run["why"].startswith("exit codes")  # else killed: over the cap, timed out
-        out.update(ok=False, why=(crashed and error_line(log)) or run["why"] or f"no result (see {log})")
+        said = error_line(log.read_text(errors="replace")) if crashed and log.exists() else None
+        out.update(ok=False, why=said or run["why"] or f"no result (see {log})")
     for path in (result, swap):
         if path and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -230,11 +215,11 @@ def _shared_flags(args) -> list[str]:
 
 
 def measured(r) -> dict:
-    """Over the timed steps (all but the first): the median step time and bytes read, tokens/s, and the
-    bytes read over the seconds those steps took (read GB/s)."""
-    times, reads = (r["step_times"][1:], r["read_bytes"][1:]) if len(r["step_times"]) > 1 else \
-        (r["step_times"], r["read_bytes"])
-    step = statistics.median(times)
+    """Over the timed steps (all but the first): the median step time (``bench_harness.steady_summary``) and
+    bytes read, tokens/s, and the bytes read over the seconds those steps took (read GB/s)."""
+    first = 1 if len(r["step_times"]) > 1 else 0
+    times, reads = r["step_times"][first:], r["read_bytes"][first:]
+    step = steady_summary(r["step_times"][:first], times)["step_s"]
     return {"step": step, "tokens": r.get("tokens", 0) / step, "read": statistics.median(reads),
             "read_gbs": sum(reads) / sum(times) / 1e9}
 
@@ -242,24 +227,24 @@ def measured(r) -> dict:
 def table(rows, args, disk_gbs) -> str:
     """One row per try; ratios of ours' step time to ZeRO-3's where both trained at the same depth."""
     ram = psutil.virtual_memory().total
-    head = ["| backend | depth | base params | adapters | base bf16 | base / RAM | result | step time | tokens/s | "
-            "peak RSS | read / step | read GB/s | / disk read | step vs ZeRO-3 |", "|" + "---|" * 14]
+    header = ["backend", "depth", "base params", "adapters", "base bf16", "base / RAM", "result", "step time",
+              "tokens/s", "peak RSS", "read / step", "read GB/s", "/ disk read", "step vs ZeRO-3"]
     by_key = {(r["backend"], r["depth"]): r for r in rows}
+    body = []
     for r in rows:
         cells = [r["backend"], r["depth"], f"{r['base'] / 1e9:.3f}B", f"{r['adapters'] / 1e6:.1f}M",
                  f"{2 * r['base'] / GIB:.2f} GiB", f"{2 * r['base'] / ram:.2f}"]
         if not r["ok"]:
-            rows_out = cells + [f"FAILED: {r['why']}"] + [""] * 7
-            head.append("| " + " | ".join(map(str, rows_out)) + " |")
+            body.append(cells + [f"FAILED: {r['why']}"] + [""] * 7)
             continue
         m = measured({**r, "tokens": args.batch * args.seq_len})
         ratio = f"{m['read_gbs'] / disk_gbs:.0%}" if disk_gbs else "n/a"
         other = by_key.get((OURS_VS_ZERO3.get(r["backend"]), r["depth"]))
         vs = f"{m['step'] / measured(other)['step']:.2f}x" if other and other["ok"] else ""
-        cells += ["trained", f"{m['step']:.2f} s", f"{m['tokens']:.1f}", f"{r['peak_host_bytes'] / GIB:.2f} GiB",
-                  f"{m['read'] / GIB:.2f} GiB", f"{m['read_gbs']:.2f}", ratio, vs]
-        head.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(head)
+        body.append(cells + ["trained", f"{m['step']:.2f} s", f"{m['tokens']:.1f}",
+                             f"{r['peak_host_bytes'] / GIB:.2f} GiB", f"{m['read'] / GIB:.2f} GiB",
+                             f"{m['read_gbs']:.2f}", ratio, vs])
+    return "\n".join(markdown_table(header, body))
 
 
 def probe_disk(args) -> float | None:

@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,9 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_harness import build_under_init, ds_config, free_port, gpt_params, markdown_table
+
 GIB = 1024 ** 3
 # bytes/param guesses for the first try only (the search corrects them)
 GUESS_BYTES_PER_PARAM = {"patrickstar": 15.0, "patrickstar-disk": 4.0, "zero3": 25.0, "zero3-tuned": 24.0,
@@ -50,11 +52,6 @@ GUESS_BYTES_PER_PARAM = {"patrickstar": 15.0, "patrickstar-disk": 4.0, "zero3": 
 DISK_BACKENDS = ("patrickstar-disk", "zero3-infinity")
 BASELINE = "zero3"
 DISK_HOST_SHARE = 0.6  # patrickstar-disk: host_budget per rank = this share of the cap / world size
-
-
-def gpt_params(width, depth, vocab, seq_len):
-    """Parameters of benchmarks/gpt_model.GPT (tied LM head) without building it."""
-    return vocab * width + seq_len * width + depth * (12 * width ** 2 + 13 * width) + 2 * width
 
 
 # ---------------------------------------------------------------- one try (a rank process)
@@ -108,46 +105,6 @@ class PhaseClock:
         return out
 
 
-def _ds_config(backend, batch, keep_gathered=None, grad_accum=1, disk=None, host_budget=None, largest_param=0,
-               device_budget=None, emulate=False, chunk_size=None):
-    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": grad_accum,
-           "steps_per_print": 10 ** 9,
-           "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
-    if backend in ("patrickstar", "patrickstar-disk"):
-        cfg["zero_optimization"] = {"stage": "patrickstar"}
-        if backend == "patrickstar-disk":  # the disk tier: optimizer states past host_budget on disk
-            cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": disk}
-            cfg["zero_optimization"]["host_budget"] = host_budget
-        if keep_gathered is not None:
-            cfg["zero_optimization"]["keep_gathered"] = keep_gathered
-        if chunk_size is not None:
-            cfg["zero_optimization"]["chunk_size"] = chunk_size
-        if device_budget is not None:  # on a machine without CUDA: the strict emulated accelerator
-            cfg["zero_optimization"].update(device_budget=device_budget, emulate_accelerator=emulate)
-    elif backend == "zero3":
-        cfg["zero_optimization"] = {"stage": 3}
-    elif backend == "zero3-tuned":
-        from bench_utils import ZERO3_MEMORY_TUNED
-
-        cfg["zero_optimization"] = {"stage": 3, **ZERO3_MEMORY_TUNED}
-    elif backend == "zero3-offload":
-        cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    elif backend == "zero3-infinity":  # as DeepSpeed's ZeRO-Infinity tutorial sets it up, swap files under DIR
-        nvme = {"device": "nvme", "nvme_path": os.path.join(disk, "zero_infinity")}
-        # offload_param's buffers must hold the largest parameter (the embedding: vocab x width; DeepSpeed's
-        # default buffer_size 1e8 elements is below GPT-2048's 103M-element embedding); the optimizer swapper
-        # keeps buffer_count fp32 buffers of sub_group_size elements (default 1e9: 16 GB at its 4 buffers),
-        # so sub_group_size comes down to the same size, as DeepSpeed advises where host memory is short
-        room = max(10**8, largest_param)
-        cfg["zero_optimization"] = {"stage": 3, "offload_param": {**nvme, "buffer_size": room},
-                                    "offload_optimizer": dict(nvme), "sub_group_size": room}
-        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
-                      "overlap_events": True}
-    return cfg
-
-
 def run_try(args):
     """Build, initialize and train; rank 0 writes a JSON result to ``args.result``."""
     sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -179,18 +136,10 @@ def run_try(args):
     else:
         import deepspeed
 
-        import ds_patrickstar
-
-        ds_cfg = _ds_config(args.backend, args.batch, args.keep_gathered, args.grad_accum, args.disk,
-                            args.host_budget, args.vocab * args.width, args.device_budget, emulate=not cuda,
-                            chunk_size=args.chunk_size)
-        if args.backend.startswith("patrickstar"):
-            init = ds_patrickstar.Init(config=ds_cfg)
-        else:
-            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-            init = deepspeed.zero.Init(config_dict_or_path=ds_cfg)
-        with init:
-            model = GPT(cfg)
+        ds_cfg = ds_config(args.backend, args.batch, args.keep_gathered, args.grad_accum, args.disk,
+                           args.host_budget, args.vocab * args.width, args.device_budget, emulate=not cuda,
+                           chunk_size=args.chunk_size)
+        model = build_under_init(args.backend, ds_cfg, lambda: GPT(cfg))
         resident.phase("build")
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters())
         resident.phase("initialize")
@@ -227,12 +176,6 @@ def run_try(args):
 
 
 # ---------------------------------------------------------------- the search (no torch here)
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tree_memory(procs):
     """Resident memory (RSS) of every rank of a try and of their children. A child that has not
     exec'd yet (same command line as its rank: a fork on its way to running a tool) shares its
@@ -306,7 +249,7 @@ def launch_ranks(cmd, world_size, args, log_path):
     to ``log_path``), polling the resident memory of them all every ``args.poll`` seconds: above
     ``args.host_mem_gib``, past ``args.timeout`` or when a rank fails, every rank is killed. Returns
     the peak, the seconds, and ``why`` it failed (None when every rank exited 0)."""
-    cap, port, procs = int(args.host_mem_gib * GIB), _free_port(), []
+    cap, port, procs = int(args.host_mem_gib * GIB), free_port(), []
     with open(log_path, "w") as log:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -391,49 +334,46 @@ def search(args, backend, world_size, log_dir, try_depth=None, guess_bytes_per_p
 def table(best, args):
     """One row per backend and world size; the ratio is against the larger of ZeRO-3 with its
     defaults and ZeRO-3 tuned for memory at the same world size (the best ZeRO-3 a user gets)."""
-    rows = ["| backend | world size | largest model | depth | peak host | bytes/param all-in | step time | "
-            "params vs best ZeRO-3 |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (backend, ws), r in best.items():
         if r is None:
-            rows.append(f"| {backend} | {ws} | nothing trains | | | | | |")
+            rows.append([backend, ws, "nothing trains", "", "", "", "", ""])
             continue
         stock = [best.get((b, ws)) for b in (BASELINE, "zero3-tuned")]
         base = max((b for b in stock if b), key=lambda b: b["params"], default=None)
         ratio = f"{r['params'] / base['params']:.2f}x" if base else "n/a"
-        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | {r['depth']} | "
-                    f"{r['peak_host_bytes'] / GIB:.2f} GiB | {r['peak_host_bytes'] / r['params']:.1f} | "
-                    f"{statistics.median(r['step_times']):.1f} s | {ratio} |")
-    return "\n".join(rows)
+        rows.append([backend, ws, f"{r['params'] / 1e9:.3f}B", r["depth"], f"{r['peak_host_bytes'] / GIB:.2f} GiB",
+                     f"{r['peak_host_bytes'] / r['params']:.1f}", f"{statistics.median(r['step_times']):.1f} s", ratio])
+    return "\n".join(markdown_table(["backend", "world size", "largest model", "depth", "peak host",
+                                     "bytes/param all-in", "step time", "params vs best ZeRO-3"], rows))
 
 
 def breakdown_table(best):
     """Per backend's largest model: the last step's forward, backward and optimizer step seconds
     (rank 0), and for the disk tier the I/O it moved, its busy seconds and the seconds the step
     waited on it; hidden I/O is the I/O threads' busy time the step did not wait for."""
-    rows = ["| backend | world size | largest model | forward | backward | step (Adam, I/O) | disk read+written "
-            "| I/O busy | I/O waited | I/O hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (backend, ws), r in best.items():
         if not r or not r.get("breakdown"):
             continue
         last = r["breakdown"][-1]
         disk = "disk_io_seconds" in last and last["disk_bytes_read"] + last["disk_bytes_written"] > 0
-        moved = f"{(last['disk_bytes_read'] + last['disk_bytes_written']) / GIB:.1f} GiB" if disk else "-"
-        busy = f"{last['disk_io_seconds']:.1f} s" if disk else "-"
-        waited = f"{last['disk_wait_seconds']:.1f} s" if disk else "-"
-        hidden = (f"{max(0.0, 1 - last['disk_wait_seconds'] / max(last['disk_io_seconds'], 1e-9)):.0%}"
-                  if disk else "-")
-        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | {last.get('forward', 0):.1f} s | "
-                    f"{last.get('backward', 0):.1f} s | {last.get('step', 0):.1f} s | {moved} | {busy} | {waited} "
-                    f"| {hidden} |")
-    return "\n".join(rows)
+        io = ([f"{(last['disk_bytes_read'] + last['disk_bytes_written']) / GIB:.1f} GiB",
+               f"{last['disk_io_seconds']:.1f} s", f"{last['disk_wait_seconds']:.1f} s",
+               f"{max(0.0, 1 - last['disk_wait_seconds'] / max(last['disk_io_seconds'], 1e-9)):.0%}"]
+              if disk else ["-"] * 4)
+        rows.append([backend, ws, f"{r['params'] / 1e9:.3f}B", f"{last.get('forward', 0):.1f} s",
+                     f"{last.get('backward', 0):.1f} s", f"{last.get('step', 0):.1f} s", *io])
+    return "\n".join(markdown_table(["backend", "world size", "largest model", "forward", "backward",
+                                     "step (Adam, I/O)", "disk read+written", "I/O busy", "I/O waited",
+                                     "I/O hidden"], rows))
 
 
 def resident_table(best):
     """Per backend's largest model, rank 0's resident memory (GiB) by phase of its last step: at the
     end of the build and of initialize, then the peak during forward, backward and optimizer step,
     and the model data the backend counts (ds_patrickstar: its counters)."""
-    rows = ["| backend | world size | largest model | built | initialized | forward peak | backward peak | "
-            "step peak | after the step | model data |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (backend, ws), r in best.items():
         phases = (r or {}).get("resident_rank0")
         if not phases or "step" not in phases:
@@ -441,9 +381,11 @@ def resident_table(best):
         data = r.get("model_data_bytes_rank0")
         cells = [phases[p][k] / GIB for p, k in (("build", "end"), ("initialize", "end"), ("forward", "peak"),
                                                    ("backward", "peak"), ("step", "peak"), ("step", "end"))]
-        rows.append(f"| {backend} | {ws} | {r['params'] / 1e9:.3f}B | " + " | ".join(f"{c:.2f}" for c in cells)
-                    + (f" | {data / GIB:.2f} |" if data else " | - |"))
-    return "\n".join(rows)
+        rows.append([backend, ws, f"{r['params'] / 1e9:.3f}B", *(f"{c:.2f}" for c in cells),
+                     f"{data / GIB:.2f}" if data else "-"])
+    return "\n".join(markdown_table(["backend", "world size", "largest model", "built", "initialized",
+                                     "forward peak", "backward peak", "step peak", "after the step", "model data"],
+                                    rows))
 
 
 def parse_args(argv=None):

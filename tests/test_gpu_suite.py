@@ -1,6 +1,7 @@
 """benchmarks/gpu_suite.py cannot rot between GPU runs: its dry run (the same code on the strict emulated
-accelerator, tiny sizes) writes a JSON where every part is measured or skipped with a reason, a Markdown table,
-sane numbers and ratios as computed; its search stops at its deadline; --to-docs rewrites the docs section."""
+accelerator, tiny sizes, one run shared by these tests) gives every part a row or a stated reason; two partial
+runs merge into the table of one; a part cut by its deadline reads "cut" and a failing trial "failed" with its
+error; the sizes follow the GPU's memory and a size the host cannot hold is a stated failure."""
 from __future__ import annotations
 
 import json
@@ -10,98 +11,194 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_harness
 import gpu_suite
 import gpu_suite_max_model
+import gpu_suite_merge
+import gpu_suite_parts as parts
 import gpu_suite_report
 
-PARTS = ("builds", "gpu_tests", "throughput", "max_model", "breakdown", "host_memory", "dynamic_padding", "lora")
+PARTS = ("builds", "lora", "dynamic_padding", "throughput", "sweep", "gpu_tests", "max_model", "breakdown",
+         "host_memory")
+STATUSES = ("measured", "cut", "failed", "skipped")
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    # stock ZeRO-3 offload's trial loads DeepSpeed's CPU Adam: build it here (a no-op when cached) so that a
-    # fresh TORCH_EXTENSIONS_DIR's JIT build is not timed against the dry run's deadline
+    # the dry run's trials load DeepSpeed's CPU Adam and shared-memory comm op and ours' CPU Adam: build them here
+    # (a no-op when cached), so that no JIT build is timed against, or killed at, the dry run's deadlines
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
+    from ds_patrickstar.optim.kernels import adam_backend_name
+
     CPUAdamBuilder().load(verbose=False)
+    shm = get_accelerator().create_op_builder("ShareMemCommBuilder")  # None where the accelerator is CUDA
+    if shm is not None:
+        shm.load(verbose=False)
+    assert adam_backend_name("cpu") == "cpu_fused"
     out = tmp_path_factory.mktemp("gpu_suite")
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--budget-s", "90", "--out",
-           str(out)]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
                           start_new_session=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, json.loads((out / "gpu_suite.json").read_text())
 
 
-def test_dry_run_measures_or_skips_every_part_with_a_reason(dry_run):
+def fake_suite(tmp_path, *argv) -> SimpleNamespace:
+    """What the parts need of a ``gpu_suite.Suite``, without starting one."""
+    args = gpu_suite.parse_args(["--dry-run", "--out", str(tmp_path), *argv])
+    return SimpleNamespace(args=args, repo=REPO, cuda=False, device_bytes=parts.DRY_DEVICE_BYTES,
+                           child_env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, part_progress=lambda *_: None)
+
+
+def test_dry_run_gives_every_part_a_row_or_a_stated_reason(dry_run):
     out, result = dry_run
     for name in PARTS:
         part = result["parts"][name]
-        assert part["status"] in ("measured", "skipped"), (name, part)
-        if part["status"] == "skipped":
-            assert part["reason"], name
+        assert part["status"] in STATUSES, (name, part)
+        assert part["status"] == "measured" or part.get("reason") or part.get("error"), (name, part)
+        for trial in part.get("trials", []):
+            assert trial["status"] in STATUSES, (name, trial)
+            if trial["status"] == "measured":
+                assert trial["tokens_per_s"] > 0 and trial["timed_steps"] >= 5, (name, trial)
+            else:
+                assert trial.get("reason") or trial.get("error"), (name, trial)
     assert "no CUDA" in result["parts"]["gpu_tests"]["reason"]
-    assert result["not_run"] == []
-    padding = {(t["backend"], t["padding"]): t for t in result["parts"]["dynamic_padding"]["trials"]}
-    for trial in padding.values():  # measured, or not with the reason (the deadline on a busy machine)
-        assert trial["tokens_per_s"] > 0 if trial["status"] == "measured" else trial.get("reason") or trial["error"]
-    assert padding[("zero3-offload", "dynamic")]["status"] == "skipped"
-    assert all(r["reason"] == "not run: feature not built" for r in result["not_run"])
+    sizes = {(t["size"], t["backend"]) for t in result["parts"]["throughput"]["trials"]}
+    assert {("0.5x", "ours"), ("1.5x", "ours"), ("3x", "ours"), ("0.5x", "zero3-offload")} <= sizes
+    assert {t["point"] for t in result["parts"]["sweep"]["trials"]} == {"12 GiB", "16 GiB"}
+    assert {(t["backend"], t["padding"]) for t in result["parts"]["dynamic_padding"]["trials"]} == {
+        (b, p) for b in parts.OFFLOADED for p in ("fixed", "dynamic")}
     meta = result["meta"]
-    for key in ("gpu", "driver", "torch", "deepspeed", "date", "command"):
-        assert key in meta, key
+    assert all(key in meta for key in ("gpu", "driver", "torch", "deepspeed", "date", "command"))
     assert meta["dry_run"] and "--dry-run" in meta["command"]
     table = (out / "gpu_suite.md").read_text()
-    assert "| model | params | backend | step (ms) | tokens/s | TFLOPS |" in table
+    assert "| model | params | layers x width | backend | status | step (ms) | spread | tokens/s |" in table
+    assert "| point | backend | B (GiB) | status | tokens/s | ours / ZeRO-3 offload |" in table
     assert "6 * N" in table
 
 
 def test_dry_run_numbers_are_sane_and_ratios_as_computed(dry_run):
     _, result = dry_run
     trials = result["parts"]["throughput"]["trials"]
-    for t in trials:
-        assert t["status"] in ("measured", "skipped", "failed"), t
-        assert t["status"] == "measured" or t.get("reason") or t.get("error"), t
     got = {(t["size"], t["backend"]): t for t in trials if t["status"] == "measured"}
-    assert ("dry-s", "ours") in got and ("dry-s", "zero3-offload") in got, [
-        (t["size"], t["backend"], t["status"], t.get("reason") or t.get("error")) for t in trials]
     for t in got.values():
-        assert t["tokens_per_s"] > 0 and t["step_s"] > 0 and t["tflops"] > 0
         assert math.isclose(t["tokens_per_s"], t["batch"] * t["seq_len"] / t["step_s"])
-    assert got[("dry-s", "ours")]["emulated"] and got[("dry-s", "ours")]["records"][-1]["counters"]
-    # ZeRO-3 without offload fits the dry run's pretend GPU (1 MB) at the smallest size only
-    skipped = [t for t in trials if t["backend"] == "zero3" and t["size"] != "dry-s"]
+        assert t["step_min_s"] <= t["step_s"] <= t["step_max_s"] and t["spread"] >= 0
+        assert t["warmup_steps"] >= 2 and len(t["records"]) == t["timed_steps"]
+        assert t["overrides"]["activation_checkpointing"] and t["predicted_step_s"] is None
+    if ("0.5x", "ours") in got:
+        assert got[("0.5x", "ours")]["emulated"] and got[("0.5x", "ours")]["records"][-1]["counters"]
+    skipped = [t for t in trials if t["backend"] == "zero3" and t["size"] != "0.5x"]
     assert skipped and all("does not fit" in t["reason"] for t in skipped), skipped
     for row in result["parts"]["throughput"]["ratios"]:
         ours, stock = got.get((row["size"], "ours")), got.get((row["size"], "zero3-offload"))
         if ours and stock:
             assert math.isclose(row["ours_over_zero3_offload"], ours["tokens_per_s"] / stock["tokens_per_s"])
-        for backend, ratio in row["practicality"].items():
-            base = got[(row["size"], "zero3")]["tokens_per_s"]
-            assert math.isclose(ratio, got[(row["size"], backend)]["tokens_per_s"] / base)
-    breakdown = result["parts"]["breakdown"]["rows"]
-    assert any(r["backend"] == "ours" and r["adam_chunks_host"] + r["adam_chunks_device"] > 0 for r in breakdown)
-    assert all(r["adam_s"] > 0 for r in breakdown), breakdown  # the Adam clock found each engine's Adam
-    host = result["parts"]["host_memory"]["rows"]
-    assert all(r["rss_bytes"] > 0 for r in host)
+    for row in result["parts"].get("breakdown", {}).get("rows", []):
+        assert row["adam_s"] > 0  # the Adam clock found each engine's Adam
+
+
+def test_sizes_follow_the_gpu_memory_and_the_host_says_what_it_cannot_hold(tmp_path, monkeypatch):
+    monkeypatch.setattr(parts.psutil, "virtual_memory", lambda: SimpleNamespace(available=500 * 2**30))
+    ctx = fake_suite(tmp_path)
+    ctx.args.dry_run, ctx.device_bytes = False, 85_000_000_000  # an H100's 79 GiB
+    sizes = parts.model_sizes(ctx, ctx.args)
+    for fraction, (name, preset, overrides) in zip((0.5, 1.5, 3.0), sizes):
+        data = parts.OURS_BYTES_PER_PARAM * parts.params_of(preset, overrides)
+        assert name == f"{fraction:g}x" and abs(data / ctx.device_bytes - fraction) < 0.1 * fraction, (name, data)
+    huge = parts.host_shortfall(ctx, "zero3-offload", 30 * 10**9)  # 540 GB on the host
+    assert huge.startswith("failed: host memory") and "before launching" in huge
+    assert parts.host_shortfall(ctx, "ours", 10**6) is None
+    gib = bench_harness.GIB
+    assert parts.sweep_size(ctx, ctx.args)[0] == "0.5x"  # 42 GB of model data past the largest point's 16 GiB
+    plan = parts.sweep_plan(ctx, ctx.args)
+    stock = next(argv for head, argv in plan if head["backend"] == "zero3-offload" and head["point"] == "12 GiB")
+    assert math.isclose(float(stock[stock.index("--memory-fraction") + 1]), 12 * gib / ctx.device_bytes, rel_tol=1e-5)
+
+
+def test_warm_up_runs_until_the_step_time_settles():
+    times = iter([3.0, 2.0, 1.0, 1.05, 1.0, 1.2, 0.9, 1.0, 1.1])
+    warm, timed = bench_harness.timed_steps(lambda i: {"wall_s": next(times)}, "auto", 5, max_warmup=6)
+    assert [r["wall_s"] for r in warm] == [3.0, 2.0, 1.0, 1.05] and len(timed) == 5
+    summary = bench_harness.steady_summary([r["wall_s"] for r in warm], [r["wall_s"] for r in timed])
+    assert summary["step_s"] == 1.0 and math.isclose(summary["first_steps_extra_s"], 7.05 - 4.0)
+    assert math.isclose(summary["spread"], 0.3)
+    warm, _ = bench_harness.timed_steps(lambda i: {"wall_s": 1.0}, 3, 5)
+    assert len(warm) == 3
+
+
+def test_two_partial_runs_merge_into_the_table_of_one_run(dry_run, tmp_path):
+    _, full = dry_run
+    first = {"lora", "dynamic_padding", "throughput"}
+    halves = []
+    for mine in (first, set(gpu_suite.SHARES) - first):
+        half = json.loads(json.dumps(full))
+        for name in gpu_suite.SHARES:
+            if name not in mine:
+                half["parts"][name] = {"status": "skipped", "reason": gpu_suite_merge.NOT_AMONG}
+        path = tmp_path / f"half{len(halves)}.json"
+        path.write_text(json.dumps(half))
+        halves.append(path)
+    gpu_suite.main(["--merge", *map(str, halves), "--out", str(tmp_path / "merged")])
+    merged = json.loads((tmp_path / "merged" / "gpu_suite.json").read_text())
+    assert len(merged["meta"]["merged_from"]) == 2
+
+    def tables(result):
+        return gpu_suite_report.render(result).split("**Parts.**")[1]
+
+    assert tables(merged) == tables(full)
+
+
+def test_a_part_cut_by_its_deadline_reads_cut(tmp_path):
+    ctx = fake_suite(tmp_path)
+    part = parts.run_sweep(ctx, ctx.args, time.monotonic() - 1)
+    assert part["status"] == "cut" and "deadline" in part["reason"]
+    assert {t["status"] for t in part["trials"]} == {"cut", "skipped"}
+    text = gpu_suite_report.render({"meta": fake_meta(), "flops": "", "parts": {"sweep": part}})
+    assert "| equal memory | cut |" in text and "| 12 GiB | ours |" in text and "| cut | deadline" in text
+    ctx = fake_suite(tmp_path, "--backends", "zero3-offload")  # a call of other backends: ours' rows say so
+    part = parts.run_sweep(ctx, ctx.args, time.monotonic() - 1)
+    assert all("not among --backends" in t["reason"] for t in part["trials"] if t["backend"] == "ours")
+
+
+def test_a_failing_trial_reads_failed_with_its_error(tmp_path, monkeypatch):
+    script = tmp_path / "trial.py"
+    script.write_text("raise RuntimeError('DeviceBudgetExceeded: 12.3 GiB past the budget')\n")
+    monkeypatch.setattr(parts, "TRIAL", script)
+    ctx = fake_suite(tmp_path)
+    head = {"size": "0.5x", "point": "12 GiB", "backend": "ours", "budget_bytes": 2**30, "params": 10**6}
+    part = parts.run_plan(ctx, "sweep", [(head, [])], time.monotonic() + 60)
+    trial = part["trials"][0]
+    assert part["status"] == "failed" and trial["status"] == "failed"
+    assert trial["error"].endswith("RuntimeError: DeviceBudgetExceeded: 12.3 GiB past the budget"), trial
+    text = gpu_suite_report.render({"meta": fake_meta(), "flops": "", "parts": {"sweep": part}})
+    assert "| 12 GiB | ours | 1 | failed | exit 1: RuntimeError: DeviceBudgetExceeded" in text
+
+
+def fake_meta() -> dict:
+    return {"gpu": "g", "torch": "t", "python": "p", "cpus": 1, "host_memory_bytes": 2**30, "date": "d",
+            "budget_s": 1.0, "command": "c", "dry_run": True}
 
 
 def test_ratios_are_ours_over_stock_and_offloaded_over_no_offload():
     def trial(backend, tokens_per_s, status="measured"):
         return {"size": "m", "backend": backend, "status": status, "tokens_per_s": tokens_per_s}
 
-    rows = gpu_suite.ratios([trial("ours", 300.0), trial("zero3-offload", 100.0), trial("zero3", 400.0)])
+    rows = parts.ratios([trial("ours", 300.0), trial("zero3-offload", 100.0), trial("zero3", 400.0)])
     assert rows == [{"size": "m", "ours_over_zero3_offload": 3.0,
                      "practicality": {"ours": 0.75, "zero3-offload": 0.25}}]
-    rows = gpu_suite.ratios([trial("ours", 300.0), trial("zero3-offload", 0.0, "failed")])
+    rows = parts.ratios([trial("ours", 300.0), trial("zero3-offload", 0.0, "failed")])
     assert rows[0]["ours_over_zero3_offload"] is None and rows[0]["practicality"] == {}
 
 
@@ -121,15 +218,19 @@ def test_the_tables_render_what_only_a_gpu_fills_in(dry_run):
     _, result = dry_run
     result = json.loads(json.dumps(result))
     result["meta"].update(gpu="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * 2**30, driver="580.1", dry_run=False)
-    result["parts"]["gpu_tests"] = {"status": "measured", "outcome": "exit 1", "passed": 3, "failures": 1,
-                                    "errors": 0, "skipped": 0, "seconds_used": 50.0, "deadline_s": 100.0}
-    ours = next(t for t in result["parts"]["throughput"]["trials"] if t["status"] == "measured")
+    result["parts"]["gpu_tests"] = {"status": "cut", "outcome": "timed out after 97 s", "passed": 226,
+                                    "failures": 0, "errors": 0, "skipped": 0, "seconds_used": 97.0,
+                                    "deadline_s": 97.0}
+    ours = next((t for t in result["parts"]["throughput"]["trials"] if t["status"] == "measured"), None)
+    if ours is None:
+        pytest.skip("no throughput trial was measured in the dry run's time here")
     ours["pinned"] = {"h2d_bytes_per_s": 2e10, "d2h_bytes_per_s": 1e10}
     ours["host"]["cuda_host_memory_stats"] = {"allocated_bytes.current": 2**30, "allocated_bytes.peak": 2**31}
     ours["records"][-1]["counters"].update(bytes_to_device=4 * 10**9, bytes_to_host=10**9)
     result["parts"].update(gpu_suite_report.derived_parts(result["parts"]))
     text = gpu_suite_report.render(result)
-    assert "NVIDIA H100 80GB HBM3 (80 GiB), driver 580.1" in text and "exit 1: 3 passed, 1 failures" in text
+    assert "NVIDIA H100 80GB HBM3 (80 GiB), driver 580.1" in text
+    assert "| GPU tests (`pytest -m gpu`) | cut | 97 (97) | timed out after 97 s: 226 passed" in text
     assert "| 300.0 |" in text  # 4 GB at 20 GB/s + 1 GB at 10 GB/s, in ms
     assert "| 1.000 | 2.000 |" in text and "Dry run" not in text
 
@@ -165,14 +266,12 @@ def test_dry_run_trains_lora_on_a_base_larger_than_the_device(dry_run):
     """The LoRA part: ours trains adapters beside a frozen base whose chunks exceed the (emulated) device
     budget; stock ZeRO-3's trial is skipped in the dry run with its reason."""
     _, result = dry_run
-    part = result["parts"]["lora"]
-    ours, stock = (next(t for t in part["trials"] if t["backend"] == b) for b in ("ours", "zero3-offload"))
+    ours, stock = (next(t for t in result["parts"]["lora"]["trials"] if t["backend"] == b) for b in parts.OFFLOADED)
     assert stock["status"] == "skipped" and stock["reason"]
-    out_of_time = ours.get("reason", "").startswith("deadline") or "timed out" in ours.get("error", "")
-    if ours["status"] != "measured" and out_of_time:  # the last part gets what the others left
+    if ours["status"] == "cut":  # the dry run's share of a busy machine
         pytest.skip(f"the LoRA trial ran out of the dry run's time here: {ours}")
-    assert part["status"] == "measured", part
-    assert ours["status"] == "measured" and ours["lora"] == 4 and ours["trainable_params"] < ours["params"] / 5
+    assert ours["status"] == "measured", ours
+    assert ours["lora"] == 4 and ours["trainable_params"] < ours["params"] / 5
     counters = ours["records"][-1]["counters"]
-    assert counters["frozen_bytes_device"] + counters["frozen_bytes_host"] > gpu_suite.DRY_LORA["budget"]
+    assert counters["frozen_bytes_device"] + counters["frozen_bytes_host"] > parts.DRY_LORA["budget"]
     assert ours["losses"] and all(math.isfinite(x) for x in ours["losses"])
