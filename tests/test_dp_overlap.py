@@ -99,15 +99,15 @@ def test_with_placement_prefetch_and_kept_groups_stay_in_budget():
 
 def _unwaited(rank, world_size):
     """Strict emulation with every all-gather on demand, and the wait before use taken away."""
-    from ds_patrickstar.groups.residency import GroupResidency
+    from ds_patrickstar.groups.group import ChunkGroup
 
-    real = GroupResidency.__dict__["_wait_for_use"]
-    GroupResidency._wait_for_use = staticmethod(lambda chunk: None)
+    real = ChunkGroup.__dict__["_wait_for_use"]
+    ChunkGroup._wait_for_use = staticmethod(lambda chunk: None)
     try:  # a kept process: the patch goes when the job ends
         return _quirk(rank, world_size, "mlp", "fp32", "patrickstar", 1,
                       {"emulate_accelerator": True, "device_budget": 1 << 26, "prefetch_groups": 0})
     finally:
-        GroupResidency._wait_for_use = real
+        ChunkGroup._wait_for_use = real
 
 
 def test_a_read_before_the_all_gather_completed_changes_the_numbers():

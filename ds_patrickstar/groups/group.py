@@ -208,8 +208,14 @@ class ChunkGroup:
         if chunk.prefetched:
             chunk.prefetched = False
             counters.prefetch_hits += 1
-        chunk.wait_pending()  # the compute reads the payload through the views (see [Note: ready payload])
+        self._wait_for_use(chunk)
         return first
+
+    @staticmethod
+    def _wait_for_use(chunk: Chunk) -> None:
+        """The compute that follows reads the payload through the views: every copy and collective into
+        the chunk must be complete (see [Note: ready payload])."""
+        chunk.wait_pending()
 
     def use_over(self) -> bool:
         """Whether every tensor of the group is done for now (``HOLD_AFTER_FWD``): after a forward use, or a

@@ -82,6 +82,7 @@ class ChunkedModel:
         if self.closed:
             return
         self.closed = True
+        self.flow.end_saved_tensor_hooks()
         infos = self.chunk_map.infos()
         if self.comm.world_size > 1 and self.run.mid_iteration():  # see [Note: run state]
             why = "destroyed inside an iteration (after an error?), a gather could wait for ranks that never come"
@@ -102,6 +103,7 @@ class ChunkedModel:
         if self.closed:
             return
         self.closed = True
+        self.flow.end_saved_tensor_hooks()
         give_back(self.chunk_map, self.has_values, self.hooks, self.disk, self.accel, self.frozen_disk, self.store)
 
 

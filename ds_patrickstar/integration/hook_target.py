@@ -62,6 +62,7 @@ class TrainingFlow:
     def root_forward_start(self, inputs: Any) -> None:
         if self.backward.running:  # the whole model checkpointed: its recomputation
             return
+        self.end_saved_tensor_hooks()  # a training forward that raised left its hooks on
         training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
         if training and self.run.forward_without_backward():
             self.placement.drop_forward()  # see [Note: moments and the trace]
@@ -88,9 +89,15 @@ class TrainingFlow:
         offloader = self.placement.activations
         if self._meter_ctx is not None and offloader is not None:
             offloader.end_forward()
-        if self._meter_ctx is not None:
-            self._meter_ctx.__exit__(None, None, None)
-            self._meter_ctx = None
+        self.end_saved_tensor_hooks()
+
+    def end_saved_tensor_hooks(self) -> None:
+        """The saved-tensor hooks of the training forward (the meter's or activation offload's) come off;
+        torch keeps them for the whole process otherwise, also after a forward that raised, and after
+        ``engine.destroy()`` (they would count, or move, the next model's activations)."""
+        ctx, self._meter_ctx = self._meter_ctx, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
 
     # ---- module moments -------------------------------------------------------------------
     def pre_forward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
