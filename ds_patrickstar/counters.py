@@ -95,6 +95,13 @@ class StepCounters:
     disk_buffer_bytes: int = 0
     """host bytes of the disk tier's aligned buffers (the states' and the frozen chunks' read-ahead buffers)"""
 
+    predicted_bytes_to_device: int = 0
+    """bytes the placement planner's model of the driver predicts one iteration of the current trace brings to the
+    accelerator, at steady state (see [Note: predicted moves]; 0: not predicted, with several ranks or gradient
+    accumulation, or without placement); ``bytes_to_device`` is what it measured"""
+    predicted_bytes_to_host: int = 0
+    """likewise, bytes back to the host (``bytes_to_host`` measured)"""
+
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, 0)

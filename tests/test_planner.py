@@ -77,3 +77,25 @@ def test_gathered_rooms_keep_for_the_rest_and_ahead_for_the_next_moments():
     # kept from moment i: beside its tide and, at every later moment (up to the next iteration's first),
     # that moment's tide and the groups it holds
     assert keep == [1000 - 510, 1000 - 510, 1000 - 500, 1000 - 200]
+
+
+def test_the_move_model_replays_belady_with_prefetch_by_hand():
+    """Three chunks of 100 B, room for two beside a tide of 0: forward 0, 1, 2, backward 2, 1, 0, the step
+    updates every chunk on the host. Worked by hand (see [Note: predicted moves])."""
+    from ds_patrickstar.placement.move_model import simulate_moves
+
+    trace = _trace(("fwd:a", (0,), 0), ("fwd:b", (1,), 0), ("fwd:c", (2,), 0), ("bwd:c", (2,), 0),
+                   ("bwd:b", (1,), 0), ("bwd:a", (0,), 0), ("step", (), 0))
+    sizes = {0: 100, 1: 100, 2: 100}
+    resident = set()
+    first = simulate_moves(trace, 200, sizes, 0, resident, host_updated={0, 1, 2})
+    # moment 0 brings 0 and 1 ahead; 1 brings 2 ahead after evicting 0 (next used at 5, after 2); 4 brings 0
+    # ahead after evicting 2 (next used in the next iteration); the step sends 0 and 1 to the host for Adam
+    assert first.to_device == [200, 100, 0, 0, 100, 0, 0]
+    assert first.to_host == [0, 100, 0, 0, 100, 0, 200]
+    assert resident == set()
+    # 40 B that do not move leave room for one chunk: nothing fits ahead, every chunk is brought at its use
+    # (2 stays from its forward to its backward) and the one before it goes
+    again = simulate_moves(trace, 200, sizes, 40, set(), host_updated=set())
+    assert again.to_device == [100, 100, 100, 0, 100, 100, 0]
+    assert again.to_host == [0, 100, 100, 0, 100, 100, 0]

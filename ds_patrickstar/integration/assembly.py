@@ -39,6 +39,7 @@ from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
 from ..placement.chunk_needs import chunk_needs
 from ..placement.interface import NullPlacement, Placement
+from ..placement.move_model import MovePredictor
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
@@ -133,6 +134,7 @@ def make_placement(
         reductions,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
         run,
+        predictor=_move_predictor(accel, chunk_map, accumulate),
     )
     if options.offload_activations != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(
@@ -149,6 +151,17 @@ def make_placement(
         " (emulated)" if meter is not None else "",
     )
     return runtime
+
+
+def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -> MovePredictor | None:
+    """The model of the driver's moves, where it holds: one rank, no gradient accumulation (see
+    [Note: predicted moves])."""
+    if chunk_map.world_size > 1 or accumulate:
+        return None
+    owned = chunk_map.owned_chunks()
+    sizes = {c.chunk_id: c.nbytes for c in owned}
+    trainable = {c.chunk_id for c in owned if c.trainable}
+    return MovePredictor(accel.ledger.budget, sizes, trainable, {c.chunk_id for c in owned if c.on_disk})
 
 
 def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str) -> list[torch.nn.Module]:

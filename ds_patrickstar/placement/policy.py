@@ -140,6 +140,11 @@ class Placer:
         self._moment = -1
 
     # ---- what is where ------------------------------------------------------------
+    @property
+    def resident(self) -> set[int]:
+        """The chunks on the accelerator now (a copy)."""
+        return set(self._resident)
+
     def arrived(self, chunk: int) -> None:
         """``chunk`` is now backed on the accelerator."""
         self._resident.add(chunk)

@@ -20,6 +20,7 @@ from ..memory.reductions import InFlightReductions
 from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
 from .interface import NO_TIDE, ActivationPolicy
+from .move_model import MovePredictor
 from .moves import ChunkMoves
 from .planner import gathered_rooms
 from .policy import Placer
@@ -44,8 +45,10 @@ class PlacementRuntime:
         reductions: InFlightReductions,
         chunk_needs: Callable[[Trace], list[int]],
         run: RunState,
+        predictor: MovePredictor | None = None,
     ) -> None:
         self.placer, self.tracer, self.counters, self.run = placer, tracer, counters, run
+        self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
         self.ledger = store.accel.ledger
         self.moves = ChunkMoves(placer, tracer, store, counters, chunks, reductions, run)
         self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
@@ -224,7 +227,11 @@ class PlacementRuntime:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator (the
         trace's step moment names them after a new decision); after a trace, "auto" activation offload
         plans from it, before the gather plan is agreed (see [Note: auto activation offload])."""
-        self.steps.settle(self.tracer.current_trace(), on_device)
+        trace = self.tracer.current_trace()
+        self.steps.settle(trace, on_device)
+        if self.predictor is not None and trace is not None:
+            fixed = self.ledger.by_kind.get("optim", 0)
+            self.predictor.update(trace, fixed, self.placer.resident, on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
         traced = self.tracer.last_iteration() if self.tracer.tracing else None
         if self.activations is not None and traced is not None:
@@ -232,6 +239,10 @@ class PlacementRuntime:
 
     def end_step(self) -> None:
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
+        predicted = self.predictor.plan if self.predictor is not None else None
+        if predicted is not None:
+            self.counters.predicted_bytes_to_device = predicted.bytes_to_device
+            self.counters.predicted_bytes_to_host = predicted.bytes_to_host
 
 
 def note_peaks(counters: StepCounters, ledger: DeviceLedger, non_model: int, meter: SavedTensorMeter | None) -> None:

@@ -1,0 +1,163 @@
+"""The bytes a placement moves in an iteration, predicted from the trace alone (the planner's model of the
+driver, see [Note: placement planner]).
+
+[Note: predicted moves]
+:func:`simulate_moves` replays one iteration of a trace as the per-moment driver places it (see
+[Note: placement]): at each moment the chunks it uses come to the accelerator, room made by evicting the
+resident chunk used again farthest ahead, under the budget less the tide planned for this moment and the
+next and the bytes that do not move (optimizer states on the accelerator); after the moment the next
+one's chunks are brought ahead where they fit, if need be after evicting chunks used only after it; at
+the step the chunks updated on the host leave. It starts from the chunks on the accelerator and leaves
+there those at the iteration's end, so two calls give a steady state. What it returns, bytes to the
+accelerator and back per moment, is what a step-time model weighs against compute (issue 42), and the
+per-step counters ``predicted_bytes_to_device``/``_to_host`` put it beside the bytes measured. It models
+one rank without gradient accumulation: gathered groups, accumulators and copies still in flight are
+not in it (at several ranks or GA > 1 the counters say 0: not predicted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+from .tracer import Trace
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """Bytes to the accelerator and back at each moment of one iteration."""
+
+    to_device: list[int]
+    to_host: list[int]
+
+    @property
+    def bytes_to_device(self) -> int:
+        return sum(self.to_device)
+
+    @property
+    def bytes_to_host(self) -> int:
+        return sum(self.to_host)
+
+
+class _Replay:
+    """One iteration's residency, moment by moment (see :func:`simulate_moves`)."""
+
+    def __init__(
+        self, trace: Trace, budget: int, sizes: Mapping[int, int], fixed: int, resident: set[int], uncopied: set[int]
+    ) -> None:
+        self.trace, self.budget, self.sizes, self.fixed, self.resident = trace, budget, sizes, fixed, resident
+        self.uncopied = uncopied
+        self.to_device = [0] * len(trace)
+        self.to_host = [0] * len(trace)
+        self.at = 0
+
+    def total(self) -> int:
+        return self.fixed + sum(self.sizes[c] for c in self.resident)
+
+    def headroom(self, moment: int) -> int:
+        return self.budget - self.trace.non_model_ahead(moment % len(self.trace))
+
+    def next_use(self, chunk: int, after: int) -> int:
+        return self.trace.next_use(chunk, after)
+
+    def bring(self, chunk: int) -> None:
+        self.resident.add(chunk)
+        self.to_device[self.at] += self.sizes[chunk]
+
+    def evict(self, chunk: int) -> None:
+        self.resident.discard(chunk)
+        if chunk not in self.uncopied:
+            self.to_host[self.at] += self.sizes[chunk]
+
+    def make_room(self, need: int, keep: set[int]) -> None:
+        over = self.total() + need - self.headroom(self.at)
+        for victim in sorted(self.resident - keep, key=lambda c: (-self.next_use(c, self.at), c)):
+            if over <= 0:
+                break
+            self.evict(victim)
+            over -= self.sizes[victim]
+
+    def prefetch(self, in_use: set[int]) -> None:
+        """The next moment's chunks ahead, where they fit there after evicting chunks used only after it."""
+        if self.at + 1 >= len(self.trace):
+            return
+        ahead = self.trace.moments[self.at + 1].chunks
+        for chunk in ahead:
+            if chunk in self.resident or chunk not in self.sizes:
+                continue
+            short = self.total() + self.sizes[chunk] - self.headroom(self.at + 1)
+            if short > 0:
+                later = [c for c in self.resident - in_use - set(ahead) if self.next_use(c, self.at) > self.at + 1]
+                later.sort(key=lambda c: (-self.next_use(c, self.at), c))
+                chosen, freed = [], 0
+                for victim in later:
+                    if freed >= short:
+                        break
+                    chosen.append(victim)
+                    freed += self.sizes[victim]
+                if freed < short:
+                    continue
+                for victim in chosen:
+                    self.evict(victim)
+            self.bring(chunk)
+
+
+def simulate_moves(
+    trace: Trace,
+    budget: int,
+    sizes: Mapping[int, int],
+    fixed: int,
+    resident: set[int],
+    host_updated: set[int],
+    uncopied: AbstractSet[int] = frozenset(),
+) -> MovePlan:
+    """Replay one iteration of ``trace`` (see [Note: predicted moves]): ``sizes``, the movable chunks' bytes
+    on the accelerator; ``fixed``, bytes that do not move; ``resident``, the chunks on the accelerator at
+    its start (left as those at its end); ``host_updated``, the chunks Adam updates on the host;
+    ``uncopied``, chunks whose eviction copies nothing (frozen chunks whose home is their disk record)."""
+    replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied))
+    for index, moment in enumerate(trace.moments):
+        replay.at = index
+        used = {c for c in moment.chunks if c in sizes}
+        for chunk in moment.chunks if moment.label != "step" else ():
+            if chunk in sizes and chunk not in resident:
+                replay.make_room(sizes[chunk], used)
+                replay.bring(chunk)
+        if moment.label == "step":  # Adam in chunk order, each chunk where its states live
+            for chunk in sorted(used | host_updated):
+                if chunk in host_updated:
+                    if chunk in resident:
+                        replay.evict(chunk)
+                elif chunk not in resident:
+                    replay.make_room(sizes[chunk], {chunk})
+                    replay.bring(chunk)
+        else:
+            replay.make_room(0, used)
+            replay.prefetch(used)
+    return MovePlan(replay.to_device, replay.to_host)
+
+
+class MovePredictor:
+    """The moves of one steady-state iteration of the current trace, predicted once per trace and placement
+    of the optimizer states (see [Note: predicted moves])."""
+
+    def __init__(self, budget: int, sizes: Mapping[int, int], trainable: set[int], uncopied: set[int]) -> None:
+        self._budget, self._sizes, self._trainable, self._uncopied = budget, dict(sizes), trainable, uncopied
+        self._key: tuple[int, frozenset[int]] | None = None
+        self.plan: MovePlan | None = None
+
+    def update(self, trace: Trace, fixed: int, resident: set[int], on_device: set[int]) -> MovePlan:
+        """The prediction for ``trace`` with the optimizer states of ``on_device`` (``fixed`` bytes that do not
+        move) on the accelerator, from the chunks ``resident`` there now: the second of two iterations."""
+        key = (id(trace), frozenset(on_device))
+        if self.plan is None or key != self._key:
+            self._key = key
+            host_updated = self._trainable - on_device
+            replay = set(resident)
+            for _ in range(2):
+                self.plan = simulate_moves(
+                    trace, self._budget, self._sizes, fixed, replay, host_updated, self._uncopied
+                )
+        assert self.plan is not None
+        return self.plan
