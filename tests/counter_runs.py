@@ -4,11 +4,12 @@ tier's spilled optimizer states, frozen chunks on disk, activation offload and r
 
 ``python tests/counter_runs.py`` (from the repository root) writes the golden file
 ``tests/data/counter_runs.json``; ``tests/test_counter_runs.py`` runs the same cases and compares. The
-golden file was written before the storage tier moved below placement and the chunk group took over its
+golden file was written at 8ef8d79 (this module copied there), before the storage tier moved below placement and the chunk group took over its
 own life (see docs/architecture.md): those changes keep every byte moved and every count.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -68,7 +69,18 @@ def _config(case: dict, swap: str) -> dict:
 
 
 def train_case(rank: int, world_size: int, case: dict) -> dict:
-    """Train ``case`` (one of :data:`CASES`) for :data:`STEPS` steps; per step: the loss and the counters."""
+    """Train ``case`` (one of :data:`CASES`) for :data:`STEPS` steps; per step: the loss and the counters.
+    No collection runs meanwhile: when the garbage collector frees a cycle holding an activation depends on
+    the process's history (a kept worker), and the activation meter's peaks with it."""
+    gc.collect()
+    gc.disable()
+    try:
+        return _train(rank, case)
+    finally:
+        gc.enable()
+
+
+def _train(rank: int, case: dict) -> dict:
     import deepspeed
     import torch
 
