@@ -4,8 +4,9 @@ tier's spilled optimizer states, frozen chunks on disk, activation offload and r
 
 ``python tests/counter_runs.py`` (from the repository root) writes the golden file
 ``tests/data/counter_runs.json``; ``tests/test_counter_runs.py`` runs the same cases and compares. The
-golden file was written at 8ef8d79 (this module copied there), before the storage tier moved below placement and the chunk group took over its
-own life (see docs/architecture.md): those changes keep every byte moved and every count.
+golden file was written at 8ef8d79 (this module copied there), before the storage tier moved below
+placement and the chunk group took over its own life (see docs/architecture.md): those changes keep
+every byte moved and every count.
 """
 from __future__ import annotations
 
