@@ -113,15 +113,19 @@ def _run(config, steps=6, batches=None, model=None):
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     gen = torch.Generator().manual_seed(1)
     losses, counters = [], []
-    for step in range(steps):
-        batch = batches[step] if batches else BATCH
-        x, y = torch.randn(batch, HIDDEN, generator=gen), torch.randn(batch, HIDDEN, generator=gen)
-        loss = ((engine(x) - y) ** 2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        if hasattr(engine, "get_patrickstar_counters"):
-            counters.append(engine.get_patrickstar_counters())
+    try:
+        for step in range(steps):
+            batch = batches[step] if batches else BATCH
+            x, y = torch.randn(batch, HIDDEN, generator=gen), torch.randn(batch, HIDDEN, generator=gen)
+            loss = ((engine(x) - y) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if hasattr(engine, "get_patrickstar_counters"):
+                counters.append(engine.get_patrickstar_counters())
+    except BaseException:
+        engine.destroy()  # a forward that raised: its hooks go with the engine, not into the next test
+        raise
     return engine, losses, counters
 
 
