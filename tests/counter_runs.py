@@ -123,7 +123,7 @@ def run_case(name: str) -> list[dict]:
     sys.path.insert(0, str(REPO / "tests"))
     from multiproc import run_ranks
 
-    return run_ranks(train_case, CASES[name]["world"], CASES[name], timeout=240.0)
+    return run_ranks(train_case, CASES[name]["world"], CASES[name], timeout=240.0, memo=True)
 
 
 def main() -> None:
