@@ -6,8 +6,9 @@ gather, release, reduce-scatter and state (``group.py``), which groups are gathe
 all-gathers, prefetches and releases that change it (``residency.py``), the gather order
 (``gather_order.py``), the gather plan the ranks agree on under placement (``gather_plan.py``), the
 keep policy (``keep.py``), a group's joined buffers of straddling tensors (``straddle.py``), the
-gradient sink with its reduce-scatters (``grads.py``, ``reductions.py``, the flat gradient buffers
-they read: ``flat.py``; with gradient accumulation, the micro-steps' reduce-scatters into owned
-accumulators: ``accumulation.py``) and the facade the hooks and the optimizer call (``manager.py``).
-May import: ``activations``, ``placement``, ``memory``, ``chunks`` and the leaf modules.
+gradient sink with its reduce-scatters (``grads.py``; those in flight are ``memory/reductions.py``'s;
+the flat gradient buffers they read: ``flat.py``; with gradient accumulation, the micro-steps'
+reduce-scatters into owned accumulators: ``accumulation.py``) and the facade the hooks and the optimizer call (``manager.py``).
+May import: ``activations``, ``placement``, ``store``, ``disk``, ``memory``, ``chunks`` and the leaf
+modules.
 """

@@ -7,7 +7,9 @@ started without a launcher (``launch_env.py``), the config model and split
 assembly that builds and wires every part of a run (``assembly.py``), initialize as a transaction
 (``transaction.py``), the hook registry and the hook target (``hooks.py``, ``hook_target.py``), the
 wiring of DeepSpeed's activation checkpointing (``ds_checkpointing.py``), the share of host memory
-each rank may use (``host_share.py``) and
+each rank may use (``host_share.py``), the end of a backward pass from autograd
+(``backward_end.py``), the ``optimizer`` block and reduction keys (``optimizer_keys.py``), the end of a
+run (``teardown.py``), the step's accounts for the counters (``accounts.py``) and
 the Hugging Face adaptations (``hf_compat.py``: accelerate's stage and process count;
 ``hf_eval.py``: evaluation without training; ``save_compat.py``: tied weights through
 accelerate's copy of the state dict).

@@ -4,6 +4,7 @@ Owns the pure-torch reference math (``adam_math.py``, also the oracle of the ker
 kernels and their loader (``kernels.py``, sources in ``ops/``), the fp32 master/momentum/variance
 of the owned chunks and where they live (``states.py``), and the per-chunk Adam dispatch of
 hybrid Adam (``chunk_adam.py``).
-May import: ``placement``, ``memory``, ``chunks`` and the leaf modules (not ``groups``: it updates
-the chunks a rank owns, whatever the collectives did).
+May import: ``placement``, ``store``, ``disk``, ``memory``, ``chunks`` and the leaf modules (not
+``groups``: it updates the chunks a rank owns, whatever the collectives did). It imports no placement
+code: the step's driver places each chunk for its update (see [Note: placement planner]).
 """
