@@ -8,7 +8,8 @@ all-gathers, prefetches and releases that change it (``residency.py``), the gath
 keep policy (``keep.py``), a group's joined buffers of straddling tensors (``straddle.py``), the
 gradient sink with its reduce-scatters (``grads.py``; those in flight are ``memory/reductions.py``'s;
 the flat gradient buffers they read: ``flat.py``; with gradient accumulation, the micro-steps'
-reduce-scatters into owned accumulators: ``accumulation.py``) and the facade the hooks and the optimizer call (``manager.py``).
+reduce-scatters into owned accumulators: ``accumulation.py``) and the facade the hooks and the
+optimizer call (``manager.py``).
 May import: ``activations``, ``placement``, ``store``, ``disk``, ``memory``, ``chunks`` and the leaf
 modules.
 """
