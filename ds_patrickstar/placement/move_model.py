@@ -46,14 +46,15 @@ class _Replay:
     def __init__(
         self, trace: Trace, budget: int, sizes: Mapping[int, int], fixed: int, resident: set[int], uncopied: set[int]
     ) -> None:
-        self.trace, self.budget, self.sizes, self.fixed, self.resident = trace, budget, sizes, fixed, resident
+        self.trace, self.budget, self.sizes, self.resident = trace, budget, sizes, resident
         self.uncopied = uncopied
+        self.held = fixed + sum(sizes[c] for c in resident)  # what the accelerator holds now, a running total
         self.to_device = [0] * len(trace)
         self.to_host = [0] * len(trace)
         self.at = 0
 
     def total(self) -> int:
-        return self.fixed + sum(self.sizes[c] for c in self.resident)
+        return self.held
 
     def headroom(self, moment: int) -> int:
         return self.budget - self.trace.non_model_ahead(moment % len(self.trace))
@@ -63,10 +64,12 @@ class _Replay:
 
     def bring(self, chunk: int) -> None:
         self.resident.add(chunk)
+        self.held += self.sizes[chunk]
         self.to_device[self.at] += self.sizes[chunk]
 
     def evict(self, chunk: int) -> None:
         self.resident.discard(chunk)
+        self.held -= self.sizes[chunk]
         if chunk not in self.uncopied:
             self.to_host[self.at] += self.sizes[chunk]
 
