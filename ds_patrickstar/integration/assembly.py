@@ -40,6 +40,7 @@ from ..optim.states import OptimizerStates
 from ..placement.chunk_needs import chunk_needs
 from ..placement.interface import NullPlacement, Placement
 from ..placement.move_model import MovePredictor
+from ..placement.moves import ChunkMoves
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
@@ -125,15 +126,10 @@ def make_placement(
         meter = SavedTensorMeter(lambda s: s._cdata in model_storages, accel.activation_memory)
     owned = {c.chunk_id for c in chunk_map.owned_chunks()}
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
+    moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
     runtime = PlacementRuntime(
-        placer,
-        MemoryTracer(accel, meter),
-        store,
-        counters,
-        chunk_map.chunks,
-        reductions,
+        moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
-        run,
         predictor=_move_predictor(accel, chunk_map, accumulate),
     )
     if options.offload_activations != "none":  # see [Note: activation offload]

@@ -16,20 +16,16 @@ from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded, DeviceLedger
-from ..memory.reductions import InFlightReductions
-from ..run_state import RunState
-from ..store.chunk_store import ChunkStore
 from .interface import NO_TIDE, ActivationPolicy
 from .move_model import MovePredictor
 from .moves import ChunkMoves
 from .planner import gathered_rooms
-from .policy import Placer
 from .positions import TracePositions
 from .remedies import budget_remedies
 from .shapes import RetraceReason
 from .step_plan import StepPlan
 from .tide_plot import plot_tide
-from .tracer import MemoryTracer, SavedTensorMeter, Trace
+from .tracer import SavedTensorMeter, Trace
 
 
 class PlacementRuntime:
@@ -37,28 +33,22 @@ class PlacementRuntime:
 
     def __init__(
         self,
-        placer: Placer,
-        tracer: MemoryTracer,
-        store: ChunkStore,
-        counters: StepCounters,
-        chunks: list[Chunk],
-        reductions: InFlightReductions,
+        moves: ChunkMoves,
         chunk_needs: Callable[[Trace], list[int]],
-        run: RunState,
         predictor: MovePredictor | None = None,
     ) -> None:
-        self.placer, self.tracer, self.counters, self.run = placer, tracer, counters, run
+        self.moves = moves  # its collaborators are the driver's: placer, tracer, counters, run, ledger
+        self.placer, self.tracer, self.counters, self.run = moves.placer, moves.tracer, moves.counters, moves.run
+        self.ledger = moves.ledger
         self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
-        self.ledger = store.accel.ledger
-        self.moves = ChunkMoves(placer, tracer, store, counters, chunks, reductions, run)
         self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
-        largest = max((c.nbytes for c in chunks), default=0)
-        self.steps = StepPlan(placer.budget, placer.policy, chunk_needs, largest, counters)
+        largest = max((c.nbytes for c in moves.chunks), default=0)
+        self.steps = StepPlan(self.placer.budget, self.placer.policy, chunk_needs, largest, self.counters)
         self.label = ""  # the label of the current moment
         # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
         self.tide: list[tuple[int, int, int, int]] = []
         self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
-        self.positions = TracePositions(placer.budget // 64)  # see [Note: evaluation moments]
+        self.positions = TracePositions(self.placer.budget // 64)  # see [Note: evaluation moments]
 
     # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
     def model_bytes_on_device(self) -> int:
