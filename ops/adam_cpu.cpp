@@ -247,6 +247,9 @@ std::string simd_name() { return DSPS_SIMD_NAME; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ds_patrickstar fused chunk Adam (CPU)";
-  m.def("adam_step", &ds_patrickstar::adam_step, "Fused Adam/AdamW step on a flat chunk slice (in place)");
+  // No Python object is touched inside: the host worker's update runs beside the thread that drives the
+  // accelerator (see [Note: overlapped host Adam] in memory/host_work.py).
+  m.def("adam_step", &ds_patrickstar::adam_step, "Fused Adam/AdamW step on a flat chunk slice (in place)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("simd", &ds_patrickstar::simd_name, "SIMD path compiled in: avx512, avx2 or scalar");
 }

@@ -36,8 +36,10 @@ reduce-scatter to the step: ``state_dict`` and ``load_state_dict`` refuse to run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -222,6 +224,26 @@ class Chunk:
     def wait_pending(self) -> None:
         while self.pending:
             self.pending.pop(0).wait()
+
+    def hand_over(self, start: Callable[[torch.Tensor, list], Any]) -> None:
+        """A host job takes the used values of this chunk, which lives on the host (the gradient in, the
+        new parameters out), until it has run: ``start(values, after)`` starts it once the copies
+        ``after`` have completed and returns its pending job, which every reader then waits for (see
+        [Note: overlapped host Adam] in memory/host_work.py)."""
+        values = self.host_buffer()[: self.used]
+        self.pending = [*self.pending, start(values, list(self.pending))]
+
+    def wait_copies(self) -> None:
+        """Wait for the copies into or out of the chunk, not for a host job holding its values."""
+        for pending in [p for p in self.pending if not p.host_work]:
+            pending.wait()
+        self.pending = [p for p in self.pending if p.host_work]
+
+    def wait_host_work(self) -> None:
+        """Wait for a host job holding the chunk's values (before they are copied anywhere)."""
+        for pending in [p for p in self.pending if p.host_work]:
+            pending.wait()
+        self.pending = [p for p in self.pending if not p.host_work]
 
     @property
     def is_materialized(self) -> bool:

@@ -223,6 +223,7 @@ def assemble(
             basic_optimizer.param_groups,
             plan.adamw,
             stepped_groups={c.group_index for c in chunk_map.chunks if c.trainable},
+            overlap=options.overlap_host_adam,
         )
         export = ChunkExport(chunk_map, comm, store, optim_states)
         leaves = leaf_tensors(module, chunk_map.info)  # see [Note: leaf modules]

@@ -145,6 +145,13 @@ class PatrickStarConfig(BaseModel):
     beside the traced tide under device_budget (see [Note: auto activation offload]). Needs
     placement (a CUDA device or emulate_accelerator)."""
 
+    overlap_host_adam: bool = True
+    """The CPU Adam of the chunks whose optimizer states live on the host runs on a worker thread,
+    in the order the next forward needs the chunks, and the next forward waits per chunk for its
+    update instead of the whole step waiting for the last one; exact, with gradient clipping too
+    (see [Note: overlapped host Adam]). false: every chunk is updated before ``step()`` returns.
+    Needs placement (a CUDA device or emulate_accelerator); without it no chunk is updated on the host."""
+
     emulate_accelerator: bool = False
     """On a CPU-only machine, run the placement machinery against an emulated accelerator of
     device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""
@@ -175,7 +182,7 @@ class PatrickStarConfig(BaseModel):
 
     def _idle_placement_keys(self, placement_runs: bool, set_keys: set[str]) -> list[str]:
         if not placement_runs:
-            keys = ("placement", "static_fraction", "device_budget", "offload_activations")
+            keys = ("placement", "static_fraction", "device_budget", "offload_activations", "overlap_host_adam")
             return [k for k in keys if k in set_keys]
         return ["static_fraction"] if self.placement == "auto" and "static_fraction" in set_keys else []
 

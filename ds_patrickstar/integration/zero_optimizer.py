@@ -24,6 +24,7 @@ from ..chunks.chunk import Chunk
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
+from ..placement.planner import update_order
 from ..run_state import Phase
 from .accounts import StepAccounts
 from .assembly import ChunkedModel, assemble
@@ -156,7 +157,10 @@ class PatrickStarOptimizer(ZeROOptimizer):
         else:
             self.consecutive_skipped_steps = 0
             self._global_grad_norm = scaled_norm / loss_scale
-            self.adam.apply(1.0 / combined_scale(scaled_norm, loss_scale, self.clip_grad), self._place_for_update)
+            order = update_order(self.placement.last_iteration(), self.optim_states.capacities())
+            self.adam.apply(
+                1.0 / combined_scale(scaled_norm, loss_scale, self.clip_grad), self._place_for_update, order
+            )
             # We stand in for the basic optimizer's step. Its own step() finds no gradient (they live
             # in the chunks) and changes nothing, but whatever wraps it sees a step: a torch LR
             # scheduler uses that to tell a missed step from a real one.
@@ -208,6 +212,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
     ) -> None:
         if isinstance(state_dict_list, dict):
             state_dict_list = [state_dict_list]
+        self.optim_states.settle()  # the step's host jobs write the states being replaced
         if load_from_fp32_weights or load_optimizer_states:
             saved = checkpoint.load_optimizer_states(
                 self.chunk_map, self.optim_states, state_dict_list, load_optimizer_states
@@ -224,6 +229,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def destroy(self) -> None:
         """``engine.destroy()``: the run's hooks, threads, files and memory go (see [Note: engine teardown]);
         the engine's callback registered with us goes too (a cycle the collector would otherwise break)."""
+        self.optim_states.settle()  # no host job writes what the teardown frees
         self.parts.close()
         self.unregister_grad_acc_post_hooks()
 

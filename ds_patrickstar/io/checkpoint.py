@@ -117,7 +117,7 @@ def optimizer_state(
         elif cid in states.spilled:
             chunks[cid] = states.spilled_copy(cid)
         else:
-            opt = states.states[cid]  # .cpu(): the host states themselves, no copy
+            opt = states.state(cid)  # .cpu(): the host states themselves, no copy
             chunks[cid] = {"master": opt.master.cpu(), "exp_avg": opt.exp_avg.cpu(), "exp_avg_sq": opt.exp_avg_sq.cpu()}
     return {
         "format": FORMAT,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .host_pool import HostPool
+from .host_work import HostWorker
 from .ledger import DeviceLedger
 from .pending import Pending
 
@@ -51,6 +52,7 @@ class Accelerator:
         self._deferred: list[tuple[Pending, torch.Tensor, int, str]] = []  # frees waiting on a copy
         self._backed: dict[int, tuple[torch.Tensor, int, str]] = {}  # storage data_ptr -> (tensor, bytes, kind)
         self.host_pool = HostPool(self._pin_host, self._unpin_host, self.host_alignment)
+        self.host_worker = HostWorker()
 
     # ---- memory -------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
@@ -101,6 +103,7 @@ class Accelerator:
         """The run is over: every allocation still backed is freed, once the copies in flight have
         completed, and the host pool lets go of its buffers (see [Note: closing the accelerator]).
         The accelerator is not used after this; closing again does nothing."""
+        self.host_worker.close()
         self._drain()
         self._deferred = []
         for tensor, nbytes, kind in list(self._backed.values()):
@@ -158,6 +161,12 @@ class Accelerator:
     def host_bytes_allocated(self) -> int:
         """Pinned host bytes held (see [Note: pinned host memory])."""
         return self.host_pool.allocated
+
+    # ---- host work (see [Note: overlapped host Adam] in host_work.py) ---------------
+    def host_work(self, work: Callable[[], None], writes: list[torch.Tensor], after: list[Pending]) -> Pending:
+        """Run ``work``, which reads and writes the host tensors ``writes``, on the host worker once the
+        copies in ``after`` have completed; wait on the result before touching ``writes``."""
+        return self.host_worker.submit(work, after)
 
     # ---- copies -------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:

@@ -33,6 +33,8 @@
   that fits no piece takes a new segment beside them, so reserved memory may pass the budget by at
   most the pieces: on a GPU the 1 GiB the default budget leaves out covers that; the twin, with no
   device beyond its budget, checks at moments only, as it does the tide.
+* **Host work runs when it is waited on.** A host job (the overlapped CPU Adam) poisons the buffers
+  it writes until it is waited on, and runs then (see [Note: overlapped host Adam]).
 * **A collective holds its buffers until it is waited on.** Freeing (resizing to zero bytes) a buffer
   that an all-gather or a reduce-scatter issued and not waited on reads or writes raises
   :class:`CopyHazard`, as a GPU would let the caching allocator hand its block to other work while the
@@ -45,11 +47,13 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter, deque
+from collections.abc import Callable
 
 import torch
 
 from .accelerator import Accelerator, CollectiveIssue
 from .caching_allocator import TWIN_GEOMETRY, CachingAllocatorModel
+from .host_work import DeferredHostJob
 from .pending import CopyHazard, Pending
 
 
@@ -127,6 +131,7 @@ class EmulatedAccelerator(Accelerator):
         self.torch_pinned = TorchPinnedModel()
         self.activation_memory = CachingAllocatorModel(TWIN_GEOMETRY)  # fed by the tracer's meter
         self._collective_buffers: Counter[int] = Counter()  # storage data_ptr -> collectives in flight on it
+        self._host_jobs: list[DeferredHostJob] = []
 
     # ---- which memory a buffer is in ----------------------------------------------------
     def _on_device(self, tensor: torch.Tensor) -> bool:
@@ -142,6 +147,9 @@ class EmulatedAccelerator(Accelerator):
             pending.completed = True
         self._queue.clear()
         self._collective_buffers.clear()
+        for job in self._host_jobs:
+            job.drop()
+        self._host_jobs = []
 
     # ---- collectives hold their buffers (see [Note: collective buffers]) -------------------
     def _issue(self, kind: str, buffers: tuple[torch.Tensor, ...]) -> CollectiveIssue:
@@ -176,6 +184,15 @@ class EmulatedAccelerator(Accelerator):
 
     def release_cached(self) -> None:
         self.activation_memory.release_free()
+
+    # ---- host work ------------------------------------------------------------------------
+    def host_work(self, work: Callable[[], None], writes: list[torch.Tensor], after: list[Pending]) -> Pending:
+        """Deferred until waited on, its buffers poisoned until then (see [Note: overlapped host Adam])."""
+        for pending in after:
+            pending.wait_host()
+        job = DeferredHostJob(work, writes)
+        self._host_jobs = [j for j in self._host_jobs if not j.done()] + [job]
+        return job
 
     # ---- copies ---------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:

@@ -16,6 +16,7 @@ class Pending:
     has run."""
 
     collective = False  # a collective in flight: its chunks must not move before it is waited on
+    host_work = False  # a host job (memory/host_work.py): its chunk's values must not be copied before it ran
 
     def wait(self) -> None:
         raise NotImplementedError

@@ -11,7 +11,8 @@
 
 A chunk is updated where its optimizer states live (hybrid Adam, see
 [Note: optimizer-state placement]): on the accelerator by the CUDA kernel, on the host by the
-CPU kernel (:mod:`~ds_patrickstar.optim.kernels`), with the pure-torch reference as the fallback.
+CPU kernel (:mod:`~ds_patrickstar.optim.kernels`) on the host worker, behind the next forward (see
+[Note: overlapped host Adam] in memory/host_work.py), with the pure-torch reference as the fallback.
 """
 
 from __future__ import annotations
@@ -97,31 +98,63 @@ class ChunkAdam:
         param_groups: list[dict[str, Any]],
         adamw: bool,
         stepped_groups: set[int],
+        overlap: bool = False,
     ) -> None:
         self._chunks = chunks  # the owned chunks
+        self.overlap = overlap  # hand host updates to the host worker (see [Note: overlapped host Adam])
         self._stepped_groups = stepped_groups  # param groups with chunks on any rank: their step counts advance
         self._states = states
         self.param_groups = param_groups
         self.adamw = adamw
         self.group_steps = [0] * len(param_groups)
 
-    def apply(self, grad_scale: float, place: Callable[[Chunk], None]) -> None:
+    def apply(self, grad_scale: float, place: Callable[[Chunk], None], order: list[int] | None = None) -> None:
         """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``, each after
         ``place(chunk)`` has put it where its optimizer states live (the step's driver asks placement:
-        see [Note: placement planner]); the spilled chunks' pieces stream behind the others, their
-        first reads started in backward or now (see [Note: disk tier])."""
+        see [Note: placement planner]). With overlap, the chunks updated on the host are handed to the
+        host worker first, in ``order`` (chunk ids, the next forward's), and the step returns without
+        waiting for them (see [Note: overlapped host Adam] in memory/host_work.py); the spilled chunks'
+        pieces stream behind the others, their first reads started in backward or now (see [Note: disk
+        tier])."""
         for index in self._stepped_groups:
             self.group_steps[index] += 1
         disk, extents = self._states.disk, self._states.spilled_extents()
         stream = disk.stream(extents) if disk is not None and extents else None
         if stream is not None:
             stream.start()
-        for chunk in self._chunks:
-            if chunk.used and chunk.chunk_id not in self._states.spilled:
+        chunks = [c for c in self._in_order(order) if c.used and c.chunk_id not in self._states.spilled]
+        handed = [c for c in chunks if self.overlap and c.chunk_id not in self._states.on_device]
+        for chunk in handed:
+            place(chunk)
+            self._hand_over(chunk, grad_scale)
+        for chunk in chunks:
+            if chunk not in handed:
                 place(chunk)
-                self._update(chunk, self._values(chunk), self._states.states[chunk.chunk_id], grad_scale)
-        if stream is None:
-            return
+                self._update(chunk, self._values(chunk), self._states.state(chunk.chunk_id), grad_scale)
+        if stream is not None:
+            self._stream_spilled(stream, grad_scale, place)
+
+    def _in_order(self, order: list[int] | None) -> list[Chunk]:
+        if order is None:
+            return self._chunks
+        by_id, listed = {c.chunk_id: c for c in self._chunks}, set(order)
+        return [by_id[i] for i in order if i in by_id] + [c for c in self._chunks if c.chunk_id not in listed]
+
+    def _hand_over(self, chunk: Chunk, grad_scale: float) -> None:
+        """The chunk's update as a host job; what it reads from the groups is read now."""
+        state = self._states.state(chunk.chunk_id)
+        hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
+        step = self.group_steps[chunk.group_index]
+
+        def start(values: torch.Tensor, after: list) -> Any:
+            used = values.numel()
+            writes = [values, state.master[:used], state.exp_avg[:used], state.exp_avg_sq[:used]]
+            work = functools.partial(self._update, chunk, values, state, grad_scale, hyper, step)
+            return self._states.accel.host_work(work, writes, after)
+
+        chunk.hand_over(start)
+
+    def _stream_spilled(self, stream: Any, grad_scale: float, place: Callable[[Chunk], None]) -> None:
         values: dict[int, torch.Tensor] = {}
         try:
             for chunk_id, start, state in stream:
@@ -134,17 +167,27 @@ class ChunkAdam:
             stream.abandon()
             raise
 
-    def _update(self, chunk: Chunk, data: torch.Tensor, state: OptimizerChunk, grad_scale: float) -> None:
+    def _update(
+        self,
+        chunk: Chunk,
+        data: torch.Tensor,
+        state: OptimizerChunk,
+        grad_scale: float,
+        hyper: AdamHyper | None = None,
+        step: int | None = None,
+    ) -> None:
         """Adam on ``data`` (elements of the chunk's values, the gradient on entry) and the states
-        aligned with it, as far as the chunk is used."""
-        hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
+        aligned with it, as far as the chunk is used; ``hyper`` and ``step``, when given, as read when
+        the update was handed over (else from the groups now)."""
+        if hyper is None:
+            hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
         used = data.numel()
         adam_backend(data.device)(
             data,
             state.master[:used],
             state.exp_avg[:used],
             state.exp_avg_sq[:used],
-            step=self.group_steps[chunk.group_index],
+            step=self.group_steps[chunk.group_index] if step is None else step,
             hyper=hyper,
             grad_scale=grad_scale,
         )

@@ -14,6 +14,10 @@ Adam where its states live; the others are updated on the host by the CPU kernel
 their chunks are not brought to the accelerator for the step. With the disk tier, the states of
 the *spilled* chunks live on disk instead (see [Note: disk tier]); they are updated on the host
 and never move to the accelerator.
+
+A chunk updated on the host may still be in its host job (see [Note: overlapped host Adam] in
+memory/host_work.py): every read, write or move of its states waits for that job first
+(:meth:`OptimizerStates.state` is the one accessor).
 """
 
 from __future__ import annotations
@@ -94,8 +98,19 @@ class OptimizerStates:
         for chunk_id in sorted(self.on_device):
             self._move(chunk_id, to_device=False)
 
+    def state(self, chunk_id: int) -> OptimizerChunk:
+        """The states of an owned chunk in memory, once a host job updating them has run (see [Note:
+        overlapped host Adam] in memory/host_work.py): the one accessor for reading, writing or moving them."""
+        self.chunks[chunk_id].wait_host_work()
+        return self.states[chunk_id]
+
+    def settle(self) -> None:
+        """Every host job of the step has run (a checkpoint load replaces the states)."""
+        for chunk in self.chunks.values():
+            chunk.wait_host_work()
+
     def _move(self, chunk_id: int, to_device: bool) -> None:
-        old = self.states[chunk_id]
+        old = self.state(chunk_id)
         numel = old.master.numel()
         if to_device:
             new = self._device_tensors(chunk_id, numel)
@@ -141,13 +156,13 @@ class OptimizerStates:
         if chunk_id in self.spilled and self.disk is not None:
             yield from self.disk.slices(chunk_id, start, stop, write)
             return
-        state = self.states[chunk_id]
+        state = self.state(chunk_id)
         yield start, state.sliced(start, state.master.numel() if stop is None else stop)
 
     def master_values(self, chunk_id: int) -> torch.Tensor:
         """An owned chunk's fp32 master: the tensor itself when it is in memory, else a new host copy."""
         if chunk_id not in self.spilled:
-            return self.states[chunk_id].master
+            return self.state(chunk_id).master
         return self.spilled_copy(chunk_id, ("master",))["master"]
 
     def spilled_copy(self, chunk_id: int, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:

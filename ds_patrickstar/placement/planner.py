@@ -13,6 +13,7 @@ hand-made :class:`~ds_patrickstar.placement.tracer.Trace`:
 * :func:`belady_victims`: what to evict for a number of bytes, farthest next use first (the oracle of
   the driver's :class:`~ds_patrickstar.placement.policy.EvictionQueue`, which gives the same answer
   in O(log n) per change);
+* :func:`update_order`: the order the host worker updates chunks in (see [Note: overlapped host Adam]);
 * :func:`gathered_rooms`: per moment, the room gathered chunk groups may take, kept or ahead (the
   agreed gather plan's input, see [Note: agreed gather plan]).
 
@@ -24,7 +25,7 @@ where its states live. Nothing calls back: the planner returns, the drivers act.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
@@ -105,3 +106,12 @@ def gathered_rooms(tides: list[int], base: int, held: Callable[[int], int]) -> t
         later = max(later, tides[index] + held(index))
     ahead = [base - max(tides[index : index + 3]) for index in range(len(tides))]
     return keep, ahead
+
+
+def update_order(trace: Trace | None, chunk_ids: Iterable[int]) -> list[int]:
+    """``chunk_ids`` in the order an iteration like ``trace`` first uses them, those it never uses last
+    (chunk order without a trace): the order the host worker updates them in, so that the next forward
+    waits least (see [Note: overlapped host Adam] in memory/host_work.py)."""
+    if trace is None:
+        return sorted(chunk_ids)
+    return sorted(chunk_ids, key=lambda chunk: (trace.next_use(chunk, -1), chunk))

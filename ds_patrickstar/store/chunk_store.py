@@ -178,7 +178,9 @@ class ChunkStore:
     # ---- owned chunks: between the accelerator and the host -------------------------
     @staticmethod
     def _wait_collectives(chunk: Chunk) -> None:
-        """A collective reading or writing the chunk completes before the chunk moves."""
+        """A collective reading or writing the chunk, and a host job holding its values (see [Note:
+        overlapped host Adam] in memory/host_work.py), complete before the chunk moves."""
+        chunk.wait_host_work()
         for pending in [p for p in chunk.pending if p.collective]:
             pending.wait()
         chunk.pending = [p for p in chunk.pending if not p.collective]
@@ -235,7 +237,7 @@ class ChunkStore:
         return acc
 
     def drop_accumulator(self, chunk: Chunk) -> None:
-        chunk.wait_pending()
+        chunk.wait_copies()  # a host job does not read the accumulators (see [Note: overlapped host Adam])
         if chunk.acc is not None:
             self.accel.free(chunk.acc, "grad_acc")
             chunk.acc = None
