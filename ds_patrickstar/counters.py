@@ -101,6 +101,10 @@ class StepCounters:
     accumulation, or without placement); ``bytes_to_device`` is what it measured"""
     predicted_bytes_to_host: int = 0
     """likewise, bytes back to the host (``bytes_to_host`` measured)"""
+    predicted_step_s: float = 0.0
+    """seconds the step-time model predicts for this step (see [Note: step-time model]): the moves predicted, priced
+    with the device profile, beside the moments' measured times of the previous step (0: not predicted, as the
+    predicted bytes, or before two steps were timed)"""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:

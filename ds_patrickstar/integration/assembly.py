@@ -43,6 +43,7 @@ from ..placement.move_model import MovePredictor
 from ..placement.moves import ChunkMoves
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
+from ..placement.step_time import H100_PROFILE, StepTimer
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from ..run_state import RunState
 from ..store.binding import build_chunk_map, check_bindable
@@ -131,6 +132,7 @@ def make_placement(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
         predictor=_move_predictor(accel, chunk_map, accumulate),
+        timer=_step_timer(accel, chunk_map, options.overlap_host_adam),
     )
     if options.offload_activations != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(
@@ -158,6 +160,13 @@ def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -
     sizes = {c.chunk_id: c.nbytes for c in owned}
     trainable = {c.chunk_id for c in owned if c.trainable}
     return MovePredictor(accel.ledger.budget, sizes, trainable, {c.chunk_id for c in owned if c.on_disk})
+
+
+def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool) -> StepTimer:
+    """The step-time model's clock and figures (see [Note: step-time model]), with the figures measured on an
+    H100 until the device's own are measured."""
+    elements = {c.chunk_id: c.used for c in chunk_map.trainable_owned()}
+    return StepTimer(accel.clock, accel.seconds_between, elements, H100_PROFILE, overlap)
 
 
 def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str) -> list[torch.nn.Module]:

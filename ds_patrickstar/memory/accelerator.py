@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import functools
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -161,6 +162,15 @@ class Accelerator:
     def host_bytes_allocated(self) -> int:
         """Pinned host bytes held (see [Note: pinned host memory])."""
         return self.host_pool.allocated
+
+    # ---- the clock of the step-time model (see [Note: step-time model] in placement/step_time.py) ----
+    def clock(self) -> Any:
+        """A mark of now on the accelerator's clock (the host's here; CUDA: an event on the compute stream)."""
+        return time.perf_counter()
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        """Seconds between two marks of :meth:`clock` (NaN where the accelerator has not reached them)."""
+        return float(end - start)
 
     # ---- host work (see [Note: overlapped host Adam] in host_work.py) ---------------
     def host_work(self, work: Callable[[], None], writes: list[torch.Tensor], after: list[Pending]) -> Pending:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -67,6 +68,14 @@ class CudaAccelerator(Accelerator):
         self.collective_streams = {kind: torch.cuda.Stream(device, priority=-1) for kind in COLLECTIVE_KINDS}
         stats = torch.cuda.memory_stats(device)
         self._peak_seen = stats.get("allocated_bytes.all.peak", 0)
+
+    def clock(self) -> torch.cuda.Event:
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record(torch.cuda.current_stream(self.device))
+        return mark
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0 if end.query() else float("nan")
 
     def _drain(self) -> None:
         """Copies and collectives still queued on our streams complete before their buffers are freed."""

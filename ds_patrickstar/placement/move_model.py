@@ -9,7 +9,8 @@ next and the bytes that do not move (optimizer states on the accelerator); after
 one's chunks are brought ahead where they fit, if need be after evicting chunks used only after it; at
 the step the chunks updated on the host leave. It starts from the chunks on the accelerator and leaves
 there those at the iteration's end, so two calls give a steady state. What it returns, bytes to the
-accelerator and back per moment, is what a step-time model weighs against compute (issue 42), and the
+accelerator and back per moment, is what the step-time model weighs against compute (see [Note: step-time
+model] in step_time.py), and the
 per-step counters ``predicted_bytes_to_device``/``_to_host`` put it beside the bytes measured. It models
 one rank without gradient accumulation: gathered groups, accumulators and copies still in flight are
 not in it (at several ranks or GA > 1 the counters say 0: not predicted).
@@ -26,10 +27,12 @@ from .tracer import Trace
 
 @dataclass(frozen=True)
 class MovePlan:
-    """Bytes to the accelerator and back at each moment of one iteration."""
+    """Bytes to the accelerator and back at each moment of one iteration; ``demand``: of ``to_device``, the
+    bytes brought for the moment's own use (not ahead of it)."""
 
     to_device: list[int]
     to_host: list[int]
+    demand: list[int]
 
     @property
     def bytes_to_device(self) -> int:
@@ -51,6 +54,7 @@ class _Replay:
         self.held = fixed + sum(sizes[c] for c in resident)  # what the accelerator holds now, a running total
         self.to_device = [0] * len(trace)
         self.to_host = [0] * len(trace)
+        self.demand = [0] * len(trace)
         self.at = 0
 
     def total(self) -> int:
@@ -62,10 +66,12 @@ class _Replay:
     def next_use(self, chunk: int, after: int) -> int:
         return self.trace.next_use(chunk, after)
 
-    def bring(self, chunk: int) -> None:
+    def bring(self, chunk: int, demand: bool = False) -> None:
         self.resident.add(chunk)
         self.held += self.sizes[chunk]
         self.to_device[self.at] += self.sizes[chunk]
+        if demand:
+            self.demand[self.at] += self.sizes[chunk]
 
     def evict(self, chunk: int) -> None:
         self.resident.discard(chunk)
@@ -126,7 +132,7 @@ def simulate_moves(
         for chunk in moment.chunks if moment.label != "step" else ():
             if chunk in sizes and chunk not in resident:
                 replay.make_room(sizes[chunk], used)
-                replay.bring(chunk)
+                replay.bring(chunk, demand=True)
         if moment.label == "step":  # Adam in chunk order, each chunk where its states live
             for chunk in sorted(used | host_updated):
                 if chunk in host_updated:
@@ -134,11 +140,11 @@ def simulate_moves(
                         replay.evict(chunk)
                 elif chunk not in resident:
                     replay.make_room(sizes[chunk], {chunk})
-                    replay.bring(chunk)
+                    replay.bring(chunk, demand=True)
         else:
             replay.make_room(0, used)
             replay.prefetch(used)
-    return MovePlan(replay.to_device, replay.to_host)
+    return MovePlan(replay.to_device, replay.to_host, replay.demand)
 
 
 class MovePredictor:

@@ -24,6 +24,7 @@ from .positions import TracePositions
 from .remedies import budget_remedies
 from .shapes import RetraceReason
 from .step_plan import StepPlan
+from .step_time import StepTimer
 from .tide_plot import plot_tide
 from .tracer import SavedTensorMeter, Trace
 
@@ -36,11 +37,14 @@ class PlacementRuntime:
         moves: ChunkMoves,
         chunk_needs: Callable[[Trace], list[int]],
         predictor: MovePredictor | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
         self.moves = moves  # its collaborators are the driver's: placer, tracer, counters, run, ledger
         self.placer, self.tracer, self.counters, self.run = moves.placer, moves.tracer, moves.counters, moves.run
         self.ledger = moves.ledger
         self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
+        self.timer = timer if predictor is not None else None  # its time (see [Note: step-time model])
+        self._on_device: set[int] = set()  # the chunks whose optimizer states live on the accelerator
         self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
         largest = max((c.nbytes for c in moves.chunks), default=0)
         self.steps = StepPlan(self.placer.budget, self.placer.policy, chunk_needs, largest, self.counters)
@@ -64,6 +68,8 @@ class PlacementRuntime:
             self.positions.training_moment()
             self.moment = self.moves.at = self.tracer.record(label, chunk_ids, self.ledger)
             self.label, trace = label, self.tracer.current_trace()
+            if self.timer is not None:
+                self.timer.begin_moment(self.moment)
             if self.moment == 0:
                 self.tide = []
                 self.moves.stranded_peak = 0
@@ -222,6 +228,7 @@ class PlacementRuntime:
         if self.predictor is not None and trace is not None:
             fixed = self.ledger.by_kind.get("optim", 0)
             self.predictor.update(trace, fixed, self.placer.resident, on_device)
+        self._on_device = set(on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
         traced = self.tracer.last_iteration() if self.tracer.tracing else None
         if self.activations is not None and traced is not None:
@@ -233,6 +240,10 @@ class PlacementRuntime:
         if predicted is not None:
             self.counters.predicted_bytes_to_device = predicted.bytes_to_device
             self.counters.predicted_bytes_to_host = predicted.bytes_to_host
+        trace = self.tracer.last_iteration()
+        if self.timer is not None and predicted is not None and trace is not None:
+            step = self.timer.end_step(trace, predicted, self._on_device)
+            self.counters.predicted_step_s = step.total_s if step is not None else 0.0
 
 
 def note_peaks(counters: StepCounters, ledger: DeviceLedger, non_model: int, meter: SavedTensorMeter | None) -> None:

@@ -1,0 +1,173 @@
+"""A step's time predicted from the trace, the moves the planner predicts and a device profile.
+
+[Note: step-time model]
+:func:`predict_step` prices one steady-state iteration of a trace. Each moment ``k`` costs
+
+    t_k = demand_k / to_device + max(compute_k, ahead_k / to_device + evicted_k / to_host)
+
+where ``demand_k`` are the bytes brought on demand before the moment's compute can start (they cannot
+hide), ``ahead_k`` the bytes prefetched for the next moment and ``evicted_k`` the bytes sent back, both
+on the copy stream behind the moment's compute (:class:`~ds_patrickstar.placement.move_model.MovePlan`,
+see [Note: predicted moves]). The step moment costs its own moves, the device Adam (elements / the
+device's Adam rate) and the host Adam: all of it serially without overlap; with the overlapped host
+Adam (see [Note: overlapped host Adam] in memory/host_work.py) only what the next forward waits for:
+the jobs run one after the other from the step's start, in the order the forward first uses their
+chunks, and chunk ``i`` is needed once the step and the forward's moments before its first use are
+done, so ``max(0, max_i(finish_i - needed_i))`` is exposed.
+
+``compute_k`` is a moment's measured time (the accelerator's clock: CUDA events on the compute stream,
+the host's clock on the strict twin) less the demand transfers the model prices in it. The figures of
+:class:`DeviceProfile` are measured on a GPU where the GPU suite measures them; :data:`H100_PROFILE`
+holds the figures this project measured on an H100, and the strict twin prices its moves with them.
+What the model leaves out: gathered groups and accumulators (one rank without accumulation, as the
+move model), two copy directions running at once, and host Adam slowing the host's compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+from .move_model import MovePlan
+from .planner import update_order
+from .tracer import Trace
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """The rates a step is priced with (see [Note: step-time model])."""
+
+    to_device_bytes_per_s: float
+    to_host_bytes_per_s: float
+    host_adam_elements_per_s: float
+    device_adam_elements_per_s: float
+
+
+H100_PROFILE = DeviceProfile(
+    to_device_bytes_per_s=54e9,  # pinned host to device, measured on an H100 (gpu_suite_trial.py)
+    to_host_bytes_per_s=54e9,  # taken as the same (not measured apart)
+    host_adam_elements_per_s=5.4e9,  # the host kernel: 1.13e9 elements in 0.21 s on the H100 machine's 16 cores
+    device_adam_elements_per_s=9e10,  # 28 B read and written per element at ~2.5 TB/s of HBM (not measured)
+)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step, in seconds: the total and what it is made of."""
+
+    compute_s: float
+    exposed_transfers_s: float
+    optimizer_s: float  # the step's Adam on the critical path (with overlap, the host jobs the forward waits for)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exposed_transfers_s + self.optimizer_s
+
+
+def predict_step(
+    trace: Trace,
+    plan: MovePlan,
+    compute_s: Sequence[float],
+    host_updated: Mapping[int, int],
+    device_updated: int,
+    profile: DeviceProfile,
+    overlap: bool,
+) -> StepTime:
+    """One iteration of ``trace`` with the moves of ``plan`` and moment times ``compute_s`` (one per moment);
+    ``host_updated``: elements of each chunk Adam updates on the host, ``device_updated``: elements updated
+    on the accelerator (see [Note: step-time model])."""
+    compute = exposed = 0.0
+    moment_s: list[float] = []
+    step_at = -1
+    for k, moment in enumerate(trace.moments):
+        demand = plan.demand[k] / profile.to_device_bytes_per_s
+        behind = (plan.to_device[k] - plan.demand[k]) / profile.to_device_bytes_per_s
+        behind += plan.to_host[k] / profile.to_host_bytes_per_s
+        if moment.label == "step":
+            step_at = k
+            exposed += demand + behind
+            moment_s.append(demand + behind)
+            continue
+        work = compute_s[k] if k < len(compute_s) else 0.0
+        compute += work
+        exposed += demand + max(0.0, behind - work)
+        moment_s.append(demand + max(work, behind))
+    device_adam = device_updated / profile.device_adam_elements_per_s
+    host_adam = sum(host_updated.values()) / profile.host_adam_elements_per_s
+    if not overlap or step_at < 0:
+        return StepTime(compute, exposed, device_adam + host_adam)
+    waited = _host_adam_waited(trace, moment_s, step_at, device_adam, host_updated, profile)
+    return StepTime(compute, exposed, device_adam + waited)
+
+
+def _host_adam_waited(
+    trace: Trace,
+    moment_s: list[float],
+    step_at: int,
+    device_adam: float,
+    host_updated: Mapping[int, int],
+    profile: DeviceProfile,
+) -> float:
+    """The time the next forward waits for the host jobs (they start with the step, in the forward's order)."""
+    started = [0.0]  # seconds from the step's start to the start of each moment after it (wrapping around)
+    order = list(range(step_at + 1, len(trace))) + list(range(step_at))
+    for k in order:
+        started.append(started[-1] + moment_s[k])
+    position = {k: i for i, k in enumerate(order)}
+    finished, waited = 0.0, 0.0
+    for chunk in update_order(trace, host_updated):
+        finished += host_updated[chunk] / profile.host_adam_elements_per_s
+        first = trace.next_use(chunk, step_at)
+        first = first - len(trace) if first >= len(trace) else first
+        if first < 0 or first not in position:
+            continue
+        needed = moment_s[step_at] + device_adam + started[position[first]] + waited
+        waited += max(0.0, finished - needed)
+    return waited
+
+
+class StepTimer:
+    """The moments' times on the accelerator's clock and, at the end of each steady-state step, the
+    prediction of the step just taken (see [Note: step-time model]). The times of an iteration are read
+    one step later, when the accelerator has run its marks (no synchronization)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], Any],
+        seconds: Callable[[Any, Any], float],
+        elements: Mapping[int, int],
+        profile: DeviceProfile,
+        overlap: bool,
+    ) -> None:
+        self._clock, self._seconds = clock, seconds
+        self._elements = dict(elements)  # trainable owned chunk -> elements Adam updates
+        self.profile, self.overlap = profile, overlap
+        self._marks: list[Any] = []
+        self._closed: list[Any] | None = None  # the marks of the previous iteration and its end
+        self.last: StepTime | None = None
+
+    def begin_moment(self, index: int) -> None:
+        if index == 0:
+            self._marks = []
+        if index == len(self._marks):
+            self._marks.append(self._clock())
+
+    def end_step(self, trace: Trace, plan: MovePlan, on_device: AbstractSet[int]) -> StepTime | None:
+        """The prediction for ``trace`` priced with the moment times of the previous iteration (None before two
+        iterations of the same length were timed)."""
+        times = self._times(len(trace))
+        self._closed = [*self._marks, self._clock()]
+        if times is None:
+            return None
+        compute = [max(0.0, t - plan.demand[k] / self.profile.to_device_bytes_per_s) for k, t in enumerate(times)]
+        host = {c: n for c, n in self._elements.items() if c not in on_device}
+        device = sum(n for c, n in self._elements.items() if c in on_device)
+        self.last = predict_step(trace, plan, compute, host, device, self.profile, self.overlap)
+        return self.last
+
+    def _times(self, moments: int) -> list[float] | None:
+        if self._closed is None or len(self._closed) != moments + 1:
+            return None
+        return [self._seconds(a, b) for a, b in zip(self._closed, self._closed[1:])]

@@ -1,0 +1,74 @@
+"""The step-time model (see [Note: step-time model]) on hand-made traces: on-demand bytes are exposed, bytes
+moved behind a moment's compute hide up to that compute, the serial step adds the host Adam, the overlapped
+one only what the next forward waits for; and a twin run exports a prediction once two steps were timed."""
+import pytest
+from counter_runs import run_case
+
+from ds_patrickstar.placement.move_model import MovePlan
+from ds_patrickstar.placement.step_time import DeviceProfile, StepTimer, predict_step
+from ds_patrickstar.placement.tracer import Moment, Trace
+
+# 1 B/s both ways, 1 element/s on the host, 10 on the device: seconds are bytes and elements
+PROFILE = DeviceProfile(to_device_bytes_per_s=1.0, to_host_bytes_per_s=1.0, host_adam_elements_per_s=1.0,
+                        device_adam_elements_per_s=10.0)
+
+
+def _trace(*moments: tuple[str, tuple[int, ...]]) -> Trace:
+    trace = Trace()
+    for label, chunks in moments:
+        trace.add(Moment(label, chunks, 0))
+    return trace
+
+
+def _plan(to_device, to_host, demand) -> MovePlan:
+    return MovePlan(list(to_device), list(to_host), list(demand))
+
+
+def test_demand_bytes_are_exposed_and_bytes_behind_compute_hide_up_to_it():
+    trace = _trace(("fwd:a", (0,)), ("fwd:b", (1,)), ("step", ()))
+    plan = _plan([3, 5, 0], [0, 1, 0], [3, 0, 0])  # moment 0: 3 B on demand; moment 1: 5 B ahead + 1 B back
+    step = predict_step(trace, plan, [4.0, 2.0, 0.0], {}, 0, PROFILE, overlap=True)
+    assert step.compute_s == 6.0
+    assert step.exposed_transfers_s == 3.0 + (6.0 - 2.0)  # the demand, and what moment 1's compute cannot hide
+    assert step.optimizer_s == 0.0 and step.total_s == 13.0
+
+
+def test_the_serial_step_adds_the_host_adam_and_the_overlapped_one_what_the_forward_waits_for():
+    trace = _trace(("fwd:a", (0,)), ("fwd:b", (1,)), ("fwd:c", (2,)), ("step", ()))
+    plan = _plan([0] * 4, [0] * 4, [0] * 4)
+    compute = [1.0, 1.0, 1.0, 0.0]
+    host = {0: 2, 1: 2, 2: 2}  # 2 s each on the host
+    serial = predict_step(trace, plan, compute, host, 10, PROFILE, overlap=False)
+    assert serial.optimizer_s == 1.0 + 6.0  # device Adam 1 s, then the host's 6 s
+    overlapped = predict_step(trace, plan, compute, host, 10, PROFILE, overlap=True)
+    # chunk 0 is done 2 s after the step began and needed after the device's 1 s: 1 s waited; chunk 1 is done
+    # at 4 s, needed at 1 + 1 (waited) + 1 (moment 0) = 3 s: 1 s more; chunk 2 done at 6 s, needed at 5 s: 1 s
+    assert overlapped.optimizer_s == pytest.approx(1.0 + 3.0)
+    assert overlapped.total_s < serial.total_s
+
+
+def test_host_adam_behind_a_long_forward_is_hidden():
+    trace = _trace(("fwd:a", (0,)), ("fwd:b", (1,)), ("step", ()))
+    plan = _plan([0] * 3, [0] * 3, [0] * 3)
+    step = predict_step(trace, plan, [5.0, 5.0, 0.0], {1: 4}, 0, PROFILE, overlap=True)
+    assert step.optimizer_s == 0.0  # chunk 1's update (4 s) is done before moment 1 (after 5 s)
+
+
+def test_the_timer_predicts_from_the_previous_iterations_times():
+    ticks = iter(range(100))
+    timer = StepTimer(lambda: float(next(ticks)), lambda a, b: b - a, {0: 1, 1: 1}, PROFILE, overlap=False)
+    trace = _trace(("fwd:a", (0,)), ("fwd:b", (1,)), ("step", ()))
+    plan = _plan([0] * 3, [0] * 3, [0] * 3)
+    for index in range(3):
+        timer.begin_moment(index)
+    assert timer.end_step(trace, plan, {0}) is None  # nothing timed yet
+    for index in range(3):
+        timer.begin_moment(index)
+    step = timer.end_step(trace, plan, {0})
+    assert step is not None and step.compute_s == 2.0  # each moment took one tick
+    assert step.optimizer_s == pytest.approx(1 / 10 + 1.0)  # chunk 0 on the device, chunk 1 on the host
+
+
+def test_a_twin_run_exports_its_predicted_step_once_two_steps_were_timed():
+    steps = run_case("twin_1rank_ga1")[0]["steps"]
+    assert [s["counters"]["predicted_step_s"] > 0 for s in steps] == [False, False, True]
