@@ -123,12 +123,13 @@ class ChunkAdam:
         if stream is not None:
             stream.start()
         chunks = [c for c in self._in_order(order) if c.used and c.chunk_id not in self._states.spilled]
-        handed = [c for c in chunks if self.overlap and c.chunk_id not in self._states.on_device]
-        for chunk in handed:
-            place(chunk)
-            self._hand_over(chunk, grad_scale)
+        handed = {c.chunk_id for c in chunks if self.overlap and c.chunk_id not in self._states.on_device}
         for chunk in chunks:
-            if chunk not in handed:
+            if chunk.chunk_id in handed:
+                place(chunk)
+                self._hand_over(chunk, grad_scale)
+        for chunk in chunks:
+            if chunk.chunk_id not in handed:
                 place(chunk)
                 self._update(chunk, self._values(chunk), self._states.state(chunk.chunk_id), grad_scale)
         if stream is not None:
