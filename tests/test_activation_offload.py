@@ -74,7 +74,9 @@ def _train(rank, world_size, stage, dtype, mode, budget, gas=1):
 
     extra = None
     if stage == "patrickstar":
-        extra = {"emulate_accelerator": True, "device_budget": budget, "offload_activations": mode}
+        extra = {"emulate_accelerator": True, "device_budget": budget}
+        if mode is not None:  # None: the key left out (see [Note: activations by default])
+            extra["offload_activations"] = mode
     config = make_config(stage, dtype, gas=gas, chunk_size=2048, extra_zero=extra)
     if world_size > 1:
         config.pop("train_batch_size")
@@ -114,6 +116,19 @@ def test_auto_fits_where_checkpointing_alone_does_not():
 
     with pytest.raises(WorkerError, match="DeviceBudgetExceeded"):
         run_ranks(_train, 1, "patrickstar", "fp32", "none", BUDGET)
+
+
+def test_left_out_the_run_offloads_instead_of_refusing():
+    """Without the key, a model larger than the budget offloads where the chunks would not fit beside the
+    tide (the budget "none" refuses above), and trains as stock ZeRO-3 does."""
+    from multiproc import run_ranks
+    from test_vs_zero3 import check
+
+    ref = run_ranks(_train, 1, 3, "fp32", "none", 0, memo=True)
+    ours = run_ranks(_train, 1, "patrickstar", "fp32", None, BUDGET, timeout=600.0)[0]
+    check(ours, ref[0], "fp32")
+    after = [c["activation_bytes_offloaded"] for c in ours.counters]
+    assert all(0 < moved < after[0] for moved in after[1:]), after
 
 
 def _losses(mode: str, wait: bool) -> list[float]:

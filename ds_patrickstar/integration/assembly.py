@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from ..activations.offloader import ActivationOffloader, repeated_blocks
+from ..activations.offloader import ActivationOffloader, OffloadMode, repeated_blocks
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..counters import StepCounters
@@ -34,6 +34,7 @@ from ..io.export import ChunkExport
 from ..io.init import DeferredModel
 from ..memory.accelerator import Accelerator
 from ..memory.emulated import EmulatedAccelerator
+from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from ..memory.reductions import InFlightReductions
 from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
@@ -134,11 +135,12 @@ def make_placement(
         predictor=_move_predictor(accel, chunk_map, accumulate),
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam),
     )
-    if options.offload_activations != "none":  # see [Note: activation offload]
+    mode = activation_mode(options, chunk_map, accel.ledger.budget)
+    if mode != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(
             accel,
             meter or SavedTensorMeter(lambda s: s._cdata in model_storages),
-            options.offload_activations,
+            mode,
             counters,
             runtime.current_moment,
         )
@@ -149,6 +151,34 @@ def make_placement(
         " (emulated)" if meter is not None else "",
     )
     return runtime
+
+
+def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int) -> OffloadMode:
+    """``offload_activations`` as set, else as chosen for the run.
+
+    [Note: activations by default]
+    Where the model data (every chunk in low precision and this rank's optimizer states) fits the
+    budget, placement moves nothing and activations stay ("none": the traced iteration moves nothing
+    either). Where it does not, the run is the one this backend exists for, and the activations of
+    the model's blocks are offloaded exactly where the chunks would not fit beside them ("auto":
+    the traced iteration offloads every block, and the plan then the fewest bytes that fit, nothing
+    where nothing is needed), so a budget below the tide trains instead of being refused. Set the
+    key to choose; "none" refuses such a budget with the remedies and the bytes each saves.
+    """
+    if options.offload_activations is not None:
+        return options.offload_activations
+    chunks = sum(c.nbytes for c in chunk_map.chunks)
+    states = OPTIM_BYTES_PER_ELEMENT * sum(c.capacity for c in chunk_map.trainable_owned())
+    if chunks + states <= budget:
+        return "none"
+    logger.info(
+        "ds_patrickstar: model data (%d B of chunks and optimizer states) is larger than device_budget (%d B): "
+        "activations of the model's blocks move to the host where the chunks would not fit beside them "
+        '(offload_activations "auto"; set the key to choose)',
+        chunks + states,
+        budget,
+    )
+    return "auto"
 
 
 def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -> MovePredictor | None:
@@ -169,14 +199,14 @@ def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool) -> StepT
     return StepTimer(accel.clock, accel.seconds_between, elements, H100_PROFILE, overlap)
 
 
-def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str) -> list[torch.nn.Module]:
+def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str | None) -> list[torch.nn.Module]:
     """The blocks whose inputs the emulated accelerator's meter counts (see [Note: held inputs]) and whose
     activations may be offloaded (see [Note: activation offload]); none without either."""
     offloader = placement.activations
     if offloader is None and placement.meter is None:
         return []
     blocks = repeated_blocks(module)
-    if not blocks and offloader is not None:
+    if not blocks and offloader is not None and mode is not None:
         logger.warning(
             "ds_patrickstar: zero_optimization.offload_activations=%r finds no blocks (a ModuleList or Sequential "
             "of at least two modules) in %s: no activation is offloaded",

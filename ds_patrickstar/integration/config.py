@@ -136,14 +136,17 @@ class PatrickStarConfig(BaseModel):
     that ``host_budget`` cannot hold live on disk (see [Note: frozen chunks on disk]); with
     ``offload_optimizer`` too, both name the same ``nvme_path``."""
 
-    offload_activations: Literal["none", "all", "auto"] = "none"
+    offload_activations: Literal["none", "all", "auto"] | None = None
     """What autograd saves inside the model's blocks (the entries of its longest ModuleList or
     Sequential, e.g. the transformer layers; with activation checkpointing, what the checkpoints
     keep) moves to pinned host memory once forward is past the block, and comes back, ahead of use,
-    in backward (see [Note: activation offload]). "none" (default): activations stay on the
-    accelerator. "all": every block's, every step. "auto": the fewest bytes that let the chunks fit
-    beside the traced tide under device_budget (see [Note: auto activation offload]). Needs
-    placement (a CUDA device or emulate_accelerator)."""
+    in backward (see [Note: activation offload]). "none": activations stay on the accelerator (a
+    budget the chunks cannot fit beside them is refused, naming the remedies). "all": every
+    block's, every step. "auto": the fewest bytes that let the chunks fit beside the traced tide
+    under device_budget (see [Note: auto activation offload]); the traced iteration offloads every
+    block. Left out: "auto" where the model data (chunks and optimizer states) is larger than
+    device_budget, else "none" (see [Note: activations by default]). Needs placement (a CUDA device
+    or emulate_accelerator)."""
 
     overlap_host_adam: bool = True
     """The CPU Adam of the chunks whose optimizer states live on the host runs on a worker thread,
