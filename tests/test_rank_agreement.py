@@ -169,3 +169,22 @@ def _cycles(rank, world_size, cycles):
 def test_initialize_destroy_cycles_leave_no_process_group_or_thread():
     for seen in run_ranks(_cycles, 2, 20, timeout=240):
         assert len(set(seen)) == 1, seen
+
+
+def test_the_gloo_interface_is_said_before_the_side_group_is_made(monkeypatch, caplog):
+    """With NCCL the side group is gloo's: the interface it connects over is logged first (a warning for a
+    loopback address when the ranks span several hosts), so a hang or a refused connection names it."""
+    from ds_patrickstar.groups import agreement
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    with caplog.at_level(logging.INFO, logger="ds_patrickstar.groups.agreement"):
+        agreement.say_gloo_interface()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(agreement.socket, "gethostbyname", lambda host: "127.0.1.1")
+    monkeypatch.setattr(agreement, "_several_hosts", lambda: True)
+    with caplog.at_level(logging.INFO, logger="ds_patrickstar.groups.agreement"):
+        agreement.say_gloo_interface()
+    (named, loopback) = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert named[0] == logging.INFO and "connects over interface eth9 (GLOO_SOCKET_IFNAME)" in named[1]
+    assert loopback[0] == logging.WARNING and "resolves to (127.0.1.1)" in loopback[1], loopback
+    assert 'zero_optimization.lockstep to "off"' in loopback[1]
