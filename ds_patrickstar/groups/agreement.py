@@ -18,7 +18,9 @@ shape), from which every rank takes the same decision: plans of different iterat
 
 Where it runs (``zero_optimization.lockstep``, see [Note: lockstep modes]): with checks on, on a gloo
 group of the data-parallel ranks that the object makes at initialize and destroys in
-:meth:`RankAgreement.destroy` (``engine.destroy()``, a failed initialize): host tensors, no device
+:meth:`RankAgreement.destroy` (``engine.destroy()``, a failed initialize; not an engine destroyed
+inside an iteration, as after an error on one rank: another rank waiting in a check would then fail
+with a lost connection, reported before the failing rank's own error): host tensors, no device
 synchronization before each collective; on NCCL the ranks' hosts then also meet through gloo, over
 the interface said at initialize (``GLOO_SOCKET_IFNAME``, or the address the host name resolves to).
 With ``"off"`` no side group is made and the values are agreed on the data-parallel group itself

@@ -90,8 +90,10 @@ class ChunkedModel:
         if self.comm.world_size > 1 and self.run.mid_iteration():  # see [Note: run state]
             why = "destroyed inside an iteration (after an error?), a gather could wait for ranks that never come"
             unbind_parameters(infos, None, "engine.destroy()", why)
-            # collectives in flight may still use the accelerator's buffers: they go with the engine
-            release(self.hooks, self.disk, None, self.frozen_disk, self.comm.agreement)
+            # collectives in flight may still use the accelerator's buffers: they go with the engine; the
+            # agreement's side group stays too: another rank waiting in a check there would fail with a lost
+            # connection, reported before this rank's own error (see [Note: rank agreement])
+            release(self.hooks, self.disk, None, self.frozen_disk)
             return
         from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
         unbind_parameters(

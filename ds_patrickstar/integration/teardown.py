@@ -22,7 +22,7 @@ the way out must not start a gather the other ranks never join; it would hang in
 its error). A forward without backward (a validation loss under grad mode) has ended: destroy gathers.
 Such an interrupted engine also keeps its accelerator memory until it is collected: a collective in
 flight may still read or write its buffers (gloo's threads, NCCL's stream), and waiting for it could
-hang as well.
+hang as well; and the ranks' agreement keeps its side group (see [Note: rank agreement]).
 """
 
 from __future__ import annotations
