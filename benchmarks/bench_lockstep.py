@@ -1,5 +1,6 @@
 """What the ranks' agreement before each collective costs (see [Note: ranks in lockstep]): step time of a
-2-rank GPT with the checks, and with them patched out, alternating in one run, per chunk size.
+2-rank GPT with ``zero_optimization.lockstep`` "off", "on" and "first_steps", alternating in one run,
+per chunk size.
 
     python benchmarks/bench_lockstep.py                       # chunk sizes 8192 (keep_gathered 0) and 65536
     python benchmarks/bench_lockstep.py --chunks 65536 --steps 10 --repeats 3
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 
-def _rank(rank: int, world: int, store: str, checks: bool, chunk: int, keep: int | None, steps: int, out) -> None:
+def _rank(rank: int, world: int, store: str, mode: str, chunk: int, keep: int | None, steps: int, out) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=store.rsplit("_", 1)[-1])
     torch.set_num_threads(1)
@@ -34,13 +35,11 @@ def _rank(rank: int, world: int, store: str, checks: bool, chunk: int, keep: int
     from gpt_model import GPT, GPTConfig
 
     import ds_patrickstar  # noqa: F401
-    from ds_patrickstar.groups import lockstep
 
-    if not checks:
-        lockstep.Lockstep.check = lambda self, what: None  # the "off" side only
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=256))
-    zero = {"stage": "patrickstar", "chunk_size": chunk, **({} if keep is None else {"keep_gathered": keep})}
+    zero = {"stage": "patrickstar", "chunk_size": chunk, "lockstep": mode,
+            **({} if keep is None else {"keep_gathered": keep})}
     cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
@@ -58,19 +57,19 @@ def _rank(rank: int, world: int, store: str, checks: bool, chunk: int, keep: int
     if rank == 0:
         kept = sorted(times[2:])
         out.put((kept[len(kept) // 2], counters["lockstep_checks"], counters["all_gathers"],
-                 counters["reduce_scatters"]))
+                 counters["reduce_scatters"], counters["agreement_seconds"]))
     engine.destroy()
     dist.destroy_process_group()
 
 
-def _trial(checks: bool, chunk: int, keep: int | None, steps: int) -> tuple:
+def _trial(mode: str, chunk: int, keep: int | None, steps: int) -> tuple:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:  # DeepSpeed names its shared-memory buffers after MASTER_PORT
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = tempfile.mktemp(prefix="bench_lockstep_", suffix=f"_{port}")
-    procs = [ctx.Process(target=_rank, args=(r, 2, store, checks, chunk, keep, steps, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, store, mode, chunk, keep, steps, out)) for r in range(2)]
     for p in procs:
         p.start()
     result = out.get(timeout=600)
@@ -85,21 +84,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", default="8192,65536", help="chunk sizes (elements), comma-separated")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2, help="off/on pairs per chunk size")
+    parser.add_argument("--repeats", type=int, default=2, help="off/on/first_steps trials per chunk size")
     args = parser.parse_args()
-    print("| chunk_size | keep_gathered | checks per step | all-gathers | reduce-scatters | step off (ms) | "
-          "step on (ms) | on / off |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| chunk_size | keep_gathered | checks per step | agreement ms per step | all-gathers | reduce-scatters | "
+          "step off (ms) | step on (ms) | on / off | step first_steps (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for chunk in (int(c) for c in args.chunks.split(",")):
         keep = 0 if chunk <= 8192 else None  # small chunks, nothing kept: the most collectives per step
-        off, on = [], []
+        runs: dict[str, list[tuple]] = {"off": [], "on": [], "first_steps": []}
         for _ in range(args.repeats):
-            off.append(_trial(False, chunk, keep, args.steps))
-            on.append(_trial(True, chunk, keep, args.steps))
-        t_off, t_on = min(r[0] for r in off) * 1e3, min(r[0] for r in on) * 1e3  # the best of the repeats
-        checks, gathers, scatters = on[0][1], on[0][2], on[0][3]
-        print(f"| {chunk} | {'default' if keep is None else keep} | {checks} | {gathers} | {scatters} | "
-              f"{t_off:.1f} | {t_on:.1f} | {t_on / t_off:.2f}x |", flush=True)
+            for mode, trials in runs.items():
+                trials.append(_trial(mode, chunk, keep, args.steps))
+        best = {mode: min(r[0] for r in trials) * 1e3 for mode, trials in runs.items()}  # the best of the repeats
+        checks, gathers, scatters, seconds = runs["on"][0][1:]
+        print(f"| {chunk} | {'default' if keep is None else keep} | {checks} | {seconds * 1e3:.1f} | {gathers} | "
+              f"{scatters} | {best['off']:.1f} | {best['on']:.1f} | {best['on'] / best['off']:.2f}x | "
+              f"{best['first_steps']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

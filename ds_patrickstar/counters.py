@@ -23,7 +23,10 @@ class StepCounters:
     """all-reduces agreeing the gather plan across ranks (placement, see [Note: agreed gather plan])"""
     lockstep_checks: int = 0
     """small all-reduces agreeing each chunk-group collective before it is issued (data parallel, see
-    [Note: ranks in lockstep])"""
+    [Note: ranks in lockstep]; ``zero_optimization.lockstep``)"""
+    agreement_seconds: float = 0.0
+    """seconds this rank spent in the ranks' agreements: the lockstep checks and ``agreements`` (waiting for
+    the slowest rank included; see [Note: rank agreement])"""
     peak_kept_gathered_bytes: int = 0
     """highest bytes of chunk-group storage kept gathered between uses (see [Note: kept groups])"""
     bytes_to_device: int = 0

@@ -528,6 +528,15 @@ def update_errors(ours: RunResult, ref: RunResult) -> dict[str, tuple]:
     return out
 
 
+def _steps_differing(ours: list, ref: list, same: Callable[[Any, Any], bool]) -> int | None:
+    """The first optimizer step whose values differ (a value on one side only, or ``not same``), or None;
+    lists of different lengths differ at the first step one of them lacks."""
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        if (a is None) != (b is None) or (a is not None and not same(a, b)):
+            return step
+    return None if len(ours) == len(ref) else min(len(ours), len(ref))
+
+
 def compare(
     ours: RunResult,
     ref: RunResult,
@@ -548,6 +557,8 @@ def compare(
     final fp32 weights (per name) with rtol/atol: |ours - ref| <= atol + rtol * |ref|
     elementwise. The message names the first differing step / parameter (in
     ``named_parameters`` order) and the max abs/rel errors.
+    Global grad norms (with the loss tolerance) and loss scales (exactly) are compared per optimizer
+    step; a step where one engine reports a value and the other none differs.
     check_lp additionally compares the low-precision module weights.
     update_rtol (optional): per param, ||d_ours - d_ref||_2 <= update_rtol * ||d_ref||_2
     + update_atol * sqrt(numel), where d = final fp32 weight - initial weight (see
@@ -636,15 +647,22 @@ def compare(
             problems.append(f"LR sequences differ:\n    ours: {ours.lrs}\n    ref:  {ref.lrs}")
     if ours.skipped_steps != ref.skipped_steps:
         problems.append(f"skipped (overflow) steps differ: ours {ours.skipped_steps} vs ref {ref.skipped_steps}")
-    # ---- global grad norms, where both engines report one (same tolerance as losses)
-    gn_bad = [
-        i for i, (a, b) in enumerate(zip(ours.grad_norms, ref.grad_norms))
-        if a is not None and b is not None and abs(a - b) > loss_atol + loss_rtol * abs(b)
-    ]
-    if gn_bad:
+    # ---- global grad norms (same tolerance as losses; a step with a norm on one side only differs) and loss
+    # scales (exactly: both engines halve and double the same powers of two), one per optimizer step
+    gn_bad = _steps_differing(
+        ours.grad_norms,
+        ref.grad_norms,
+        lambda a, b: a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= loss_atol + loss_rtol * abs(b),
+    )
+    if gn_bad is not None:
         problems.append(
-            f"global grad norms differ first at step {gn_bad[0]}:\n    ours: {ours.grad_norms}\n"
+            f"global grad norms differ first at step {gn_bad}:\n    ours: {ours.grad_norms}\n"
             f"    ref:  {ref.grad_norms}"
+        )
+    scale_bad = _steps_differing(ours.loss_scales, ref.loss_scales, lambda a, b: a == b)
+    if scale_bad is not None:
+        problems.append(
+            f"loss scales differ first at step {scale_bad}:\n    ours: {ours.loss_scales}\n    ref:  {ref.loss_scales}"
         )
     if update_rtol is not None:
         init_diff = [

@@ -197,3 +197,65 @@ def _save_stock(rank, world_size, ckpt_dir):
     engine = _engine(stage=3)
     _train(engine, _batches()[:1])
     engine.save_checkpoint(ckpt_dir)
+
+
+RESAVE_AT = 7  # the 2-rank continuation re-saves tag "last" here
+
+
+def _save_last(rank, world_size, ckpt_dir):
+    engine = _engine()
+    _train(engine, _batches()[:SAVE_AT])
+    engine.save_checkpoint(ckpt_dir, tag="last")
+
+
+def _resume_and_resave(rank, world_size, ckpt_dir):
+    engine = _engine()
+    engine.load_checkpoint(ckpt_dir, tag="last")
+    _train(engine, _batches()[SAVE_AT:RESAVE_AT])
+    engine.save_checkpoint(ckpt_dir, tag="last")
+    return _train(engine, _batches()[RESAVE_AT:])
+
+
+def _resume_last(rank, world_size, ckpt_dir):
+    engine = _engine()
+    engine.load_checkpoint(ckpt_dir, tag="last")
+    assert engine.global_steps == RESAVE_AT
+    return _train(engine, _batches()[RESAVE_AT:])
+
+
+def test_a_resave_at_another_world_size_leaves_no_rank_file_of_the_old_save(tmp_path):
+    """[Note: checkpoint manifest]: tag "last" saved at 4 ranks, resumed at 2 and saved again two steps on,
+    resumed at 4: every rank resumes the re-save (the same batches on every rank: the continuation at 4 ranks
+    is the one at 2, up to the order of the sums). The old save's rank 2 and 3 files stayed in the folder and
+    in the new marker, and those ranks restored the older step's masters and moments."""
+    import json
+
+    run_ranks(_save_last, 4, str(tmp_path))
+    at_two = run_ranks(_resume_and_resave, 2, str(tmp_path))[0]
+    marker = json.loads((tmp_path / "last" / "ds_patrickstar_complete.json").read_text())
+    assert marker["world_size"] == 2 and marker["chunk_size"] == 1024
+    assert not [name for name in os.listdir(tmp_path / "last") if "rank_2" in name or "rank_3" in name]
+    at_four = run_ranks(_resume_last, 4, str(tmp_path))
+    for losses in at_four:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(at_two), rtol=1e-5, atol=1e-6)
+
+
+def test_a_marker_listing_another_saves_rank_files_is_refused(tmp_path):
+    """A marker written before the manifest (no world size) over a re-save at fewer ranks lists the older
+    save's files of the ranks beyond: refused, naming them, not loaded."""
+    import json
+
+    from ds_patrickstar.io.commit import write_marker
+
+    run_ranks(_save_half, 2, str(tmp_path))
+    tag = (tmp_path / "latest").read_text().strip()
+    folder = tmp_path / tag
+    run_ranks(_save_half, 1, str(tmp_path))  # the same tag at one rank: rank 1's file goes
+    assert not list(folder.glob("*zero_pp_rank_1_*"))
+    stale = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt", stale)  # as an old save left it
+    write_marker(str(tmp_path), tag)  # a marker of every file, without the manifest's world size
+    assert "world_size" not in json.loads((folder / "ds_patrickstar_complete.json").read_text())
+    with pytest.raises(WorkerError, match=r"saved at 1 data-parallel ranks but lists the optimizer files of ranks "
+                                          r"\[0, 1\].*remove \['zero_pp_rank_1_mp_rank_00_optim_states.pt'\]"):
+        run_ranks(_load_tag, 1, str(tmp_path), None)

@@ -83,6 +83,15 @@ def test_max_consecutive_skipped_steps_zero():
         _init(_config(max_consecutive_skipped_steps=0))
 
 
+def test_lockstep_takes_its_three_words_only():
+    from ds_patrickstar.integration.config import parse_patrickstar_options
+
+    with pytest.raises(ValueError, match=r"zero_optimization\.lockstep=True is invalid: Input should be 'on', 'off' "
+                                         r"or 'first_steps' \(lockstep: Data parallel: whether the ranks check"):
+        parse_patrickstar_options({"stage": "patrickstar", "lockstep": True})
+    assert parse_patrickstar_options({"stage": "patrickstar", "lockstep": "first_steps"}).lockstep == "first_steps"
+
+
 def test_stage_spelled_in_another_case():
     with pytest.raises(ValueError, match=r"zero_optimization\.stage='PatrickStar': write 'patrickstar' exactly"):
         _init(_config(stage="PatrickStar"))

@@ -126,11 +126,19 @@ def test_twin_placement_matches_zero3():
 
 
 def _page_locked(address):
-    """Whether CUDA sees ``address`` as page-locked host memory (cudaPointerGetAttributes). torch's
-    ``Tensor.is_pinned()`` asks about the start of the tensor's storage, and a pool buffer starts at
+    """Whether CUDA sees ``address`` as page-locked host memory, asked of the driver that every CUDA machine
+    has (``cuPointerGetAttribute``, ``CU_POINTER_ATTRIBUTE_MEMORY_TYPE``: ``CU_MEMORYTYPE_HOST`` for
+    registered or pinned host memory, an error for pageable memory), in the context torch made current.
+    torch's ``Tensor.is_pinned()`` asks about the start of the tensor's storage, and a pool buffer starts at
     the first page boundary inside its allocation, past the storage's start."""
-    runtime = pytest.importorskip("cupy").cuda.runtime
-    return runtime.pointerGetAttributes(address).type == getattr(runtime, "memoryTypeHost", 1)
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    driver.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    driver.cuPointerGetAttribute.restype = ctypes.c_int
+    memory_type = ctypes.c_uint(0)
+    result = driver.cuPointerGetAttribute(ctypes.byref(memory_type), 2, address)  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+    return result == 0 and memory_type.value == 1  # CUDA_SUCCESS, CU_MEMORYTYPE_HOST
 
 
 @pytest.mark.gpu
@@ -140,6 +148,8 @@ def test_host_pool_buffers_are_registered_exact_and_unregistered_when_freed():
     from ds_patrickstar.memory.cuda import CudaAccelerator
 
     accel = CudaAccelerator(torch.device("cuda", torch.cuda.current_device()), 1 << 30)
+    pinned, pageable = torch.empty(4096, pin_memory=True), torch.empty(1 << 20)  # the question itself, asked right
+    assert _page_locked(pinned.data_ptr()) and not _page_locked(pageable.data_ptr() + 8192)
     pool = accel.host_pool
     pool.cache_at_least(1 << 20)
     buf = accel.host_empty(300_000, torch.bfloat16)  # 600,000 B: torch's allocator would pin 1 MiB

@@ -146,22 +146,22 @@ def test_a_rank_failing_mid_collective_ends_the_run_with_its_error():
 
 
 def _agreements_per_step(rank, world_size):
-    """The GPT with placement; per step: how many times ``ChunkComm.agree`` ran (counted by a wrapper,
-    taken away when the job ends) and whether groups were still kept and prefetched."""
-    from ds_patrickstar.groups.comm import ChunkComm
+    """The GPT with placement; per step: how many times ``RankAgreement.agree_plan`` ran (counted by a
+    wrapper, taken away when the job ends) and whether groups were still kept and prefetched."""
+    from ds_patrickstar.groups.agreement import RankAgreement
 
     calls = {"n": 0}
-    real = ChunkComm.agree
+    real = RankAgreement.agree_plan
 
     def counting(self, *args, **kwargs):
         calls["n"] += 1
         return real(self, *args, **kwargs)
 
-    ChunkComm.agree = counting
+    RankAgreement.agree_plan = counting
     try:
         return _steps_with_agreements(calls)
     finally:
-        ChunkComm.agree = real
+        RankAgreement.agree_plan = real
 
 
 def _steps_with_agreements(calls):

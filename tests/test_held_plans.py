@@ -23,11 +23,16 @@ def test_optimizer_states_leave_room_for_the_chunks_held_across_a_recomputation(
 
 
 class _Comm:
+    """Two ranks with the same trace (a world of one process agrees with itself)."""
+
     world_size = 2
 
-    @staticmethod
-    def agree(values: list[int]) -> list[int]:
-        return values
+    class agreement:
+        @staticmethod
+        def agree_plan(meaning: str, values: list[int]):
+            from ds_patrickstar.groups.agreement import Agreed
+
+            return Agreed(list(values))
 
 
 def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int], at: int) -> int:

@@ -244,10 +244,11 @@ def _failed_on_ranks(rank, world_size):
     logging.getLogger("ds_patrickstar").addHandler(handler)
     real = registration.adapt_accelerate
     registration.adapt_accelerate = lambda: (_ for _ in ()).throw(ValueError("accelerate"))
+    failure = ""
     try:
         deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    except ValueError:
-        pass
+    except ValueError as err:
+        failure = str(err)
     finally:
         registration.adapt_accelerate = real
     kept = sorted(n for n, p in model.named_parameters() if not hasattr(p, VALUES_LOST) and torch.equal(p, values[n]))
@@ -258,7 +259,7 @@ def _failed_on_ranks(rank, world_size):
         retry = ""
     except ValueError as err:
         retry = str(err)
-    return kept, lost, len(warned), retry
+    return kept, lost, len(warned), retry, failure
 
 
 def test_a_failed_data_parallel_initialize_gives_back_the_values_each_rank_holds():
@@ -267,7 +268,8 @@ def test_a_failed_data_parallel_initialize_gives_back_the_values_each_rank_holds
     from multiproc import run_ranks
 
     names = {"0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"}
-    (kept0, lost0, warned0, retry0), (kept1, lost1, warned1, retry1) = run_ranks(_failed_on_ranks, 2)
+    (kept0, lost0, warned0, retry0, failed0), (kept1, lost1, warned1, retry1, failed1) = run_ranks(_failed_on_ranks, 2)
+    assert failed0 == failed1 == "accelerate"  # the injected failure, not another error or none
     assert set(kept0) | set(lost0) == set(kept1) | set(lost1) == names
     assert set(kept0) & set(kept1) == set()  # every parameter is in chunks (frozen ones too): on one rank at most
     assert {"0.weight", "3.bias"} <= set(lost0) & set(lost1)  # each straddles the two ranks' chunks of its kind

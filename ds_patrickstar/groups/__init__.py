@@ -9,7 +9,8 @@ keep policy (``keep.py``), a group's joined buffers of straddling tensors (``str
 gradient sink with its reduce-scatters (``grads.py``; those in flight are ``memory/reductions.py``'s;
 the flat gradient buffers they read: ``flat.py``; with gradient accumulation, the micro-steps'
 reduce-scatters into owned accumulators: ``accumulation.py``) and the facade the hooks and the
-optimizer call (``manager.py``).
+optimizer call (``manager.py``); what the ranks agree on, lockstep checks and agreed values, on a gloo group
+of its own (``agreement.py``; the message when ranks diverge: ``lockstep.py``).
 May import: ``activations``, ``placement``, ``store``, ``disk``, ``memory``, ``chunks`` and the leaf
 modules.
 """

@@ -73,7 +73,7 @@ import torch.distributed as dist
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator, CollectiveIssue, HostAccelerator
 from ..memory.pending import Pending
-from .lockstep import Lockstep
+from .agreement import LockstepMode, RankAgreement
 
 # the names of torch >= 2.13 (gloo and NCCL); the older names before
 _torch_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -175,13 +175,14 @@ class ChunkComm:
     """The collectives the chunk manager needs; see [Note: chunk groups] and
     [Note: asynchronous collectives]."""
 
-    def __init__(self, group: dist.ProcessGroup | None, counters: StepCounters) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, counters: StepCounters, lockstep: LockstepMode = "on") -> None:
         self.group = group
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
         self.counters = counters
-        self.lockstep = Lockstep(group, self.world_size, self.rank, counters)  # see [Note: ranks in lockstep]
+        # the lockstep checks and the agreed values (see [Note: rank agreement])
+        self.agreement = RankAgreement(group, self.world_size, self.rank, counters, lockstep)
         self.accel: Accelerator = HostAccelerator()
         self.poison = False
         self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # strict emulation only
@@ -190,6 +191,7 @@ class ChunkComm:
         """Collectives on ``accel`` (its stream on CUDA); ``poison`` (the strict emulated accelerator):
         all-gather destinations hold NaN until waited on."""
         self.accel, self.poison = accel, poison
+        self.agreement.device = accel.device
 
     def trim(self) -> None:
         """End of step: the emulator's side buffers go."""
@@ -203,7 +205,7 @@ class ChunkComm:
         [Note: ranks in lockstep])."""
         if self.world_size == 1:
             return PendingCollective(None, lambda: None)
-        self.lockstep.check(what)
+        self.agreement.check(what)
         numel = mine.numel()
         others = [piece for r, piece in enumerate(flat.split(numel)) if r != self.rank]
         output = flat
@@ -236,7 +238,7 @@ class ChunkComm:
         :meth:`all_gather_async`."""
         if self.world_size == 1:
             return PendingCollective(None, after)
-        self.lockstep.check(what)
+        self.agreement.check(what)
         numel = flat.numel() // self.world_size
         mine = flat[self.rank * numel : (self.rank + 1) * numel]
         with torch.no_grad():
@@ -246,17 +248,6 @@ class ChunkComm:
         self.counters.reduce_scatters += 1
         self.counters.bytes_reduce_scattered += (self.world_size - 1) * numel * flat.element_size()
         return PendingCollective(work, after, issue)
-
-    def agree(self, values: list[int]) -> list[int]:
-        """The elementwise minimum of ``values`` over the ranks (one all-reduce, one host sync): what
-        a decision taken from a rank's own memory (placement) that changes which collectives run
-        is taken from, so that it is the same everywhere (see [Note: agreed gather plan])."""
-        if self.world_size == 1:
-            return list(values)
-        self.counters.agreements += 1
-        tensor = torch.tensor(values, dtype=torch.int64, device=self.accel.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        return [int(v) for v in tensor.tolist()]
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -10,8 +10,9 @@ chunk group per iteration), the ranks agree on a *plan* at the step, where the g
 has already synchronized the host: per moment of the iteration just traced, the bytes of
 gathered groups each rank's budget holds next to its tide
 (:meth:`~ds_patrickstar.placement.runtime.PlacementRuntime.gathered_rooms`), the minimum over
-the ranks, in one all-reduce (:meth:`ChunkComm.agree`) with the number of moments and a
-checksum of their labels. A kept group stays to the end of the iteration, so the room to keep
+the ranks, agreed by :meth:`~ds_patrickstar.groups.agreement.RankAgreement.agree_min` after a
+header with the number of moments and a checksum of their labels (so the ranks all-reduce plans of
+one length only, see [Note: rank agreement]). A kept group stays to the end of the iteration, so the room to keep
 at a moment is the least that any later moment leaves beside its own tide and the groups it
 holds (each counted as the largest; a recomputed module's from its recomputation to its
 backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`). During the next
@@ -34,7 +35,6 @@ boundary's reduce-scatter runs in the group's own storage and needs no room of i
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable
 
 from ..chunks.group_bytes import GroupBytes
@@ -67,13 +67,13 @@ class GatherPlan:
         if trace is not None:  # a group gathered ahead in backward sits beside a flat gradient buffer
             last_backward = _last_backward(trace)
             ahead = [room - self.buffer_bytes * int(i <= last_backward) for i, room in enumerate(ahead)]
-        count, checksum = len(labels), zlib.crc32("\n".join(labels).encode())
-        agreed = self._comm.agree([count, -count, checksum, -checksum, *keep, *ahead])
-        if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:  # the ranks' iterations differ: no plan
+        count = len(labels)
+        agreed = self._comm.agreement.agree_plan("\n".join(labels), [*keep, *ahead])
+        if agreed.values is None:  # the ranks' iterations differ: no plan
             self._labels, self._keep, self._ahead = [], [], []
-            self._say_differ(count, most=-agreed[1], fewest=agreed[0])
+            self._say_differ(count, most=max(agreed.counts) // 2, fewest=min(agreed.counts) // 2)
             return
-        self._labels, self._keep, self._ahead = labels, agreed[4 : 4 + count], agreed[4 + count :]
+        self._labels, self._keep, self._ahead = labels, agreed.values[:count], agreed.values[count:]
 
     def _say_differ(self, count: int, most: int, fewest: int) -> None:
         log = logger.debug if self._said_differ else logger.warning

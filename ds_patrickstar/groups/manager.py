@@ -92,7 +92,7 @@ class ChunkManager:
         ``COMPUTE``, and (with placement) check the budget and prefetch the next moment. A training
         moment keeps and prefetches groups; see [Note: run state]."""
         ids = tuple(dict.fromkeys(cid for info in infos for cid in info.chunk_ids))
-        self.comm.lockstep.moment(label)  # see [Note: ranks in lockstep]
+        self.comm.agreement.moment(label)  # see [Note: ranks in lockstep]
         if self.run.recomputing():  # see [Note: recomputation in the trace]
             self.comm.counters.recompute_moments += 1
         self.placement.begin_moment(label, ids)
@@ -191,14 +191,14 @@ class ChunkManager:
 
     def end_forward(self) -> None:
         """The root module's forward is over: the ranks agree they all are here (see [Note: ranks in lockstep])."""
-        self.comm.lockstep.check("the end of a forward")
+        self.comm.agreement.check("the end of a forward")
 
     def end_backward(self, boundary: bool) -> None:
         """The backward epilogue: the ranks agree they all are here, the leaf modules' gradients not
         handed over yet go (see [Note: leaf modules]), frozen tensors whose backward use no post-backward
         ended are done (see [Note: frozen chunks]; at the boundary no frozen group stays gathered through
         the step), then every group's gradients."""
-        self.comm.lockstep.check("the end of a backward")
+        self.comm.agreement.check("the end of a backward")
         self._backward_users.clear()
         self._forward_users.clear()
         self.leaves.end_backward(boundary)
@@ -230,6 +230,7 @@ class ChunkManager:
         self.residency.order.next_step()
         if self.plan is not None:
             self.plan.agree()  # see [Note: agreed gather plan]
+        self.comm.agreement.next_step()  # see [Note: lockstep modes]
         for group in self.groups:
             group.finalize()
         self.grads.next_step()

@@ -91,14 +91,16 @@ class ChunkedModel:
         if self.comm.world_size > 1 and self.run.mid_iteration():  # see [Note: run state]
             why = "destroyed inside an iteration (after an error?), a gather could wait for ranks that never come"
             unbind_parameters(infos, None, "engine.destroy()", why)
-            # collectives in flight may still use the accelerator's buffers: they go with the engine
+            # collectives in flight may still use the accelerator's buffers: they go with the engine; the
+            # agreement's side group stays too: another rank waiting in a check there would fail with a lost
+            # connection, reported before this rank's own error (see [Note: rank agreement])
             release(self.hooks, self.disk, None, self.frozen_disk)
             return
         from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
         unbind_parameters(
             infos, lambda: self.export.iter_host_values(fp32_masters=from_masters), "engine.destroy()", ""
         )
-        release(self.hooks, self.disk, self.accel)
+        release(self.hooks, self.disk, self.accel, agreement=self.comm.agreement)
 
     def abandon(self) -> None:
         """Initialize failed after this was built: what :meth:`close` gives back goes, and the parameters
@@ -108,7 +110,8 @@ class ChunkedModel:
             return
         self.closed = True
         self.flow.end_saved_tensor_hooks()
-        give_back(self.chunk_map, self.has_values, self.hooks, self.disk, self.accel, self.frozen_disk, self.store)
+        parts = (self.hooks, self.disk, self.accel, self.frozen_disk, self.store, self.comm.agreement)
+        give_back(self.chunk_map, self.has_values, *parts)
 
 
 def make_placement(
@@ -266,13 +269,13 @@ def assemble(
         )
         export = ChunkExport(chunk_map, comm, store, optim_states)
         leaves = leaf_tensors(module, chunk_map.info)  # see [Note: leaf modules]
-        comm.lockstep.advice = divergence_advice(module)  # see [Note: ranks in lockstep]
+        comm.agreement.advice = divergence_advice(module)  # see [Note: ranks in lockstep]
         flow = TrainingFlow(module, manager, placement, export, optim_states, is_boundary, run, leaves)
         hooks = HookRegistry(
             module, chunk_map.info, flow, activation_blocks(module, placement, options.offload_activations), leaves
         )
     except BaseException:
-        give_back_logged(chunk_map, has_values, hooks, disk, accel, frozen_disk, store)
+        give_back_logged(chunk_map, has_values, hooks, disk, accel, frozen_disk, store, comm.agreement)
         raise
     return ChunkedModel(
         counters,

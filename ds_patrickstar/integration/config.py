@@ -155,6 +155,14 @@ class PatrickStarConfig(BaseModel):
     (see [Note: overlapped host Adam]). false: every chunk is updated before ``step()`` returns.
     Needs placement (a CUDA device or emulate_accelerator); without it no chunk is updated on the host."""
 
+    lockstep: Literal["on", "off", "first_steps"] = "on"
+    """Data parallel: whether the ranks check, before each chunk-group collective, that every rank is
+    about to issue the same one, so that ranks running different modules raise an error naming the
+    module instead of hanging or mixing data (see [Note: ranks in lockstep]). "on" (default): always.
+    "first_steps": during the first three optimizer steps only, then no cost. "off": never (as stock
+    ZeRO-3), and no gloo side group is made (with NCCL, no gloo networking). Its cost is the
+    ``lockstep_checks`` and ``agreement_seconds`` counters (see [Note: lockstep modes])."""
+
     emulate_accelerator: bool = False
     """On a CPU-only machine, run the placement machinery against an emulated accelerator of
     device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""

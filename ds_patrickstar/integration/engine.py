@@ -18,7 +18,6 @@ op is built for it; ``engine.basic_optimizer`` is that object.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 from collections.abc import Iterator
 
@@ -196,6 +195,9 @@ class PatrickStarEngine(DeepSpeedEngine):
         if self.global_rank == 0:
             commit.begin_save(save_dir, tag)
         dist.barrier()
+        if getattr(self, "local_rank", 0) <= 0:  # see [Note: checkpoint manifest]
+            commit.clear_rank_files(save_dir, tag)
+        dist.barrier()
         self.optimizer.checkpoint_folder = os.path.join(save_dir, tag)  # see [Note: disk tier checkpoints]
         try:
             saved = super().save_checkpoint(
@@ -213,7 +215,7 @@ class PatrickStarEngine(DeepSpeedEngine):
         shares: list = [None] * dist.get_world_size()
         dist.all_gather_object(shares, commit.record_files(save_dir, tag, dist.get_rank(), dist.get_world_size()))
         if self.global_rank == 0:
-            commit.write_marker(save_dir, tag, shares)
+            commit.write_marker(save_dir, tag, shares, _checkpoint_layout(self))
             if save_latest:
                 commit.atomic_write_text(os.path.join(save_dir, "latest"), tag)
         dist.barrier()
@@ -251,10 +253,10 @@ class PatrickStarEngine(DeepSpeedEngine):
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         """The saved ranks' files this rank needs, one at a time: any world size can load (resharding)."""
-        paths = sorted(glob.glob(os.path.join(load_dir, tag, checkpoint.OPTIM_GLOB)))
+        paths, world = checkpoint.optimizer_files(load_dir, tag)  # those the marker lists
         if not paths:
             raise checkpoint.CheckpointError(f"checkpoint {os.path.join(load_dir, tag)!r} has no optimizer files")
-        saved = checkpoint.owned_optimizer_files(self.optimizer.chunk_map, paths)
+        saved = checkpoint.owned_optimizer_files(self.optimizer.chunk_map, paths, world)
 
         self.optimizer.load_state_dict(
             saved,
@@ -277,6 +279,13 @@ class PatrickStarEngine(DeepSpeedEngine):
     def get_fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 values of every parameter, keyed by name (a collective with data parallelism)."""
         return self.optimizer.fp32_state_dict(self.module)
+
+
+def _checkpoint_layout(engine: PatrickStarEngine) -> dict[str, int]:
+    """What the marker records of a save besides its files (see [Note: checkpoint manifest])."""
+    chunk_map = engine.optimizer.chunk_map
+    chunk_size = engine._patrickstar_config.chunk_size
+    return {"world_size": chunk_map.world_size, "chunk_size": chunk_size, "chunks": len(chunk_map.chunks)}
 
 
 def _verify_on_every_rank(load_dir: str, tag: str) -> None:

@@ -108,7 +108,7 @@ def default_keep_gathered(module: torch.nn.Module, plan: ModelDataPlan, step: in
     local_ranks = local_world_size(comm.world_size)
     limit = keep_limit(plan, psutil.virtual_memory().available + own_bytes(module), local_ranks, step)
     every_group = every_group_bytes(plan)
-    (agreed,) = comm.agree([every_group if limit is None else limit])
+    (agreed,) = comm.agreement.agree_min("keep_gathered", [every_group if limit is None else limit])
     if agreed >= every_group:
         return None
     logger.info(

@@ -75,7 +75,26 @@ def plan_run(
     """Plan a run of ``module``; raises ``ValueError`` for a run that cannot start."""
     adamw = adamw_mode(basic_optimizer)  # refuse a non-Adam optimizer before anything is built
     counters = StepCounters()
-    comm = ChunkComm(dp_group, counters)
+    comm = ChunkComm(dp_group, counters, options.lockstep)
+    try:
+        return _plan(module, basic_optimizer, options, device, dtype, accumulate, counters, comm, adamw)
+    except BaseException:
+        comm.agreement.destroy()  # its side group (see [Note: rank agreement])
+        raise
+
+
+def _plan(
+    module: torch.nn.Module,
+    basic_optimizer: torch.optim.Optimizer,
+    options: PatrickStarConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    accumulate: bool,
+    counters: StepCounters,
+    comm: ChunkComm,
+    adamw: bool,
+) -> RunPlan:
+    """:func:`plan_run`'s work, once the collectives' ``comm`` is made."""
     groups = named_param_groups(module, basic_optimizer.param_groups)
     specs = plan_chunks(groups, options.chunk_size, comm.world_size, frozen_parameters(module), dtype)
     buffers = frozen_buffer_count(options.offload_optimizer, options.offload_param)

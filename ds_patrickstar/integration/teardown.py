@@ -22,7 +22,7 @@ the way out must not start a gather the other ranks never join; it would hang in
 its error). A forward without backward (a validation loss under grad mode) has ended: destroy gathers.
 Such an interrupted engine also keeps its accelerator memory until it is collected: a collective in
 flight may still read or write its buffers (gloo's threads, NCCL's stream), and waiting for it could
-hang as well.
+hang as well; and the ranks' agreement keeps its side group (see [Note: rank agreement]).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..disk.frozen import FrozenDisk
 from ..disk.states import DiskStates
+from ..groups.agreement import RankAgreement
 from ..io.export import owned_host_values
 from ..memory.accelerator import Accelerator
 from ..store.chunk_store import ChunkStore
@@ -91,6 +92,7 @@ def give_back(
     accel: Accelerator,
     frozen_disk: FrozenDisk | None = None,
     store: ChunkStore | None = None,
+    agreement: RankAgreement | None = None,
 ) -> None:
     """A failed initialize: every bound parameter that came with values gets them back from the chunks this
     rank owns (no collective runs on a failing rank), then what was built goes (:func:`release`); see
@@ -102,7 +104,7 @@ def give_back(
         read = lambda: owned_host_values(chunk_map, infos, values)
         unbind_parameters(infos, read, "a failed deepspeed.initialize", why)
     finally:
-        release(hooks, disk, accel, frozen_disk)
+        release(hooks, disk, accel, frozen_disk, agreement)
 
 
 def release(
@@ -110,9 +112,11 @@ def release(
     disk: DiskStates | None,
     accel: Accelerator | None,
     frozen_disk: FrozenDisk | None = None,
+    agreement: RankAgreement | None = None,
 ) -> None:
     """Our hooks leave the model, the disk tier's I/O threads stop and its files go (see [Note: swap files]),
-    the accelerator gives back its memory; each even when one before it raised."""
+    the accelerator gives back its memory, the ranks' agreement its side group (see [Note: rank agreement]);
+    each even when one before it raised."""
     try:
         if hooks is not None:
             hooks.remove()
@@ -123,8 +127,12 @@ def release(
             if frozen_disk is not None:
                 frozen_disk.close()
         finally:
-            if accel is not None:
-                accel.close()
+            try:
+                if accel is not None:
+                    accel.close()
+            finally:
+                if agreement is not None:
+                    agreement.destroy()
 
 
 def give_back_logged(
@@ -135,10 +143,11 @@ def give_back_logged(
     accel: Accelerator,
     frozen_disk: FrozenDisk | None,
     store: ChunkStore | None,
+    agreement: RankAgreement | None,
 ) -> None:
     """After a failed :func:`assemble`: :func:`give_back`; an error doing so is logged, the failure's own
     error is the one that propagates."""
     try:
-        give_back(chunk_map, has_values, hooks, disk, accel, frozen_disk, store)
+        give_back(chunk_map, has_values, hooks, disk, accel, frozen_disk, store, agreement)
     except Exception:
         logger.exception("ds_patrickstar: giving back what a failed initialize built failed too")

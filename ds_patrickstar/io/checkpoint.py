@@ -38,7 +38,6 @@ world size) and ``zero_to_fp32`` read the slices they need from such a file on d
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import pickle
@@ -54,7 +53,7 @@ from ..chunks.chunk import Piece
 from ..chunks.chunk_map import ChunkMap, owner_of
 from ..disk.io import align_up
 from ..optim.states import STATE_KEYS, OptimizerStates
-from .commit import FORMAT, CheckpointError, resolve_tag, verify_complete
+from .commit import FORMAT, CheckpointError, listed, read_marker, resolve_tag, verify_complete
 
 _FORMATS = (FORMAT, "ds_patrickstar/1")
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
@@ -214,24 +213,64 @@ def _saved_rank(path: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def owned_optimizer_files(chunk_map: ChunkMap, paths: list[str]) -> Iterator[dict]:
-    """The optimizer state dicts this rank needs, read once each: the file of its own rank number
-    first (at an unchanged world size the only one), then the saved ranks whose chunks hold
-    elements this rank owns now, found from the first file's layout (the same in every file)
-    and the saved world size (saved chunk ``c`` was owned by rank ``c % W``). Every rank reads at
-    most the files it needs, not all ``W`` of them (see [Note: checkpoint format])."""
+def optimizer_files(load_dir: str, tag: str) -> tuple[list[str], int]:
+    """The paths of the optimizer files the tag's marker lists, one per saved rank, and the saved world
+    size, from the marker (or, for a marker written before the manifest, DeepSpeed's model file); see
+    [Note: checkpoint manifest]. Raises :class:`CheckpointError` when they do not agree."""
+    folder = os.path.join(load_dir, tag)
+    marker = read_marker(load_dir, tag)
+    names = listed(marker, OPTIM_GLOB)
+    world = marker.get("world_size")
+    if not isinstance(world, int):
+        world = _model_file_world(folder, len(names))
+    ranks = sorted(_saved_rank(name) for name in names)
+    if ranks != list(range(world)):
+        stale = [name for name in names if _saved_rank(name) >= world]
+        fix = f"remove {stale[:4]} from the folder or save the tag again" if stale else "save the tag again"
+        raise CheckpointError(
+            f"checkpoint {folder!r} was saved at {world} data-parallel ranks but lists the optimizer files of ranks "
+            f"{ranks}: files of another save are among them (a re-save into the tag at another world size, before "
+            f"ds_patrickstar removed a tag's old rank files); {fix}, or load another tag"
+        )
+    return [os.path.join(folder, name) for name in names], world
+
+
+def _model_file_world(folder: str, default: int) -> int:
+    """The data-parallel world size DeepSpeed recorded in the model file (``default`` when unreadable)."""
+    try:
+        saved = load_file(os.path.join(folder, "mp_rank_00_model_states.pt"))
+    except (CheckpointError, OSError):
+        return default
+    world = saved.get("dp_world_size") if isinstance(saved, dict) else None
+    return world if isinstance(world, int) else default
+
+
+def owned_optimizer_files(chunk_map: ChunkMap, paths: list[str], world: int) -> Iterator[dict]:
+    """The optimizer state dicts this rank needs, read once each, from the files of a save at ``world``
+    ranks (:func:`optimizer_files`): the file of its own rank number first (at an unchanged world size
+    the only one), then the saved ranks whose chunks hold elements this rank owns now, found from the
+    first file's layout (the same in every file; saved chunk ``c`` was owned by rank ``c % world``).
+    Every rank reads at most the files it needs, not all ``world`` of them (see [Note: checkpoint
+    format]); each must say it was saved at ``world`` ranks."""
     by_rank = {_saved_rank(p): p for p in paths}
     first_path = by_rank.get(chunk_map.rank, paths[0])
-    first = _with_folder(load_file(first_path)["optimizer_state_dict"], first_path)
+    first = _read_optimizer_file(first_path, world)
     yield first
-    world = first.get("world_size") if isinstance(first, dict) else None
-    if not isinstance(world, int) or len(by_rank) != len(paths):
-        needed = set(paths)  # no usable rank numbers: read them all
-    else:
-        needed = {by_rank.get(owner_of(cid, world), "") for cid in _overlapping_saved_chunks(chunk_map, first)}
+    needed = {by_rank.get(owner_of(cid, world), "") for cid in _overlapping_saved_chunks(chunk_map, first)}
     for path in paths:
         if path in needed and path != first_path:
-            yield _with_folder(load_file(path)["optimizer_state_dict"], path)
+            yield _read_optimizer_file(path, world)
+
+
+def _read_optimizer_file(path: str, world: int) -> Any:
+    sd = _with_folder(load_file(path)["optimizer_state_dict"], path)
+    saved = sd.get("world_size", world) if isinstance(sd, dict) else world
+    if saved != world:
+        raise CheckpointError(
+            f"{path!r} was saved at {saved} data-parallel ranks, the checkpoint's other files at {world}: it is "
+            f"left from another save; save the tag again or load another tag"
+        )
+    return sd
 
 
 def _with_folder(sd: Any, path: str) -> Any:
@@ -296,15 +335,16 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
     tag = resolve_tag(checkpoint_dir, tag)
     verify_complete(checkpoint_dir, tag)
     folder = os.path.join(checkpoint_dir, tag)
+    paths, world = optimizer_files(checkpoint_dir, tag)  # only the files the marker lists
     result: dict[str, torch.Tensor] = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*model_states.pt"))):
+    for path in [os.path.join(folder, name) for name in listed(read_marker(checkpoint_dir, tag), "*model_states.pt")]:
         module = load_file(path).get("module", {})
         for name, value in module.items():
             result[name] = value.float() if value.is_floating_point() else value
     flat: dict[str, tuple[torch.Tensor, tuple]] = {}
     covered: dict[str, int] = {}
-    for path in sorted(glob.glob(os.path.join(folder, OPTIM_GLOB))):
-        sd = _with_folder(load_file(path)["optimizer_state_dict"], path)
+    for path in paths:
+        sd = _read_optimizer_file(path, world)
         if sd.get("format") not in _FORMATS:
             raise CheckpointError(f"{path} was not written by ds_patrickstar")
         for name, entry in sd["layout"].items():

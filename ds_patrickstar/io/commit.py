@@ -2,22 +2,37 @@
 makes before it reads anything.
 
 [Note: crash-safe save]
-DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a partial tag
-folder, or, when it writes into an existing tag, a folder of old and new files. So a save is a
-commit: before any rank writes a file of the tag, rank 0 removes the tag's completion marker and
-makes that removal durable (the folder is fsynced), then a barrier; DeepSpeed saves (with
-``save_latest=False``); the first rank of each host fsyncs the tag's files, a barrier; every rank
-reads back its share of the files (every ``world_size``-th of the sorted listing) for their sizes
-and CRC-32s, rank 0 gathers them and writes ``ds_patrickstar_complete.json`` (every file of the
-tag, its size and digest) and then ``latest``, each by write-to-temporary, fsync, ``os.replace``
-and an fsync of the folder. A load (every rank checking its share, all ranks agreeing before any
-reads a file) refuses a tag without a marker, or with a listed file missing, of another size or
-of another digest, naming the tag, the file and the problem, and the complete tags to load
-instead. So a save that dies part way, also into an existing tag, is never loaded half old and
-half new, and a file changed after its save is never loaded; ``latest`` only ever names a tag
-whose marker was written (re-saving the tag ``latest`` names makes it unloadable until that save
+DeepSpeed writes ``latest`` last but not atomically, and a killed save leaves a partial tag folder,
+or, when it writes into an existing tag, a folder of old and new files. So a save is a commit:
+before any rank writes a file of the tag, rank 0 removes the tag's completion marker and makes that
+removal durable (the folder is fsynced), then a barrier; the first rank of each host removes the
+tag's rank files (:data:`RANK_FILES`: model and optimizer states, spilled states) that an earlier
+save left, a barrier (so a re-save at another world size leaves no rank file of the old one: see
+[Note: checkpoint manifest]); DeepSpeed saves (with ``save_latest=False``); the first rank of each
+host fsyncs the tag's files, a barrier; every rank reads back its share of the files (every
+``world_size``-th of the sorted listing) for their sizes and CRC-32s, rank 0 gathers them and writes
+``ds_patrickstar_complete.json`` (the manifest: every file of the tag, its size and digest, with the
+world size and chunk layout of the save) and then ``latest``, each by write-to-temporary, fsync,
+``os.replace`` and an fsync of the folder. A load (every rank checking its share, all ranks agreeing
+before any reads a file) refuses a tag without a marker, or with a listed file missing, of another
+size or of another digest, naming the tag, the file and the problem, and the complete tags to load
+instead. So a save that dies part way, also into an existing tag, is never loaded half old and half
+new, and a file changed after its save is never loaded; ``latest`` only ever names a tag whose
+marker was written (re-saving the tag ``latest`` names makes it unloadable until that save
 completes: a tag per step keeps the previous checkpoint loadable throughout). Markers that list
 sizes only (no digests) load with their sizes checked.
+
+[Note: checkpoint manifest]
+The marker is the manifest of what the save wrote: the tag's rank files of an earlier save are gone
+before this one writes (a re-save of tag ``last`` at 2 ranks over one at 4 left ranks 2 and 3's
+optimizer files of the older step in the folder, the marker listed them, and a resume at 4 ranks
+restored that step's masters and moments on those ranks, with no error), so every file it lists was
+written by this save, and it records the save's ``world_size`` and chunk layout (``chunk_size``,
+``chunks``). A load reads only the optimizer files it lists, and takes the saved world size from it:
+the listed files must be those of ranks ``0 .. world_size - 1``. A marker written before the manifest
+(no ``world_size``) may list an older save's files: its world size is read from DeepSpeed's model
+file (``dp_world_size``), and a tag listing another number of optimizer files is refused, naming the
+files to remove or a re-save.
 
 The digest is ``zlib.crc32``, read in blocks: it guards against torn, truncated, zeroed or
 bit-flipped files, not against a deliberate forgery, and it runs several times faster than the
@@ -26,10 +41,13 @@ standard library's cryptographic hashes, so reading a save back costs a fraction
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import json
 import os
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 MARKER = "ds_patrickstar_complete.json"
 FORMAT = "ds_patrickstar/2"  # of the optimizer files and the marker (see [Note: checkpoint format])
@@ -37,6 +55,8 @@ DIGEST = "crc32"
 _BLOCK = 4 << 20
 
 FileRecords = dict[str, dict[str, int | str]]  # file name -> {"size": bytes, "crc32": 8 hex digits}
+# what a save writes per rank (DeepSpeed's model and optimizer states, the disk tier's spilled states)
+RANK_FILES = ("*model_states.pt", "*optim_states.pt", "ds_patrickstar_optim_rank*_chunk*.states")
 
 
 class CheckpointError(ValueError):
@@ -98,6 +118,21 @@ def begin_save(save_dir: str, tag: str) -> None:
         fsync_folder(folder)
 
 
+def clear_rank_files(save_dir: str, tag: str) -> list[str]:
+    """The first rank of each host, after :func:`begin_save` and before any file of the save is written: the
+    tag's rank files an earlier save left go, durably; see [Note: checkpoint manifest]. Their names."""
+    folder = os.path.join(save_dir, tag)
+    if not os.path.isdir(folder):
+        return []
+    names = [name for name in _tag_files(folder) if any(fnmatch.fnmatch(name, p) for p in RANK_FILES)]
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):  # another host's first rank, on shared storage
+            os.remove(os.path.join(folder, name))
+    if names:
+        fsync_folder(folder)
+    return names
+
+
 def sync_saved_files(save_dir: str, tag: str) -> None:
     """The first rank of each host, after the host's part of the save: the tag's files it can see reach
     the disk (an fsync flushes what this host wrote, whichever of its processes wrote it; on storage
@@ -117,9 +152,12 @@ def record_files(save_dir: str, tag: str, rank: int = 0, world_size: int = 1) ->
     return {name: file_record(os.path.join(folder, name)) for name in _share(_tag_files(folder), rank, world_size)}
 
 
-def write_marker(save_dir: str, tag: str, shares: Iterable[FileRecords] | None = None) -> None:
+def write_marker(
+    save_dir: str, tag: str, shares: Iterable[FileRecords] | None = None, layout: dict[str, int] | None = None
+) -> None:
     """Rank 0: the marker listing every file of the tag with its record, from the ranks' ``shares``
-    (:func:`record_files` on every rank) or, without them, read here."""
+    (:func:`record_files` on every rank) or, without them, read here, and the save's ``layout``
+    (``world_size``, ``chunk_size``, ``chunks``; see [Note: checkpoint manifest])."""
     folder = os.path.join(save_dir, tag)
     files: FileRecords = {}
     for share in shares if shares is not None else [record_files(save_dir, tag)]:
@@ -130,11 +168,23 @@ def write_marker(save_dir: str, tag: str, shares: Iterable[FileRecords] | None =
             f"checkpoint {folder!r}: no rank read back {unrecorded[:5]}; the ranks see different files in the "
             f"tag folder (save_dir must be one folder that every rank sees, or on every host the same)"
         )
-    marker = {"format": FORMAT, "tag": tag, "digest": DIGEST, "files": dict(sorted(files.items()))}
+    marker = {"format": FORMAT, "tag": tag, "digest": DIGEST, **(layout or {}), "files": dict(sorted(files.items()))}
     atomic_write_text(os.path.join(folder, MARKER), json.dumps(marker))
 
 
 # ---- load ---------------------------------------------------------------------------
+def read_marker(load_dir: str, tag: str) -> dict[str, Any]:
+    """The tag's marker (checked by :func:`verify_complete` first)."""
+    with open(os.path.join(load_dir, tag, MARKER)) as f:
+        marker: dict[str, Any] = json.load(f)
+    return marker
+
+
+def listed(marker: dict[str, Any], pattern: str) -> list[str]:
+    """The names of the files the marker lists that match ``pattern``, sorted."""
+    return sorted(name for name in marker["files"] if fnmatch.fnmatch(name, pattern))
+
+
 def resolve_tag(load_dir: str, tag: str | None) -> str:
     if tag is not None:
         return str(tag)
