@@ -20,6 +20,7 @@ from ..autograd_state import iter_tensors
 from ..chunks.chunk import TensorInfo
 from ..groups.manager import ChunkManager
 from ..io.export import ChunkExport
+from ..optim.frozen_steps import check_still_frozen
 from ..optim.states import OptimizerStates
 from ..placement.interface import Placement
 from ..run_state import RunState
@@ -57,6 +58,7 @@ class TrainingFlow:
         self._leaves = {m: manager.leaves.add(self._module_names[m], infos) for m, infos in (leaves or {}).items()}
         self._meter_ctx: AbstractContextManager[Any] | None = None
         self.backward = BackwardEnd(self.end_backward)  # see [Note: end of backward]
+        self._frozen = [info for info in manager.map.infos() if not info.trainable]
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
@@ -64,6 +66,8 @@ class TrainingFlow:
             return
         self.end_saved_tensor_hooks()  # a training forward that raised left its hooks on
         training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
+        if training:
+            check_still_frozen(self._frozen)  # see [Note: requires_grad after initialize]
         if training and self.run.forward_without_backward():
             self.placement.drop_forward()  # see [Note: moments and the trace]
         if self.run.start_forward(training) and self.placement.start_iteration(inputs):
