@@ -133,9 +133,10 @@ class TrainingFlow:
         """A backward pass of ours is running (see [Note: end of backward])."""
         return self.backward.running
 
-    def backward_begins(self) -> None:
-        """Autograd runs one of our backward hooks: the run is in its backward, whose end is queued."""
-        self.run.backward_hook()
+    def backward_begins(self, where: str = "the model's output") -> None:
+        """Autograd runs one of our backward hooks (for ``where``): the run is in its backward, whose end is
+        queued; inside a training forward it raises (see [Note: run state])."""
+        self.run.backward_hook(where)
         self.backward.arm()
 
     def end_backward(self) -> None:
@@ -144,7 +145,7 @@ class TrainingFlow:
         self.run.end_backward()  # see [Note: run state]
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.backward_begins()
+        self.backward_begins(self._module(module))
         self.manager.reap_reductions()
         if self.is_boundary():  # the step's disk reads need no gradient: start them now (see [Note: disk tier])
             self.optim_states.read_ahead()
@@ -153,19 +154,23 @@ class TrainingFlow:
         self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))
 
     def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.backward_begins()
+        self.backward_begins(self._module(module))
         self.manager.backward_use_over(infos)
+
+    def _module(self, module: torch.nn.Module) -> str:
+        name = self._module_names.get(module)
+        return f"module {name!r} ({type(module).__name__})" if name else f"the root module ({type(module).__name__})"
 
     def leaf_called(self, module: torch.nn.Module) -> None:
         self.manager.leaves.called(self._leaves[module])
 
     def leaf_backward_over(self, module: torch.nn.Module) -> None:
         """One forward call's backward of a leaf module is over (see [Note: leaf modules])."""
-        self.backward_begins()
+        self.backward_begins(self._module(module))
         self.manager.leaves.backward_over(self._leaves[module], self.is_boundary())
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
-        self.backward_begins()
+        self.backward_begins(f"parameter {info.name}")
         self.manager.take_grad(info, grad, self.is_boundary())
 
     # ---- state dicts (see [Note: state_dict]) ------------------------------------------
