@@ -132,6 +132,18 @@ def map_large_allocations() -> LargeAllocations:
     return LargeAllocations()
 
 
+def release_free_pages() -> bool:
+    """Give the pages of the C heap's free blocks back to the system (glibc's ``malloc_trim(0)``, which
+    also returns whole free pages inside the heap, not only at its top); False without it. See
+    [Note: gradient accumulation] in groups/grads.py for why."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
+
+
 class BuildWindow:
     """While open (windows nest, from any thread), a host allocation of at least :data:`BUILD_THRESHOLD`
     that the heap's free space cannot serve is mapped on its own instead of growing the heap; see
