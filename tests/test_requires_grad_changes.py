@@ -115,3 +115,28 @@ def _unfreeze_frozen(rank: int, world_size: int) -> str:
 def test_unfreezing_a_parameter_frozen_at_initialize_raises_naming_it():
     (message,) = run_ranks(_unfreeze_frozen, 1, timeout=60)
     assert "mid.weight" in message and "requires_grad=False at deepspeed.initialize" in message
+
+
+def test_update_runs_cut_a_chunk_where_the_step_changes_and_count_each_skip_once():
+    """A chunk of four tensors, the second frozen and the fourth unfrozen after 2 skipped steps, updated
+    whole and in two halves (a spilled chunk's pieces): the same runs, each skip counted once."""
+    from ds_patrickstar.chunks.chunk import Chunk, Piece, TensorInfo
+    from ds_patrickstar.optim.frozen_steps import KEY, Run, SkippedSteps, update_runs
+
+    def runs_of(ranges):
+        group = {KEY: {"d": 2}}
+        chunk = Chunk(0, 64, torch.float32, 0)
+        for name, offset, numel, trains in (("a", 0, 10, True), ("b", 12, 10, False), ("c", 22, 8, True),
+                                            ("d", 30, 20, True)):
+            param = nn.Parameter(torch.zeros(numel), requires_grad=trains)
+            piece = Piece(0, offset, 0, numel)
+            chunk.append(TensorInfo(name, param, [piece], numel, param.shape, 0), piece)
+        steps = SkippedSteps(group)
+        return [run for start, stop in ranges for run in update_runs(chunk, start, stop, steps, 5)], group[KEY]
+
+    whole, counts = runs_of([(0, 50)])
+    assert whole == [Run(0, 12, 5), Run(12, 22, None), Run(22, 30, 5), Run(30, 50, 3)]
+    assert counts == {"b": 1, "d": 2}
+    halves, counts = runs_of([(0, 16), (16, 50)])
+    assert halves == [Run(0, 12, 5), Run(12, 16, None), Run(16, 22, None), Run(22, 30, 5), Run(30, 50, 3)]
+    assert counts == {"b": 1, "d": 2}
