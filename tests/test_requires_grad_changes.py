@@ -36,13 +36,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
-def _config(world_size: int, chunk_size: int) -> dict:
+def _config(world_size: int, chunk_size: int, overlap: bool = False) -> dict:
+    placement = {"emulate_accelerator": True, "device_budget": 48 << 10, "overlap_host_adam": True} if overlap else {}
     return {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,  # plain AdamW clips nothing
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": EPS, "weight_decay": WD}},
-        "zero_optimization": {"stage": "patrickstar", "chunk_size": chunk_size},
+        "zero_optimization": {"stage": "patrickstar", "chunk_size": chunk_size, **placement},
         "steps_per_print": 10**9,
     }
 
@@ -60,7 +61,7 @@ def _torch_run(model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _ours(rank: int, world_size: int, chunk_size: int):
+def _ours(rank: int, world_size: int, chunk_size: int, overlap: bool):
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
@@ -68,8 +69,11 @@ def _ours(rank: int, world_size: int, chunk_size: int):
     torch.manual_seed(SEED)
     model = Net()
     ref_losses, ref_weights = _torch_run(copy.deepcopy(model))
-    config = _config(world_size, chunk_size)
+    config = _config(world_size, chunk_size, overlap)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    jobs = []
+    host_work = engine.optimizer.accel.host_work
+    engine.optimizer.accel.host_work = lambda *a: jobs.append(1) or host_work(*a)
     losses = []
     for step, trains in enumerate(SCHEDULE):
         engine.module.mid.requires_grad_(trains)
@@ -79,14 +83,16 @@ def _ours(rank: int, world_size: int, chunk_size: int):
         losses.append(loss.item())
     weights = {k: v.clone() for k, v in engine.get_fp32_state_dict().items()}
     engine.destroy()
+    assert bool(jobs) == overlap, len(jobs)
     return losses, ref_losses, weights, ref_weights
 
 
-@pytest.mark.parametrize("world_size,chunk_size", [(1, 4096), (2, 1024)])
-def test_freeze_and_unfreeze_between_steps_match_torch_adamw(world_size, chunk_size):
+@pytest.mark.parametrize("world_size,chunk_size,overlap", [(1, 4096, False), (2, 1024, False), (1, 4096, True)])
+def test_freeze_and_unfreeze_between_steps_match_torch_adamw(world_size, chunk_size, overlap):
     """The middle block shares its chunks with the trainable ones (one chunk at 1 rank; at 2 ranks groups
-    whose pieces straddle the ranks), so the update skips a run inside a chunk."""
-    for losses, ref_losses, weights, ref_weights in run_ranks(_ours, world_size, chunk_size, timeout=120):
+    whose pieces straddle the ranks), so the update skips a run inside a chunk; with ``overlap_host_adam``
+    the host worker runs the update cut when it was handed over."""
+    for losses, ref_losses, weights, ref_weights in run_ranks(_ours, world_size, chunk_size, overlap, timeout=120):
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
         for name, ref in ref_weights.items():
             torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6, msg=name)
