@@ -11,7 +11,8 @@ parameter no forward used does, see [Note: gradient accumulation]), so nothing c
 agreement; :meth:`ChunkAdam._update` reads ``requires_grad`` at the step and updates the chunk in runs of
 consecutive pieces with the same step count (:func:`update_runs`), writing the master back into the
 frozen runs' slots, which held the zero gradient. With nothing frozen the run is the whole range: one
-fused call per chunk, as before.
+fused call per chunk, as before. A chunk handed to the host worker (see [Note: overlapped host Adam])
+is cut into runs when it is handed over, so ``requires_grad`` is read at the step there too.
 
 PyTorch counts Adam's steps per parameter (``state["step"]``), and bias correction reads that count, so a
 parameter unfrozen after ``k`` skipped steps takes its next step with its own count, ``k`` lower than its
