@@ -30,7 +30,10 @@ a backward hook fires, a hooked module's forward runs inside backward, autograd'
 ends the backward), and so does the optimizer (the step); every other part only asks. A hooked module called on its own,
 outside the root module's forward, moves nothing: its moments are not training moments. The legal
 moves are the table :data:`_LEGAL`; anything else raises :class:`IllegalRunTransition` naming both
-phases. A forward or backward that raised leaves its phase as it was: the run is
+phases. A backward that begins inside a training forward (``torch.autograd.grad`` called in the forward,
+an input-gradient penalty) raises :class:`BackwardInForward` naming the call and the module or parameter
+it reached: the forward's chunk groups are in use (kept, released or gathered by the forward's own
+rules), and stock ZeRO-3 hangs there. A forward or backward that raised leaves its phase as it was: the run is
 *mid-iteration* (``FORWARD``, ``BACKWARD``, ``RECOMPUTE``), and only a new forward of the root
 module leaves it. Mid-iteration, with data parallelism, a rank may have failed inside a collective
 the others wait in, so ``destroy`` must not gather (see [Note: engine teardown]).
@@ -57,6 +60,10 @@ import torch
 
 class IllegalRunTransition(RuntimeError):
     """The run was asked to move between phases in a way [Note: run state] forbids."""
+
+
+class BackwardInForward(IllegalRunTransition):
+    """Autograd ran a backward of the model inside its training forward; see [Note: run state]."""
 
 
 class Phase(enum.Enum):
@@ -99,6 +106,16 @@ def check_move(old: Phase, new: Phase) -> None:
         )
 
 
+def _backward_in_forward(where: str) -> str:
+    return (
+        f"a backward pass reached {where} while the model's training forward was still running: "
+        f"torch.autograd.grad (or .backward()) called inside the forward, such as an input-gradient penalty "
+        f"or forces computed as -dE/dx, is not supported by stage 'patrickstar' (its chunks are in use by the "
+        f"forward; stock ZeRO-3 hangs there). Train this model with ZeRO stage 0-2, or compute the term "
+        f"without autograd inside the forward"
+    )
+
+
 class RunState:
     """The phase of one run and its moves; see [Note: run state]."""
 
@@ -127,8 +144,10 @@ class RunState:
         """The root module's forward is over."""
         self._move(self._before_eval if self.phase is Phase.EVAL_FORWARD else Phase.FORWARD_DONE)
 
-    def backward_hook(self) -> None:
-        """Autograd runs one of our backward hooks (a module's backward, a gradient's arrival)."""
+    def backward_hook(self, where: str = "the model") -> None:
+        """Autograd runs one of our backward hooks (a module's backward, a gradient's arrival) for ``where``."""
+        if self.phase is Phase.FORWARD:
+            raise BackwardInForward(_backward_in_forward(where))
         if self.phase is not Phase.BACKWARD:
             self._move(Phase.BACKWARD)
 

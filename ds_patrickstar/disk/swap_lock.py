@@ -15,6 +15,13 @@ holder removed it in between, and the taker locks afresh), so of runs starting t
 one proceeds. This process's own locks are also kept in a set: POSIX locks, which ``flock``
 becomes on NFS, do not exclude a second taker in the same process.
 
+A ``flock`` belongs to the open file, which a forked child shares through its copy of the descriptor:
+a DataLoader worker forked after initialize would keep the lock after its parent died (until the
+worker ends too). So the descriptor is opened ``O_CLOEXEC`` (a program a child executes does not get
+it) and a fork handler (:func:`os.register_at_fork`) closes every held lock's descriptor in the child,
+which holds no lock of its parent's: closing it there leaves the parent's lock in place, and the child
+neither removes the lock file nor unlocks it.
+
 On NFS, Linux implements ``flock`` with the protocol's byte-range locks (NLM for v3, part of v4):
 it excludes across hosts where the server supports locking and the client mount does not use
 ``nolock`` or ``local_lock`` (which make locks local to one host). A host that crashes keeps its
@@ -31,11 +38,13 @@ import os
 import socket
 import threading
 import time
+import weakref
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 _held: set[str] = set()  # lock files this process holds (real paths)
 _held_lock = threading.Lock()
+_locks: weakref.WeakSet[SwapLock] = weakref.WeakSet()  # the held locks, for the fork handler
 
 
 class SwapFolderBusy(ValueError):
@@ -79,17 +88,29 @@ class SwapLock:
         record = {**_this_process(), "run_id": run_id}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
-        return cls(path, fd)
+        lock = cls(path, fd)
+        _locks.add(lock)
+        return lock
 
     @property
     def held(self) -> bool:
         return self._fd >= 0
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close the inherited descriptor; the parent's lock stays (see the Note)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def release(self) -> None:
         """Remove the lock file and unlock (in that order, see the Note); again: nothing."""
         fd, self._fd = self._fd, -1
         if fd < 0:
             return
+        _locks.discard(self)
         with _held_lock:
             _held.discard(os.path.realpath(self.path))
             try:
@@ -97,6 +118,19 @@ class SwapLock:
                     os.unlink(self.path)
             finally:
                 os.close(fd)  # closing the last descriptor releases the flock
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds none of its parent's locks (see [Note: swap folder lock])."""
+    global _held_lock
+    _held_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _held.clear()
+    for lock in list(_locks):
+        lock._forget_in_child()
+    _locks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _lock(fd: int, folder: str, path: str, key: str) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.chunk_map import ChunkMap
+from ..memory.host_heap import release_free_pages
 from ..memory.reductions import InFlightReductions
 from .comm import ChunkComm
 from .group import ChunkGroup
@@ -28,6 +29,7 @@ class ScatteredAccumulation:
         reductions: InFlightReductions,
     ) -> None:
         self._map, self._groups, self._comm, self._reductions = chunk_map, groups, comm, reductions
+        self._on_host = False  # a buffer of this micro-step was host memory (the C heap's)
 
     def _member_index(self, chunk: Chunk) -> int:
         return chunk.chunk_id - self._map.group_of(chunk) * self._comm.world_size
@@ -35,6 +37,7 @@ class ScatteredAccumulation:
     def _buffer(self, group: ChunkGroup, keep: set[int]) -> torch.Tensor:
         if group.grad_buffer is None:
             group.grad_buffer = group.flat_buffer(keep)
+            self._on_host = self._on_host or group.grad_buffer.device.type == "cpu"
         return group.grad_buffer
 
     @torch.no_grad()
@@ -85,6 +88,13 @@ class ScatteredAccumulation:
         slot = owned.ready()
         acc.add_(slot)
         slot.copy_(acc)
+
+    def micro_step_over(self) -> None:
+        """Every buffer of the micro-step is freed: the pages the C heap keeps free go back to the system
+        (host buffers only; see [Note: gradient accumulation])."""
+        if self._on_host:
+            release_free_pages()
+        self._on_host = False
 
     def discard(self) -> None:
         """Buffers of a micro-step that did not finish (none after a complete backward) go."""

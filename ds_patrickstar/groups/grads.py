@@ -32,6 +32,15 @@ at every micro-step too; all-gather volume is unchanged (groups are kept between
 The alternative, local fp32 accumulators for every chunk a rank touches and one reduce-scatter
 at the boundary, sends GA times less but costs 4 B/param instead of 4 / ``W``
 (tests/test_ga_memory.py).
+
+In host memory (a CPU run, where the buffers are the C heap's) the buffers of a micro-step are freed
+between the accumulators it allocates, and glibc's heap keeps the pages of freed blocks below its mmap
+threshold (32 MiB after initialize, see [Note: host heap]) resident: measured at 2 ranks on a 48M GPT,
+1.4-1.6 B/param of resident memory beyond the accumulators into the boundary micro-step. So the end of
+a micro-step's backward gives the heap's free pages back to the system (``malloc_trim``, a walk of the
+heap's free blocks, :func:`~ds_patrickstar.memory.host_heap.release_free_pages`): GA 2 then costs each
+rank the accumulators and about 0.7-0.8 B/param more than GA 1 (benchmarks/ga_memory.py,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -165,6 +174,7 @@ class GradientSink:
                         self._scattered.reduce(group)  # kept below, with the other present groups
                 self._reductions.drain()
                 self.next_step()
+                self._scattered.micro_step_over()
             for info in self._map.infos():
                 if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
                     info.settle()

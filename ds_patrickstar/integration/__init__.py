@@ -9,9 +9,9 @@ assembly that builds and wires every part of a run (``assembly.py``), initialize
 wiring of DeepSpeed's activation checkpointing (``ds_checkpointing.py``), the share of host memory
 each rank may use (``host_share.py``), the end of a backward pass from autograd
 (``backward_end.py``), the ``optimizer`` block and reduction keys (``optimizer_keys.py``), the end of a
-run (``teardown.py``), the step's accounts for the counters (``accounts.py``) and
-the Hugging Face adaptations (``hf_compat.py``: accelerate's stage and process count;
-``hf_eval.py``: evaluation without training; ``save_compat.py``: tied weights through
+run (``teardown.py``), a run's process-wide effects (``process_effects.py``), the step's accounts
+for the counters (``accounts.py``) and the Hugging Face adaptations (``hf_compat.py``: accelerate's
+stage and process count; ``hf_eval.py``: evaluation without training; ``save_compat.py``: tied weights through
 accelerate's copy of the state dict).
 May import: every other sub-package (the top layer); nothing imports it but the package root
 and the command-line modules.

@@ -30,8 +30,8 @@ from ..io.export import host_parameters
 from ..io.init import DeferredModel, swap_deferred
 from ..memory.host_heap import BuildWindow, map_large_allocations
 from .config import PatrickStarConfig
-from .hf_compat import unsynchronize_generation
 from .optimizer_keys import check_reduction_settings, torch_adam_from_block
+from .process_effects import RunEffects
 from .zero_optimizer import PatrickStarOptimizer
 
 
@@ -39,9 +39,9 @@ class PatrickStarEngine(DeepSpeedEngine):
     def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
         self._patrickstar_config = patrickstar_config
         self._deferred: DeferredModel | None = None  # meta parameters, materialized into chunks (see io/init.py)
-        self.generation_synced: list[torch.nn.Module] = []  # see [Note: generation in step]
+        self.process_effects = RunEffects()  # see [Note: process-wide effects]
         if patrickstar_config.nvme is not None:  # from the first allocation of initialize: see [Note: host heap]
-            map_large_allocations()
+            self.process_effects.record("the disk tier's mmap threshold", map_large_allocations().release)
         # The module stays where it was built: chunks are built on the host and placement brings
         # them to the accelerator when used, so a model larger than the device can start.
         with BuildWindow():  # see [Note: host heap]
@@ -62,8 +62,7 @@ class PatrickStarEngine(DeepSpeedEngine):
         try:
             super().destroy()
         finally:
-            unsynchronize_generation(self.generation_synced)
-            self.generation_synced = []
+            self.process_effects.undo_all()  # see [Note: process-wide effects]
             for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
                 handle = getattr(self, name, None)
                 if handle is not None:

@@ -20,6 +20,7 @@ from ..autograd_state import iter_tensors
 from ..chunks.chunk import TensorInfo
 from ..groups.manager import ChunkManager
 from ..io.export import ChunkExport
+from ..optim.frozen_steps import check_still_frozen
 from ..optim.states import OptimizerStates
 from ..placement.interface import Placement
 from ..run_state import RunState
@@ -57,6 +58,7 @@ class TrainingFlow:
         self._leaves = {m: manager.leaves.add(self._module_names[m], infos) for m, infos in (leaves or {}).items()}
         self._meter_ctx: AbstractContextManager[Any] | None = None
         self.backward = BackwardEnd(self.end_backward)  # see [Note: end of backward]
+        self._frozen = [info for info in manager.map.infos() if not info.trainable]
 
     # ---- iterations -------------------------------------------------------------------
     def root_forward_start(self, inputs: Any) -> None:
@@ -64,6 +66,8 @@ class TrainingFlow:
             return
         self.end_saved_tensor_hooks()  # a training forward that raised left its hooks on
         training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
+        if training:
+            check_still_frozen(self._frozen)  # see [Note: requires_grad after initialize]
         if training and self.run.forward_without_backward():
             self.placement.drop_forward()  # see [Note: moments and the trace]
         if self.run.start_forward(training) and self.placement.start_iteration(inputs):
@@ -129,9 +133,10 @@ class TrainingFlow:
         """A backward pass of ours is running (see [Note: end of backward])."""
         return self.backward.running
 
-    def backward_begins(self) -> None:
-        """Autograd runs one of our backward hooks: the run is in its backward, whose end is queued."""
-        self.run.backward_hook()
+    def backward_begins(self, where: str = "the model's output") -> None:
+        """Autograd runs one of our backward hooks (for ``where``): the run is in its backward, whose end is
+        queued; inside a training forward it raises (see [Note: run state])."""
+        self.run.backward_hook(where)
         self.backward.arm()
 
     def end_backward(self) -> None:
@@ -140,7 +145,7 @@ class TrainingFlow:
         self.run.end_backward()  # see [Note: run state]
 
     def pre_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.backward_begins()
+        self.backward_begins(self._module(module))
         self.manager.reap_reductions()
         if self.is_boundary():  # the step's disk reads need no gradient: start them now (see [Note: disk tier])
             self.optim_states.read_ahead()
@@ -149,19 +154,23 @@ class TrainingFlow:
         self.manager.access(infos, "bwd:" + self._module_names.get(module, "?"))
 
     def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None:
-        self.backward_begins()
+        self.backward_begins(self._module(module))
         self.manager.backward_use_over(infos)
+
+    def _module(self, module: torch.nn.Module) -> str:
+        name = self._module_names.get(module)
+        return f"module {name!r} ({type(module).__name__})" if name else f"the root module ({type(module).__name__})"
 
     def leaf_called(self, module: torch.nn.Module) -> None:
         self.manager.leaves.called(self._leaves[module])
 
     def leaf_backward_over(self, module: torch.nn.Module) -> None:
         """One forward call's backward of a leaf module is over (see [Note: leaf modules])."""
-        self.backward_begins()
+        self.backward_begins(self._module(module))
         self.manager.leaves.backward_over(self._leaves[module], self.is_boundary())
 
     def grad_ready(self, info: TensorInfo, grad: torch.Tensor) -> None:
-        self.backward_begins()
+        self.backward_begins(f"parameter {info.name}")
         self.manager.take_grad(info, grad, self.is_boundary())
 
     # ---- state dicts (see [Note: state_dict]) ------------------------------------------

@@ -36,7 +36,7 @@ import deepspeed
 
 from .config import is_patrickstar, split_config
 from .ds_checkpointing import configure_from_our_config
-from .hf_compat import accelerate_num_processes, adapt_accelerate, synchronize_generation
+from .hf_compat import accelerate_num_processes, adapt_accelerate, synchronize_generation, unsynchronize_generation
 from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
 from .process_exit import register_wait_at_exit
@@ -133,7 +133,8 @@ def _initialize_patrickstar(
         configure_gc = getattr(engine, "_configure_python_gc", None)  # DeepSpeed >= 0.19.8 (disable_python_gc)
         if configure_gc is not None:
             configure_gc()
-        engine.generation_synced = synchronize_generation(model, dist.get_world_size())  # [Note: generation in step]
+        synced = synchronize_generation(model, dist.get_world_size())  # see [Note: generation in step]
+        engine.process_effects.record("generate keeps the ranks together", lambda: unsynchronize_generation(synced))
     except BaseException:
         roll_back(engine, saved)
         raise

@@ -50,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_map import ChunkMap
 from ..disk.config import means_nvme
-from ..memory.host_heap import BuildWindow, map_large_allocations
+from ..memory.host_heap import BuildWindow, LargeAllocations, map_large_allocations
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +133,13 @@ class Init(contextlib.ContextDecorator):
         self.enabled = enabled
         self.seed = seed
         self.disk = zero is not None and any(means_nvme(zero.get(k)) for k in ("offload_param", "offload_optimizer"))
+        self._large: LargeAllocations | None = None  # the disk tier's threshold while the block is open
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
         if self.disk:  # the construction's freed buffers stay out of the heap: see [Note: host heap]
-            map_large_allocations()
+            self._large = map_large_allocations()
         depth = _depth()
         if depth == 0:
             _STATE.seed = self.seed if self.seed is not None else torch.initial_seed()
@@ -149,6 +150,9 @@ class Init(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        large, self._large = self._large, None
+        if large is not None:
+            large.release()
         if self.enabled:
             _STATE.depth -= 1
             if _STATE.depth == 0:

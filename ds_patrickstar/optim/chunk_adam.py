@@ -27,6 +27,7 @@ import torch
 from ..chunks.chunk import Chunk
 from ..memory.optimizer_chunk import OptimizerChunk
 from .adam_math import AdamHyper, AdamStep, adam_step_reference
+from .frozen_steps import Run, SkippedSteps, update_runs
 from .states import OptimizerStates
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ class ChunkAdam:
         def start(values: torch.Tensor, after: list) -> Any:
             used = values.numel()
             writes = [values, state.master[:used], state.exp_avg[:used], state.exp_avg_sq[:used]]
-            work = functools.partial(self._update, chunk, values, state, grad_scale, hyper, step)
+            runs = self._runs(chunk, 0, used, step)  # requires_grad read now, not in the next forward
+            work = functools.partial(self._update, chunk, values, state, grad_scale, hyper, step, runs)
             return self._states.accel.host_work(work, writes, after)
 
         chunk.hand_over(start)
@@ -176,24 +178,53 @@ class ChunkAdam:
         grad_scale: float,
         hyper: AdamHyper | None = None,
         step: int | None = None,
+        runs: list[Run] | None = None,
     ) -> None:
         """Adam on ``data`` (elements of the chunk's values, the gradient on entry) and the states
-        aligned with it, as far as the chunk is used; ``hyper`` and ``step``, when given, as read when
-        the update was handed over (else from the groups now)."""
+        aligned with it, as far as the chunk is used; ``hyper``, ``step`` and ``runs``, when given, as
+        read when the update was handed over (else from the groups now). It runs in runs of pieces with
+        one step count, a frozen run getting its values back from the master (see
+        [Note: requires_grad after initialize])."""
         if hyper is None:
             hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
-        used = data.numel()
-        adam_backend(data.device)(
-            data,
-            state.master[:used],
-            state.exp_avg[:used],
-            state.exp_avg_sq[:used],
-            step=self.group_steps[chunk.group_index] if step is None else step,
-            hyper=hyper,
-            grad_scale=grad_scale,
-        )
+        if runs is None:
+            start = _offset_in_chunk(chunk, data)
+            runs = self._runs(chunk, start, start + data.numel(), step)
+        adam = adam_backend(data.device)
+        base = runs[0].start
+        for run in runs:
+            part = slice(run.start - base, run.stop - base)
+            if run.step is None:
+                data[part].copy_(state.master[part])
+                continue
+            adam(
+                data[part],
+                state.master[part],
+                state.exp_avg[part],
+                state.exp_avg_sq[part],
+                step=run.step,
+                hyper=hyper,
+                grad_scale=grad_scale,
+            )
+
+    def _runs(self, chunk: Chunk, start: int, stop: int, step: int | None) -> list[Run]:
+        """Elements ``[start, stop)`` of ``chunk`` in runs of one step count, skipped steps counted (see
+        [Note: requires_grad after initialize]); ``step``: the group's step count as read at hand-over."""
+        group = chunk.group_index
+        group_step = self.group_steps[group] if step is None else step
+        return update_runs(chunk, start, stop, SkippedSteps(self.param_groups[group]), group_step)
 
     @staticmethod
     def _values(chunk: Chunk) -> torch.Tensor:
         """The chunk's used values where it is now (placed for its update)."""
         return chunk.ready()[: chunk.used]
+
+
+def _offset_in_chunk(chunk: Chunk, data: torch.Tensor) -> int:
+    """Where ``data``, a slice of the chunk's values as :meth:`Chunk.ready` gives them (a spilled chunk's
+    piece, or its whole used range), starts in the chunk."""
+    base = chunk.ready()
+    offset = (data.data_ptr() - base.data_ptr()) // data.element_size()
+    if not 0 <= offset <= chunk.used - data.numel():
+        raise RuntimeError(f"chunk {chunk.chunk_id}: the values to update are not a slice of the chunk's values")
+    return offset
