@@ -88,27 +88,77 @@ def test_stage_spelled_in_another_case():
         _init(_config(stage="PatrickStar"))
 
 
-# ---- zero_optimization: stock keys ----------------------------------------------------
+# ---- zero_optimization: stock keys (see [Note: stock ZeRO keys]) -----------------------
 @pytest.mark.parametrize("key,value,why", [
-    ("offload_param", {"device": "cpu"}, "parameter placement between CPU and GPU is automatic"),
-    ("offload_optimizer", {"device": "cpu"}, "optimizer-state placement is automatic"),
-    ("sub_group_size", 10**9, "optimizer sub-groups are our chunks: set chunk_size instead"),
-    ("zero_quantized_weights", True, "quantized communication is not implemented"),
+    ("zero_hpz_partition_size", 2, "hierarchical partitioning (hpZ) is not implemented; set it to 1"),
+    ("zero_quantized_weights", True, "quantized communication is not implemented (it changes the values sent)"),
+    ("zero_quantized_gradients", True, "quantized communication is not implemented (it changes the values sent)"),
+    ("load_from_fp32_weights", False, "loads here always restore the fp32 masters; remove it"),
 ])
-def test_conflicting_stock_key_is_an_error(key, value, why):
-    with pytest.raises(ValueError, match=rf"zero_optimization\.{key} cannot be used with stage 'patrickstar': "
-                                         rf"{re.escape(why)}.*\. Remove the key\.$"):
+def test_stock_key_that_would_change_results_is_an_error(key, value, why):
+    with pytest.raises(ValueError, match=rf"zero_optimization\.{key}={value!r} cannot be used with stage "
+                                         rf"'patrickstar': {re.escape(why)}"):
         _init(_config(**{key: value}))
 
 
-def test_stock_tuning_keys_only_warn(caplog):
-    with caplog.at_level(logging.WARNING, logger="ds_patrickstar.integration.config"):
-        engine = _init(_config(reduce_bucket_size=5e8, overlap_comm=True))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "ds_patrickstar.integration.config"]
-    assert len(warnings) == 1, warnings
-    assert "['overlap_comm', 'reduce_bucket_size']" in warnings[0]
-    assert "ignored by stage 'patrickstar'" in warnings[0]
+# a ZeRO-3 block as OpenRLHF and Hugging Face's template write it, with only the stage changed
+STOCK_ZERO3_KEYS = {
+    "offload_param": {"device": "cpu", "pin_memory": True},
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "sub_group_size": 1e9,
+    "reduce_bucket_size": 5e8,
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "stage3_prefetch_bucket_size": 5e7,
+    "stage3_param_persistence_threshold": 1e4,
+    "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9,
+    "stage3_gather_16bit_weights_on_model_save": True,
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False,
+    "zero_quantized_gradients": False,
+}
+
+
+def test_stock_zero3_keys_are_accepted_with_one_info_line(caplog):
+    with caplog.at_level(logging.INFO, logger="ds_patrickstar.integration"):
+        engine = _init(_config(**STOCK_ZERO3_KEYS))
+    ours = [r for r in caplog.records if r.name == "ds_patrickstar.integration.stock_keys"]
+    assert [r.levelname for r in ours] == ["INFO"], [r.getMessage() for r in ours]
+    said = ours[0].getMessage()
+    for key in STOCK_ZERO3_KEYS:
+        assert key in said, key
+    assert "offload_param: placement may keep parameters (chunks) in host memory" in said
+    assert "sub_group_size: optimizer sub-groups are the chunks here (chunk_size)" in said
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "zero_optimization" in r.getMessage()]
     assert math.isfinite(_train_step(engine))  # and training runs
+
+
+def test_offload_device_not_none_cpu_or_nvme_is_an_error():
+    with pytest.raises(ValueError, match=r"zero_optimization\.offload_param=\{'device': 'gpu'\}: write a block "
+                                         r"with \"device\": \"none\" \(no offload\), \"cpu\""):
+        _init(_config(offload_param={"device": "gpu"}))
+
+
+@pytest.mark.parametrize("key,value", [("device_budget", "4GB"), ("device_budget", "4GiB"), ("keep_gathered", "1 MiB")])
+def test_sizes_accept_units(key, value):
+    from ds_patrickstar.integration.config import parse_patrickstar_options
+
+    options = parse_patrickstar_options({"stage": "patrickstar", key: value})
+    assert getattr(options, key) == {"4GB": 4 * 10**9, "4GiB": 4 * 2**30, "1 MiB": 2**20}[value]
+
+
+@pytest.mark.parametrize("value", ["4XB", "lots", [4]])
+def test_a_size_that_is_not_one_gets_one_message(value):
+    from ds_patrickstar.integration.config import parse_patrickstar_options
+
+    with pytest.raises(ValueError) as err:
+        parse_patrickstar_options({"stage": "patrickstar", "device_budget": value})
+    said = str(err.value)
+    assert said.count("zero_optimization.device_budget=") == 1, said  # one message, not one per int | float
+    assert said.startswith(f"zero_optimization.device_budget={value!r} is invalid"), said
+    if isinstance(value, str):
+        assert f"{value!r} is not a size; write e.g. 4GiB" in said
 
 
 # ---- optimizer ------------------------------------------------------------------------
