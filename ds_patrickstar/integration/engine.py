@@ -33,10 +33,11 @@ from ..memory.host_heap import BuildWindow, map_large_allocations
 from .config import PatrickStarConfig
 from .hf_compat import unsynchronize_generation
 from .optimizer_keys import check_reduction_settings, torch_adam_from_block
+from .stage_answers import StageAnswers, no_latest
 from .zero_optimizer import PatrickStarOptimizer
 
 
-class PatrickStarEngine(DeepSpeedEngine):
+class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
     def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
         self._patrickstar_config = patrickstar_config
         self._deferred: DeferredModel | None = None  # meta parameters, materialized into chunks (see io/init.py)
@@ -241,6 +242,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         return None
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        if no_latest(load_dir, tag):
+            return None, None
         tag = commit.resolve_tag(load_dir, tag)
         _verify_on_every_rank(load_dir, tag)
         checkpoint.check_model_file(self.optimizer.chunk_map, load_dir, tag)
