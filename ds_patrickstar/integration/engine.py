@@ -33,7 +33,8 @@ from ..memory.host_heap import BuildWindow, map_large_allocations
 from .config import PatrickStarConfig
 from .hf_compat import unsynchronize_generation
 from .optimizer_keys import check_reduction_settings, torch_adam_from_block
-from .stage_answers import StageAnswers, no_latest
+from .stage_answers import StageAnswers, freeze_for_inference, no_latest
+from .zero3_params import Zero3Params
 from .zero_optimizer import PatrickStarOptimizer
 
 
@@ -49,6 +50,8 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
         with BuildWindow():  # see [Note: host heap]
             super().__init__(*args, dont_change_device=True, **kwargs)
         self.enable_backward_allreduce = False
+        self.zero3_params = Zero3Params(self.optimizer)  # see [Note: ZeRO-3 parameter attributes]
+        self.zero3_params.expose()
 
     def zero_optimization(self) -> bool:
         return True
@@ -64,6 +67,8 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
         try:
             super().destroy()
         finally:
+            if getattr(self, "zero3_params", None) is not None:
+                self.zero3_params.remove()
             unsynchronize_generation(self.generation_synced)
             self.generation_synced = []
             for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
@@ -98,10 +103,10 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
                 data.copy_(staged)
 
     def _configure_zero_optimizer(self, optimizer):
-        raise ValueError(
-            "stage 'patrickstar' needs an optimizer: add an \"optimizer\" block (Adam or AdamW) to the "
-            "DeepSpeed config or pass optimizer= to deepspeed.initialize"
-        )
+        """No optimizer: every parameter goes into frozen chunks (see [Note: engine without an optimizer])."""
+        freeze_for_inference(self.module)
+        self._configure_optimizer(torch.optim.AdamW([{"params": []}]), [])
+        return self.optimizer
 
     def _deferred_model(self) -> DeferredModel:
         if self._deferred is None:

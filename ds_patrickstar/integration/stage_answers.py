@@ -20,6 +20,15 @@ method itself, so each of its callers was checked (DeepSpeed 0.19.6 to 0.19.8):
 * ``allreduce_gradients`` compares it with stage 1 only, and never runs (our optimizer reduces);
 * ``coalesce_grad_reduction()`` accepts stage 3: see :meth:`StageAnswers.coalesce_grad_reduction`.
 
+[Note: engine without an optimizer]
+A reference or reward model (OpenRLHF, TRL, DeepSpeed-Chat) is ``deepspeed.initialize(model=m, config=c)`` with
+no ``optimizer`` block and no ``optimizer=``: stock ZeRO-3 partitions its parameters and gathers them on use,
+for forwards only. Here every parameter goes into frozen chunks (:func:`freeze_for_inference` sets
+``requires_grad=False`` on each, as a reference model has no use for gradients): the payload only, split
+across the ranks and gathered on use, placed like every chunk (see [Note: frozen chunks]). The engine runs
+forwards (``no_grad`` or not), ``generate``, ``state_dict`` and checkpoint loads of the module;
+``backward`` and ``step`` have nothing to train.
+
 ``load_checkpoint`` on a folder without ``latest`` and no tag warns and returns ``(None, None)`` as stock
 does (:func:`no_latest`).
 """
@@ -49,6 +58,19 @@ def no_latest(load_dir: str, tag: Any) -> bool:
         latest,
     )
     return True
+
+
+def freeze_for_inference(module: Any) -> None:
+    """``requires_grad=False`` on every parameter of an engine without an optimizer, said once in the log."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    for param in trainable:
+        param.requires_grad_(False)
+    if trainable:
+        logger.info(
+            "no optimizer: the %d parameters that required gradients are frozen (requires_grad=False) and held "
+            "in frozen chunks, for forwards only (see [Note: engine without an optimizer])",
+            len(trainable),
+        )
 
 
 class StageAnswers:
