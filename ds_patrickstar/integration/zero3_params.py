@@ -26,7 +26,9 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
   of its full value (one streamed pass over the chunk groups, a collective), ``partition`` writes the values
   back into the chunks and fp32 masters when the block changed them (``modifier_rank``: after stock's
   broadcast, so every rank writes its own pieces) and points the parameters at their chunks again. Engine
-  forwards inside the block are not supported.
+  forwards inside the block are not supported. A parameter a module is using (state COMPUTE) is left as
+  it is: its values are there (stock's ``zero.Init`` leaves ``F.linear`` replaced by a function whose
+  backward calls ``weight.all_gather()`` for a ``NOT_AVAILABLE`` weight; it must stay a no-op there).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from ..chunks.chunk import TensorInfo
+from ..chunks.state import TensorState
 
 _ATTRIBUTES = (
     "ds_id",
@@ -166,7 +169,11 @@ class Zero3Params:
     # ---- GatheredParameters -------------------------------------------------------------------
     @torch.no_grad()
     def gather(self, params: list[torch.Tensor]) -> None:
-        wanted = {info: info.param for info in (self.chunk_map.info(p) for p in params) if info is not None}
+        infos = [self.chunk_map.info(p) for p in params]
+        # in use by a module (stage 3's linear gathers its weight in backward): its values are there already
+        wanted = {info: info.param for info in infos if info is not None and info.state is not TensorState.COMPUTE}
+        if not wanted:
+            return
         self.export.refuse_gradients({info: [info.name] for info in wanted}, "GatheredParameters")
         for info, value in self.export.iter_host_values():
             if info in wanted and info not in self.saved_views:
