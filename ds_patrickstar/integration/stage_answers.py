@@ -14,9 +14,10 @@ method itself, so each of its callers was checked (DeepSpeed 0.19.6 to 0.19.8):
 * ``_consolidated_16bit_state_dict()`` (and ``_zero3_consolidated_16bit_state_dict()``, which
   accelerate and clients call for stage 3) would read stage 3's partitions: here they return the
   module's full 16-bit ``state_dict`` on rank 0 and None on the others, as stock does (a collective);
-* the checkpoint writer's data-parallel layout (only with ``checkpoint.writer``), DeepCompile (its
-  stage-3 pass would look for stage 3's hooks; it is refused at initialize with DeepCompile off for
-  other stages) and AutoEP's folding check (AutoEP is refused here) read it and do not run for us;
+* the checkpoint writer's data-parallel layout (only with ``checkpoint.writer``, whose decoupled mode is
+  refused here) and AutoEP's folding check (AutoEP is not supported here) read it;
+* DeepCompile would take its stage-3 pass, which needs stage 3's optimizer: ``get_deepcompile_backend``
+  falls back to the torch compiler, as it did for stage 0, and says so;
 * ``allreduce_gradients`` compares it with stage 1 only, and never runs (our optimizer reduces);
 * ``coalesce_grad_reduction()`` accepts stage 3: see :meth:`StageAnswers.coalesce_grad_reduction`.
 
@@ -26,7 +27,7 @@ no ``optimizer`` block and no ``optimizer=``: stock ZeRO-3 partitions its parame
 for forwards only. Here every parameter goes into frozen chunks (:func:`freeze_for_inference` sets
 ``requires_grad=False`` on each, as a reference model has no use for gradients): the payload only, split
 across the ranks and gathered on use, placed like every chunk (see [Note: frozen chunks]). The engine runs
-forwards (``no_grad`` or not), ``generate``, ``state_dict`` and checkpoint loads of the module;
+forwards (``no_grad`` or not; checked against stock ZeRO-3 at 1 and 2 ranks) and ``state_dict``;
 ``backward`` and ``step`` have nothing to train.
 
 ``load_checkpoint`` on a folder without ``latest`` and no tag warns and returns ``(None, None)`` as stock
@@ -88,6 +89,10 @@ class StageAnswers:
 
     def zero_optimization_partition_gradients(self) -> bool:
         return False
+
+    def get_deepcompile_backend(self, backend: Any, compile_kwargs: Any, schedule: Any) -> None:
+        logger.info("DeepCompile has no pass for stage 'patrickstar': falling back to the torch compiler")
+        return None
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The full 16-bit ``state_dict`` on rank 0, None elsewhere (call it on every rank)."""
