@@ -63,6 +63,46 @@ def set_dtype(config, dtype):
     return config
 
 
+def _cpu_flags(cpuinfo="/proc/cpuinfo"):
+    """The CPU's feature flags from ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``), or None."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        return None
+    return None
+
+
+def _bf16_matmul_ratio(n=256, repeats=3):
+    """bf16 matmul time over fp32's on the CPU (best of ``repeats``): a measured check."""
+    import time
+
+    def best(dtype):
+        a = torch.randn(n, n).to(dtype)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+
+
+def cpu_native_bf16(cpuinfo="/proc/cpuinfo"):
+    """(has native bf16, why): the ``avx512_bf16``/``amx_bf16`` (x86) or ``bf16`` (Arm) flag where
+    ``/proc/cpuinfo`` lists flags, else a measured check (bf16 matmul at most 2x fp32's time)."""
+    flags = _cpu_flags(cpuinfo)
+    if flags is not None:
+        found = sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+        return bool(found), f"CPU flags {'list ' + ', '.join(found) if found else 'have no avx512_bf16/amx_bf16/bf16'}"
+    ratio = _bf16_matmul_ratio()
+    return ratio <= 2.0, f"measured: a bf16 matmul takes {ratio:.1f}x fp32's time"
+
+
 def host_rss_bytes():
     return psutil.Process().memory_info().rss
 

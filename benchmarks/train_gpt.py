@@ -1,6 +1,7 @@
 """Train a small GPT on the embedded byte-level corpus with DeepSpeed + ds_patrickstar.
 
     python benchmarks/train_gpt.py                      # tiny GPT, configs/patrickstar_cpu.json
+                                                        # (fp32 on a CPU without native bf16: see pick_dtype)
     python benchmarks/train_gpt.py --config configs/zero3_cpu.json --steps 50
     deepspeed benchmarks/train_gpt.py --deepspeed_config configs/patrickstar_gpu.json
 
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 logger = logging.getLogger("train_gpt")
+GPU_STEPS, CPU_STEPS = 800, 500
 
 
 def parse_args(argv=None):
@@ -34,7 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default=None, help="DeepSpeed JSON config (default: "
                    "configs/patrickstar_gpu.json on CUDA, else configs/patrickstar_cpu.json)")
     p.add_argument("--model", default="tiny", choices=sorted(gpt_model.PRESETS))
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps (default: {GPU_STEPS} on CUDA, {CPU_STEPS} on the CPU: a few minutes)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="override the config")
@@ -51,7 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
     p = deepspeed.add_config_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = GPU_STEPS if torch.cuda.is_available() else CPU_STEPS
+    return args
 
 
 def config_path(args):
@@ -69,8 +75,9 @@ def prepare_config(args):
     if args.batch:
         config["train_micro_batch_size_per_gpu"] = args.batch
         config.pop("train_batch_size", None)
-    if args.dtype:
-        bu.set_dtype(config, args.dtype)
+    dtype = args.dtype or pick_dtype(config)
+    if dtype:
+        bu.set_dtype(config, dtype)
     if args.grad_accum:
         config["gradient_accumulation_steps"] = args.grad_accum
         config.pop("train_batch_size", None)
@@ -80,6 +87,21 @@ def prepare_config(args):
         params["total_num_steps"] = max(args.steps, 1)
         params["warmup_num_steps"] = min(params.get("warmup_num_steps", 0), max(args.steps // 5, 1))
     return config
+
+
+def pick_dtype(config, on_cuda=None, native=None):
+    """The dtype to force when ``--dtype`` is not given: fp32 for a bf16 config on a CPU without native
+    bf16 (its bf16 matmuls are emulated, ~10x slower than fp32), else None (the config's)."""
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    if on_cuda or not config.get("bf16", {}).get("enabled", False):
+        return None
+    has_bf16, why = bu.cpu_native_bf16() if native is None else native
+    if has_bf16:
+        logger.info("bf16 as the config says: this CPU has native bf16 (%s)", why)
+        return None
+    logger.info("fp32 instead of the config's bf16: this CPU has no native bf16 (%s), where bf16 matmuls "
+                "run ~10x slower than fp32; --dtype bf16 forces bf16", why)
+    return "fp32"
 
 
 def import_backend(config):

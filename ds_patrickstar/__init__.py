@@ -29,6 +29,7 @@ with a ``.pth`` file) imports this package when DeepSpeed is imported.
 """
 
 from .chunks.state import ChunkState, IllegalTransition, TensorState
+from .integration import jit_builds
 from .integration.config import PatrickStarConfig
 from .integration.engine import PatrickStarEngine, gathered_parameters
 from .integration.registration import install
@@ -51,3 +52,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 install()
+jit_builds.report_stale_locks(jit_builds.default_extensions_dir())  # see [Note: JIT build folder]

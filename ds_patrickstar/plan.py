@@ -106,6 +106,7 @@ def plan_report(
     on_device = min(need, device_budget)
     available = device_budget + host_bytes
     disk: dict = {}
+    frozen_in_memory, buffers = plan.frozen_bytes, 0
     if disk_buffers is not None:
         owned = {i: c for i, c in enumerate(capacities) if owners[i] == rank and specs[i].kind.trainable}
         mine = [i for i in range(len(capacities)) if owners[i] == rank and not specs[i].kind.trainable]
@@ -121,6 +122,7 @@ def plan_report(
         buffers += frozen_pool_bytes(frozen_disk, slots, disk_buffers)
         on_disk = sum(record_bytes(owned[c]) for c in spilled) + sum(frozen_disk)
         need = need - OPTIM_BYTES_PER_ELEMENT * sum(owned[c] for c in spilled) - sum(frozen_disk) + buffers
+        frozen_in_memory -= sum(frozen_disk)
         on_device = min(need, device_budget)
         ram_per_param = plan.lp_bytes + (ACC_BYTES_PER_ELEMENT if accumulate else 0) * world_size
         all_buffers = disk_buffer_bytes(list(owned.values()), disk_buffers, piece)
@@ -137,6 +139,9 @@ def plan_report(
         "parameters": sum(sizes),
         "frozen_parameters": sum(frozen_sizes or []),
         "frozen_bytes_per_rank": plan.frozen_bytes,
+        # model_data_bytes_per_rank = trainable + frozen in memory + the disk tier's buffers
+        "trainable_bytes_in_memory": need - frozen_in_memory - buffers,
+        "frozen_bytes_in_memory": frozen_in_memory,
         "chunks": len(capacities),
         "model_data_bytes_per_rank": need,
         "bytes_per_owned_parameter": plan.bytes_per_owned_element,
@@ -151,24 +156,39 @@ def plan_report(
     }
 
 
-def _bytes(text: str) -> int:
-    """``24GiB``, ``80GB``, ``1.5TiB`` or a plain number of bytes."""
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "tb": 10**12,
-        "b": 1,
-    }
-    low = text.strip().lower()
-    for unit, factor in units.items():
-        if low.endswith(unit):
-            return int(float(low[: -len(unit)]) * factor)
-    return int(float(low))
+def _size(text: str) -> int:
+    """argparse's type for sizes: :func:`~ds_patrickstar.integration.sizes.parse_bytes`, its message kept."""
+    import argparse
+
+    from .integration.sizes import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _print_model_data(report: dict, args) -> None:
+    """The model data line and its parts (they add up to it), then the frozen base's bytes in memory and on disk."""
+    gib, lp = 2**30, 4 if args.dtype == "fp32" else 2
+    accumulation = " + 4 per parameter for gradient accumulation" if args.gradient_accumulation else ""
+    parts = [
+        f"trainable {report['trainable_bytes_in_memory'] / gib:.2f} GiB "
+        f"({report['bytes_per_owned_parameter']} bytes per owned parameter{accumulation}"
+        f"{', less the 12 on disk of the spilled chunks' if args.disk is not None else ''})"
+    ]
+    if report["frozen_parameters"]:
+        parts.append(f"frozen {report['frozen_bytes_in_memory'] / gib:.2f} GiB ({lp} bytes per owned frozen parameter)")
+    if args.disk is not None:
+        parts.append(f"disk tier buffers {report['disk_buffer_bytes'] / gib:.2f} GiB")
+    print(f"model data per rank, in memory: {report['model_data_bytes_per_rank'] / gib:.2f} GiB = {' + '.join(parts)}")
+    if report["frozen_parameters"]:
+        on_disk = f", {report['frozen_bytes_disk'] / gib:.2f} GiB of it on disk" if args.disk is not None else ""
+        print(
+            f"frozen base: {report['frozen_parameters'] / 1e6:,.1f}M parameters, "
+            f"{report['frozen_bytes_per_rank'] / gib:.2f} GiB per rank (no gradient, master or optimizer state)"
+            f"{on_disk}"
+        )
 
 
 def _full_chunks(n: int, chunk_size: int) -> list[int]:
@@ -200,8 +220,12 @@ def main(argv: list[str] | None = None) -> dict:
         "adapters): the payload only, 2 bytes each in bf16/fp16, 4 in fp32",
     )
     parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--device-mem", default="0", help="accelerator budget per rank, e.g. 72GiB (0: none)")
-    parser.add_argument("--host-mem", required=True, help="host memory free for model data per rank, e.g. 22GiB")
+    parser.add_argument(
+        "--device-mem", type=_size, default=0, help="accelerator budget per rank, e.g. 72GiB or 80GB (0: none)"
+    )
+    parser.add_argument(
+        "--host-mem", type=_size, required=True, help="host memory free for model data per rank, e.g. 22GiB"
+    )
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--gradient-accumulation", action="store_true", help="gradient_accumulation_steps > 1")
@@ -239,8 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.world_size,
         4 if args.dtype == "fp32" else 2,
         args.gradient_accumulation,
-        _bytes(args.device_mem),
-        _bytes(args.host_mem),
+        args.device_mem,
+        args.host_mem,
         args.disk,
         args.disk_piece,
         frozen,
@@ -250,23 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"model: {report['parameters'] / 1e6:,.1f}M parameters in {report['chunks']} chunks "
         f"(chunk_size {args.chunk_size:,}), world size {args.world_size}, {args.dtype}"
     )
-    spilled = (
-        " (with the disk tier: less the 12 on disk of the spilled chunks' parameters and the frozen chunks on "
-        "disk, plus its buffers)"
-    )
-    print(
-        f"model data per rank: {report['model_data_bytes_per_rank'] / gib:.2f} GiB "
-        f"({report['bytes_per_owned_parameter']} bytes per owned parameter"
-        f"{' + 4 per parameter for gradient accumulation' if args.gradient_accumulation else ''})"
-        f"{spilled if args.disk is not None else ''}"
-    )
-    if frozen:
-        lp = 4 if args.dtype == "fp32" else 2
-        print(
-            f"of which frozen: {report['frozen_parameters'] / 1e6:,.1f}M parameters, "
-            f"{report['frozen_bytes_per_rank'] / gib:.2f} GiB per rank ({lp} bytes per owned frozen parameter: "
-            f"no gradient, master or optimizer state)"
-        )
+    _print_model_data(report, args)
     print(
         f"where: up to {report['on_accelerator_bytes'] / gib:.2f} GiB on the accelerator (less what activations "
         f"take), {report['on_host_bytes'] / gib:.2f} GiB or more on the host"
@@ -279,11 +287,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if args.disk is not None:
         print(
-            f"disk tier: optimizer states of {report['spilled_chunks']} chunks and {report['frozen_chunks_disk']} "
-            f"frozen chunks ({report['frozen_bytes_disk'] / gib:.2f} GiB) on disk, "
-            f"{report['on_disk_bytes'] / gib:.2f} GiB per rank; {report['disk_buffer_bytes'] / gib:.2f} GiB of "
-            f"host buffers ({args.disk} + 1 pieces of {report['disk_piece_elements']:,} elements' states where "
-            f"states spill, {args.disk} frozen chunks where frozen chunks are on disk); with "
+            f"disk tier, per rank: {report['on_disk_bytes'] / gib:.2f} GiB on disk (the optimizer states of "
+            f"{report['spilled_chunks']} chunks, {report['frozen_chunks_disk']} frozen chunks: "
+            f"{report['frozen_bytes_disk'] / gib:.2f} GiB); its host buffers, counted in the model data above: "
+            f"{args.disk} + 1 pieces of {report['disk_piece_elements']:,} elements' states where states spill, "
+            f"{args.disk} frozen chunks where frozen chunks are on disk; with "
             f"every state on disk about "
             f"{report['largest_fitting_params_disk'] / 1e6:,.0f}M parameters fit host and accelerator"
         )

@@ -317,7 +317,7 @@ def test_unusable_nvme_path(probe, problem):
     ({"offload_optimizer": {"device": "nvme"}}, "needs \"nvme_path\""),
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 2}}, "buffer_count=2"),
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "bogus": 1}}, "offload_optimizer.bogus"),
-    ({"offload_optimizer": {"device": "cpu"}}, "\"nvme\" \\(the disk tier\\)"),
+    ({"offload_optimizer": {"device": "disk"}}, "\"nvme\" \\(the disk tier, with \"nvme_path\"\\)"),
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "host_budget": 1.5}, "host_budget=1.5"),
 ])
 def test_bad_disk_config(block, match):

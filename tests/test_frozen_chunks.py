@@ -218,7 +218,8 @@ def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     assert report["frozen_bytes_per_rank"] == 2 * (1 << 20) // 2
     assert report["model_data_bytes_per_rank"] == 14 * 65536 // 2 + 2 * (1 << 20) // 2
     out = capsys.readouterr().out
-    assert "of which frozen: 1.0M parameters" in out
+    assert "frozen base: 1.0M parameters, 0.00 GiB per rank" in out
+    assert "model data per rank, in memory: 0.00 GiB = trainable 0.00 GiB (14 bytes per owned parameter) + " in out
     # the largest model: trainable parameters beside this rank's frozen bytes, or the frozen base beside the adapters
     trainable = (2**30 - report["frozen_bytes_per_rank"]) // 14 * 2
     frozen = (2**30 - 14 * 65536 // 2) // 2 * 2
@@ -233,6 +234,24 @@ def test_planner_counts_frozen_parameters_at_their_payload_bytes(capsys):
     with_disk = main(["--params", "65536", "--frozen-params", "1048576", "--chunk-size", "65536", "--world-size",
                       "2", "--host-mem", "1GiB", "--disk"])
     assert with_disk["parameters"] == 65536 and with_disk["frozen_parameters"] == 1 << 20
+    parts = ("trainable_bytes_in_memory", "frozen_bytes_in_memory", "disk_buffer_bytes")
+    assert sum(with_disk[k] for k in parts) == with_disk["model_data_bytes_per_rank"]  # the line's parts add up
+
+
+def test_planner_lines_add_up_with_frozen_chunks_on_disk(capsys):
+    """A frozen base larger than the host: the model data in memory is its parts (trainable, frozen in memory,
+    the disk tier's buffers), and the frozen base's bytes are in memory plus on disk."""
+    from ds_patrickstar.plan import main
+
+    report = main(["--params", "65536", "--frozen-params", str(64 * 65536), "--chunk-size", "65536",
+                   "--host-mem", "2MiB", "--disk", "3"])
+    assert report["frozen_chunks_disk"] > 0
+    parts = report["trainable_bytes_in_memory"] + report["frozen_bytes_in_memory"] + report["disk_buffer_bytes"]
+    assert parts == report["model_data_bytes_per_rank"]
+    assert report["frozen_bytes_in_memory"] + report["frozen_bytes_disk"] == report["frozen_bytes_per_rank"]
+    out = capsys.readouterr().out
+    assert "model data per rank, in memory: " in out and " + disk tier buffers " in out
+    assert "GiB of it on disk" in out and "counted in the model data above" in out
 
 
 def _lora_engine():

@@ -5,8 +5,8 @@
 both) turns the disk tier on (see [Note: disk tier] and [Note: frozen chunks on disk]): one plan
 puts on disk what ``host_budget`` cannot hold, frozen chunks and optimizer states alike (see
 [Note: disk tier plan]). With both blocks their ``nvme_path`` must be the same folder.
-``"device": "none"`` is no offload, ``"cpu"`` is refused (placement decides what lives on the
-host). In ``offload_param``, ``buffer_count`` is the number of host buffers frozen chunks are read
+``"device": "none"`` is no offload, ``"cpu"`` is accepted and left to placement (see
+[Note: stock ZeRO keys]). In ``offload_param``, ``buffer_count`` is the number of host buffers frozen chunks are read
 ahead into (each one frozen chunk's owned slice; default: ``offload_optimizer``'s, else 4), and
 ``buffer_size``/``max_in_cpu`` are accepted with a warning (a buffer holds one chunk; ``host_budget``
 decides what stays in RAM). Of DeepSpeed's keys, ``nvme_path`` is the folder of the swap files and

@@ -22,40 +22,16 @@ from pydantic_core import ErrorDetails
 
 from ..disk.config import NvmeOffload, check_same_folder, means_nvme, parse_nvme, tier_settings
 from .optimizer_keys import check_optimizer_block
+from .sizes import parse_bytes
+from .stock_keys import log_accepted
+from .stock_keys import meaning as stock_keys_meaning
 
 logger = logging.getLogger(__name__)
 
 STAGE_NAME: Literal["patrickstar"] = "patrickstar"
 DEFAULT_CHUNK_SIZE = 32 * 1024 * 1024
 
-# Stock ZeRO keys that would change what is kept where. Our placement decides that
-# itself, so accepting them silently would mislead: they are errors.
-_CONFLICTING_ZERO_KEYS = {
-    "offload_param": "parameter placement between CPU and GPU is automatic (tide-aware chunk placement); "
-    '"device": "nvme" turns on the disk tier for the frozen chunks that do not fit host memory',
-    "offload_optimizer": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit); "
-    '"device": "nvme" turns on the disk tier for the states that do not fit host memory',
-    "cpu_offload": "optimizer-state placement is automatic (hybrid Adam on the chunks that fit)",
-    "cpu_offload_param": "parameter placement between CPU and GPU is automatic",
-    "zero_hpz_partition_size": "hierarchical partitioning is not implemented",
-    "zero_quantized_weights": "quantized communication is not implemented",
-    "zero_quantized_gradients": "quantized communication is not implemented",
-    "zero_quantized_nontrainable_weights": "quantized communication is not implemented",
-    "zenflow": "ZenFlow is a stage-1/2 feature",
-    "sub_group_size": "optimizer sub-groups are our chunks: set chunk_size instead",
-}
-
-
-# Offload blocks that say "no offload", as Hugging Face's Trainer and accelerate templates
-# write them ({"device": "none"}, often with pin_memory): harmless, so only ignored.
 _OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
-_NVME = ' or "nvme" (the disk tier)'
-
-
-def _means_no_offload(key: str, value: Any) -> bool:
-    if key in _OFFLOAD_BLOCKS:
-        return value is None or (isinstance(value, dict) and str(value.get("device", "none")).lower() == "none")
-    return key == "cpu_offload" and value is False
 
 
 class PatrickStarConfig(BaseModel):
@@ -73,8 +49,8 @@ class PatrickStarConfig(BaseModel):
     finely. 1M-64M is the useful range."""
 
     keep_gathered: int | None = Field(default=None, ge=0)
-    """Data parallel: bytes of gathered chunk-group storage (the other ranks' chunks and the place
-    this rank's chunk takes among them) that may stay gathered after a chunk group's
+    """Data parallel: bytes (or a size such as "2GiB") of gathered chunk-group storage (the other
+    ranks' chunks and the place this rank's chunk takes among them) that may stay gathered after a chunk group's
     forward use, until its backward use (and between gradient-accumulation micro-steps), instead
     of being released and all-gathered again. None (default): as much as the memory holds. On a
     run without placement that is decided from the host memory the ranks of this host share: each
@@ -111,9 +87,9 @@ class PatrickStarConfig(BaseModel):
 
     device_budget: int | float | None = None
     """Accelerator memory ds_patrickstar may use for model data plus activations: bytes (an
-    integer) or a fraction of the device's total memory (a number in (0, 1]). Default: the GPU's
-    free memory at initialize (``torch.cuda.mem_get_info``: the CUDA context and other processes
-    already taken out) less a 1 GiB reserve for what comes later (NCCL's buffers, cuBLAS
+    integer, or a size such as "4GiB" or "4GB") or a fraction of the device's total memory (a number
+    in (0, 1]). Default: the GPU's free memory at initialize (``torch.cuda.mem_get_info``: the CUDA
+    context and other processes already taken out) less a 1 GiB reserve for what comes later (NCCL's buffers, cuBLAS
     workspaces, allocator rounding). Required with emulate_accelerator (a fraction then means of
     the host's memory)."""
 
@@ -122,10 +98,11 @@ class PatrickStarConfig(BaseModel):
 
     host_budget: int | float | None = None
     """With the disk tier (``offload_optimizer: {"device": "nvme"}``): host memory the model data may
-    keep in RAM, bytes (an integer) or a fraction of the host's total memory (a number in (0, 1]);
-    the optimizer states of the chunks that do not fit go to disk. Default: the host's available
-    memory at initialize less a margin of 10% of its total memory (at least 1 GiB) for activations,
-    the framework and the page cache, divided among the ranks on this host."""
+    keep in RAM, bytes (an integer, or a size such as "64GiB") or a fraction of the host's total
+    memory (a number in (0, 1]); the optimizer states of the chunks that do not fit go to disk.
+    Default: the host's available memory at initialize less a margin of 10% of its total memory (at
+    least 1 GiB) for activations, the framework and the page cache, divided among the ranks on this
+    host."""
 
     offload_optimizer: NvmeOffload | None = None
     """The disk tier, from DeepSpeed's ``offload_optimizer`` block with ``"device": "nvme"`` and its
@@ -217,18 +194,24 @@ class PatrickStarConfig(BaseModel):
             f'{said}; write {{"classes": [...], "names": [...], "name_suffixes": [...]}} (lists of strings)'
         )
 
+    @field_validator("device_budget", "host_budget", "keep_gathered", mode="before")
+    @classmethod
+    def _size_text(cls, value: Any) -> Any:
+        """Bytes may be written as a size: "4GiB", "4GB", "512MiB" (see :func:`parse_bytes`)."""
+        if isinstance(value, bool):
+            raise ValueError('expected bytes (an integer, or a size such as "4GiB"), not a boolean')
+        return parse_bytes(value) if isinstance(value, str) else value
+
     @field_validator("device_budget", "host_budget")
     @classmethod
     def _budget(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("expected bytes (an integer) or a fraction in (0, 1], not a boolean")
         if isinstance(value, float) and not 0.0 < value <= 1.0:
             raise ValueError("a fraction of the memory must be in (0, 1]; for bytes write an integer")
         if isinstance(value, int) and value < 2**12:
             raise ValueError("a budget in bytes must be at least 4 KiB (4096); for a fraction write e.g. 0.5")
         return value
 
-    @field_validator("chunk_size", "max_consecutive_skipped_steps", "keep_gathered", "prefetch_groups", mode="before")
+    @field_validator("chunk_size", "max_consecutive_skipped_steps", "prefetch_groups", mode="before")
     @classmethod
     def _a_number(cls, value: Any) -> Any:
         # pydantic would read "4096" as 4096 and True as 1: a quoted number or a flag here is a mistake
@@ -240,7 +223,8 @@ class PatrickStarConfig(BaseModel):
 
 
 def _describe(error: ErrorDetails) -> str:
-    key = ".".join(str(p) for p in error["loc"]) or "zero_optimization"
+    loc = [str(p) for p in error["loc"] if p not in ("int", "float")]  # int | float: the key, not the member
+    key = ".".join(loc) or "zero_optimization"
     value = error.get("input")
     if error["type"] == "extra_forbidden":
         allowed = ", ".join(sorted(PatrickStarConfig.model_fields))
@@ -258,41 +242,30 @@ def _describe(error: ErrorDetails) -> str:
 
 
 def parse_patrickstar_options(zero_block: dict[str, Any], aio: dict[str, Any] | None = None) -> PatrickStarConfig:
-    """Validate our keys; conflicting stock keys raise, harmless stock keys warn; ``offload_optimizer``
+    """Validate our keys; stock keys that would change results raise, the others are accepted with one info
+    line (see [Note: stock ZeRO keys]); ``offload_optimizer``
     with ``"device": "nvme"`` (and DeepSpeed's top-level ``aio`` block) set up the disk tier."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     stock_keys = set(DeepSpeedZeroConfig.model_fields)
     stock_keys |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
     ours: dict[str, Any] = {}
-    ignored: list[str] = []
+    accepted: dict[str, str] = {}  # stock keys and what they do here (see [Note: stock ZeRO keys])
     for key, value in zero_block.items():
         if key in _OFFLOAD_BLOCKS and means_nvme(value):
             ours[key] = parse_nvme(value, aio, key)
-            continue
-        if key in _CONFLICTING_ZERO_KEYS and not _means_no_offload(key, value):
-            got = (
-                f'; got {value!r}, and only "device": "none" (no offload){_NVME} is accepted'
-                if key in _OFFLOAD_BLOCKS
-                else ""
-            )
-            raise ValueError(
-                f"zero_optimization.{key} cannot be used with stage 'patrickstar': "
-                f"{_CONFLICTING_ZERO_KEYS[key]}{got}. Remove the key."
-            )
-        if key in _CONFLICTING_ZERO_KEYS or (key in stock_keys and key not in PatrickStarConfig.model_fields):
-            ignored.append(key)
+        elif key in stock_keys and (key in _OFFLOAD_BLOCKS or key not in PatrickStarConfig.model_fields):
+            accepted[key] = stock_keys_meaning(key, value)
         else:
-            ours[key] = value
-    if ignored:
-        logger.warning(
-            "zero_optimization keys %s tune stock ZeRO stages and are ignored by stage 'patrickstar'", sorted(ignored)
-        )
+            ours[key] = value  # ours, or unknown: refused below naming the options
+    log_accepted(accepted)
     check_same_folder(ours.get("offload_optimizer"), ours.get("offload_param"))
     try:
         return PatrickStarConfig(**ours)
     except ValidationError as err:
-        raise ValueError("; ".join(_describe(e) for e in err.errors())) from None
+        # one message per key: a value that fits no member of a union (int | float) fails each of them
+        first = {str(e["loc"][:1]): e for e in reversed(err.errors())}
+        raise ValueError("; ".join(_describe(e) for e in reversed(first.values()))) from None
 
 
 def is_patrickstar(config: dict[str, Any]) -> bool:

@@ -32,10 +32,12 @@ from ..memory.host_heap import BuildWindow, map_large_allocations
 from .config import PatrickStarConfig
 from .optimizer_keys import check_reduction_settings, torch_adam_from_block
 from .process_effects import RunEffects
+from .stage_answers import StageAnswers, freeze_for_inference, no_latest
+from .zero3_params import Zero3Params
 from .zero_optimizer import PatrickStarOptimizer
 
 
-class PatrickStarEngine(DeepSpeedEngine):
+class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
     def __init__(self, *args, patrickstar_config: PatrickStarConfig, **kwargs) -> None:
         self._patrickstar_config = patrickstar_config
         self._deferred: DeferredModel | None = None  # meta parameters, materialized into chunks (see io/init.py)
@@ -47,6 +49,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         with BuildWindow():  # see [Note: host heap]
             super().__init__(*args, dont_change_device=True, **kwargs)
         self.enable_backward_allreduce = False
+        self.zero3_params = Zero3Params(self.optimizer)  # see [Note: ZeRO-3 parameter attributes]
+        self.zero3_params.expose()
 
     def zero_optimization(self) -> bool:
         return True
@@ -62,6 +66,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         try:
             super().destroy()
         finally:
+            if getattr(self, "zero3_params", None) is not None:
+                self.zero3_params.remove()
             self.process_effects.undo_all()  # see [Note: process-wide effects]
             for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
                 handle = getattr(self, name, None)
@@ -95,10 +101,10 @@ class PatrickStarEngine(DeepSpeedEngine):
                 data.copy_(staged)
 
     def _configure_zero_optimizer(self, optimizer):
-        raise ValueError(
-            "stage 'patrickstar' needs an optimizer: add an \"optimizer\" block (Adam or AdamW) to the "
-            "DeepSpeed config or pass optimizer= to deepspeed.initialize"
-        )
+        """No optimizer: every parameter goes into frozen chunks (see [Note: engine without an optimizer])."""
+        freeze_for_inference(self.module)
+        self._configure_optimizer(torch.optim.AdamW([{"params": []}]), [])
+        return self.optimizer
 
     def _deferred_model(self) -> DeferredModel:
         if self._deferred is None:
@@ -242,6 +248,8 @@ class PatrickStarEngine(DeepSpeedEngine):
         return None
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        if no_latest(load_dir, tag):
+            return None, None
         tag = commit.resolve_tag(load_dir, tag)
         _verify_on_every_rank(load_dir, tag)
         checkpoint.check_model_file(self.optimizer.chunk_map, load_dir, tag)

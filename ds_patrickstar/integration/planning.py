@@ -150,7 +150,7 @@ def named_param_groups(module: torch.nn.Module, param_groups: list[dict]) -> lis
                     )
                 named.append((names[param], param))
         groups.append(named)
-    if not any(groups):
+    if param_groups and not any(groups):  # no groups at all: an engine without an optimizer (frozen chunks only)
         raise ValueError(
             "the model has no trainable parameters (requires_grad=True) in the optimizer's "
             "param groups; stage 'patrickstar' has nothing to train"

@@ -255,3 +255,11 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def fp32_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value on every rank (a collective with data parallelism)."""
         return self.export.fp32_state_dict(module)
+
+    # ---- partial loads ---------------------------------------------------------------
+    def _restore_from_bit16_weights(self) -> None:
+        """``load_checkpoint(load_optimizer_states=False)`` or ``load_module_only=True``: the module's load
+        already wrote each owned parameter into its chunk and its fp32 master (see [Note: state_dict]),
+        as stock's restore from the 16-bit weights does; the optimizer states stay as they were."""
+        self.manager.release_all_groups()  # no other rank's chunk stays gathered with its old values
+        self.manager.finish_step()

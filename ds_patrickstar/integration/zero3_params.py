@@ -1,0 +1,209 @@
+"""ZeRO-3's per-parameter surface on chunk parameters: ``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_status``,
+``deepspeed.utils.safe_get/set_full_*`` and ``safe_*_local_*``, ``deepspeed.zero.GatheredParameters``.
+
+[Note: ZeRO-3 parameter attributes]
+DeepSpeed's ``deepspeed.utils`` functions (``tensor_fragment.py``) and ``deepspeed.zero.GatheredParameters`` find
+a stage-3 parameter by its attribute ``ds_id`` and call its stage-3 optimizer, ``param._z3_optimizer``, and its
+methods ``all_gather``/``partition``. So at the end of a "patrickstar" initialize every chunk parameter (trainable
+or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :class:`Zero3Params` as its
+``_z3_optimizer``, and ``engine.destroy()`` takes them off again; no DeepSpeed function is wrapped:
+
+* ``ds_id`` (its index in the chunk map, the same on every rank), ``ds_shape``, ``ds_numel``,
+  ``ds_process_group`` (the data-parallel group); ``ds_status`` is ``NOT_AVAILABLE`` (its full value is not
+  readable through ``param.data`` between uses), ``AVAILABLE`` inside ``GatheredParameters``;
+* ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (``"exp_avg"``, ``"exp_avg_sq"``): the full fp32
+  value, each rank contributing the pieces of the chunks it owns (a collective: call it on every rank, as
+  stock's); ``safe_set_full_*`` write the owned pieces of the value given (the same on every rank) into the
+  fp32 master or state: as stock, the low-precision parameter follows at the next step. A frozen parameter
+  has none: None, as stock returns for ``requires_grad=False``;
+* the ``_local_`` variants read or write this rank's share: the elements of the parameter in the chunks it
+  owns, in element order (a parameter lies in one chunk or straddles a few: a rank may own none of it, and the
+  shares differ from stock's 1/W slices; all ranks' shares in rank order are the whole parameter);
+* gradients (``safe_get_full_grad``, ``safe_set_full_grad``, ``safe_*_local_grad``) raise
+  ``NotImplementedError`` saying so: between backward and step a gradient lives in its parameter's slot or in
+  the fp32 accumulators, which this surface does not read yet;
+* ``GatheredParameters(params, modifier_rank=r)``: ``all_gather`` points each listed parameter at a host copy
+  of its full value (one streamed pass over the chunk groups, a collective), ``partition`` writes the values
+  back into the chunks and fp32 masters when the block changed them (``modifier_rank``: after stock's
+  broadcast, so every rank writes its own pieces) and points the parameters at their chunks again. Engine
+  forwards inside the block are not supported. A parameter a module is using (state COMPUTE) is left as
+  it is: its values are there (stock's ``zero.Init`` leaves ``F.linear`` replaced by a function whose
+  backward calls ``weight.all_gather()`` for a ``NOT_AVAILABLE`` weight; it must stay a no-op there).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from ..chunks.chunk import TensorInfo
+from ..chunks.state import TensorState
+
+_ATTRIBUTES = (
+    "ds_id",
+    "ds_shape",
+    "ds_numel",
+    "ds_status",
+    "ds_process_group",
+    "_z3_optimizer",
+    "all_gather",
+    "partition",
+)
+_STATES = {None: "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+class Zero3Params:
+    """The ``_z3_optimizer`` of every chunk parameter; see [Note: ZeRO-3 parameter attributes]."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.chunk_map, self.states, self.export = optimizer.chunk_map, optimizer.optim_states, optimizer.export
+        self.manager = optimizer.manager
+        self.group = optimizer.dp_process_group
+        self.saved_views: dict[TensorInfo, torch.Tensor] = {}
+
+    # ---- attributes -------------------------------------------------------------------------
+    def expose(self) -> None:
+        group = self.group if self.group is not None else dist.get_world_group()
+        for ds_id, info in enumerate(self.chunk_map.infos()):
+            param = info.param
+            param.ds_id, param.ds_shape, param.ds_numel = ds_id, info.shape, info.numel
+            param.ds_status, param.ds_process_group, param._z3_optimizer = ZeroParamStatus.NOT_AVAILABLE, group, self
+            param.all_gather = types.MethodType(_all_gather, param)
+            param.partition = types.MethodType(_partition, param)
+
+    def remove(self) -> None:
+        for info in self.chunk_map.infos():
+            for name in _ATTRIBUTES:
+                if name in info.param.__dict__:
+                    delattr(info.param, name)
+
+    # ---- fp32 values and optimizer states -----------------------------------------------------
+    def _info(self, param: torch.Tensor) -> TensorInfo | None:
+        info = self.chunk_map.info(param)
+        return info if info is not None and info.trainable else None
+
+    def _key(self, optim_state_key: str | None) -> str:
+        if optim_state_key not in _STATES:
+            raise ValueError(
+                f"optim_state_key={optim_state_key!r}: stage 'patrickstar' keeps 'exp_avg' and 'exp_avg_sq'"
+            )
+        return _STATES[optim_state_key]
+
+    def _owned(self, info: TensorInfo) -> list:
+        return [piece for piece in info.pieces if piece.chunk_id in self.states.chunks]
+
+    def _read(self, info: TensorInfo, key: str, piece: Any) -> torch.Tensor:
+        values = torch.empty(piece.numel, dtype=torch.float32)
+        for lo, state in self.states.slices(piece.chunk_id, piece.offset, piece.offset + piece.numel):
+            part = getattr(state, key)
+            values[lo - piece.offset : lo - piece.offset + part.numel()].copy_(part)
+        return values
+
+    def _write(self, key: str, piece: Any, values: torch.Tensor) -> None:
+        self.states.write_values(piece.chunk_id, key, piece.offset, values.detach().to("cpu", torch.float32))
+
+    @torch.no_grad()
+    def get_full_hp_param(self, param: torch.Tensor, optim_state_key: str | None = None) -> torch.Tensor | None:
+        info, key = self._info(param), self._key(optim_state_key)
+        if info is None:
+            return None
+        full = torch.zeros(info.numel, dtype=torch.float32)
+        for piece in self._owned(info):
+            full[piece.in_param] = self._read(info, key, piece)
+        if dist.get_world_size(group=self.group) > 1:
+            dist.all_reduce(full, group=self.group)  # each element comes from its one owner; the rest add zeros
+        return full.view(info.shape)
+
+    @torch.no_grad()
+    def set_full_hp_param(self, value: torch.Tensor, param: torch.Tensor, optim_state_key: str | None = None) -> None:
+        info, key = self._info(param), self._key(optim_state_key)
+        if info is None:
+            return
+        if value.numel() != info.numel:
+            raise ValueError(f"{info.name}: a value of {value.numel()} elements for a parameter of {info.numel}")
+        flat = value.reshape(-1)
+        for piece in self._owned(info):
+            self._write(key, piece, flat[piece.in_param])
+        self.states.flush()
+
+    @torch.no_grad()
+    def get_local_fp32_param(self, param: torch.Tensor, optim_state_key: str | None = None) -> torch.Tensor | None:
+        info, key = self._info(param), self._key(optim_state_key)
+        if info is None:
+            return None
+        parts = [self._read(info, key, piece) for piece in self._owned(info)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+
+    @torch.no_grad()
+    def set_local_hp_param(self, value: torch.Tensor, param: torch.Tensor, optim_state_key: str | None = None) -> None:
+        info, key = self._info(param), self._key(optim_state_key)
+        if info is None:
+            return
+        owned, flat, at = self._owned(info), value.reshape(-1), 0
+        if flat.numel() != sum(piece.numel for piece in owned):
+            raise ValueError(
+                f"{info.name}: a local value of {flat.numel()} elements; this rank's share has "
+                f"{sum(piece.numel for piece in owned)} (safe_get_local_fp32_param gives its shape)"
+            )
+        for piece in owned:
+            self._write(key, piece, flat[at : at + piece.numel])
+            at += piece.numel
+        self.states.flush()
+
+    # ---- gradients: not read here yet -----------------------------------------------------------
+    def _no_gradients(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "safe_get/set_full_grad and safe_get/set_local_grad are not supported by stage 'patrickstar' yet: "
+            "between backward and step a gradient lives in its parameter's chunk slot or in the fp32 "
+            "accumulators; read the fp32 parameters and optimizer states instead"
+        )
+
+    get_fp32_grad_for_param = set_fp32_grad_for_param = _no_gradients
+    get_local_fp32_grad_for_param = set_local_grad_for_param = _no_gradients
+    update_fp32_grad_for_param_vectorized = _no_gradients
+
+    # ---- GatheredParameters -------------------------------------------------------------------
+    @torch.no_grad()
+    def gather(self, params: list[torch.Tensor]) -> None:
+        infos = [self.chunk_map.info(p) for p in params]
+        # in use by a module (stage 3's linear gathers its weight in backward): its values are there already
+        wanted = {info: info.param for info in infos if info is not None and info.state is not TensorState.COMPUTE}
+        if not wanted:
+            return
+        self.export.refuse_gradients({info: [info.name] for info in wanted}, "GatheredParameters")
+        for info, value in self.export.iter_host_values():
+            if info in wanted and info not in self.saved_views:
+                self.saved_views[info] = info.param.data
+                info.param.data = value
+                info.param.ds_status = ZeroParamStatus.AVAILABLE
+
+    @torch.no_grad()
+    def release(self, params: list[torch.Tensor], has_been_updated: bool) -> None:
+        errors: list[str] = []
+        with self.export.writing():
+            for info in (self.chunk_map.info(p) for p in params):
+                if info is None or info not in self.saved_views:
+                    continue
+                if has_been_updated:
+                    self.export.write_value(info, info.name, info.param.data, errors)
+                info.param.data = self.saved_views.pop(info)
+                info.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        self.states.flush()
+        if has_been_updated:
+            self.manager.release_all_groups()  # no other rank's chunk stays gathered with its old values
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+
+def _all_gather(self: torch.Tensor, param_list: list[torch.Tensor] | None = None, **kwargs: Any) -> None:
+    self._z3_optimizer.gather(param_list if param_list is not None else [self])  # type: ignore[attr-defined]
+
+
+def _partition(
+    self: torch.Tensor, param_list: list[torch.Tensor] | None = None, has_been_updated: bool = False, **kwargs: Any
+) -> None:
+    self._z3_optimizer.release(param_list if param_list is not None else [self], has_been_updated)  # type: ignore[attr-defined]
