@@ -125,7 +125,10 @@ def run_case(name: str) -> list[dict]:
     sys.path.insert(0, str(REPO / "tests"))
     from multiproc import run_ranks
 
-    return run_ranks(train_case, CASES[name]["world"], CASES[name], timeout=240.0, memo=True)
+    # frozen chunks on disk: on processes of their own (the bytes written at initialize and the activation meter's
+    # counts depend on what a kept worker ran before)
+    fresh = bool(CASES[name].get("frozen"))
+    return run_ranks(train_case, CASES[name]["world"], CASES[name], timeout=240.0, memo=True, fresh=fresh)
 
 
 def main() -> None:

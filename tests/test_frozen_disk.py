@@ -96,7 +96,7 @@ def _ram_and_disk(rank, world_size, swap):
 
 def test_two_ranks_frozen_chunks_on_disk_equal_frozen_chunks_in_ram(tmp_path):
     """With two ranks each keeps its own frozen slices on disk and all-gathers them from the read buffers."""
-    for ram, disk in run_ranks(_ram_and_disk, 2, str(tmp_path)):
+    for ram, disk in run_ranks(_ram_and_disk, 2, str(tmp_path), fresh=True):
         assert_same(disk, ram)
         assert all(c["frozen_bytes_disk"] > 0 and c["frozen_bytes_host"] == 0 for c in disk.counters)
 
@@ -213,7 +213,7 @@ def test_init_with_the_frozen_base_on_disk_never_holds_the_whole_base(tmp_path):
     """Built under ``Init`` with a 64 MiB frozen base and a 4 MiB host budget, ``initialize`` streams the base
     to disk a chunk (2 MiB) at a time: its peak resident growth stays below half the base, and it trains.
     With the disk tier, a freed large host buffer goes back to the system (see [Note: host heap])."""
-    ((grown, counters, loss, returned),) = run_ranks(_init_peak, 1, str(tmp_path))
+    ((grown, counters, loss, returned),) = run_ranks(_init_peak, 1, str(tmp_path), fresh=True)
     assert returned >= 15 << 20, returned
     base = 2 * WIDTH * WIDTH * DEPTH
     assert grown < base // 2, (grown, base)

@@ -78,25 +78,37 @@ def _threshold_across_a_run(rank: int, world_size: int, nvme: str) -> dict:
 def test_the_disk_tiers_mmap_threshold_is_back_after_destroy_and_rollback(tmp_path):
     from ds_patrickstar.memory.host_heap import DYNAMIC_CEILING, MMAP_THRESHOLD
 
-    (seen,) = run_ranks(_threshold_across_a_run, 1, str(tmp_path), timeout=120)
+    (seen,) = run_ranks(_threshold_across_a_run, 1, str(tmp_path), timeout=120, fresh=True)
     assert seen["run"][:2] == (MMAP_THRESHOLD, True) and "the disk tier's mmap threshold" in seen["run"][2], seen
     assert seen["destroyed"] == (DYNAMIC_CEILING, False, []), seen
     assert seen["rolled back"] == (DYNAMIC_CEILING, False, []), seen
 
 
-def test_a_threshold_set_in_glibc_tunables_is_the_users(monkeypatch):
+def _tunables(rank: int, world_size: int) -> tuple:
+    import os
+
     from ds_patrickstar.memory import host_heap
 
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=65536")
-    assert host_heap.user_setting() == "GLIBC_TUNABLES=glibc.malloc.mmap_threshold"
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    os.environ["GLIBC_TUNABLES"] = "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=65536"
+    setting = host_heap.user_setting()
     hold = host_heap.map_large_allocations()
     try:
-        assert host_heap.threshold_set() != host_heap.MMAP_THRESHOLD
+        held = host_heap.threshold_set()
     finally:
         hold.release()
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")
-    assert host_heap.user_setting() is None
+    os.environ["GLIBC_TUNABLES"] = "glibc.malloc.trim_threshold=1"
+    return setting, held, host_heap.user_setting()
+
+
+def test_a_threshold_set_in_glibc_tunables_is_the_users():
+    """In a fresh process (a kept worker or this one may hold a threshold an earlier engine set)."""
+    from ds_patrickstar.memory import host_heap
+
+    ((setting, held, unset),) = run_ranks(_tunables, 1, timeout=120, fresh=True)
+    assert setting == "GLIBC_TUNABLES=glibc.malloc.mmap_threshold"
+    assert held != host_heap.MMAP_THRESHOLD
+    assert unset is None
 
 
 def test_a_forked_child_does_not_hold_the_swap_lock(tmp_path):
@@ -166,6 +178,6 @@ def _cycles(rank: int, world_size: int, nvme: str, cycles: int) -> tuple[list[st
 
 
 def test_twenty_initialize_destroy_cycles_leave_no_extra_thread(tmp_path):
-    (first, last, counts) = run_ranks(_cycles, 1, str(tmp_path), 20, timeout=240)[0]
+    (first, last, counts) = run_ranks(_cycles, 1, str(tmp_path), 20, timeout=240, fresh=True)[0]
     assert last == first, (first, last)
     assert max(counts) == 0, counts

@@ -167,7 +167,7 @@ def _cycles(rank, world_size, cycles):
 
 
 def test_initialize_destroy_cycles_leave_no_process_group_or_thread():
-    for seen in run_ranks(_cycles, 2, 20, timeout=240):
+    for seen in run_ranks(_cycles, 2, 20, timeout=240, fresh=True):
         assert len(set(seen)) == 1, seen
 
 
