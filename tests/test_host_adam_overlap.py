@@ -1,5 +1,5 @@
 """The overlapped host Adam (see [Note: overlapped host Adam]) against the serial step on the strict twin: losses
-and weights bit-identical at 1 and 2 ranks, GA 1 and 2, fp16/bf16/fp32, gradient clipping on and off; parameters
+and weights bit-identical at 1 rank (GA 1 and 2, fp16/bf16/fp32, gradient clipping on and off) and 2 ranks; parameters
 read between ``step()`` and the next forward are the updated ones; a chunk store that forgets to wait for a host
 job fails; the host worker runs its jobs in order and hands back their errors."""
 import sys
@@ -98,9 +98,9 @@ def test_one_rank_overlapped_step_is_the_serial_step(dtype, clip, ga):
     _same(serial, overlapped)
 
 
-@pytest.mark.parametrize("dtype,clip,ga", [("bf16", 1.0, 2), ("fp16", 0.0, 1)], ids=["bf16-clip-ga2", "fp16-ga1"])
+@pytest.mark.parametrize("dtype,clip,ga", [("bf16", 1.0, 2)], ids=["bf16-clip-ga2"])  # the 1-rank cases vary the rest
 def test_two_ranks_overlapped_step_is_the_serial_step(dtype, clip, ga):
-    budget = {1: 320_000, 2: 420_000}[ga]  # trains, with optimizer states of some chunks on the host
+    budget = 420_000  # trains, with optimizer states of some chunks on the host
     serial = run_ranks(_train, 2, dtype, clip, ga, budget, False, timeout=300.0)
     overlapped = run_ranks(_train, 2, dtype, clip, ga, budget, True, timeout=300.0)
     for ours, theirs in zip(serial, overlapped):

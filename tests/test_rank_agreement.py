@@ -168,7 +168,9 @@ def _cycles(rank, world_size, cycles):
 
 def test_initialize_destroy_cycles_leave_no_process_group_or_thread():
     for seen in run_ranks(_cycles, 2, 20, timeout=240, fresh=True):
-        assert len(set(seen)) == 1, seen
+        groups, threads = {g for g, _ in seen}, [t for _, t in seen]
+        # a thread of the runtime's may be on its way out when counted (seen once in CI); a leak grows each cycle
+        assert len(groups) == 1 and max(threads) <= min(threads) + 1 and threads[-1] <= threads[0] + 1, seen
 
 
 def test_the_gloo_interface_is_said_before_the_side_group_is_made(monkeypatch, caplog):
