@@ -201,8 +201,9 @@ def _init_peak(rank, world_size, swap):
     engine.backward(loss)
     engine.step()
     counters = engine.get_patrickstar_counters()
+    returned = _returned_when_freed(16 << 20)  # while the run holds the threshold: destroy() gives it back
     engine.destroy()
-    return grown, counters, float(loss), _returned_when_freed(16 << 20)
+    return grown, counters, float(loss), returned
 
 
 def _returned_when_freed(nbytes: int) -> int:
