@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts: process setup, memory readings, model-data bytes."""
 import json
 import os
+import platform
 import resource
 import sys
 from pathlib import Path
@@ -74,6 +75,20 @@ def _cpu_flags(cpuinfo="/proc/cpuinfo"):
     except OSError:
         return None
     return None
+
+
+def describe_cpu(cpuinfo="/proc/cpuinfo"):
+    """The CPU's model, logical cores, load and the flags CPU figures depend on (avx2, avx512f, avx512_bf16,
+    amx_bf16), for every CPU figure."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    flags = sorted((_cpu_flags(cpuinfo) or set()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{model}, {os.cpu_count()} logical cores, flags {' '.join(flags) or 'none of avx2/avx512'}, load {load:.1f}"
 
 
 def _bf16_matmul_ratio(n=256, repeats=3):

@@ -34,6 +34,9 @@ def test_default_cuda_budget_is_free_memory_less_the_reserve(monkeypatch):
         ({"static_fraction": 0.25, "placement": "static"}, True, []),
         ({"device_budget": 1 << 20, "emulate_accelerator": True}, True, []),
         ({"placement": "auto"}, True, []),
+        ({"optimizer_placement": "fill"}, True, []),
+        ({"optimizer_placement": "fill", "placement": "static"}, True, ["optimizer_placement"]),
+        ({"optimizer_placement": "time"}, False, ["optimizer_placement"]),
     ],
 )
 def test_ineffective_keys(keys, placement_runs, idle):

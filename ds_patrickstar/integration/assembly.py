@@ -44,6 +44,7 @@ from ..placement.move_model import MovePredictor
 from ..placement.moves import ChunkMoves
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
+from ..placement.state_choice import ChunkCosts, StateChooser
 from ..placement.step_time import H100_PROFILE, StepTimer
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from ..run_state import RunState
@@ -137,6 +138,7 @@ def make_placement(
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
         predictor=_move_predictor(accel, chunk_map, accumulate),
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam),
+        chooser=_state_chooser(options, accel, chunk_map, accumulate),
     )
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
@@ -193,6 +195,31 @@ def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -
     sizes = {c.chunk_id: c.nbytes for c in owned}
     trainable = {c.chunk_id for c in owned if c.trainable}
     return MovePredictor(accel.ledger.budget, sizes, trainable, {c.chunk_id for c in owned if c.on_disk})
+
+
+def _state_chooser(
+    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, accumulate: bool
+) -> StateChooser | None:
+    """The step-time model's choice of the optimizer states on the accelerator, where the move model holds
+    (see [Note: optimizer states by step time]); None: every state that fits."""
+    if options.placement != "auto" or options.optimizer_placement != "time":
+        return None
+    if chunk_map.world_size > 1 or accumulate:
+        if "optimizer_placement" in options.model_fields_set:
+            logger.info(
+                'ds_patrickstar: optimizer_placement "time" needs one rank without gradient accumulation (the move '
+                'model\'s scope): "fill" is used'
+            )
+        return None
+    owned = chunk_map.owned_chunks()
+    trainable = [c for c in owned if c.trainable]
+    costs = ChunkCosts(
+        sizes={c.chunk_id: c.nbytes for c in owned},
+        elements={c.chunk_id: c.used for c in trainable},
+        capacities={c.chunk_id: c.capacity for c in trainable},
+        uncopied={c.chunk_id for c in owned if c.on_disk},
+    )
+    return StateChooser(accel.ledger.budget, costs, H100_PROFILE, options.overlap_host_adam)
 
 
 def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool) -> StepTimer:

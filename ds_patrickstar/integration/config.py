@@ -132,6 +132,14 @@ class PatrickStarConfig(BaseModel):
     (see [Note: overlapped host Adam]). false: every chunk is updated before ``step()`` returns.
     Needs placement (a CUDA device or emulate_accelerator); without it no chunk is updated on the host."""
 
+    optimizer_placement: Literal["time", "fill"] = "time"
+    """With placement "auto": how many of the chunks whose optimizer states fit on the accelerator (beside
+    the traced tide) keep them there. "time" (default): as many as the step-time model predicts fastest, from
+    none to all of them, so that the room goes to low-precision payloads where that saves more transfers
+    than updating on the accelerator saves (see [Note: optimizer states by step time]); one rank without
+    gradient accumulation, where the move model holds (elsewhere "fill", said in the log). "fill": all of
+    them."""
+
     lockstep: Literal["on", "off", "first_steps"] = "on"
     """Data parallel: whether the ranks check, before each chunk-group collective, that every rank is
     about to issue the same one, so that ranks running different modules raise an error naming the
@@ -171,8 +179,9 @@ class PatrickStarConfig(BaseModel):
     def _idle_placement_keys(self, placement_runs: bool, set_keys: set[str]) -> list[str]:
         if not placement_runs:
             keys = ("placement", "static_fraction", "device_budget", "offload_activations", "overlap_host_adam")
-            return [k for k in keys if k in set_keys]
-        return ["static_fraction"] if self.placement == "auto" and "static_fraction" in set_keys else []
+            return [k for k in (*keys, "optimizer_placement") if k in set_keys]
+        idle = "static_fraction" if self.placement == "auto" else "optimizer_placement"
+        return [idle] if idle in set_keys else []
 
     @field_validator("leaf_module", mode="before")
     @classmethod

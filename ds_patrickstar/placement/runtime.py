@@ -23,6 +23,7 @@ from .planner import gathered_rooms
 from .positions import TracePositions
 from .remedies import budget_remedies
 from .shapes import RetraceReason
+from .state_choice import StateChooser
 from .step_plan import StepPlan
 from .step_time import StepTimer
 from .tide_plot import plot_tide
@@ -38,12 +39,14 @@ class PlacementRuntime:
         chunk_needs: Callable[[Trace], list[int]],
         predictor: MovePredictor | None = None,
         timer: StepTimer | None = None,
+        chooser: StateChooser | None = None,
     ) -> None:
         self.moves = moves  # its collaborators are the driver's: placer, tracer, counters, run, ledger
         self.placer, self.tracer, self.counters, self.run = moves.placer, moves.tracer, moves.counters, moves.run
         self.ledger = moves.ledger
         self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
         self.timer = timer if predictor is not None else None  # its time (see [Note: step-time model])
+        self.chooser = chooser  # None: every state that fits (see [Note: optimizer states by step time])
         self._on_device: set[int] = set()  # the chunks whose optimizer states live on the accelerator
         self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
         largest = max((c.nbytes for c in moves.chunks), default=0)
@@ -217,7 +220,16 @@ class PlacementRuntime:
         self.counters.retraces_shape = int(self.tracer.retraced is RetraceReason.SHAPE)
         self.counters.retraces_order = int(self.tracer.retraced is RetraceReason.ORDER)
         trace = self.tracer.current_trace()
-        return self.steps.decide(trace, self.positions.take_over(), capacities) if trace is not None else None
+        if trace is None:
+            return None
+        return self.steps.decide(trace, self.positions.take_over(), capacities, self._choose_states)
+
+    def _choose_states(self, trace: Trace, fill: set[int]) -> set[int]:
+        """Of ``fill``, the chunks whose states the step-time model places on the accelerator (all of them
+        without a chooser); priced with the moment times the traced iteration measured."""
+        if self.chooser is None or self.timer is None:
+            return fill
+        return self.chooser(trace, fill, self.placer.resident, self.timer.traced_times(len(trace)))
 
     def step_moment(self, on_device: set[int]) -> None:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator (the

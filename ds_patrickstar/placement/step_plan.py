@@ -41,10 +41,17 @@ class StepPlan:
         """A (re-)trace begins: the optimizer states go to the host, and the next step places them anew."""
         self.planned_from = None
 
-    def decide(self, trace: Trace, over: dict[int, int], capacities: Mapping[int, int]) -> set[int] | None:
+    def decide(
+        self,
+        trace: Trace,
+        over: dict[int, int],
+        capacities: Mapping[int, int],
+        choose: Callable[[Trace, set[int]], set[int]] | None = None,
+    ) -> set[int] | None:
         """Where the optimizer states live from this step on (None: where they are): after a (re-)trace,
         or where a batch's tide rose above the plan (``over``: moment -> bytes measured), from ``trace``
-        planned for it (see [Note: traces across input shapes])."""
+        planned for it (see [Note: traces across input shapes]); of the chunks whose states fit, ``choose``
+        (None: all) picks those placed (see [Note: optimizer states by step time] in state_choice.py)."""
         if raise_tide(trace, over):
             self._counters.tide_replans += 1
             self.planned_from = None
@@ -52,9 +59,10 @@ class StepPlan:
         if not self._replanned:
             return None
         self.planned_from = trace
-        return states_on_device(
+        fill = states_on_device(
             trace, self.budget, self.policy, self._chunk_needs(trace), self._largest_chunk, capacities
         )
+        return choose(trace, fill) if choose is not None and fill else fill
 
     def settle(self, trace: Trace | None, on_device: set[int]) -> None:
         """The states were placed: after a new decision the traced step moment uses the chunks updated on

@@ -167,6 +167,15 @@ class StepTimer:
         self.last = predict_step(trace, plan, compute, host, device, self.profile, self.overlap)
         return self.last
 
+    def traced_times(self, moments: int) -> list[float]:
+        """The moment times of the iteration under way, the last one up to now, 0 where the accelerator has
+        not reached a mark yet, and for the moments still to come (the step's): the compute a plan made at
+        the step prices (see [Note: optimizer states by step time] in state_choice.py)."""
+        marks = [*self._marks, self._clock()]
+        times = [self._seconds(a, b) for a, b in zip(marks, marks[1:])]
+        times = [t if t == t else 0.0 for t in times]  # NaN: not reached
+        return (times + [0.0] * moments)[:moments]
+
     def _times(self, moments: int) -> list[float] | None:
         if self._closed is None or len(self._closed) != moments + 1:
             return None

@@ -1,0 +1,211 @@
+"""Which chunks' optimizer states live on the accelerator, chosen by the predicted step time.
+
+[Note: optimizer states by step time]
+Optimizer states on the accelerator spare their chunk the host update's round trip (the gradient out, the
+updated payload back in) and the host Adam, but they take 12 B per element of room that low-precision
+payloads (2 B per element) could otherwise keep between uses: where the room is short, every state kept
+there may cost several payloads a trip out and back each iteration. So the planner does not fill the room
+with states (the ``"fill"`` rule of :func:`~ds_patrickstar.placement.planner.states_on_device`); it prices
+candidates among the chunks the fill rule would place, each with the moves of a steady-state iteration
+(:func:`~ds_patrickstar.placement.move_model.simulate_moves`, two iterations) and the step-time model
+(:func:`~ds_patrickstar.placement.step_time.predict_step`, see [Note: step-time model]):
+
+* the first ``k`` of them for ``k`` from 0 to all (chunk order: the chunks the backward uses last and the
+  next forward first, resident at the step anyway);
+* then local moves from the best: one chunk's states off, on, or swapped for another's (a prefix may keep
+  the one chunk whose room the payloads need most).
+
+Predicted steps within :data:`TIE` of the fastest are a tie (the model is not that exact; where the
+transfers hide behind compute either way, candidates differ by little more than their Adam), which goes to
+the fewest bytes moved (a copy engine less busy, and less exposed where the compute was over-estimated),
+then to more states on the accelerator. A candidate never needs more room than the fill rule's, so no
+budget the fill rule met is refused.
+
+The moments' compute times are those the traced iteration measured on the accelerator's clock, where it
+has reached them (else 0: the transfers priced as exposed); the profile's rates price the rest. With many
+candidates the search takes a grid of :data:`GRID` points, then halves the interval around the best until
+neighbours are compared: a few dozen replays of the trace, once per (re-)trace. ``tests/test_state_choice.py``
+checks the choice against every subset of the candidates on small traces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
+from .move_model import MovePlan, simulate_moves
+from .step_time import DeviceProfile, StepTime, predict_step
+from .tracer import Trace
+
+logger = logging.getLogger(__name__)
+
+GRID = 17
+"""Candidates priced in the first pass of a search over more than ``2 * GRID`` of them."""
+ROUNDS = 2
+"""Rounds of local moves (one chunk's states off, on, or swapped) after the search over prefixes."""
+NEIGHBOURS = 64
+"""The most candidates a round of local moves prices."""
+LOCAL_WORK = 200_000
+"""Local moves only where chunks x moments (a replay's work) is at most this: about a second in all."""
+TIE = 0.02
+"""Predicted steps within this fraction of the fastest are a tie, settled by the bytes moved."""
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """What the models need of the owned chunks: bytes on the accelerator (movable chunks), elements Adam
+    updates and elements its states take (trainable chunks), the chunks whose eviction copies nothing (a disk
+    record is their home)."""
+
+    sizes: Mapping[int, int]
+    elements: Mapping[int, int]
+    capacities: Mapping[int, int]
+    uncopied: AbstractSet[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class StateChoice:
+    """A priced candidate: the chunks whose states live on the accelerator, its step and its moves."""
+
+    on_device: frozenset[int]
+    step: StepTime
+    plan: MovePlan
+
+    @property
+    def moved(self) -> int:
+        """Bytes to the accelerator and back in the step."""
+        return self.plan.bytes_to_device + self.plan.bytes_to_host
+
+
+def price(
+    trace: Trace,
+    budget: int,
+    costs: ChunkCosts,
+    on_device: AbstractSet[int],
+    resident: AbstractSet[int],
+    compute_s: Sequence[float],
+    profile: DeviceProfile,
+    overlap: bool,
+) -> StateChoice:
+    """The steady-state step with the states of ``on_device`` on the accelerator (see [Note: optimizer states
+    by step time]): two iterations of the moves from ``resident``, the second priced."""
+    trace = with_step_chunks(trace, tuple(sorted(on_device)))
+    fixed = sum(OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in on_device)
+    host = {c: n for c, n in costs.elements.items() if c not in on_device}
+    replay = set(resident)
+    plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied)
+    plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied)
+    device = sum(costs.elements[c] for c in on_device)
+    step = predict_step(trace, plan, compute_s, host, device, profile, overlap)
+    return StateChoice(frozenset(on_device), step, plan)
+
+
+def choose_states(
+    trace: Trace,
+    budget: int,
+    costs: ChunkCosts,
+    fill: Sequence[int],
+    resident: AbstractSet[int],
+    compute_s: Sequence[float],
+    profile: DeviceProfile,
+    overlap: bool,
+) -> StateChoice:
+    """The fastest prefix of ``fill`` (the chunks the fill rule places, in its order) by the predicted step;
+    see [Note: optimizer states by step time]."""
+    priced: dict[frozenset[int], StateChoice] = {}
+
+    def of(chunks: frozenset[int]) -> StateChoice:
+        if chunks not in priced:
+            priced[chunks] = price(trace, budget, costs, chunks, resident, compute_s, profile, overlap)
+        return priced[chunks]
+
+    best = _search(len(fill), lambda k: of(frozenset(fill[:k])))
+    if len(costs.sizes) * len(trace) <= LOCAL_WORK:
+        best = _improve(best, fill, of)
+    if logger.isEnabledFor(logging.DEBUG):
+        for chunks, c in sorted(priced.items(), key=lambda item: sorted(item[0])):
+            logger.debug("ds_patrickstar: states of %s: %.6f s, %d B moved", sorted(chunks), c.step.total_s, c.moved)
+    logger.info(
+        "ds_patrickstar: optimizer states of %d of %d chunk(s) on the accelerator by the step-time model: "
+        "predicted step %.4f s, %d B moved (all %d that fit: %.4f s, %d B)",
+        len(best.on_device),
+        len(costs.elements),
+        best.step.total_s,
+        best.moved,
+        len(fill),
+        of(frozenset(fill)).step.total_s,
+        of(frozenset(fill)).moved,
+    )
+    return best
+
+
+def _search(most: int, at: Callable[[int], StateChoice]) -> StateChoice:
+    """The best of ``at(0..most)`` (:func:`best_of`): all of them up to ``2 * GRID``, else a grid, then halving
+    the step around its best."""
+    if most <= 2 * GRID:
+        return best_of([at(k) for k in range(most + 1)])
+    best = best_of([at(k) for k in sorted({round(i * most / (GRID - 1)) for i in range(GRID)})])
+    step = max(1, most // (GRID - 1))
+    while step > 1:
+        step = (step + 1) // 2
+        k = len(best.on_device)
+        best = best_of([at(j) for j in (k - step, k, k + step) if 0 <= j <= most])
+    return best
+
+
+def _improve(best: StateChoice, fill: Sequence[int], of: Callable[[frozenset[int]], StateChoice]) -> StateChoice:
+    """Up to :data:`ROUNDS` rounds of local moves from ``best`` where one is better: taking one chunk's states
+    off, adding one of ``fill``'s, or swapping one for another (a prefix may keep the one chunk whose room the
+    payloads need most); a round prices at most :data:`NEIGHBOURS` candidates (swaps only where they fit in)."""
+    for _ in range(ROUNDS):
+        chosen = best.on_device
+        out = [c for c in fill if c not in chosen]
+        moves = [chosen - {c} for c in sorted(chosen)] + [chosen | {c} for c in out]
+        if len(moves) + len(chosen) * len(out) <= NEIGHBOURS:
+            moves += [(chosen - {a}) | {b} for a in sorted(chosen) for b in out]
+        if len(moves) > NEIGHBOURS:
+            break
+        better = best_of([best, *(of(frozenset(m)) for m in moves)])
+        if better is best:
+            break
+        best = better
+    return best
+
+
+def best_of(choices: Sequence[StateChoice]) -> StateChoice:
+    """The fastest of ``choices``, where predicted steps within :data:`TIE` of the fastest are a tie (the model
+    is not that exact): of those, the fewest bytes moved, then the most states on the accelerator."""
+    fastest = min(c.step.total_s for c in choices)
+    tied = [c for c in choices if c.step.total_s <= fastest * (1 + TIE)]
+    return min(tied, key=lambda c: (c.moved, -len(c.on_device)))
+
+
+def with_step_chunks(trace: Trace, chunks: tuple[int, ...]) -> Trace:
+    """A copy of ``trace`` whose step moment uses ``chunks`` (the trace itself when it already does)."""
+    index = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
+    if index is None or trace.moments[index].chunks == chunks:
+        return trace
+    copy = Trace()
+    for moment in trace.moments:
+        copy.add(moment)
+    copy.replace_chunks(index, chunks)
+    return copy
+
+
+class StateChooser:
+    """The rule of [Note: optimizer states by step time] for one run: its budget, chunks, profile and whether
+    the host Adam overlaps the forward."""
+
+    def __init__(self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: bool) -> None:
+        self.budget, self.costs, self.profile, self.overlap = budget, costs, profile, overlap
+
+    def __call__(
+        self, trace: Trace, fill: set[int], resident: AbstractSet[int], compute_s: Sequence[float]
+    ) -> set[int]:
+        """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator."""
+        order = sorted(fill)
+        choice = choose_states(trace, self.budget, self.costs, order, resident, compute_s, self.profile, self.overlap)
+        return set(choice.on_device)

@@ -1,0 +1,128 @@
+"""The optimizer states the step-time model places on the accelerator (see [Note: optimizer states by step time]):
+fewer than fit where their room keeps payloads from a round trip, all that fit where the host Adam would be
+exposed, the choice against every subset on small traces, the search over many candidates, and on the strict
+twin fewer bytes moved than the fill rule with the same losses."""
+import itertools
+import random
+
+import pytest
+from counter_runs import CASES, run_case, train_case
+from multiproc import run_ranks
+
+from ds_patrickstar.placement.move_model import MovePlan
+from ds_patrickstar.placement.planner import states_on_device
+from ds_patrickstar.placement.state_choice import TIE, ChunkCosts, StateChoice, _search, choose_states, price
+from ds_patrickstar.placement.step_time import H100_PROFILE, DeviceProfile, StepTime
+from ds_patrickstar.placement.tracer import Moment, Trace
+
+
+def _model_trace(chunks: int, tide_per_layer: int) -> Trace:
+    """A forward over ``chunks`` layers (one chunk each), the backward in reverse, the step; the tide rises by
+    ``tide_per_layer`` per layer in forward and stays until the layer's backward."""
+    trace = Trace()
+    for i in range(chunks):
+        trace.add(Moment(f"fwd:{i}", (i,), tide_per_layer * (i + 1)))
+    for i in reversed(range(chunks)):
+        trace.add(Moment(f"bwd:{i}", (i,), tide_per_layer * (i + 1)))
+    trace.add(Moment("step", (), 0))
+    return trace
+
+
+def _fill_and_costs(trace: Trace, elements: dict[int, int], budget: int) -> tuple[list[int], ChunkCosts]:
+    sizes = {c: 2 * n for c, n in elements.items()}
+    needs = [max(sizes.values())] * len(trace)
+    fill = states_on_device(trace, budget, "auto", needs, max(sizes.values()), elements)
+    return sorted(fill), ChunkCosts(sizes, elements, elements)
+
+
+E = 1_000_000
+LAYERS = 8
+TRACE = _model_trace(LAYERS, int(0.05 * LAYERS * 14 * E))
+BUDGET = LAYERS * 14 * E  # the model data's size: the tide leaves room for some states, or for the payloads
+COMPUTE = [1e-4] * (2 * LAYERS) + [0.0]
+
+
+def test_states_give_their_room_to_payloads_where_that_saves_round_trips():
+    elements = dict.fromkeys(range(LAYERS), E)
+    fill, costs = _fill_and_costs(TRACE, elements, BUDGET)
+    chosen = choose_states(TRACE, BUDGET, costs, fill, set(), COMPUTE, H100_PROFILE, overlap=True)
+    every = price(TRACE, BUDGET, costs, set(fill), set(), COMPUTE, H100_PROFILE, overlap=True)
+    assert len(chosen.on_device) < len(fill)
+    assert chosen.moved < every.moved  # the fill rule's states push payloads out and back every iteration
+    assert chosen.step.total_s < every.step.total_s
+
+
+def test_states_stay_where_the_host_adam_would_be_exposed():
+    slow_host = DeviceProfile(54e9, 54e9, host_adam_elements_per_s=1e6, device_adam_elements_per_s=9e10)
+    elements = dict.fromkeys(range(LAYERS), E)
+    fill, costs = _fill_and_costs(TRACE, elements, BUDGET)
+    chosen = choose_states(TRACE, BUDGET, costs, fill, set(), COMPUTE, slow_host, overlap=True)
+    assert sorted(chosen.on_device) == fill
+
+
+def _random_case(rng: random.Random) -> tuple[Trace, dict[int, int], int, DeviceProfile, list[float]]:
+    layers = rng.randint(3, 6)
+    elements = {i: rng.choice([1000, 2000, 4000]) for i in range(layers)}
+    trace, tide = Trace(), 0
+    for i in range(layers):
+        tide += rng.randint(0, 6000)
+        trace.add(Moment(f"fwd:{i}", (i,), tide))
+    for i in reversed(range(layers)):
+        trace.add(Moment(f"bwd:{i}", (i,), tide))
+        tide = max(0, tide - rng.randint(0, 6000))
+    trace.add(Moment("step", (), 0))
+    budget = int(sum(14 * n for n in elements.values()) * rng.uniform(0.4, 1.2))
+    rates = [1e3, 1e4, 1e5]
+    profile = DeviceProfile(rng.choice(rates), rng.choice(rates), rng.choice([1e2, 1e3, 1e4]), 1e5)
+    return trace, elements, budget, profile, [rng.choice([0.0, 0.01, 0.1])] * (2 * layers) + [0.0]
+
+
+def test_the_choice_against_every_subset_on_small_traces():
+    rng, compared = random.Random(0), 0
+    for _ in range(60):
+        trace, elements, budget, profile, compute = _random_case(rng)
+        fill, costs = _fill_and_costs(trace, elements, budget)
+        if not fill:
+            continue
+        chosen = choose_states(trace, budget, costs, fill, set(), compute, profile, overlap=True)
+        subsets = (set(s) for k in range(len(fill) + 1) for s in itertools.combinations(fill, k))
+        best = min(price(trace, budget, costs, s, set(), compute, profile, True).step.total_s for s in subsets)
+        assert chosen.step.total_s <= best * (1 + TIE) + 1e-12, (fill, sorted(chosen.on_device))
+        compared += 1
+    assert compared >= 40
+
+
+def _fake(k: int, seconds: float, moved: int) -> StateChoice:
+    return StateChoice(frozenset(range(k)), StepTime(seconds, 0.0, 0.0), MovePlan([moved], [0], [0]))
+
+
+@pytest.mark.parametrize("optimum", [0, 7, 41, 100, 163, 200])
+def test_the_search_over_many_candidates_finds_the_best_prefix(optimum):
+    priced: list[int] = []
+
+    def at(k: int) -> StateChoice:
+        priced.append(k)
+        return _fake(k, 1.0 + abs(k - optimum) / 10, 0)
+
+    assert len(_search(200, at).on_device) == optimum
+    assert len(set(priced)) < 40  # a grid and a few halvings, not every prefix
+
+
+def test_predicted_steps_within_the_tie_go_to_fewer_bytes_then_more_states():
+    choices = {k: _fake(k, s, m) for k, s, m in [(0, 1.000, 90), (1, 1.005, 50), (2, 1.010, 50), (3, 1.5, 0)]}
+    assert len(_search(3, choices.__getitem__).on_device) == 2
+
+
+def test_on_the_twin_the_time_rule_moves_fewer_bytes_than_fill_with_the_same_losses():
+    case = CASES["twin_1rank_device_adam"]
+    fill_case = {**case, "zero": {**case["zero"], "optimizer_placement": "fill"}}
+    fill = run_ranks(train_case, 1, fill_case, timeout=240.0)[0]["steps"]
+    timed = run_case("twin_1rank_device_adam")[0]["steps"]
+    assert [s["losses"] for s in timed] == [s["losses"] for s in fill]
+    last = {name: steps[-1]["counters"] for name, steps in (("fill", fill), ("time", timed))}
+    moved = {name: c["bytes_to_device"] + c["bytes_to_host"] for name, c in last.items()}
+    assert moved["time"] < moved["fill"]
+    assert last["time"]["adam_chunks_device"] < last["fill"]["adam_chunks_device"]
+    for c in last.values():  # the move model's prediction is what the twin moved
+        assert (c["predicted_bytes_to_device"], c["predicted_bytes_to_host"]) == (c["bytes_to_device"],
+                                                                                 c["bytes_to_host"])
