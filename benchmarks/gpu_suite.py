@@ -20,7 +20,9 @@ Parts, in this order; each gets a deadline (its share of what the parts before i
   a size a backend cannot hold in host memory is its failure, decided by arithmetic before launching;
 * ``sweep``: equal memory: at the smallest of those sizes that does not fit the budgets, ours at
   ``device_budget`` B against ZeRO-3 offload held to B (``set_per_process_memory_fraction``), for B in
-  ``--sweep-points`` (GiB on an 80 GB GPU, scaled on others; ``16/off``: without activation checkpointing);
+  ``--sweep-points`` (GiB on an 80 GB GPU, scaled on others; ``16/off``: without activation checkpointing), ours
+  once per ``--sweep-rules`` (``optimizer_placement`` ``time``, the default, and ``fill``, the rule before the
+  step-time model), with the predicted step beside the measured one;
 * ``gpu_tests`` (``pytest -m gpu``) and ``max_model`` (the largest GPT at a capped host memory): not in a GPU
   run's default ``--parts``: a second call runs them, and ``--merge`` makes one table of both calls.
 
@@ -82,6 +84,8 @@ def parse_args(argv=None):
                    f"{','.join(GPU_DEFAULT_PARTS)}; dry: all)")
     p.add_argument("--size-fractions", default="0.5,1.5,3", help="throughput: model data over the GPU's memory")
     p.add_argument("--sweep-points", default="12,16", help="sweep: GiB on an 80 GB GPU; B/off: no checkpointing")
+    p.add_argument("--sweep-rules", default="time,fill", help="sweep: ours' optimizer_placement rules, a row each "
+                   "(dry: time; the fill row is skipped, said so)")
     p.add_argument("--backends", default=None, help="backends of the trial parts, of ours,zero3-offload,zero3 "
                    "(GPU: ours,zero3-offload: ZeRO-3 without offload is a second call's; dry: all)")
     p.add_argument("--batch", type=int, default=None, help="micro-batch (8; dry 2)")
@@ -116,6 +120,9 @@ def parse_args(argv=None):
         p.error(f"--backends: unknown {sorted(set(args.backends) - {*parts.OFFLOADED, 'zero3'})}")
     args.size_fractions = [float(f) for f in args.size_fractions.split(",") if f]
     args.sweep_points = [x for x in args.sweep_points.split(",") if x]
+    args.sweep_rules = [x for x in args.sweep_rules.split(",") if x]
+    if set(args.sweep_rules) - {"time", "fill"} or not args.sweep_rules:
+        p.error(f"--sweep-rules: {args.sweep_rules}: give time, fill or both")
     if dry:
         args.max_width, args.max_depth, args.lora_rank = 64, 1, 4
     return args

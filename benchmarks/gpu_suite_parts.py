@@ -35,6 +35,7 @@ DRY_STOCK_SKIP = {  # stock ZeRO-3 costs ~10 s of CPU to start a trial here: the
     "zero3-offload": "dry run: stock ZeRO-3 runs at the smallest size only (~10 s a trial on the CPU)",
     "zero3": "dry run: on the CPU, ZeRO-3 without offload is the run that stands in for ZeRO-3 offload",
     "sweep": "dry run: no GPU memory to hold stock ZeRO-3 to (set_per_process_memory_fraction needs CUDA)",
+    "sweep_fill": "dry run: the fill rule's row is a GPU comparison (the twin's is benchmarks/twin_pressure.py)",
     "lora": "dry run: stock ZeRO-3's LoRA trial is the GPU's comparison; it costs ~10 s to start here",
     "dynamic_padding": "dry run: stock ZeRO-3 costs ~10 s per trial; the throughput part runs it once",
     "max_model": "dry run: stock ZeRO-3's search is ours' with another backend name, and costs ~10 s per try",
@@ -221,21 +222,24 @@ def sweep_size(ctx, args) -> tuple[str, str, dict]:
 
 
 def sweep_plan(ctx, args) -> list[tuple[dict, list[str] | str]]:
+    """Per point: ours with each of ``--sweep-rules`` (``optimizer_placement``), then ZeRO-3 offload."""
     name, preset, overrides = sweep_size(ctx, args)
     plan = []
     for gib, checkpointing in sweep_points(args):
         budget = int(gib * GIB * ctx.device_bytes / REFERENCE_GPU_BYTES)
         sized = {**overrides, "activation_checkpointing": checkpointing}
-        for backend in OFFLOADED:
-            head = {"size": name, "point": f"{gib:g} GiB" + ("" if checkpointing else " no ckpt"),
-                    "backend": backend, "budget_bytes": budget, "checkpointing": checkpointing,
-                    "params": params_of(preset, sized)}
-            if args.dry_run and backend != "ours":
-                plan.append((head, f"skipped: {DRY_STOCK_SKIP['sweep']}"))
+        point = {"size": name, "point": f"{gib:g} GiB" + ("" if checkpointing else " no ckpt"), "budget_bytes": budget,
+                 "checkpointing": checkpointing, "params": params_of(preset, sized)}
+        for backend, rule in [*(("ours", r) for r in args.sweep_rules), ("zero3-offload", None)]:
+            head = {**point, "backend": backend, **({"rule": rule} if rule else {})}
+            skip = None if not args.dry_run or rule == "time" else "sweep_fill" if rule else "sweep"
+            if skip:
+                plan.append((head, f"skipped: {DRY_STOCK_SKIP[skip]}"))
                 continue
             argv = [*trial_argv(args, backend, preset, sized), "--init"]
             if backend == "ours":
                 argv = with_option(argv, "--emulate-budget" if args.dry_run else "--device-budget", budget)
+                argv += ["--optimizer-placement", rule]
             else:
                 argv += ["--memory-fraction", f"{budget / ctx.device_bytes:.6f}"]
             plan.append((head, host_shortfall(ctx, backend, params_of(preset, sized), budget) or argv))
@@ -246,10 +250,13 @@ def sweep_ratios(trials: list[dict]) -> list[dict]:
     """Per point: ours' tokens/s over ZeRO-3 offload's at the same memory."""
     out = []
     for point in dict.fromkeys(t["point"] for t in trials):
-        got = {t["backend"]: t for t in trials if t["point"] == point and t["status"] == "measured"}
-        ok = "ours" in got and "zero3-offload" in got
-        out.append({"point": point, "ours_over_zero3_offload": got["ours"]["tokens_per_s"]
-                    / got["zero3-offload"]["tokens_per_s"] if ok else None})
+        got = {(t["backend"], t.get("rule", "time")): t for t in trials
+               if t["point"] == point and t["status"] == "measured"}
+        stock = got.get(("zero3-offload", "time"))
+        out.append({"point": point, **{
+            f"{'ours' if rule == 'time' else 'ours_fill'}_over_zero3_offload":
+                got[("ours", rule)]["tokens_per_s"] / stock["tokens_per_s"] if ("ours", rule) in got and stock else None
+            for rule in ("time", "fill")}})
     return out
 
 

@@ -179,10 +179,12 @@ def _sweep(result: dict) -> list[str]:
     part = result["parts"].get("sweep", {})
     if not part.get("trials"):
         return []
-    ratio = {r["point"]: r["ours_over_zero3_offload"] for r in part.get("ratios", [])}
+    ratio = {(r["point"], rule): r.get(f"{key}_over_zero3_offload") for r in part.get("ratios", [])
+             for rule, key in (("time", "ours"), ("fill", "ours_fill"))}
     rows = []
     for t in part["trials"]:
-        head = [t["point"], t["backend"], f"{t['budget_bytes'] / GIB:.3g}"]
+        backend = t["backend"] + (" (fill)" if t.get("rule") == "fill" else "")  # ours: the default rule, time
+        head = [t["point"], backend, f"{t['budget_bytes'] / GIB:.3g}"]
         if t["status"] != "measured":
             rows.append(head + _not_measured(t, 10))
             continue
@@ -190,7 +192,7 @@ def _sweep(result: dict) -> list[str]:
         moved = (counters["bytes_to_device"] + counters["bytes_to_host"]) if "bytes_to_device" in counters else None
         phases = t["phases_s"]
         rows.append(head + ["measured", f"{t['tokens_per_s']:.1f}",
-                            _f(ratio.get(t["point"]) if t["backend"] == "ours" else None, "{:.2f}x"),
+                            _f(ratio.get((t["point"], t.get("rule"))), "{:.2f}x"),
                             _f(moved, "{:.1f}", MB), *(f"{phases[k] * 1e3:.1f}" for k in ("forward", "backward",
                                                                                           "step")),
                             _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
@@ -199,7 +201,9 @@ def _sweep(result: dict) -> list[str]:
     return [f"**Equal memory** ({size['size']}, {_f(size.get('params'), '{:.4g} M', 1e6)} params: ours at "
             "`device_budget` B, ZeRO-3 offload held to B by `torch.cuda.set_per_process_memory_fraction`; B in GiB "
             "on an 80 GB GPU, scaled by this GPU's memory; MB moved: ours' counters, bytes_to_device + "
-            "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it).",
+            "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it; "
+            "ours: `optimizer_placement` \"time\" (the default), ours (fill): \"fill\", the rule before the "
+            "step-time model).",
             "", *_table(["point", "backend", "B (GiB)", "status", "tokens/s", "ours / ZeRO-3 offload",
                          "MB moved / step", "forward (ms)", "backward (ms)", "engine.step() (ms)", "GPU max (GiB)",
                          "step measured / predicted (s)"], rows), ""]

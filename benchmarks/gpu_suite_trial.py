@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank on every linear layer of the "
                    "blocks, the rest frozen (0: train everything)")
     p.add_argument("--chunk-size", type=int, default=None, help="ours: chunk_size (elements) over the config's")
+    p.add_argument("--optimizer-placement", choices=("time", "fill"), default=None,
+                   help="ours: zero_optimization.optimizer_placement (left out: the default, time)")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     args.warmup = args.warmup if args.warmup == "auto" else int(args.warmup)
@@ -90,6 +92,8 @@ def trial_config(args, cuda: bool) -> dict:
         config["zero_optimization"]["device_budget"] = args.device_budget
     if args.backend == "ours" and args.chunk_size is not None:
         config["zero_optimization"]["chunk_size"] = args.chunk_size
+    if args.backend == "ours" and args.optimizer_placement is not None:
+        config["zero_optimization"]["optimizer_placement"] = args.optimizer_placement
     return config
 
 

@@ -125,6 +125,9 @@ def test_sizes_follow_the_gpu_memory_and_the_host_says_what_it_cannot_hold(tmp_p
     plan = parts.sweep_plan(ctx, ctx.args)
     stock = next(argv for head, argv in plan if head["backend"] == "zero3-offload" and head["point"] == "12 GiB")
     assert math.isclose(float(stock[stock.index("--memory-fraction") + 1]), 12 * gib / ctx.device_bytes, rel_tol=1e-5)
+    ours = {head["rule"]: argv for head, argv in plan if head["backend"] == "ours" and head["point"] == "12 GiB"}
+    assert {rule: argv[argv.index("--optimizer-placement") + 1] for rule, argv in ours.items()} == {
+        "time": "time", "fill": "fill"}  # a row per optimizer_placement rule, the step-time model's beside fill's
 
 
 def test_warm_up_runs_until_the_step_time_settles():
