@@ -34,6 +34,9 @@ class StepCounters:
     bytes_to_host: int = 0
     """chunk bytes copied accelerator -> host (placement)"""
     evictions: int = 0
+    grads_released_in_backward: int = 0
+    """chunks updated on the host sent to it during backward, once their last use this iteration was behind
+    (see [Note: gradients leave in backward])"""
     recompute_moments: int = 0
     """moments of activation-checkpoint recomputation (a module's forward run again inside backward;
     see [Note: recomputation in the trace])"""

@@ -9,7 +9,8 @@ placement and the chunk group took over its own life (see docs/architecture.md):
 every byte moved and every count. Written again where a change of behaviour moved counts on purpose, with
 the losses unchanged: the activations offloaded by default (the traced steps), and the optimizer states chosen
 by the step-time model (``twin_1rank_device_adam``: 7 of 10 chunks' states on the accelerator instead of 8,
-64,640 B moved each way per step instead of 98,304).
+64,640 B moved each way per step instead of 98,304), and the host-updated chunks' gradients sent during
+backward (the same bytes at earlier moments: one Belady eviction fewer in ``twin_checkpointed_offload``).
 """
 from __future__ import annotations
 

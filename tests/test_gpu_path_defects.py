@@ -188,7 +188,7 @@ def test_hybrid_adam_with_a_real_mix_matches_zero3():
     assert ours == ref
     last = counters[-1]
     assert 0 < last["adam_chunks_device"] < 8 and last["adam_chunks_host"] == 8 - last["adam_chunks_device"]
-    assert last["evictions"] > 0
+    assert last["evictions"] + last["grads_released_in_backward"] > 0  # chunks left the accelerator, for room or early
     engine.destroy()
 
 

@@ -89,10 +89,11 @@ def test_the_move_model_replays_belady_with_prefetch_by_hand():
     sizes = {0: 100, 1: 100, 2: 100}
     resident = set()
     first = simulate_moves(trace, 200, sizes, 0, resident, host_updated={0, 1, 2})
-    # moment 0 brings 0 and 1 ahead; 1 brings 2 ahead after evicting 0 (next used at 5, after 2); 4 brings 0
-    # ahead after evicting 2 (next used in the next iteration); the step sends 0 and 1 to the host for Adam
+    # moment 0 brings 0 and 1 ahead; 1 brings 2 ahead after evicting 0 (next used at 5, after 2); 4 sends 2
+    # to the host (its last use is behind: its gradient leaves in backward) and brings 0 ahead; 5 sends 1 (its
+    # last use, 4, is behind); the step sends 0 to the host for Adam
     assert first.to_device == [200, 100, 0, 0, 100, 0, 0]
-    assert first.to_host == [0, 100, 0, 0, 100, 0, 200]
+    assert first.to_host == [0, 100, 0, 0, 100, 100, 100]
     assert resident == set()
     # 40 B that do not move leave room for one chunk: nothing fits ahead, every chunk is brought at its use
     # (2 stays from its forward to its backward) and the one before it goes

@@ -123,6 +123,7 @@ def test_on_the_twin_the_time_rule_moves_fewer_bytes_than_fill_with_the_same_los
     moved = {name: c["bytes_to_device"] + c["bytes_to_host"] for name, c in last.items()}
     assert moved["time"] < moved["fill"]
     assert last["time"]["adam_chunks_device"] < last["fill"]["adam_chunks_device"]
+    assert last["time"]["grads_released_in_backward"] > 0  # host-updated chunks left during backward
     for c in last.values():  # the move model's prediction is what the twin moved
         assert (c["predicted_bytes_to_device"], c["predicted_bytes_to_host"]) == (c["bytes_to_device"],
                                                                                  c["bytes_to_host"])

@@ -139,6 +139,7 @@ def make_placement(
         predictor=_move_predictor(accel, chunk_map, accumulate),
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam),
         chooser=_state_chooser(options, accel, chunk_map, accumulate),
+        trainable=_released_in_backward(options, chunk_map, accumulate),
     )
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
@@ -220,6 +221,14 @@ def _state_chooser(
         uncopied={c.chunk_id for c in owned if c.on_disk},
     )
     return StateChooser(accel.ledger.budget, costs, H100_PROFILE, options.overlap_host_adam)
+
+
+def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> set[int] | None:
+    """The chunks whose gradients may leave during backward when updated on the host (see [Note: gradients leave
+    in backward] in placement/runtime.py): one rank without gradient accumulation, tide-aware placement."""
+    if options.placement != "auto" or chunk_map.world_size > 1 or accumulate:
+        return None
+    return {c.chunk_id for c in chunk_map.trainable_owned()}
 
 
 def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool) -> StepTimer:

@@ -7,7 +7,9 @@ driver, see [Note: placement planner]).
 resident chunk used again farthest ahead, under the budget less the tide planned for this moment and the
 next and the bytes that do not move (optimizer states on the accelerator); after the moment the next
 one's chunks are brought ahead where they fit, if need be after evicting chunks used only after it; at
-the step the chunks updated on the host leave. It starts from the chunks on the accelerator and leaves
+the step the chunks updated on the host leave, those whose last use this iteration is behind already at
+the next moment (their gradients leave during backward, see [Note: gradients leave in backward] in
+runtime.py). It starts from the chunks on the accelerator and leaves
 there those at the iteration's end, so two calls give a steady state. What it returns, bytes to the
 accelerator and back per moment, is what the step-time model weighs against compute (see [Note: step-time
 model] in step_time.py), and the
@@ -79,6 +81,14 @@ class _Replay:
         if chunk not in self.uncopied:
             self.to_host[self.at] += self.sizes[chunk]
 
+    def release_finished(self, host_updated: set[int]) -> None:
+        """Chunks updated on the host whose last use this iteration is behind go (see [Note: gradients leave
+        in backward] in runtime.py)."""
+        end = len(self.trace)
+        for chunk in sorted(self.resident & host_updated):
+            if self.next_use(chunk, self.at - 1) >= end:
+                self.evict(chunk)
+
     def make_room(self, need: int, keep: set[int]) -> None:
         over = self.total() + need - self.headroom(self.at)
         for victim in sorted(self.resident - keep, key=lambda c: (-self.next_use(c, self.at), c)):
@@ -128,6 +138,8 @@ def simulate_moves(
     replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied))
     for index, moment in enumerate(trace.moments):
         replay.at = index
+        if moment.label != "step":
+            replay.release_finished(host_updated)
         used = {c for c in moment.chunks if c in sizes}
         for chunk in moment.chunks if moment.label != "step" else ():
             if chunk in sizes and chunk not in resident:
