@@ -159,6 +159,12 @@ class RunState:
     def end_backward(self) -> None:
         self._move(Phase.BACKWARD_DONE)
 
+    def abort_iteration(self) -> None:
+        """A backward that raised is abandoned (see [Note: a backward that raised] in groups/manager.py)."""
+        if self.phase not in (Phase.BACKWARD, Phase.RECOMPUTE):
+            raise IllegalRunTransition(f"abandoning an iteration from {self.phase.name}: no backward raised")
+        self.phase = Phase.IDLE
+
     def start_step(self) -> None:
         self._move(Phase.STEP)
 
@@ -175,6 +181,10 @@ class RunState:
     def trains(self) -> bool:
         """A moment now is a training moment."""
         return self.phase in _TRAINING
+
+    def backward_raised(self) -> bool:
+        """A backward began and did not end (asked when no backward is running: it raised)."""
+        return self.phase in (Phase.BACKWARD, Phase.RECOMPUTE)
 
     def mid_iteration(self) -> bool:
         """A training forward or backward began and did not end (it may have raised)."""

@@ -76,6 +76,10 @@ class Placement(Protocol):
         """A training forward begins."""
         ...
 
+    def abort_iteration(self) -> None:
+        """A backward raised: every moment of the iteration leaves it (see [Note: a backward that raised])."""
+        ...
+
     def drop_forward(self) -> None:
         """The last training forward had no backward: its moments leave the iteration (see
         [Note: moments and the trace])."""
@@ -146,6 +150,9 @@ class NullPlacement:
         pass
 
     def drop_forward(self) -> None:
+        pass
+
+    def abort_iteration(self) -> None:
         pass
 
     meter: SavedTensorMeter | None = None
