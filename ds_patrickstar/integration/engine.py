@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +34,7 @@ from .config import PatrickStarConfig
 from .optimizer_keys import check_reduction_settings, torch_adam_from_block
 from .process_effects import RunEffects
 from .stage_answers import StageAnswers, freeze_for_inference, no_latest
+from .take_over import TAKEN_OVER
 from .zero3_params import Zero3Params
 from .zero_optimizer import PatrickStarOptimizer
 
@@ -49,11 +51,25 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
         with BuildWindow():  # see [Note: host heap]
             super().__init__(*args, dont_change_device=True, **kwargs)
         self.enable_backward_allreduce = False
-        self.zero3_params = Zero3Params(self.optimizer)  # see [Note: ZeRO-3 parameter attributes]
+        self.zero3_params = Zero3Params(self.optimizer, weakref.ref(self))  # see [Note: ZeRO-3 parameter attributes]
         self.zero3_params.expose()
 
     def zero_optimization(self) -> bool:
         return True
+
+    taken_over = False  # a later initialize on the model destroyed this engine (see take_over.py)
+
+    def _check_held(self) -> None:
+        if self.taken_over:
+            raise RuntimeError(TAKEN_OVER)
+
+    def forward(self, *inputs, **kwargs):
+        self._check_held()
+        return super().forward(*inputs, **kwargs)
+
+    def backward(self, loss, *args, **kwargs):
+        self._check_held()
+        return super().backward(loss, *args, **kwargs)
 
     def destroy(self) -> None:
         """End the engine: DeepSpeed's teardown, which has our optimizer remove every hook we put on the
@@ -173,6 +189,7 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
             self.optimizer.end_step_counters()
 
     def step(self, lr_kwargs=None):
+        self._check_held()
         boundary = self.is_gradient_accumulation_boundary()  # super().step() advances micro_steps
         super().step(lr_kwargs)
         if boundary and self.monitor.enabled and self.global_rank == 0:

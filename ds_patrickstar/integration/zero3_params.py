@@ -34,6 +34,7 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,8 @@ _STATES = {None: "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 class Zero3Params:
     """The ``_z3_optimizer`` of every chunk parameter; see [Note: ZeRO-3 parameter attributes]."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, engine: weakref.ref | None = None) -> None:
+        self.engine = engine  # see [Note: a second initialize on a live model]
         self.chunk_map, self.states, self.export = optimizer.chunk_map, optimizer.optim_states, optimizer.export
         self.manager = optimizer.manager
         self.group = optimizer.dp_process_group
