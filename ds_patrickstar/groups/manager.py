@@ -271,5 +271,13 @@ class ChunkManager:
             )
         self.grads.next_step()
 
+    def empty_cache(self) -> None:
+        """``engine.empty_partition_cache()``: every gathered group (kept for a next use or prefetched) lets the
+        other ranks' chunks go, and frozen chunks read from disk go back; the owned chunks stay where
+        placement put them (see [Note: the partition cache])."""
+        self._reductions.drain()
+        self.residency.release_all()
+        self._let_go(keep=0)
+
     def release_all_groups(self) -> None:
         self.residency.release_all()

@@ -13,6 +13,14 @@ We only need an object that holds the param groups and the hyper-parameters an L
 edits: our fused Adam runs the update. So the engine builds a plain ``torch.optim.AdamW``
 (or ``torch.optim.Adam`` with ``"adam_w_mode": false``) from the block, and no DeepSpeed
 op is built for it; ``engine.basic_optimizer`` is that object.
+
+[Note: the partition cache]
+Stock ZeRO-3's ``empty_partition_cache()`` releases the parameters gathered on the accelerator (kept or
+prefetched for a next use) back to their partitions. Here that cache is the gathered chunk groups: the
+other ranks' chunks of every gathered group go (their next use gathers them again), and frozen chunks
+read from the disk tier go back to it. The owned chunks, this rank's partition, stay where placement
+put them (``offload_states()`` moves those). With one rank nothing is gathered: a group is its one chunk.
+Not inside a forward or backward (it raises there); between a backward and the step the gradients stay.
 """
 
 from __future__ import annotations
@@ -62,6 +70,11 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
     def _check_held(self) -> None:
         if self.taken_over:
             raise RuntimeError(TAKEN_OVER)
+
+    def empty_partition_cache(self) -> None:
+        """Stock ZeRO-3's: the gathered chunk groups go; see [Note: the partition cache]."""
+        self._check_held()
+        self.optimizer.empty_partition_cache()
 
     def forward(self, *inputs, **kwargs):
         self._check_held()

@@ -122,6 +122,15 @@ class PatrickStarOptimizer(ZeROOptimizer):
         for param in self._frozen_or_extra:
             param.grad = None
 
+    def empty_partition_cache(self) -> None:
+        """See [Note: the partition cache]."""
+        if self.run.mid_iteration():
+            raise RuntimeError(
+                "engine.empty_partition_cache() was called inside a forward or backward of the model; call it "
+                "between them (after a forward, a backward or a step)"
+            )
+        self.manager.empty_cache()
+
     def get_global_grad_norm(self) -> float:
         return self._global_grad_norm
 
