@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
 from ..io import checkpoint, commit
 from ..io.export import host_parameters
@@ -75,6 +77,23 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
         """Stock ZeRO-3's: the gathered chunk groups go; see [Note: the partition cache]."""
         self._check_held()
         self.optimizer.empty_partition_cache()
+
+    def offload_states(
+        self,
+        include: Iterable[Any] | None = None,
+        device: Any = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Every chunk and optimizer state on the accelerator to the host; see [Note: parked engines]
+        (``pin_memory`` and ``non_blocking`` are ignored there)."""
+        self._check_held()
+        self.optimizer.parking.offload(include, device)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """What :meth:`offload_states` moved back to the accelerator; see [Note: parked engines]."""
+        self._check_held()
+        self.optimizer.parking.reload()
 
     def forward(self, *inputs, **kwargs):
         self._check_held()

@@ -29,6 +29,7 @@ from ..run_state import Phase
 from .accounts import StepAccounts
 from .assembly import ChunkedModel, assemble
 from .config import PatrickStarConfig
+from .parking import StateParking
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
         self.export, self.adam, self.run = parts.export, parts.adam, parts.run
         self.accounts = StepAccounts(parts)
+        self.parking = StateParking(parts)  # see [Note: parked engines]
         self.last_step_counters: dict[str, int | float] = self.counters.as_dict()  # all zero before the first step
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
         self.fp16_groups = [

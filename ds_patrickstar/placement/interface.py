@@ -97,6 +97,8 @@ class Placement(Protocol):
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None: ...
 
+    def evict(self, chunk: Chunk) -> None: ...
+
     def after_use(self, chunk: Chunk) -> None: ...
 
     def place_for_update(self, chunk: Chunk, on_device: bool) -> None:
@@ -162,6 +164,9 @@ class NullPlacement:
         pass
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        pass
+
+    def evict(self, chunk: Chunk) -> None:
         pass
 
     def after_use(self, chunk: Chunk) -> None:
