@@ -235,6 +235,15 @@ class ChunkManager:
     def grads_ready(self) -> bool:
         return self.grads.grads_ready()
 
+    def finish_accumulation(self) -> None:
+        """See [Note: unmanaged gradient accumulation]."""
+        if not self.grads.has_accumulated():
+            raise RuntimeError(
+                "engine.step() with managed_gradient_accumulation false and no backward since the last step: "
+                "call engine.backward(loss) at least once before step()"
+            )
+        self.grads.finish_accumulation()
+
     def owned_grad_norm_sq(self, comm_device: torch.device) -> torch.Tensor:
         return self.grads.owned_grad_norm_sq(comm_device)
 

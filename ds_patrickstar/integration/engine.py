@@ -193,6 +193,7 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
             dynamic_loss_args=self.dynamic_loss_scale_args(),
             dp_group=self.seq_data_parallel_group,
             deferred=self._deferred,
+            unmanaged=not self.managed_gradient_accumulation(),
         )
         self._configure_legacy_compression()
 
@@ -222,6 +223,8 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
 
     def step(self, lr_kwargs=None):
         self._check_held()
+        if not self.managed_gradient_accumulation():  # the step is the boundary
+            self.optimizer.finish_accumulation()
         boundary = self.is_gradient_accumulation_boundary()  # super().step() advances micro_steps
         super().step(lr_kwargs)
         if boundary and self.monitor.enabled and self.global_rank == 0:

@@ -52,6 +52,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         dynamic_loss_args: dict | None,
         dp_group: ProcessGroup | None = None,
         deferred: DeferredModel | None = None,
+        unmanaged: bool = False,
     ) -> None:
         super().__init__()
         self.optimizer = basic_optimizer
@@ -78,7 +79,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
             options,
             device=device,
             dtype=dtype,
-            accumulate=gradient_accumulation_steps > 1,
+            accumulate=gradient_accumulation_steps > 1 or unmanaged,  # see [Note: unmanaged gradient accumulation]
             dp_group=dp_group,
             deferred=deferred,
             is_boundary=self.is_gradient_accumulation_boundary,
@@ -123,6 +124,13 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._frozen_or_extra:
             param.grad = None
+
+    def finish_accumulation(self) -> None:
+        """``managed_gradient_accumulation: false``: ``engine.step()`` is the boundary; see [Note: unmanaged
+        gradient accumulation]."""
+        if self.run.mid_iteration():
+            raise RuntimeError("engine.step() inside a forward or backward of the model")
+        self.manager.finish_accumulation()
 
     def empty_partition_cache(self) -> None:
         """See [Note: the partition cache]."""
