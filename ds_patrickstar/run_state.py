@@ -35,7 +35,8 @@ an input-gradient penalty) raises :class:`BackwardInForward` naming the call and
 it reached: the forward's chunk groups are in use (kept, released or gathered by the forward's own
 rules), and stock ZeRO-3 hangs there. A forward or backward that raised leaves its phase as it was: the run is
 *mid-iteration* (``FORWARD``, ``BACKWARD``, ``RECOMPUTE``), and only a new forward of the root
-module leaves it. Mid-iteration, with data parallelism, a rank may have failed inside a collective
+module leaves it (after a backward that raised, through ``IDLE``: see [Note: a backward that raised] in
+groups/manager.py). Mid-iteration, with data parallelism, a rank may have failed inside a collective
 the others wait in, so ``destroy`` must not gather (see [Note: engine teardown]).
 
 The questions asked of the phase:

@@ -33,19 +33,19 @@ be released or evicted, only when its last forward use is over.
 
 [Note: a backward that raised]
 An exception inside backward (a checkpoint's recomputation raising, a hook, an autograd function) leaves the
-iteration half done: some slots hold gradients instead of parameters (``HOLD_AFTER_BWD``), some tensors are in
-use (``COMPUTE``), some groups are gathered, reduce-scatters may be in flight, accumulators hold part of the
+iteration half done: some slots hold gradients instead of parameters (``HOLD_AFTER_BWD``), some tensors are in use
+(``COMPUTE``), some groups are gathered, reduce-scatters may be in flight, accumulators hold part of the
 micro-step. Autograd drops our final callback (see [Note: end of backward]), so no epilogue runs, and the run
-stays mid-backward (see [Note: run state]). The next training forward of the root module first abandons that
-iteration as a skipped step does (:meth:`ChunkManager.abort_iteration`, called by the hook target): the tensors'
-uses end, the reduce-scatters already issued complete (every rank issued them, as it ran the same backward), the
-owned slots get their values back from the fp32 masters, the gathered groups are released, the accumulators and
-flat buffers go, placement takes the iteration's moments back, and the run is ``IDLE``: the forward begins a new
-iteration. So the failed backward's gradients are discarded and no update is applied: training goes on as if the
-failed iteration had not run (tests/test_backward_raised.py; stock ZeRO-3, DeepSpeed 0.19.8, fails that retry
-where the failed backward had filled part of its reduction bucket). With ``gradient_accumulation_steps`` > 1 the
-gradients of the step's earlier micro-steps are discarded too (they were summed with the failed one's in the
-accumulators); a warning says so.
+stays mid-backward (see [Note: run state]). The next forward of the root module (training or evaluation) first
+abandons that iteration as a skipped step does (:meth:`ChunkManager.abort_iteration`, called by the hook target):
+the tensors' uses end, the reduce-scatters already issued complete (every rank issued them, as it ran the same
+backward), the owned slots get their values back from the fp32 masters, the gathered groups are released, the
+accumulators and flat buffers go, placement takes the iteration's moments back, and the run is ``IDLE``: the
+forward begins a new iteration. So the failed backward's gradients are discarded and no update is applied:
+training goes on as if the failed iteration had not run (tests/test_backward_raised.py; stock ZeRO-3, DeepSpeed
+0.19.8, fails that retry where the failed backward had filled part of its reduction bucket). With
+``gradient_accumulation_steps`` > 1 the gradients of the step's earlier micro-steps are discarded too (they were
+summed with the failed one's in the accumulators); a warning says so.
 """
 
 from __future__ import annotations
