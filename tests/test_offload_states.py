@@ -1,8 +1,9 @@
 """Issue 43: ``engine.offload_states()`` / ``reload_states()`` (see [Note: parked engines]) on the strict emulated
 accelerator: after the offload its ledger holds nothing of the engine, the reload brings back what was there, and
 training after it matches a run without the parking bit for bit; an engine parked and not reloaded trains on as
-well (placement brings what is used). One rank, fp32, ~4K parameters, a budget that holds the whole model and its
-optimizer states (so everything starts on the accelerator)."""
+well (placement brings what is used). One rank (and two, where the partition cache goes first), fp32, ~4K
+parameters, a budget that holds the whole model and its optimizer states (so everything starts on the
+accelerator)."""
 from __future__ import annotations
 
 import pytest
@@ -55,16 +56,12 @@ def _run(rank, world_size, park):
     return {"losses": losses, "params": params, "held": held}
 
 
-@pytest.fixture(scope="module")
-def plain():
-    return run_ranks(_run, 1, None)[0]
-
-
-@pytest.mark.parametrize("park", ["reload", "no reload", "states only"])
-def test_offload_states_empties_the_accelerator_and_training_goes_on_bit_for_bit(plain, park):
-    parked = run_ranks(_run, 1, park)[0]
+@pytest.mark.parametrize("world_size, park", [(1, "reload"), (1, "no reload"), (1, "states only"), (2, "reload")])
+def test_offload_states_empties_the_accelerator_and_training_goes_on_bit_for_bit(world_size, park):
+    plain = run_ranks(_run, world_size, None, memo=True)[-1]
+    parked = run_ranks(_run, world_size, park)[-1]  # the last rank: with two, it owns fewer chunks
     (total, optim), (parked_total, parked_optim) = parked["held"][:2]
-    assert optim >= 3 * 4 * 4258 and total > optim and parked_optim == 0, parked["held"]  # fp32 master, 2 moments
+    assert 0 < optim < total and parked_optim == 0, parked["held"]  # the chunks and their fp32 master and moments
     assert parked_total == (total - optim if park == "states only" else 0), parked["held"]  # the chunks stay there
     if park != "no reload":
         assert parked["held"][2] == parked["held"][0]
