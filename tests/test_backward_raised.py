@@ -3,7 +3,8 @@ next forward abandons the failed iteration, and the run matches one without the 
 ZeRO-3's run without it, at 1 and 2 real gloo ranks (the failure comes after some gradients were written into
 their slots and reduced). Stock ZeRO-3 itself fails this retry (DeepSpeed 0.19.8: ``assert len(set(p.ds_id for p
 in params_in_bucket)) == len(params_in_bucket)`` in its reduction, the failed backward's bucket left behind), so
-it is compared without the failure. fp32, ~4K parameters."""
+it is compared without the failure. With gradient accumulation the step's earlier micro-steps are discarded too,
+with a warning, and training goes on. fp32, ~4K parameters."""
 from __future__ import annotations
 
 import pytest
@@ -90,3 +91,42 @@ def test_training_after_a_backward_that_raised_matches_a_run_without_it(world_si
         for name, value in clean[rank]["params"].items():
             assert torch.equal(ours[rank]["params"][name], value), name
             torch.testing.assert_close(value, stock[rank]["params"][name], rtol=0, atol=2e-6, msg=name)
+
+
+def _accumulating_run(rank, world_size):
+    import logging
+
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ds_patrickstar.groups.manager").addHandler(handler)
+    model = _Model()
+    cfg = make_config("patrickstar", chunk_size=1024, lr=1e-2, gas=2)
+    cfg.pop("train_batch_size")
+    engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).pow(2).mean())  # micro-step 0, accumulated
+    engine.step()
+    model.control["raise"] = True
+    try:
+        engine.backward(engine(x).pow(2).mean())  # micro-step 1 raises
+    except RuntimeError:
+        pass
+    start = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    for _ in range(3):  # micro-step 1 again (the boundary), then a whole step
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    end = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    logging.getLogger("ds_patrickstar.groups.manager").removeHandler(handler)
+    engine.destroy()
+    return {"said": said, "moved": all(not torch.equal(start[n], end[n]) for n in start)}
+
+
+def test_a_backward_that_raised_with_accumulation_discards_the_step_and_says_so():
+    result = run_ranks(_accumulating_run, 1)[0]
+    assert any("earlier micro-steps included) are discarded" in line for line in result["said"]), result["said"]
+    assert result["moved"]  # training went on: every parameter was updated after the failure
