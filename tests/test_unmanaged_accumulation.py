@@ -39,8 +39,14 @@ def _run(rank, world_size, stage):
         grads.append({n: safe_get_full_grad(p).detach().cpu().clone() for n, p in engine.module.named_parameters()})
         engine.step()
     params = {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    try:
+        with engine.coalesce_grad_reduction():
+            pass
+        coalesce = None
+    except AssertionError as err:
+        coalesce = str(err)
     engine.destroy()
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "coalesce": coalesce}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -54,3 +60,5 @@ def test_unmanaged_accumulation_matches_zero3(world_size):
                                            msg=f"rank {rank} step {step} {name}")
         for name, value in stock[rank]["params"].items():
             torch.testing.assert_close(ours[rank]["params"][name], value, rtol=0, atol=2e-6, msg=name)
+        assert ours[rank]["coalesce"] == stock[rank]["coalesce"] and "owns the accumulation boundary" in ours[rank][
+            "coalesce"]
