@@ -35,7 +35,8 @@ an input-gradient penalty) raises :class:`BackwardInForward` naming the call and
 it reached: the forward's chunk groups are in use (kept, released or gathered by the forward's own
 rules), and stock ZeRO-3 hangs there. A forward or backward that raised leaves its phase as it was: the run is
 *mid-iteration* (``FORWARD``, ``BACKWARD``, ``RECOMPUTE``), and only a new forward of the root
-module leaves it. Mid-iteration, with data parallelism, a rank may have failed inside a collective
+module leaves it (after a backward that raised, through ``IDLE``: see [Note: a backward that raised] in
+groups/manager.py). Mid-iteration, with data parallelism, a rank may have failed inside a collective
 the others wait in, so ``destroy`` must not gather (see [Note: engine teardown]).
 
 The questions asked of the phase:
@@ -159,6 +160,12 @@ class RunState:
     def end_backward(self) -> None:
         self._move(Phase.BACKWARD_DONE)
 
+    def abort_iteration(self) -> None:
+        """A backward that raised is abandoned (see [Note: a backward that raised] in groups/manager.py)."""
+        if self.phase not in (Phase.BACKWARD, Phase.RECOMPUTE):
+            raise IllegalRunTransition(f"abandoning an iteration from {self.phase.name}: no backward raised")
+        self.phase = Phase.IDLE
+
     def start_step(self) -> None:
         self._move(Phase.STEP)
 
@@ -175,6 +182,10 @@ class RunState:
     def trains(self) -> bool:
         """A moment now is a training moment."""
         return self.phase in _TRAINING
+
+    def backward_raised(self) -> bool:
+        """A backward began and did not end (asked when no backward is running: it raised)."""
+        return self.phase in (Phase.BACKWARD, Phase.RECOMPUTE)
 
     def mid_iteration(self) -> bool:
         """A training forward or backward began and did not end (it may have raised)."""

@@ -101,28 +101,6 @@ def test_fp32_params_and_optimizer_states_match_zero3(world_size):
         torch.testing.assert_close(shares, trained[name].reshape(-1), rtol=0, atol=0, msg=name)
 
 
-def _gradient_refused(rank, world_size):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
-    import ds_patrickstar  # noqa: F401
-
-    model = _model()
-    engine = deepspeed.initialize(model=model, config=_config("patrickstar"), model_parameters=model.parameters())[0]
-    try:
-        safe_get_full_grad(next(engine.module.parameters()))
-    except NotImplementedError as err:
-        return str(err)
-    finally:
-        engine.destroy()
-    return None
-
-
-def test_gradients_are_refused_by_name():
-    said = run_ranks(_gradient_refused, 1)[0]
-    assert said is not None and "safe_get/set_full_grad" in said and "not supported by stage 'patrickstar' yet" in said
-
-
 def _reference_model(rank, world_size, stage):
     import deepspeed
 

@@ -33,6 +33,14 @@ The alternative, local fp32 accumulators for every chunk a rank touches and one 
 at the boundary, sends GA times less but costs 4 B/param instead of 4 / ``W``
 (tests/test_ga_memory.py).
 
+[Note: unmanaged gradient accumulation]
+With DeepSpeed's ``managed_gradient_accumulation: false`` the caller owns the boundary: any number of
+``backward`` calls, then ``engine.step()``, which is the boundary (stock ZeRO-3 reduce-scatters each backward's
+gradients as produced and finalizes them in ``step()``). Here every backward is then a micro-step before the
+boundary (the accumulators exist whatever ``gradient_accumulation_steps`` is), and ``step()`` first writes each
+owned chunk's accumulated sum into its slot (:meth:`GradientSink.finish_accumulation`), rounded once, before the
+optimizer reads the slots as always; a ``step()`` with no backward since the last one raises.
+
 In host memory (a CPU run, where the buffers are the C heap's) the buffers of a micro-step are freed
 between the accumulators it allocates, and glibc's heap keeps the pages of freed blocks below its mmap
 threshold (32 MiB after initialize, see [Note: host heap]) resident: measured at 2 ranks on a 48M GPT,
@@ -205,6 +213,26 @@ class GradientSink:
                     data[piece.in_chunk].copy_(acc[piece.in_chunk])
             info.grad_written()
             self._pending[group] -= 1
+
+    def has_accumulated(self) -> bool:
+        """Some backward since the step put gradients into the accumulators (every owned chunk gets one at
+        ``W`` > 1; a chunk a backward reached, with one rank)."""
+        return any(chunk.acc is not None or chunk.acc_host is not None for chunk in self._map.trainable_owned())
+
+    @torch.no_grad()
+    def finish_accumulation(self) -> None:
+        """``managed_gradient_accumulation: false``: the step is the boundary and every backward before it was
+        a micro-step; the accumulated (reduced, with data parallelism) sums go into the owned slots, rounded
+        once, as the boundary micro-step's fold does (see [Note: unmanaged gradient accumulation])."""
+        self._reductions.drain()
+        for group in self._trainable:
+            owned = self._groups[group].owned
+            acc, slot = owned.ready_acc(), owned.ready()
+            slot.copy_(acc) if acc is not None else slot.zero_()
+            for info in self._groups[group].tensors:
+                if info.state is _S.HOLD and self._map.owns_any(info):
+                    info.grad_written()
+            self.reduced.add(group)
 
     def grads_ready(self) -> bool:
         return self.reduced.issuperset(self._trainable)

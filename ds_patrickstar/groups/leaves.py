@@ -76,6 +76,13 @@ class LeafGradients:
         for leaf in self._leaves:
             leaf.open_calls, leaf.handed = 0, False
 
+    def abort(self) -> None:
+        """A backward raised (see [Note: a backward that raised]): the gradients held back go unused."""
+        for leaf in self._leaves:
+            leaf.open_calls, leaf.handed = 0, False
+            for info in leaf.infos:
+                info.param.grad = None
+
     def _hand_over(self, leaf: Leaf, boundary: bool) -> None:
         leaf.handed = True
         for info in leaf.infos:

@@ -30,9 +30,27 @@ inner one's weight after calling it): the inner module's forward ends while the 
 use goes on. Forward uses are therefore counted like backward uses (each pre-forward adds
 one, each post-forward takes one away), and a tensor is ``HOLD_AFTER_FWD``, its group free to
 be released or evicted, only when its last forward use is over.
+
+[Note: a backward that raised]
+An exception inside backward (a checkpoint's recomputation raising, a hook, an autograd function) leaves the
+iteration half done: some slots hold gradients instead of parameters (``HOLD_AFTER_BWD``), some tensors are in use
+(``COMPUTE``), some groups are gathered, reduce-scatters may be in flight, accumulators hold part of the
+micro-step. Autograd drops our final callback (see [Note: end of backward]), so no epilogue runs, and the run
+stays mid-backward (see [Note: run state]). The next forward of the root module (training or evaluation) first
+abandons that iteration as a skipped step does (:meth:`ChunkManager.abort_iteration`, called by the hook target):
+the tensors' uses end, the reduce-scatters already issued complete (every rank issued them, as it ran the same
+backward), the owned slots get their values back from the fp32 masters, the gathered groups are released, the
+accumulators and flat buffers go, placement takes the iteration's moments back, and the run is ``IDLE``: the
+forward begins a new iteration. So the failed backward's gradients are discarded and no update is applied:
+training goes on as if the failed iteration had not run (tests/test_backward_raised.py; stock ZeRO-3, DeepSpeed
+0.19.8, fails that retry where the failed backward had filled part of its reduction bucket). With
+``gradient_accumulation_steps`` > 1 the gradients of the step's earlier micro-steps are discarded too (they were
+summed with the failed one's in the accumulators); a warning says so.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -51,6 +69,7 @@ from .leaves import LeafGradients
 from .residency import GroupResidency
 
 _S = TensorState
+logger = logging.getLogger(__name__)
 
 
 class ChunkManager:
@@ -216,6 +235,15 @@ class ChunkManager:
     def grads_ready(self) -> bool:
         return self.grads.grads_ready()
 
+    def finish_accumulation(self) -> None:
+        """See [Note: unmanaged gradient accumulation]."""
+        if not self.grads.has_accumulated():
+            raise RuntimeError(
+                "engine.step() with managed_gradient_accumulation false and no backward since the last step: "
+                "call engine.backward(loss) at least once before step()"
+            )
+        self.grads.finish_accumulation()
+
     def owned_grad_norm_sq(self, comm_device: torch.device) -> torch.Tensor:
         return self.grads.owned_grad_norm_sq(comm_device)
 
@@ -234,6 +262,31 @@ class ChunkManager:
         for group in self.groups:
             group.finalize()
         self.grads.next_step()
+
+    def abort_iteration(self) -> None:
+        """A backward raised: the iteration's uses, reduce-scatters and gradients go (the owned slots get
+        their values from the masters afterwards; :meth:`finish_step` follows); see [Note: a backward that raised]."""
+        self._backward_users.clear()
+        self._forward_users.clear()
+        self.leaves.abort()
+        for info in self.map.infos():
+            if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
+                info.settle()
+        self._reductions.drain()
+        if self.grads.accumulate and any(c.acc is not None or c.acc_host is not None for c in self.map.chunks):
+            logger.warning(
+                "ds_patrickstar: a backward raised; the gradients accumulated this step (earlier micro-steps "
+                "included) are discarded and the step starts again at the next forward"
+            )
+        self.grads.next_step()
+
+    def empty_cache(self) -> None:
+        """``engine.empty_partition_cache()``: every gathered group (kept for a next use or prefetched) lets the
+        other ranks' chunks go, and frozen chunks read from disk go back; the owned chunks stay where
+        placement put them (see [Note: the partition cache])."""
+        self._reductions.drain()
+        self.residency.release_all()
+        self._let_go(keep=0)
 
     def release_all_groups(self) -> None:
         self.residency.release_all()

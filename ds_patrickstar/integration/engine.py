@@ -13,17 +13,28 @@ We only need an object that holds the param groups and the hyper-parameters an L
 edits: our fused Adam runs the update. So the engine builds a plain ``torch.optim.AdamW``
 (or ``torch.optim.Adam`` with ``"adam_w_mode": false``) from the block, and no DeepSpeed
 op is built for it; ``engine.basic_optimizer`` is that object.
+
+[Note: the partition cache]
+Stock ZeRO-3's ``empty_partition_cache()`` releases the parameters gathered on the accelerator (kept or
+prefetched for a next use) back to their partitions. Here that cache is the gathered chunk groups: the
+other ranks' chunks of every gathered group go (their next use gathers them again), and frozen chunks
+read from the disk tier go back to it. The owned chunks, this rank's partition, stay where placement
+put them (``offload_states()`` moves those). With one rank nothing is gathered: a group is its one chunk.
+Not inside a forward or backward (it raises there); between a backward and the step the gradients stay.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
 from ..io import checkpoint, commit
 from ..io.export import host_parameters
@@ -33,6 +44,7 @@ from .config import PatrickStarConfig
 from .optimizer_keys import check_reduction_settings, torch_adam_from_block
 from .process_effects import RunEffects
 from .stage_answers import StageAnswers, freeze_for_inference, no_latest
+from .take_over import TAKEN_OVER
 from .zero3_params import Zero3Params
 from .zero_optimizer import PatrickStarOptimizer
 
@@ -49,11 +61,47 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
         with BuildWindow():  # see [Note: host heap]
             super().__init__(*args, dont_change_device=True, **kwargs)
         self.enable_backward_allreduce = False
-        self.zero3_params = Zero3Params(self.optimizer)  # see [Note: ZeRO-3 parameter attributes]
+        self.zero3_params = Zero3Params(self.optimizer, weakref.ref(self))  # see [Note: ZeRO-3 parameter attributes]
         self.zero3_params.expose()
 
     def zero_optimization(self) -> bool:
         return True
+
+    taken_over = False  # a later initialize on the model destroyed this engine (see take_over.py)
+
+    def _check_held(self) -> None:
+        if self.taken_over:
+            raise RuntimeError(TAKEN_OVER)
+
+    def empty_partition_cache(self) -> None:
+        """Stock ZeRO-3's: the gathered chunk groups go; see [Note: the partition cache]."""
+        self._check_held()
+        self.optimizer.empty_partition_cache()
+
+    def offload_states(
+        self,
+        include: Iterable[Any] | None = None,
+        device: Any = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Every chunk and optimizer state on the accelerator to the host; see [Note: parked engines]
+        (``pin_memory`` and ``non_blocking`` are ignored there)."""
+        self._check_held()
+        self.optimizer.parking.offload(include, device)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """What :meth:`offload_states` moved back to the accelerator; see [Note: parked engines]."""
+        self._check_held()
+        self.optimizer.parking.reload()
+
+    def forward(self, *inputs, **kwargs):
+        self._check_held()
+        return super().forward(*inputs, **kwargs)
+
+    def backward(self, loss, *args, **kwargs):
+        self._check_held()
+        return super().backward(loss, *args, **kwargs)
 
     def destroy(self) -> None:
         """End the engine: DeepSpeed's teardown, which has our optimizer remove every hook we put on the
@@ -145,6 +193,7 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
             dynamic_loss_args=self.dynamic_loss_scale_args(),
             dp_group=self.seq_data_parallel_group,
             deferred=self._deferred,
+            unmanaged=not self.managed_gradient_accumulation(),
         )
         self._configure_legacy_compression()
 
@@ -173,6 +222,9 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
             self.optimizer.end_step_counters()
 
     def step(self, lr_kwargs=None):
+        self._check_held()
+        if not self.managed_gradient_accumulation():  # the step is the boundary
+            self.optimizer.finish_accumulation()
         boundary = self.is_gradient_accumulation_boundary()  # super().step() advances micro_steps
         super().step(lr_kwargs)
         if boundary and self.monitor.enabled and self.global_rank == 0:

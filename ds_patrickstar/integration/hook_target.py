@@ -65,6 +65,8 @@ class TrainingFlow:
         if self.backward.running:  # the whole model checkpointed: its recomputation
             return
         self.end_saved_tensor_hooks()  # a training forward that raised left its hooks on
+        if self.run.backward_raised():
+            self.abort_iteration()
         training = torch.is_grad_enabled()  # else an evaluation forward: placed, not traced
         if training:
             check_still_frozen(self._frozen)  # see [Note: requires_grad after initialize]
@@ -84,6 +86,15 @@ class TrainingFlow:
             self._meter_ctx = meter.hooks()
         if self._meter_ctx is not None:
             self._meter_ctx.__enter__()
+
+    def abort_iteration(self) -> None:
+        """The last backward raised: its iteration is abandoned (see [Note: a backward that raised])."""
+        self.manager.abort_iteration()
+        self.optim_states.cancel_read_ahead()  # the reads started in backward (see [Note: disk tier])
+        self.optim_states.master_to_params()
+        self.manager.finish_step()
+        self.placement.abort_iteration()
+        self.run.abort_iteration()
 
     def root_forward_end(self) -> None:
         if self.backward.running:

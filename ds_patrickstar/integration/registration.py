@@ -86,6 +86,7 @@ def _initialize_patrickstar(
 
     from .engine import PatrickStarEngine
     from .planning import check_values_held
+    from .take_over import take_over
     from .transaction import ModelState, roll_back
 
     if model is None:
@@ -97,6 +98,7 @@ def _initialize_patrickstar(
         raise ValueError(
             "the model has no trainable parameters (requires_grad=True); stage 'patrickstar' has nothing to train"
         )
+    take_over(model)  # see [Note: a second initialize on a live model]
     check_values_held(model)
     if not dist.is_initialized():
         fill_single_process_env()  # see [Note: no launcher]

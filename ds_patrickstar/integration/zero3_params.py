@@ -19,9 +19,9 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 * the ``_local_`` variants read or write this rank's share: the elements of the parameter in the chunks it
   owns, in element order (a parameter lies in one chunk or straddles a few: a rank may own none of it, and the
   shares differ from stock's 1/W slices; all ranks' shares in rank order are the whole parameter);
-* gradients (``safe_get_full_grad``, ``safe_set_full_grad``, ``safe_*_local_grad``) raise
-  ``NotImplementedError`` saying so: between backward and step a gradient lives in its parameter's slot or in
-  the fp32 accumulators, which this surface does not read yet;
+* gradients (``safe_get/set_full_grad``, ``safe_get/set_local_grad``, ``safe_update_full_grad_vectorized``)
+  between backward and step, read and written where they live (the owned slots or the fp32 accumulators; see
+  [Note: gradients between backward and step] in zero3_grads.py), shared out as the fp32 values are;
 * ``GatheredParameters(params, modifier_rank=r)``: ``all_gather`` points each listed parameter at a host copy
   of its full value (one streamed pass over the chunk groups, a collective), ``partition`` writes the values
   back into the chunks and fp32 masters when the block changed them (``modifier_rank``: after stock's
@@ -34,6 +34,8 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 from __future__ import annotations
 
 import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from ..chunks.chunk import TensorInfo
 from ..chunks.state import TensorState
+from .zero3_grads import ChunkGradients
 
 _ATTRIBUTES = (
     "ds_id",
@@ -59,11 +62,13 @@ _STATES = {None: "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 class Zero3Params:
     """The ``_z3_optimizer`` of every chunk parameter; see [Note: ZeRO-3 parameter attributes]."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, engine: weakref.ref | None = None) -> None:
+        self.engine = engine  # see [Note: a second initialize on a live model]
         self.chunk_map, self.states, self.export = optimizer.chunk_map, optimizer.optim_states, optimizer.export
         self.manager = optimizer.manager
         self.group = optimizer.dp_process_group
         self.saved_views: dict[TensorInfo, torch.Tensor] = {}
+        self.grads = ChunkGradients(self.chunk_map, self.manager, self.group)
 
     # ---- attributes -------------------------------------------------------------------------
     def expose(self) -> None:
@@ -154,17 +159,30 @@ class Zero3Params:
             at += piece.numel
         self.states.flush()
 
-    # ---- gradients: not read here yet -----------------------------------------------------------
-    def _no_gradients(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "safe_get/set_full_grad and safe_get/set_local_grad are not supported by stage 'patrickstar' yet: "
-            "between backward and step a gradient lives in its parameter's chunk slot or in the fp32 "
-            "accumulators; read the fp32 parameters and optimizer states instead"
-        )
+    # ---- gradients (see [Note: gradients between backward and step] in zero3_grads.py) -------------
+    def get_fp32_grad_for_param(self, param: torch.Tensor) -> torch.Tensor | None:
+        info = self._info(param)
+        return None if info is None else self.grads.get_full(info)
 
-    get_fp32_grad_for_param = set_fp32_grad_for_param = _no_gradients
-    get_local_fp32_grad_for_param = set_local_grad_for_param = _no_gradients
-    update_fp32_grad_for_param_vectorized = _no_gradients
+    def set_fp32_grad_for_param(self, value: torch.Tensor, param: torch.Tensor) -> None:
+        info = self._info(param)
+        if info is not None:
+            self.grads.set_full(info, value)
+
+    def get_local_fp32_grad_for_param(self, param: torch.Tensor) -> torch.Tensor | None:
+        info = self._info(param)
+        return None if info is None else self.grads.get_local(info)
+
+    def set_local_grad_for_param(self, value: torch.Tensor, param: torch.Tensor) -> None:
+        info = self._info(param)
+        if info is not None:
+            self.grads.set_local(info, value)
+
+    def update_fp32_grad_for_param_vectorized(self, update_func: Callable, param_list: list[torch.Tensor]) -> None:
+        for param in param_list:
+            info = self._info(param)
+            if info is not None:
+                self.grads.set_full(info, update_func(self.grads.get_full(info), param))
 
     # ---- GatheredParameters -------------------------------------------------------------------
     @torch.no_grad()

@@ -29,6 +29,7 @@ from ..run_state import Phase
 from .accounts import StepAccounts
 from .assembly import ChunkedModel, assemble
 from .config import PatrickStarConfig
+from .parking import StateParking
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         dynamic_loss_args: dict | None,
         dp_group: ProcessGroup | None = None,
         deferred: DeferredModel | None = None,
+        unmanaged: bool = False,
     ) -> None:
         super().__init__()
         self.optimizer = basic_optimizer
@@ -77,7 +79,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
             options,
             device=device,
             dtype=dtype,
-            accumulate=gradient_accumulation_steps > 1,
+            accumulate=gradient_accumulation_steps > 1 or unmanaged,  # see [Note: unmanaged gradient accumulation]
             dp_group=dp_group,
             deferred=deferred,
             is_boundary=self.is_gradient_accumulation_boundary,
@@ -94,6 +96,7 @@ class PatrickStarOptimizer(ZeROOptimizer):
         self.manager, self.placement, self.optim_states = parts.manager, parts.placement, parts.optim_states
         self.export, self.adam, self.run = parts.export, parts.adam, parts.run
         self.accounts = StepAccounts(parts)
+        self.parking = StateParking(parts)  # see [Note: parked engines]
         self.last_step_counters: dict[str, int | float] = self.counters.as_dict()  # all zero before the first step
         # DeepSpeed's checkpoint code records parameter shapes from these (stage-3 names)
         self.fp16_groups = [
@@ -121,6 +124,22 @@ class PatrickStarOptimizer(ZeROOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._frozen_or_extra:
             param.grad = None
+
+    def finish_accumulation(self) -> None:
+        """``managed_gradient_accumulation: false``: ``engine.step()`` is the boundary; see [Note: unmanaged
+        gradient accumulation]."""
+        if self.run.mid_iteration():
+            raise RuntimeError("engine.step() inside a forward or backward of the model")
+        self.manager.finish_accumulation()
+
+    def empty_partition_cache(self) -> None:
+        """See [Note: the partition cache]."""
+        if self.run.mid_iteration():
+            raise RuntimeError(
+                "engine.empty_partition_cache() was called inside a forward or backward of the model; call it "
+                "between them (after a forward, a backward or a step)"
+            )
+        self.manager.empty_cache()
 
     def get_global_grad_norm(self) -> float:
         return self._global_grad_norm

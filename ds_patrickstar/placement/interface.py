@@ -76,6 +76,10 @@ class Placement(Protocol):
         """A training forward begins."""
         ...
 
+    def abort_iteration(self) -> None:
+        """A backward raised: every moment of the iteration leaves it (see [Note: a backward that raised])."""
+        ...
+
     def drop_forward(self) -> None:
         """The last training forward had no backward: its moments leave the iteration (see
         [Note: moments and the trace])."""
@@ -92,6 +96,8 @@ class Placement(Protocol):
     def make_room(self, need: int, keep: set[int]) -> None: ...
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None: ...
+
+    def evict(self, chunk: Chunk) -> None: ...
 
     def after_use(self, chunk: Chunk) -> None: ...
 
@@ -148,6 +154,9 @@ class NullPlacement:
     def drop_forward(self) -> None:
         pass
 
+    def abort_iteration(self) -> None:
+        pass
+
     meter: SavedTensorMeter | None = None
     activations: ActivationPolicy | None = None
 
@@ -155,6 +164,9 @@ class NullPlacement:
         pass
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        pass
+
+    def evict(self, chunk: Chunk) -> None:
         pass
 
     def after_use(self, chunk: Chunk) -> None:

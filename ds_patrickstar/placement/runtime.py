@@ -247,6 +247,12 @@ class PlacementRuntime:
         if self.activations is not None:
             self.activations.drop_forward()
 
+    def abort_iteration(self) -> None:
+        """A backward raised: every moment of the iteration leaves it, as a forward's without backward
+        do (see [Note: a backward that raised] in groups/manager.py); the next forward starts it afresh."""
+        self.positions.forward_mark = -1
+        self.drop_forward()
+
     def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
         """The step begins: the planner's decision of where the optimizer states of the chunks
         (``capacities``: id -> elements) live from now on, after a (re-)trace or a re-plan; None: where
