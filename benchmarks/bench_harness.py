@@ -5,7 +5,8 @@
   users build it: under ``ds_patrickstar.Init`` or ``deepspeed.zero.Init``);
 * **backends**: :func:`backend_config` (the config file of ``configs/`` a user starts from) and
   :func:`ds_config` (a config built in code, per backend name);
-* **steps**: :func:`timed_steps` (warm-up until the step time settles, or a fixed count, then the timed steps)
+* **steps**: :func:`lm_steps` (a GPT trained on given token batches: losses and counters), :func:`timed_steps`
+  (warm-up until the step time settles, or a fixed count, then the timed steps)
   and :func:`steady_summary` (median, spread, and the first steps' extra time);
 * **trials**: a command in a process (and session) of its own with a deadline (:func:`run_process`,
   :func:`run_logged`), its JSON result or its status (:func:`json_trial`: ``measured``, ``failed`` with its
@@ -77,6 +78,29 @@ def build_under_init(backend: str, config: dict, make_model):
 
 
 # ------------------------------------------------------------------ backends
+
+
+def lm_steps(engine, batches, vocab: int, after=None) -> tuple[list[float], list[dict], list]:
+    """Train ``engine`` (a GPT of ``gpt_model``) one step per token batch (``[batch, length + 1]``: inputs and
+    next-token targets); the losses, ours' counters per step (none for stock) and what ``after(engine, step,
+    tokens)`` returned after each step, when given. The engine is destroyed at the end."""
+    import torch
+
+    losses, counters, extra = [], [], []
+    try:
+        for tokens in batches:
+            logits = engine(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if hasattr(engine, "get_patrickstar_counters"):
+                counters.append(engine.get_patrickstar_counters())
+            if after is not None:
+                extra.append(after(engine, len(losses) - 1, tokens))
+    finally:
+        engine.destroy()
+    return losses, counters, extra
 
 
 def backend_config(backend: str, offload: bool, cuda: bool | None = None) -> Path:

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils as bu
-from bench_harness import changing_lengths
+from bench_harness import changing_lengths, lm_steps
 
 bu.add_repo_to_path()
 logger = logging.getLogger("dynamic_shapes")
@@ -62,22 +62,9 @@ def gpt_run(config: dict, lengths: list[int], seed: int = 0, between=None) -> di
     model = GPT(GPTConfig(**TWIN))
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     gen = torch.Generator().manual_seed(seed + 1)
-    losses, counters, extra = [], [], []
+    batches = (torch.randint(0, VOCAB, (TWIN_BATCH, length + 1), generator=gen) for length in lengths)
     started = time.perf_counter()
-    try:
-        for length in lengths:
-            tokens = torch.randint(0, VOCAB, (TWIN_BATCH, length + 1), generator=gen)
-            logits = engine(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            if hasattr(engine, "get_patrickstar_counters"):
-                counters.append(engine.get_patrickstar_counters())
-            if between is not None:
-                extra.append(between(engine, len(losses) - 1, tokens))
-    finally:
-        engine.destroy()
+    losses, counters, extra = lm_steps(engine, batches, VOCAB, between)
     return {"losses": losses, "counters": counters, "seconds": time.perf_counter() - started, "between": extra}
 
 

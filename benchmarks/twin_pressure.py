@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils as bu
+from bench_harness import lm_steps
 
 bu.add_repo_to_path()
 
@@ -59,19 +60,8 @@ def run(cfg: dict, steps: int) -> dict:
     model = GPT(GPTConfig(**MODEL))
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     gen = torch.Generator().manual_seed(1)
-    losses, counters = [], []
-    try:
-        for _ in range(steps):
-            tokens = torch.randint(0, VOCAB, (BATCH, MODEL["block_size"] + 1), generator=gen)
-            logits = engine(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            if hasattr(engine, "get_patrickstar_counters"):
-                counters.append(engine.get_patrickstar_counters())
-    finally:
-        engine.destroy()
+    batches = (torch.randint(0, VOCAB, (BATCH, MODEL["block_size"] + 1), generator=gen) for _ in range(steps))
+    losses, counters, _ = lm_steps(engine, batches, VOCAB)
     return {"losses": losses, "counters": counters}
 
 
