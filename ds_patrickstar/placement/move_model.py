@@ -20,10 +20,11 @@ not in it (at several ranks or GA > 1 the counters say 0: not predicted).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from .policy import EvictionQueue
 from .tracer import Trace
 
 
@@ -46,7 +47,9 @@ class MovePlan:
 
 
 class _Replay:
-    """One iteration's residency, moment by moment (see :func:`simulate_moves`)."""
+    """One iteration's residency, moment by moment (see :func:`simulate_moves`). The resident chunks sit in an
+    :class:`~ds_patrickstar.placement.policy.EvictionQueue` keyed by next use, re-keyed when used, as the
+    driver's (O(log n) per change, not a sort of every resident chunk per moment)."""
 
     def __init__(
         self, trace: Trace, budget: int, sizes: Mapping[int, int], fixed: int, resident: set[int], uncopied: set[int]
@@ -58,6 +61,9 @@ class _Replay:
         self.to_host = [0] * len(trace)
         self.demand = [0] * len(trace)
         self.at = 0
+        self.queue = EvictionQueue()
+        for chunk in resident:
+            self.queue.push(chunk, -trace.next_use(chunk, -1))
 
     def total(self) -> int:
         return self.held
@@ -65,11 +71,14 @@ class _Replay:
     def headroom(self, moment: int) -> int:
         return self.budget - self.trace.non_model_ahead(moment % len(self.trace))
 
-    def next_use(self, chunk: int, after: int) -> int:
-        return self.trace.next_use(chunk, after)
+    def used(self, chunks: set[int]) -> None:
+        """The moment used ``chunks``: their next uses move on."""
+        for chunk in chunks & self.resident:
+            self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
 
     def bring(self, chunk: int, demand: bool = False) -> None:
         self.resident.add(chunk)
+        self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
         self.held += self.sizes[chunk]
         self.to_device[self.at] += self.sizes[chunk]
         if demand:
@@ -77,25 +86,32 @@ class _Replay:
 
     def evict(self, chunk: int) -> None:
         self.resident.discard(chunk)
+        self.queue.drop(chunk)
         self.held -= self.sizes[chunk]
         if chunk not in self.uncopied:
             self.to_host[self.at] += self.sizes[chunk]
 
     def release_finished(self, host_updated: set[int]) -> None:
-        """Chunks updated on the host whose last use this iteration is behind go (see [Note: gradients leave
-        in backward] in runtime.py)."""
-        end = len(self.trace)
-        for chunk in sorted(self.resident & host_updated):
-            if self.next_use(chunk, self.at - 1) >= end:
+        """Chunks updated on the host whose last use this iteration was the moment before go (see
+        [Note: gradients leave in backward] in runtime.py)."""
+        if self.at < 1:
+            return
+        before, end = self.at - 1, len(self.trace)
+        for chunk in sorted(set(self.trace.moments[before].chunks) & self.resident & host_updated):
+            if self.trace.next_use(chunk, before) >= end:
                 self.evict(chunk)
 
+    def _size_unless(self, keep: AbstractSet[int]) -> Callable[[int], int | None]:
+        return lambda chunk: None if chunk in keep else self.sizes[chunk]
+
     def make_room(self, need: int, keep: set[int]) -> None:
+        """Farthest next use first, until ``need`` more bytes fit (or nothing else can go)."""
         over = self.total() + need - self.headroom(self.at)
-        for victim in sorted(self.resident - keep, key=lambda c: (-self.next_use(c, self.at), c)):
-            if over <= 0:
-                break
+        if over <= 0:
+            return
+        movable = sum(self.sizes[c] for c in self.resident - keep)
+        for victim in self.queue.take(min(over, movable), self._size_unless(keep)):
             self.evict(victim)
-            over -= self.sizes[victim]
 
     def prefetch(self, in_use: set[int]) -> None:
         """The next moment's chunks ahead, where they fit there after evicting chunks used only after it."""
@@ -107,15 +123,9 @@ class _Replay:
                 continue
             short = self.total() + self.sizes[chunk] - self.headroom(self.at + 1)
             if short > 0:
-                later = [c for c in self.resident - in_use - set(ahead) if self.next_use(c, self.at) > self.at + 1]
-                later.sort(key=lambda c: (-self.next_use(c, self.at), c))
-                chosen, freed = [], 0
-                for victim in later:
-                    if freed >= short:
-                        break
-                    chosen.append(victim)
-                    freed += self.sizes[victim]
-                if freed < short:
+                keep = in_use | set(ahead)
+                chosen = self.queue.take_below(short, self._size_unless(keep), -(self.at + 1))
+                if chosen is None:
                     continue
                 for victim in chosen:
                     self.evict(victim)
@@ -141,6 +151,7 @@ def simulate_moves(
         if moment.label != "step":
             replay.release_finished(host_updated)
         used = {c for c in moment.chunks if c in sizes}
+        replay.used(used)
         for chunk in moment.chunks if moment.label != "step" else ():
             if chunk in sizes and chunk not in resident:
                 replay.make_room(sizes[chunk], used)
