@@ -67,6 +67,12 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
     def zero_optimization(self) -> bool:
         return True
 
+    def _unmanaged_accumulation(self) -> bool:
+        """``managed_gradient_accumulation: false`` (a DeepSpeed whose engine knows the key); see
+        [Note: unmanaged gradient accumulation]."""
+        managed = getattr(self, "managed_gradient_accumulation", None)
+        return managed is not None and not managed()
+
     taken_over = False  # a later initialize on the model destroyed this engine (see take_over.py)
 
     def _check_held(self) -> None:
@@ -193,7 +199,7 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
             dynamic_loss_args=self.dynamic_loss_scale_args(),
             dp_group=self.seq_data_parallel_group,
             deferred=self._deferred,
-            unmanaged=not self.managed_gradient_accumulation(),
+            unmanaged=self._unmanaged_accumulation(),
         )
         self._configure_legacy_compression()
 
@@ -223,7 +229,7 @@ class PatrickStarEngine(StageAnswers, DeepSpeedEngine):
 
     def step(self, lr_kwargs=None):
         self._check_held()
-        if not self.managed_gradient_accumulation():  # the step is the boundary
+        if self._unmanaged_accumulation():  # the step is the boundary
             self.optimizer.finish_accumulation()
         boundary = self.is_gradient_accumulation_boundary()  # super().step() advances micro_steps
         super().step(lr_kwargs)

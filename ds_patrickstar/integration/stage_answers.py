@@ -110,7 +110,7 @@ class StageAnswers:
         checks (``engine.step()`` inside raises, no nesting). The fp32 accumulators are built at
         initialize, with ``gradient_accumulation_steps`` > 1: at 1 this raises ``NotImplementedError``
         saying so (stock raises it for the configurations it does not support)."""
-        if not self.managed_gradient_accumulation():  # type: ignore[attr-defined]
+        if self._unmanaged_accumulation():  # type: ignore[attr-defined]
             raise AssertionError(  # stock's check and words
                 "coalesce_grad_reduction is not supported with managed_gradient_accumulation=False; "
                 "the caller already owns the accumulation boundary via step()"
