@@ -10,7 +10,9 @@ every byte moved and every count. Written again where a change of behaviour move
 the losses unchanged: the activations offloaded by default (the traced steps), and the optimizer states chosen
 by the step-time model (``twin_1rank_device_adam``: 7 of 10 chunks' states on the accelerator instead of 8,
 64,640 B moved each way per step instead of 98,304), and the host-updated chunks' gradients sent during
-backward (the same bytes at earlier moments: one Belady eviction fewer in ``twin_checkpointed_offload``).
+backward (the same bytes at earlier moments: one Belady eviction fewer in ``twin_checkpointed_offload``), and
+the traced iteration planned at its own step (the steady state from the second step, not the third; in
+``twin_2rank_ga2`` the agreed gather plan keeps no group from then on, 28 all-gathers a step instead of 27).
 """
 from __future__ import annotations
 

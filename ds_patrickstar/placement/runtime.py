@@ -256,14 +256,28 @@ class PlacementRuntime:
     def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
         """The step begins: the planner's decision of where the optimizer states of the chunks
         (``capacities``: id -> elements) live from now on, after a (re-)trace or a re-plan; None: where
-        they are (see [Note: placement planner])."""
+        they are (see [Note: placement planner]).
+
+        [Note: first steps]
+        The iteration being traced is planned at its own step, from what it recorded (every moment but the
+        step's own): "auto" activation offload first (from the traced tide, with no optimizer state on the
+        accelerator, see [Note: auto activation offload]), then where the optimizer states live, which the
+        step moves there now. So the next iteration already runs the plan (prefetch, Belady, the states in
+        place, gradients leaving in backward): one-time costs are paid by the traced step, and the steady
+        state begins with the second step."""
         self.tracer.cover_previous()  # before any plan is made from a trace for larger inputs
         self.counters.retraces_shape = int(self.tracer.retraced is RetraceReason.SHAPE)
         self.counters.retraces_order = int(self.tracer.retraced is RetraceReason.ORDER)
+        over = self.positions.take_over()
         trace = self.tracer.current_trace()
-        if trace is None:
-            return None
-        return self.steps.decide(trace, self.positions.take_over(), capacities, self._choose_states)
+        if trace is None:  # the step of the iteration being traced plans from it (see [Note: first steps])
+            traced = self.tracer.last_iteration()
+            if traced is None:
+                return None
+            if self.activations is not None:
+                self.activations.plan(traced, self.movable_room(), self._chunk_needs, self.moves.stranded_peak)
+            return self.steps.decide(traced, {}, capacities, self._choose_states)
+        return self.steps.decide(trace, over, capacities, self._choose_states)
 
     def _choose_states(self, trace: Trace, fill: set[int]) -> set[int]:
         """Of ``fill``, the chunks whose states the step-time model places on the accelerator (all of them
@@ -274,8 +288,7 @@ class PlacementRuntime:
 
     def step_moment(self, on_device: set[int]) -> None:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator (the
-        trace's step moment names them after a new decision); after a trace, "auto" activation offload
-        plans from it, before the gather plan is agreed (see [Note: auto activation offload])."""
+        trace's step moment names them after a new decision)."""
         trace = self.tracer.current_trace()
         self.steps.settle(trace, on_device)
         if self.predictor is not None and trace is not None:
@@ -283,9 +296,6 @@ class PlacementRuntime:
             self.predictor.update(trace, fixed, self.placer.resident, on_device)
         self._on_device = set(on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
-        traced = self.tracer.last_iteration() if self.tracer.tracing else None
-        if self.activations is not None and traced is not None:
-            self.activations.plan(traced, self.movable_room(), self._chunk_needs, self.moves.stranded_peak)
 
     def end_step(self) -> None:
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)

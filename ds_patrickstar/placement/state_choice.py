@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from .move_model import MovePlan, simulate_moves
 from .step_time import DeviceProfile, StepTime, predict_step
-from .tracer import Trace
+from .tracer import Moment, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -184,14 +184,18 @@ def best_of(choices: Sequence[StateChoice]) -> StateChoice:
 
 
 def with_step_chunks(trace: Trace, chunks: tuple[int, ...]) -> Trace:
-    """A copy of ``trace`` whose step moment uses ``chunks`` (the trace itself when it already does)."""
+    """A copy of ``trace`` whose step moment uses ``chunks`` (the trace itself when it already does; a step moment
+    added where the trace has none yet: the iteration being traced, at its step, see [Note: first steps])."""
     index = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
-    if index is None or trace.moments[index].chunks == chunks:
+    if index is not None and trace.moments[index].chunks == chunks:
         return trace
     copy = Trace()
     for moment in trace.moments:
         copy.add(moment)
-    copy.replace_chunks(index, chunks)
+    if index is None:
+        copy.add(Moment("step", chunks, 0))
+    else:
+        copy.replace_chunks(index, chunks)
     return copy
 
 
