@@ -713,3 +713,22 @@ def deepspeed_checkpointing(config):
     finally:
         deepspeed.checkpointing.reset()
         deepspeed.checkpointing.configure(None)
+
+
+def small_mlp() -> torch.nn.Module:
+    """A seeded 4,258-parameter MLP (several 1,024-element chunks) for tests of the engine's surface."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 2))
+
+
+def mlp_steps(engine, rank: int, steps: int, first: int) -> list[float]:
+    """``steps`` training steps of :func:`small_mlp`'s engine on seeded batches (step ``first`` on); the losses."""
+    losses = []
+    for step in range(first, first + steps):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -8,27 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import make_config
+from harness import make_config, mlp_steps, small_mlp
 from multiproc import run_ranks
 
 ZERO = {"emulate_accelerator": True, "device_budget": 1 << 20}
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 2))
-
-
-def _train(engine, rank, steps, first):
-    losses = []
-    for step in range(first, first + steps):
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * step + rank))
-        loss = engine(x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _run(rank, world_size, park):
@@ -37,12 +20,12 @@ def _run(rank, world_size, park):
 
     import ds_patrickstar  # noqa: F401
 
-    model = _model()
+    model = small_mlp()
     cfg = make_config("patrickstar", chunk_size=1024, lr=1e-2, extra_zero=ZERO)
     cfg.pop("train_batch_size")
     engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
     ledger = engine.optimizer.accel.ledger
-    losses = _train(engine, rank, 3, 0)
+    losses = mlp_steps(engine, rank, 3, 0)
     held = [(ledger.total, ledger.by_kind.get("optim", 0))]
     if park:
         engine.offload_states(include=["optim_states"] if park == "states only" else None)
@@ -50,7 +33,7 @@ def _run(rank, world_size, park):
         if park != "no reload":
             engine.reload_states()
             held.append((ledger.total, ledger.by_kind.get("optim", 0)))
-    losses += _train(engine, rank, 3, 3)
+    losses += mlp_steps(engine, rank, 3, 3)
     params = {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"losses": losses, "params": params, "held": held}

@@ -4,25 +4,8 @@ does (same losses and fp32 values, 2 real gloo ranks), and the old engine refuse
 from __future__ import annotations
 
 import torch
-from harness import make_config
+from harness import make_config, mlp_steps, small_mlp
 from multiproc import run_ranks
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 2))  # 4,258 parameters: several 1,024-element chunks
-
-
-def _train(engine, rank, steps, first):
-    losses = []
-    for step in range(first, first + steps):
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * step + rank))
-        loss = engine(x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _run(rank, world_size, stage):
@@ -31,13 +14,13 @@ def _run(rank, world_size, stage):
 
     import ds_patrickstar  # noqa: F401
 
-    model = _model()
+    model = small_mlp()
     cfg = make_config(stage, chunk_size=1024, lr=1e-2)
     cfg.pop("train_batch_size")
     first = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
-    losses = _train(first, rank, 2, 0)
+    losses = mlp_steps(first, rank, 2, 0)
     second = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
-    losses += _train(second, rank, 2, 2)
+    losses += mlp_steps(second, rank, 2, 2)
     params = {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in second.module.named_parameters()}
     refused = None
     try:
