@@ -4,16 +4,10 @@ on bit for bit as without the call; 2 real gloo ranks (with one nothing is gathe
 from __future__ import annotations
 
 import torch
-from harness import make_config
+from harness import make_config, small_mlp
 from multiproc import run_ranks
 
 ZERO = {"emulate_accelerator": True, "device_budget": 1 << 20}
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 2))
 
 
 def _run(rank, world_size, empty):
@@ -22,7 +16,7 @@ def _run(rank, world_size, empty):
 
     import ds_patrickstar  # noqa: F401
 
-    model = _model()
+    model = small_mlp()
     cfg = make_config("patrickstar", chunk_size=1024, lr=1e-2, extra_zero=ZERO)
     cfg.pop("train_batch_size")
     engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]

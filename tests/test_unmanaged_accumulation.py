@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import make_config
+from harness import make_config, small_mlp
 from multiproc import run_ranks
 
 BACKWARDS = (3, 1)  # backward calls before each step
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 2))
 
 
 def _run(rank, world_size, stage):
@@ -23,7 +17,7 @@ def _run(rank, world_size, stage):
 
     import ds_patrickstar  # noqa: F401
 
-    model = _model()
+    model = small_mlp()
     cfg = make_config(stage, chunk_size=1024, lr=1e-2)
     cfg.pop("train_batch_size")
     cfg["managed_gradient_accumulation"] = False
