@@ -225,7 +225,7 @@ def _state_chooser(
 
 def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> set[int] | None:
     """The chunks whose gradients may leave during backward when updated on the host (see [Note: gradients leave
-    in backward] in placement/runtime.py): one rank without gradient accumulation, tide-aware placement."""
+    in backward] in placement/grad_release.py): one rank without gradient accumulation, tide-aware placement."""
     if options.placement != "auto" or chunk_map.world_size > 1 or accumulate:
         return None
     return {c.chunk_id for c in chunk_map.trainable_owned()}

@@ -9,7 +9,7 @@ next and the bytes that do not move (optimizer states on the accelerator); after
 one's chunks are brought ahead where they fit, if need be after evicting chunks used only after it; at
 the step the chunks updated on the host leave, those whose last use this iteration is behind already at
 the next moment (their gradients leave during backward, see [Note: gradients leave in backward] in
-runtime.py). It starts from the chunks on the accelerator and leaves
+grad_release.py). It starts from the chunks on the accelerator and leaves
 there those at the iteration's end, so two calls give a steady state. What it returns, bytes to the
 accelerator and back per moment, is what the step-time model weighs against compute (see [Note: step-time
 model] in step_time.py), and the
@@ -93,7 +93,7 @@ class _Replay:
 
     def release_finished(self, host_updated: set[int]) -> None:
         """Chunks updated on the host whose last use this iteration was the moment before go (see
-        [Note: gradients leave in backward] in runtime.py)."""
+        [Note: gradients leave in backward] in grad_release.py)."""
         if self.at < 1:
             return
         before, end = self.at - 1, len(self.trace)

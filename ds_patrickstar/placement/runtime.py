@@ -7,16 +7,15 @@ is taken back, and the step is a moment too, after the planner placed the optimi
 (``step_plan.py``, see [Note: optimizer-state placement]). Which moments it records follows the run's phase (see
 [Note: run state]).
 
-[Note: gradients leave in backward]
-A chunk Adam updates on the host leaves the accelerator with its gradient (in its slot, see [Note: gradient in
-the param slot]) for the host update. Where the trace says its last use this iteration is behind (a moment
-before the current one; no later moment, recomputations included, uses it), it is sent at the next moment it
-is movable (no tensor of it in use: a gradient still to come keeps a tensor in ``COMPUTE``), during backward
-instead of at the step: the copy runs behind the rest of backward's compute, and the room it leaves serves the
-moments after it. It is the eviction Belady would choose first anyway (next use: the next iteration), made
-early. Only once a step has placed the optimizer states from this trace (before, any chunk may turn out to be
-updated on the accelerator); one rank without gradient accumulation (the move model's scope, which models it);
-the counter ``grads_released_in_backward`` counts them.
+The step-time model's collaborators (the moves predicted, the moments timed, the optimizer states chosen)
+and the gradients leaving in backward (``grad_release.py``) are the runtime's where the move model holds.
+
+[Note: first steps]
+The iteration being traced is planned at its own step, from what it recorded (every moment but the step's
+own): "auto" activation offload first (from the traced tide, with no optimizer state on the accelerator, see
+[Note: auto activation offload]), then where the optimizer states live, which the step moves there now. So
+the next iteration already runs the plan (prefetch, Belady, the states in place, gradients leaving in
+backward): one-time costs are paid by the traced step, and the steady state begins with the second step.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceBudgetExceeded, DeviceLedger
+from .grad_release import GradientRelease
 from .interface import NO_TIDE, ActivationPolicy
 from .move_model import MovePredictor
 from .moves import ChunkMoves
@@ -59,8 +59,8 @@ class PlacementRuntime:
         self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
         self.timer = timer if predictor is not None else None  # its time (see [Note: step-time model])
         self.chooser = chooser  # None: every state that fits (see [Note: optimizer states by step time])
-        self._trainable = trainable  # None: gradients leave at the step (see [Note: gradients leave in backward])
-        self._finished: set[int] = set()  # host-updated chunks whose last use is behind, still on the accelerator
+        # None: gradients leave at the step (see [Note: gradients leave in backward])
+        self.release = GradientRelease(moves, self.counters, trainable) if trainable is not None else None
         self._on_device: set[int] = set()  # the chunks whose optimizer states live on the accelerator
         self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
         largest = max((c.nbytes for c in moves.chunks), default=0)
@@ -90,10 +90,10 @@ class PlacementRuntime:
             if self.moment == 0:
                 self.tide = []
                 self.moves.stranded_peak = 0
-                self._finished.clear()
             new_iteration = self.moment == 0
-            if label != "step":  # the step sends the rest (see place_for_update)
-                self._release_finished(trace)
+            if self.release is not None:  # once the states were placed from this trace; the step sends the rest
+                planned = trace is not None and trace is self.steps.planned_from and label != "step"
+                self.release.after_moment(trace if planned else None, self.moment, self._on_device)
         else:
             at = self.positions.evaluation_moment(label, trace)
             trace, self.moves.at, new_iteration = (trace, at, False) if at is not None else (None, -1, False)
@@ -101,24 +101,6 @@ class PlacementRuntime:
             self.placer.rekey(trace, self.moves.at)
             new_iteration = False
         self.placer.touch(chunk_ids, trace, self.moves.at, new_iteration)
-
-    def _release_finished(self, trace: Trace | None) -> None:
-        """The chunks updated on the host whose last use this iteration is behind leave (see [Note: gradients
-        leave in backward])."""
-        if self._trainable is None or trace is None or trace is not self.steps.planned_from or self.moment < 1:
-            return  # before the states are placed from this trace, any chunk may be updated on the accelerator
-        before, end = self.moment - 1, len(trace)
-        if before < end:
-            for chunk in trace.moments[before].chunks:
-                if chunk in self._trainable and chunk not in self._on_device and trace.next_use(chunk, before) >= end:
-                    self._finished.add(chunk)
-        for chunk_id in sorted(self._finished):
-            finished = self.moves.chunks[chunk_id]
-            if finished.on_host or finished.movable:
-                self._finished.discard(chunk_id)
-            if not finished.on_host and finished.movable:
-                self.moves.evict(finished)
-                self.counters.grads_released_in_backward += 1
 
     @property
     def activations(self) -> ActivationPolicy | None:
@@ -256,15 +238,7 @@ class PlacementRuntime:
     def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
         """The step begins: the planner's decision of where the optimizer states of the chunks
         (``capacities``: id -> elements) live from now on, after a (re-)trace or a re-plan; None: where
-        they are (see [Note: placement planner]).
-
-        [Note: first steps]
-        The iteration being traced is planned at its own step, from what it recorded (every moment but the
-        step's own): "auto" activation offload first (from the traced tide, with no optimizer state on the
-        accelerator, see [Note: auto activation offload]), then where the optimizer states live, which the
-        step moves there now. So the next iteration already runs the plan (prefetch, Belady, the states in
-        place, gradients leaving in backward): one-time costs are paid by the traced step, and the steady
-        state begins with the second step."""
+        they are (see [Note: placement planner]; the traced iteration's own step plans: [Note: first steps])."""
         self.tracer.cover_previous()  # before any plan is made from a trace for larger inputs
         self.counters.retraces_shape = int(self.tracer.retraced is RetraceReason.SHAPE)
         self.counters.retraces_order = int(self.tracer.retraced is RetraceReason.ORDER)
