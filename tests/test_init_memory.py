@@ -72,7 +72,9 @@ def _load_peak(engine, world_size, folder):
     _reset_peak()
     result = ds_patrickstar.load_pretrained(engine, folder)
     peak = _proc_status("VmHWM")
-    first = engine.get_fp32_state_dict()["0.weight"] if world_size == 1 else None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    first = safe_get_full_fp32_param(engine.module[0].weight)  # a collective, after the peak was read
     return {"before": before, "peak": peak, "missing": result.missing_keys, "first": first}
 
 
@@ -86,8 +88,9 @@ def _runs(world_size, use_init, folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("use_init", [True, False], ids=["Init", "no-Init"])
+# two of the four combinations (each a fresh 300M-parameter run, ~15 s): Init at two ranks (its run goes on to the
+# load of the test below, each rank reading the shards), the model built whole at one rank
+@pytest.mark.parametrize("world_size,use_init", [(2, True), (1, False)], ids=["Init-2", "no-Init-1"])
 def test_initialize_peak_host_memory_within_1_1x_of_model_data_plus_baseline(sharded_checkpoint, world_size,
                                                                             use_init):
     # the Init run goes on to the load of test_load_pretrained_peak_extra_host_memory_is_one_shard
@@ -126,7 +129,7 @@ def sharded_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [2])
 def test_load_pretrained_peak_extra_host_memory_is_one_shard(sharded_checkpoint, world_size):
     """A 1.2 GB fp32 checkpoint in 6 shards (pytorch_model-0000k-of-00006.bin + index) streamed into
     the chunks: the resident memory grows by at most the largest shard (+ 64 MiB) over what it was."""
