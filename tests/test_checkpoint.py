@@ -117,6 +117,20 @@ def test_consolidated_fp32_equals_live_master(tmp_path):
                    timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     from_cli = torch.load(out)
     assert all(torch.equal(from_cli[n], live[n]) for n in live)
+    # where DeepSpeed writes its zero_to_fp32.py, ours, with DeepSpeed's command line (see [Note: the recovery
+    # script]): python zero_to_fp32.py . OUTPUT_DIR [--safe_serialization]
+    repo = os.path.dirname(os.path.dirname(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    for flags, name in (((), "pytorch_model.bin"), (("--safe_serialization",), "model.safetensors")):
+        subprocess.run([sys.executable, "zero_to_fp32.py", ".", "out", *flags], check=True, timeout=120,
+                       cwd=tmp_path, env=env)
+        if name.endswith(".bin"):
+            from_script = torch.load(tmp_path / "out" / name)
+        else:
+            from safetensors.torch import load_file
+
+            from_script = load_file(tmp_path / "out" / name)
+        assert from_script.keys() == live.keys() and all(torch.equal(from_script[n], live[n]) for n in live)
 
 
 def _save_then_die(rank, world_size, ckpt_dir):

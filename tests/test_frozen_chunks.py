@@ -286,12 +286,13 @@ def _save_resume(rank, world_size, ckpt_dir, exclude):
     engine.save_checkpoint(ckpt_dir, tag="t", exclude_frozen_parameters=exclude)
     saved = set(load_file(os.path.join(ckpt_dir, "t", "mp_rank_00_model_states.pt"))["module"])
     consolidated = consolidate_fp32_state_dict(ckpt_dir, "t")
+    trainable_only = consolidate_fp32_state_dict(ckpt_dir, "t", exclude_frozen_parameters=True)
     resumed = _lora_engine()
     with torch.no_grad():  # a resume from a checkpoint without frozen values keeps the model's own
         resumed.module.layers[0].base.weight.add_(0.0 if exclude else 1.0)
     resumed.load_checkpoint(ckpt_dir, tag="t")
     after = _lora_steps(resumed, 2, 2)
-    return whole, first + after, saved, set(consolidated)
+    return whole, first + after, saved, set(consolidated), set(trainable_only)
 
 
 @pytest.mark.parametrize("exclude", [True, False])
@@ -299,7 +300,7 @@ def test_checkpoint_with_and_without_frozen_parameters_resumes_exactly(tmp_path,
     """``save_checkpoint(exclude_frozen_parameters=True)`` writes the trainable parameters (and their states)
     only, without it the frozen ones too; either way a resume trains on as if uninterrupted (losses equal
     bit for bit), and ``zero_to_fp32`` gives what was saved."""
-    ((whole, resumed, saved, consolidated),) = run_ranks(_save_resume, 1, str(tmp_path), exclude)
+    ((whole, resumed, saved, consolidated, trainable_only),) = run_ranks(_save_resume, 1, str(tmp_path), exclude)
     frozen = {n for n, p in LoraStack().named_parameters() if not p.requires_grad}
     trainable = {n for n, p in LoraStack().named_parameters() if p.requires_grad}
     assert resumed == whole
@@ -308,6 +309,8 @@ def test_checkpoint_with_and_without_frozen_parameters_resumes_exactly(tmp_path,
         assert not frozen & saved and not frozen & consolidated
     else:
         assert frozen <= saved and frozen <= consolidated
+    # zero_to_fp32's --exclude_frozen_parameters: the trainable parameters (and any buffers) only
+    assert trainable <= trainable_only and not frozen & trainable_only
 
 
 def _init_and_load(rank, world_size, path):

@@ -10,6 +10,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..io import checkpoint, commit
+from ..io.recovery_script import RECOVERY_SCRIPT
 from .stage_answers import no_latest
 
 
@@ -83,7 +84,11 @@ class CheckpointingEngine(DeepSpeedEngine):
         return super().load_checkpoint(load_dir, tag, **kwargs)
 
     def _copy_recovery_script(self, save_path):
-        """DeepSpeed's zero_to_fp32.py cannot read our format; ours is python -m ds_patrickstar.zero_to_fp32."""
+        """Where DeepSpeed copies its zero_to_fp32.py, ours with DeepSpeed's command line (see [Note: the recovery
+        script] in io/recovery_script.py)."""
+        path = os.path.join(save_path, "zero_to_fp32.py")
+        commit.atomic_write_text(path, RECOVERY_SCRIPT)
+        os.chmod(path, 0o755)
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         """The saved ranks' files this rank needs, one at a time: any world size can load (resharding)."""

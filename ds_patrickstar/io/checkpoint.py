@@ -326,20 +326,25 @@ def load_optimizer_states(
 
 
 # ---- consolidation ------------------------------------------------------------------
-def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+def consolidate_fp32_state_dict(
+    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
     """One full fp32 state dict from a checkpoint folder (what ``zero_to_fp32.py`` gives stock users).
 
     Trainable parameters come from the fp32 masters; frozen parameters and buffers from the
-    module state (upcast to fp32 when they are floating point).
+    module state (upcast to fp32 when they are floating point); ``exclude_frozen_parameters``: the
+    frozen parameters left out (the buffers kept), as DeepSpeed's flag of that name does.
     """
     tag = resolve_tag(checkpoint_dir, tag)
     verify_complete(checkpoint_dir, tag)
     folder = os.path.join(checkpoint_dir, tag)
     paths, world = optimizer_files(checkpoint_dir, tag)  # only the files the marker lists
     result: dict[str, torch.Tensor] = {}
+    buffers: set[str] = set()
     for path in [os.path.join(folder, name) for name in listed(read_marker(checkpoint_dir, tag), "*model_states.pt")]:
-        module = load_file(path).get("module", {})
-        for name, value in module.items():
+        state = load_file(path)
+        buffers.update(state.get("buffer_names") or ())
+        for name, value in state.get("module", {}).items():
             result[name] = value.float() if value.is_floating_point() else value
     flat: dict[str, tuple[torch.Tensor, tuple]] = {}
     covered: dict[str, int] = {}
@@ -362,4 +367,6 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
                 f"elements of {name}: a rank's file is missing"
             )
         result[name] = values.view(shape)
+    if exclude_frozen_parameters:  # neither a trainable parameter (in the optimizer files) nor a buffer
+        result = {name: value for name, value in result.items() if name in flat or name in buffers}
     return result
