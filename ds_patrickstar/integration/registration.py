@@ -23,6 +23,14 @@ evaluation-only run of a "patrickstar" config with what to do instead (see
 [Note: evaluation without training]); ``deepspeed.checkpointing.configure`` reads the
 ``activation_checkpointing`` block of a "patrickstar" config from its sanitized copy (see
 [Note: DeepSpeed's checkpointing configured from our config]).
+
+[Note: conformance stage rewrite]
+Test-only: with ``DS_PATRICKSTAR_CONFORMANCE_STAGE=patrickstar`` in the environment, the wrapper
+reads a config whose ``zero_optimization.stage`` is ``3`` as if it said ``"patrickstar"`` (on a
+copy; the caller's dict is untouched). That is how ``benchmarks/conformance.py`` runs DeepSpeed's
+own ZeRO-3 unit tests for our stage: the variable reaches the ranks those tests start through a
+multiprocessing forkserver, where a conftest cannot. Nothing else reads it; unset (as in any
+real run), every config goes through as written.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from .save_compat import keep_host_copies
 logger = logging.getLogger(__name__)
 
 _MARK = "_ds_patrickstar_wrapper"
+CONFORMANCE_ENV = "DS_PATRICKSTAR_CONFORMANCE_STAGE"  # see [Note: conformance stage rewrite]
 
 
 def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
@@ -64,6 +73,18 @@ def _load(config: Any) -> Any:
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
     return load_ds_config(config)
+
+
+def conformance_stage(config: Any) -> Any:
+    """``config`` with stage 3 read as "patrickstar" when the test-only variable asks for it; see
+    [Note: conformance stage rewrite]."""
+    if os.environ.get(CONFORMANCE_ENV) != "patrickstar" or not isinstance(config, dict):
+        return config
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return config
+    logger.info("ds_patrickstar: %s=patrickstar: stage 3 run as stage 'patrickstar' (test-only)", CONFORMANCE_ENV)
+    return {**config, "zero_optimization": {**zero, "stage": "patrickstar"}}
 
 
 def _initialize_patrickstar(
@@ -211,7 +232,7 @@ def install() -> None:
         mesh_param=None,
         config_params=None,
     ):
-        loaded = _load(_resolve_config(args, config, config_params))
+        loaded = conformance_stage(_load(_resolve_config(args, config, config_params)))
         if not (isinstance(loaded, dict) and is_patrickstar(loaded)):
             return original(
                 args=args,
