@@ -166,10 +166,19 @@ def summarize(rows: list[tuple[str, str, str, str]]) -> dict:
     }
 
 
-def run(root: Path, ids: list[str], out: Path, variants: tuple[str, ...], timeout_s: int) -> dict:
+def _stock_did_not_pass(out: Path, ids: list[str]) -> list[str]:
+    saved = out / "results.stock.json"
+    stock = json.loads(saved.read_text()) if saved.is_file() else {}
+    return [i for i in ids if i in stock and stock[i] != "passed"]
+
+
+def run(
+    root: Path, ids: list[str], out: Path, variants: tuple[str, ...], timeout_s: int, only_stock_passed: bool = False
+) -> dict:
     """Run ``ids`` for ``variants``, file by file; each variant's results are saved as they come
     (``results.<variant>.json``), so two runners (one per variant) may share ``out``; the table is
-    written from whatever results ``out`` holds."""
+    written from whatever results ``out`` holds. ``only_stock_passed``: "ours" skips the ids whose
+    stock result is already known and not a pass (``not run``)."""
     out.mkdir(parents=True, exist_ok=True)
     by_file: dict[str, list[str]] = {}
     for test_id in ids:
@@ -178,7 +187,10 @@ def run(root: Path, ids: list[str], out: Path, variants: tuple[str, ...], timeou
         saved = out / f"results.{variant}.json"
         results = json.loads(saved.read_text()) if saved.is_file() else {}
         for file_ids in by_file.values():
-            todo = [i for i in file_ids if i not in results]
+            todo = [i for i in file_ids if results.get(i, "timeout") == "timeout"]  # a rerun retries timeouts
+            if variant == "ours" and only_stock_passed:
+                results.update(dict.fromkeys(_stock_did_not_pass(out, todo), "not run"))
+                todo = [i for i in todo if results.get(i, "timeout") == "timeout"]
             if todo:
                 results.update(run_file(root, todo, variant, out, timeout_s))
                 saved.write_text(json.dumps(results, indent=0))
@@ -204,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ids", nargs="*", help="these test ids only (default: every stage-3 one)")
     parser.add_argument("--files", nargs="*", help="the stage-3 ids of these files only (paths under tests/)")
     parser.add_argument("--variants", default="stock,ours", help="stock, ours or both (comma-separated)")
+    parser.add_argument(
+        "--only-stock-passed", action="store_true", help="ours: skip ids stock is known not to pass (saves time)"
+    )
     parser.add_argument("--timeout", type=int, default=300, help="DS_UNITTEST_TIMEOUT, seconds per test")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -215,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         root = unpack(tarball, Path(tmp))
         ids = args.ids or [t["id"] for t in collect(root, tuple(args.files or TEST_DIRS)) if t["stage3"]]
         logger.info("%d test ids from %s", len(ids), tarball)
-        summary = run(root, ids, args.out, tuple(args.variants.split(",")), args.timeout)
+        summary = run(root, ids, args.out, tuple(args.variants.split(",")), args.timeout, args.only_stock_passed)
     logger.info("%s", json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
     return 0
 
