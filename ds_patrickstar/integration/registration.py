@@ -22,7 +22,11 @@ save path (see [Note: tied weights saved once]); Hugging Face's ``deepspeed_init
 evaluation-only run of a "patrickstar" config with what to do instead (see
 [Note: evaluation without training]); ``deepspeed.checkpointing.configure`` reads the
 ``activation_checkpointing`` block of a "patrickstar" config from its sanitized copy (see
-[Note: DeepSpeed's checkpointing configured from our config]).
+[Note: DeepSpeed's checkpointing configured from our config]). And two for DeepSpeed's ``zero.Init`` (see
+[Note: stock zero.Init] in stock_zero_init.py): ``Init.__new__`` routes a construction whose config selects
+"patrickstar" to ``ds_patrickstar.Init`` (any other goes to stock's constructor), and a "patrickstar"
+initialize that took over a model stock's ``zero.Init`` partitioned puts torch's ``F.linear`` back where
+stock's ``zero.Init`` left its replacement.
 
 [Note: conformance stage rewrite]
 Test-only: with ``DS_PATRICKSTAR_CONFORMANCE_STAGE=patrickstar`` in the environment, the wrapper
@@ -41,6 +45,7 @@ import os
 from typing import Any
 
 import deepspeed
+import torch
 
 from .config import is_patrickstar, split_config
 from .ds_checkpointing import configure_from_our_config
@@ -49,6 +54,7 @@ from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
 from .process_exit import register_wait_at_exit
 from .save_compat import keep_host_copies
+from .stock_zero_init import our_init, take_over
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +132,8 @@ def _initialize_patrickstar(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
+    if take_over(model):  # built under stock's zero.Init: see [Note: stock zero.Init]
+        _restore_torch_linear()
     _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
     refuse_model_parallelism(mpu)
 
@@ -207,8 +215,39 @@ def _warn_if_world_lost(world_size: int) -> None:
     )
 
 
+def _restore_torch_linear() -> None:
+    """Put torch's ``F.linear`` back where stock's ``zero.Init`` left ``zero3_linear_wrap``."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
+
+    original = getattr(Patcher, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is zero3_linear_wrap:
+        torch.nn.functional.linear = original
+        logger.info("ds_patrickstar: torch.nn.functional.linear restored (stock's zero.Init had replaced it)")
+
+
+def _route_zero_init() -> None:
+    """``deepspeed.zero.Init(config_dict_or_path=<a "patrickstar" config>)`` builds with ``ds_patrickstar.Init``;
+    see [Note: stock zero.Init]."""
+    from deepspeed.runtime.zero.partition_parameters import Init as StockInit
+
+    if getattr(StockInit.__new__, _MARK, False):
+        return
+    stock_new = StockInit.__new__
+
+    def __new__(cls, *args, **kwargs):
+        ours = our_init(StockInit, args, kwargs) if issubclass(cls, StockInit) else None
+        if ours is not None:
+            return ours  # not a StockInit: Python does not run stock's __init__ on it
+        return stock_new(cls) if stock_new is object.__new__ else stock_new(cls, *args, **kwargs)
+
+    setattr(__new__, _MARK, True)
+    StockInit.__new__ = staticmethod(__new__)
+
+
 def install() -> None:
     """Wrap ``deepspeed.initialize`` once; see [Note: registration]."""
+    _route_zero_init()  # see [Note: stock zero.Init]
     keep_host_copies()  # see [Note: tied weights saved once]
     guard_eval_only()  # see [Note: evaluation without training]
     configure_from_our_config()  # see [Note: DeepSpeed's checkpointing configured from our config]
