@@ -49,15 +49,18 @@ def _train(model, stage, rank):
     return losses, weights
 
 
-def _stock_built(rank, world_size, stage):
+def _stock_built(rank, world_size, stage, inside=False):
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
 
     with deepspeed.zero.Init(config_dict_or_path=_config(3)):
         model = _model()
-    assert all(p.numel() == 0 and hasattr(p, "ds_tensor") for p in model.parameters())
-    losses, weights = _train(model, stage, rank)
+        if inside:  # initialize inside the open block (stock pauses the block's wrappers meanwhile)
+            losses, weights = _train(model, stage, rank)
+    assert inside or all(p.numel() == 0 and hasattr(p, "ds_tensor") for p in model.parameters())
+    if not inside:
+        losses, weights = _train(model, stage, rank)
     linear_is_torch = torch.nn.functional.linear is torch._C._nn.linear
     return losses, weights, linear_is_torch
 
@@ -75,6 +78,12 @@ def test_model_built_by_stock_zero_init_is_taken_over(world_size):
     for rank in range(world_size):
         _close(ours[rank], stock[rank], f"rank {rank}")
         assert ours[rank][2], "torch's F.linear is back after the take-over"
+
+
+def test_initialize_inside_an_open_stock_zero_init_block():
+    ours = run_ranks(_stock_built, 1, "patrickstar", True, timeout=120)
+    stock = run_ranks(_stock_built, 1, 3, True, timeout=120)
+    _close(ours[0], stock[0], "inside the block")
 
 
 def _our_config_built(rank, world_size, how):

@@ -288,20 +288,26 @@ def install() -> None:
                 mesh_param=mesh_param,
                 config_params=config_params,
             )
-        return _initialize_patrickstar(
-            loaded,
-            args=args,
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            distributed_port=distributed_port,
-            mpu=mpu,
-            dist_init_required=dist_init_required,
-            collate_fn=collate_fn,
-            mesh_param=mesh_param,
-        )
+        from deepspeed.runtime.zero import partition_parameters
+
+        partition_parameters.shutdown_init_context()  # as stock's: an open zero.Init block is paused meanwhile
+        try:
+            return _initialize_patrickstar(
+                loaded,
+                args=args,
+                model=model,
+                optimizer=optimizer,
+                model_parameters=model_parameters,
+                training_data=training_data,
+                lr_scheduler=lr_scheduler,
+                distributed_port=distributed_port,
+                mpu=mpu,
+                dist_init_required=dist_init_required,
+                collate_fn=collate_fn,
+                mesh_param=mesh_param,
+            )
+        finally:
+            partition_parameters.restore_init_context()
 
     setattr(initialize, _MARK, True)
     deepspeed.initialize = initialize

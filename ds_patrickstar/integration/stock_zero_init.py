@@ -22,6 +22,8 @@ Two ways a ``deepspeed.zero.Init`` meets our stage:
   frees the partition. Initialize then packs the model into chunks as any model. stock's ``zero.Init`` also
   leaves ``torch.nn.functional.linear`` replaced by its memory-efficient version (``zero3_linear_wrap``,
   "this will persist unless manually reset"); registration.py puts torch's back once a model was taken over.
+  A "patrickstar" initialize called inside an open stock ``zero.Init`` block pauses the block's wrappers
+  meanwhile, as stock's initialize does (``shutdown_init_context``/``restore_init_context``).
   The values are stock's exactly (nothing is re-initialized), so training matches stock ZeRO-3 on the same
   model. Limit: after the take-over the model is whole on every rank until initialize has packed it (as a
   model built without ``zero.Init``); to never have it whole, build it under ``ds_patrickstar.Init``.
