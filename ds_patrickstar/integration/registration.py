@@ -22,7 +22,19 @@ save path (see [Note: tied weights saved once]); Hugging Face's ``deepspeed_init
 evaluation-only run of a "patrickstar" config with what to do instead (see
 [Note: evaluation without training]); ``deepspeed.checkpointing.configure`` reads the
 ``activation_checkpointing`` block of a "patrickstar" config from its sanitized copy (see
-[Note: DeepSpeed's checkpointing configured from our config]).
+[Note: DeepSpeed's checkpointing configured from our config]). And two for DeepSpeed's ``zero.Init`` (see
+[Note: stock zero.Init] in stock_zero_init.py): ``Init.__new__`` routes a construction whose config selects
+"patrickstar" to ``ds_patrickstar.Init`` (any other goes to stock's constructor), and a "patrickstar"
+initialize that took over a model stock's ``zero.Init`` partitioned puts torch's ``F.linear`` back where
+stock's ``zero.Init`` left its replacement.
+
+[Note: conformance stage rewrite]
+Test-only: with ``DS_PATRICKSTAR_CONFORMANCE_STAGE=patrickstar`` in the environment, the wrapper
+reads a config whose ``zero_optimization.stage`` is ``3`` as if it said ``"patrickstar"`` (on a
+copy; the caller's dict is untouched). That is how ``benchmarks/conformance.py`` runs DeepSpeed's
+own ZeRO-3 unit tests for our stage: the variable reaches the ranks those tests start through a
+multiprocessing forkserver, where a conftest cannot. Nothing else reads it; unset (as in any
+real run), every config goes through as written.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import os
 from typing import Any
 
 import deepspeed
+import torch
 
 from .config import is_patrickstar, split_config
 from .ds_checkpointing import configure_from_our_config
@@ -41,10 +54,12 @@ from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
 from .process_exit import register_wait_at_exit
 from .save_compat import keep_host_copies
+from .stock_zero_init import our_init, take_over
 
 logger = logging.getLogger(__name__)
 
 _MARK = "_ds_patrickstar_wrapper"
+CONFORMANCE_ENV = "DS_PATRICKSTAR_CONFORMANCE_STAGE"  # see [Note: conformance stage rewrite]
 
 
 def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
@@ -64,6 +79,18 @@ def _load(config: Any) -> Any:
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
     return load_ds_config(config)
+
+
+def conformance_stage(config: Any) -> Any:
+    """``config`` with stage 3 read as "patrickstar" when the test-only variable asks for it; see
+    [Note: conformance stage rewrite]."""
+    if os.environ.get(CONFORMANCE_ENV) != "patrickstar" or not isinstance(config, dict):
+        return config
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return config
+    logger.info("ds_patrickstar: %s=patrickstar: stage 3 run as stage 'patrickstar' (test-only)", CONFORMANCE_ENV)
+    return {**config, "zero_optimization": {**zero, "stage": "patrickstar"}}
 
 
 def _initialize_patrickstar(
@@ -107,6 +134,8 @@ def _initialize_patrickstar(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
+    if take_over(model):  # built under stock's zero.Init: see [Note: stock zero.Init]
+        _restore_torch_linear()
     _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
     refuse_model_parallelism(mpu)
 
@@ -188,8 +217,39 @@ def _warn_if_world_lost(world_size: int) -> None:
     )
 
 
+def _restore_torch_linear() -> None:
+    """Put torch's ``F.linear`` back where stock's ``zero.Init`` left ``zero3_linear_wrap``."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
+
+    original = getattr(Patcher, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is zero3_linear_wrap:
+        torch.nn.functional.linear = original
+        logger.info("ds_patrickstar: torch.nn.functional.linear restored (stock's zero.Init had replaced it)")
+
+
+def _route_zero_init() -> None:
+    """``deepspeed.zero.Init(config_dict_or_path=<a "patrickstar" config>)`` builds with ``ds_patrickstar.Init``;
+    see [Note: stock zero.Init]."""
+    from deepspeed.runtime.zero.partition_parameters import Init as StockInit
+
+    if getattr(StockInit.__new__, _MARK, False):
+        return
+    stock_new = StockInit.__new__
+
+    def __new__(cls, *args, **kwargs):
+        ours = our_init(StockInit, args, kwargs) if issubclass(cls, StockInit) else None
+        if ours is not None:
+            return ours  # not a StockInit: Python does not run stock's __init__ on it
+        return stock_new(cls) if stock_new is object.__new__ else stock_new(cls, *args, **kwargs)
+
+    setattr(__new__, _MARK, True)
+    StockInit.__new__ = staticmethod(__new__)
+
+
 def install() -> None:
     """Wrap ``deepspeed.initialize`` once; see [Note: registration]."""
+    _route_zero_init()  # see [Note: stock zero.Init]
     keep_host_copies()  # see [Note: tied weights saved once]
     guard_eval_only()  # see [Note: evaluation without training]
     configure_from_our_config()  # see [Note: DeepSpeed's checkpointing configured from our config]
@@ -213,7 +273,7 @@ def install() -> None:
         mesh_param=None,
         config_params=None,
     ):
-        loaded = _load(_resolve_config(args, config, config_params))
+        loaded = conformance_stage(_load(_resolve_config(args, config, config_params)))
         if not (isinstance(loaded, dict) and is_patrickstar(loaded)):
             return original(
                 args=args,
@@ -230,20 +290,26 @@ def install() -> None:
                 mesh_param=mesh_param,
                 config_params=config_params,
             )
-        return _initialize_patrickstar(
-            loaded,
-            args=args,
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            distributed_port=distributed_port,
-            mpu=mpu,
-            dist_init_required=dist_init_required,
-            collate_fn=collate_fn,
-            mesh_param=mesh_param,
-        )
+        from deepspeed.runtime.zero import partition_parameters
+
+        partition_parameters.shutdown_init_context()  # as stock's: an open zero.Init block is paused meanwhile
+        try:
+            return _initialize_patrickstar(
+                loaded,
+                args=args,
+                model=model,
+                optimizer=optimizer,
+                model_parameters=model_parameters,
+                training_data=training_data,
+                lr_scheduler=lr_scheduler,
+                distributed_port=distributed_port,
+                mpu=mpu,
+                dist_init_required=dist_init_required,
+                collate_fn=collate_fn,
+                mesh_param=mesh_param,
+            )
+        finally:
+            partition_parameters.restore_init_context()
 
     setattr(initialize, _MARK, True)
     deepspeed.initialize = initialize
