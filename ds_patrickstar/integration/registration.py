@@ -54,7 +54,7 @@ from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
 from .process_exit import register_wait_at_exit
 from .save_compat import keep_host_copies
-from .stock_zero_init import our_init, take_over
+from .stock_zero_init import our_init, take_over_stock_model
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _initialize_patrickstar(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
-    if take_over(model):  # built under stock's zero.Init: see [Note: stock zero.Init]
+    if take_over_stock_model(model):  # built under stock's zero.Init: see [Note: stock zero.Init]
         _restore_torch_linear()
     _warn_if_world_lost(dist.get_world_size())  # before DeepSpeed's batch-size check can fail on it
     refuse_model_parallelism(mpu)

@@ -14,7 +14,7 @@ Two ways a ``deepspeed.zero.Init`` meets our stage:
   arguments (``remote_device``, ``dtype``, groups, quantization) do not apply and are ignored (one debug line).
   Any other config goes to stock's constructor untouched.
 * A model built under stock's ``zero.Init`` (a stage-3 config, or none) and given to a "patrickstar"
-  initialize: its parameters hold a 1/W partition (``ds_tensor``) and an empty ``data``. :func:`take_over`
+  initialize: its parameters hold a 1/W partition (``ds_tensor``) and an empty ``data``. :func:`take_over_stock_model`
   gathers each parameter's full value with stock's own ``param.all_gather()`` (a collective over the
   parameter's ``ds_process_group``, one parameter at a time, in the model's order on every rank), makes it
   the parameter's ``data`` (the same parameter object, so optimizers built on it still hold it) and removes
@@ -120,7 +120,7 @@ def _strip(param: nn.Parameter) -> None:
             delattr(param, name)
 
 
-def take_over(model: nn.Module) -> int:
+def take_over_stock_model(model: nn.Module) -> int:
     """Give every parameter stock's ``zero.Init`` partitioned its full value and drop stock's attributes; a
     collective when there are any (every rank calls it with the same model). Returns how many parameters it
     took over; see [Note: stock zero.Init]."""
