@@ -47,8 +47,8 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_suite")
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    # 30 s of trials (the dry run's default is 70): every part still gets its row, a trial or two is measured
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--budget-s", "30",
+    # 20 s of trials (the dry run's default is 70): every part still gets its row, a trial or so is measured
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--budget-s", "20",
            "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
                           start_new_session=True)
