@@ -274,40 +274,26 @@ def install() -> None:
         config_params=None,
     ):
         loaded = conformance_stage(_load(_resolve_config(args, config, config_params)))
+        kwargs = dict(
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            distributed_port=distributed_port,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            mesh_param=mesh_param,
+        )
         if not (isinstance(loaded, dict) and is_patrickstar(loaded)):
-            return original(
-                args=args,
-                model=model,
-                optimizer=optimizer,
-                model_parameters=model_parameters,
-                training_data=training_data,
-                lr_scheduler=lr_scheduler,
-                distributed_port=distributed_port,
-                mpu=mpu,
-                dist_init_required=dist_init_required,
-                collate_fn=collate_fn,
-                config=config,
-                mesh_param=mesh_param,
-                config_params=config_params,
-            )
+            return original(**kwargs, config=config, config_params=config_params)
         from deepspeed.runtime.zero import partition_parameters
 
         partition_parameters.shutdown_init_context()  # as stock's: an open zero.Init block is paused meanwhile
         try:
-            return _initialize_patrickstar(
-                loaded,
-                args=args,
-                model=model,
-                optimizer=optimizer,
-                model_parameters=model_parameters,
-                training_data=training_data,
-                lr_scheduler=lr_scheduler,
-                distributed_port=distributed_port,
-                mpu=mpu,
-                dist_init_required=dist_init_required,
-                collate_fn=collate_fn,
-                mesh_param=mesh_param,
-            )
+            return _initialize_patrickstar(loaded, **kwargs)
         finally:
             partition_parameters.restore_init_context()
 
