@@ -273,7 +273,7 @@ class ChunkManager:
             if info.state in (_S.COMPUTE, _S.HOLD_AFTER_FWD):
                 info.settle()
         self._reductions.drain()
-        if self.grads.accumulate and any(c.acc is not None or c.acc_host is not None for c in self.map.chunks):
+        if self.grads.accumulate and self.grads.has_accumulated():
             logger.warning(
                 "ds_patrickstar: a backward raised; the gradients accumulated this step (earlier micro-steps "
                 "included) are discarded and the step starts again at the next forward"

@@ -190,7 +190,7 @@ def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int
 def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -> MovePredictor | None:
     """The model of the driver's moves, where it holds: one rank, no gradient accumulation (see
     [Note: predicted moves])."""
-    if chunk_map.world_size > 1 or accumulate:
+    if not _move_model_holds(chunk_map, accumulate):
         return None
     owned = chunk_map.owned_chunks()
     sizes = {c.chunk_id: c.nbytes for c in owned}
@@ -205,7 +205,7 @@ def _state_chooser(
     (see [Note: optimizer states by step time]); None: every state that fits."""
     if options.placement != "auto" or options.optimizer_placement != "time":
         return None
-    if chunk_map.world_size > 1 or accumulate:
+    if not _move_model_holds(chunk_map, accumulate):
         if "optimizer_placement" in options.model_fields_set:
             logger.info(
                 'ds_patrickstar: optimizer_placement "time" needs one rank without gradient accumulation (the move '
@@ -226,9 +226,15 @@ def _state_chooser(
 def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> set[int] | None:
     """The chunks whose gradients may leave during backward when updated on the host (see [Note: gradients leave
     in backward] in placement/grad_release.py): one rank without gradient accumulation, tide-aware placement."""
-    if options.placement != "auto" or chunk_map.world_size > 1 or accumulate:
+    if options.placement != "auto" or not _move_model_holds(chunk_map, accumulate):
         return None
     return {c.chunk_id for c in chunk_map.trainable_owned()}
+
+
+def _move_model_holds(chunk_map: ChunkMap, accumulate: bool) -> bool:
+    """One rank without gradient accumulation: the scope of the move model and of what is built on it (see
+    [Note: predicted moves])."""
+    return chunk_map.world_size == 1 and not accumulate
 
 
 def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool) -> StepTimer:

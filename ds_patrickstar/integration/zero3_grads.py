@@ -45,7 +45,7 @@ class ChunkGradients:
         """True: the slots hold the step's gradients; False: the accumulators hold the micro-steps' so far."""
         if self.manager.grads_ready():
             return True
-        if any(c.acc is not None or c.acc_host is not None for c in self.map.trainable_owned()):
+        if self.manager.grads.has_accumulated():
             return False
         raise RuntimeError(
             "no gradient is held now: stage 'patrickstar' keeps gradients from backward to engine.step(); "

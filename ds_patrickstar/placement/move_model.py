@@ -46,6 +46,11 @@ class MovePlan:
         return sum(self.to_host)
 
 
+ANY_PRIORITY = 1
+"""Above every queue priority (minus a next use, never above 0): :meth:`EvictionQueue.take_below` below it
+considers every resident chunk."""
+
+
 class _Replay:
     """One iteration's residency, moment by moment (see :func:`simulate_moves`). The resident chunks sit in an
     :class:`~ds_patrickstar.placement.policy.EvictionQueue` keyed by next use, re-keyed when used, as the
@@ -109,8 +114,10 @@ class _Replay:
         over = self.total() + need - self.headroom(self.at)
         if over <= 0:
             return
-        movable = sum(self.sizes[c] for c in self.resident - keep)
-        for victim in self.queue.take(min(over, movable), self._size_unless(keep)):
+        victims = self.queue.take_below(over, self._size_unless(keep), ANY_PRIORITY)
+        if victims is None:  # the model goes over the budget here: every chunk that can go goes
+            victims = sorted(self.resident - keep)
+        for victim in victims:
             self.evict(victim)
 
     def prefetch(self, in_use: set[int]) -> None:

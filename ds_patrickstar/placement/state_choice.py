@@ -113,8 +113,9 @@ def choose_states(
     profile: DeviceProfile,
     overlap: bool,
 ) -> StateChoice:
-    """The fastest prefix of ``fill`` (the chunks the fill rule places, in its order) by the predicted step;
-    see [Note: optimizer states by step time]."""
+    """Of ``fill`` (the chunks the fill rule places, in its order), the states placed by the predicted step: the
+    best prefix, then local moves from it (where the trace is small enough); see [Note: optimizer states by step
+    time]."""
     priced: dict[frozenset[int], StateChoice] = {}
 
     def of(chunks: frozenset[int]) -> StateChoice:
