@@ -48,6 +48,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import gpt_model
 import gpu_suite_merge
 import gpu_suite_parts as parts
 import gpu_suite_report as report
@@ -82,8 +83,14 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="this CPU: emulated accelerator, tiny sizes")
     p.add_argument("--parts", default=None, help=f"parts to run, of {','.join(SHARES)} (GPU: "
                    f"{','.join(GPU_DEFAULT_PARTS)}; dry: all)")
+    p.add_argument("--part-seconds", default="", help="fixed seconds for named parts, e.g. builds=70,gpu_tests=110 "
+                   "(the other parts share what those leave)")
     p.add_argument("--size-fractions", default="0.5,1.5,3", help="throughput: model data over the GPU's memory")
     p.add_argument("--sweep-points", default="12,16", help="sweep: GiB on an 80 GB GPU; B/off: no checkpointing")
+    p.add_argument("--sweep-absolute", action="store_true", help="sweep: --sweep-points in GiB of this GPU, "
+                   "not scaled by its memory over an 80 GB H100's")
+    p.add_argument("--sweep-model", default=None, choices=list(gpt_model.PRESETS),
+                   help="sweep: this preset (e.g. gpt-1.3b) instead of the smallest size that does not fit")
     p.add_argument("--sweep-rules", default="time,fill", help="sweep: ours' optimizer_placement rules, a row each "
                    "(dry: time; the fill row is skipped, said so)")
     p.add_argument("--backends", default=None, help="backends of the trial parts, of ours,zero3-offload,zero3 "
@@ -118,6 +125,12 @@ def parse_args(argv=None):
                      .split(",") if x]
     if set(args.backends) - {*parts.OFFLOADED, "zero3"}:
         p.error(f"--backends: unknown {sorted(set(args.backends) - {*parts.OFFLOADED, 'zero3'})}")
+    try:
+        args.part_seconds = {k: float(v) for k, v in (x.split("=") for x in args.part_seconds.split(",") if x)}
+    except ValueError:
+        p.error(f"--part-seconds: {args.part_seconds!r}: give PART=SECONDS pairs, e.g. builds=70,gpu_tests=110")
+    if set(args.part_seconds) - set(args.parts):
+        p.error(f"--part-seconds: {sorted(set(args.part_seconds) - set(args.parts))} not among --parts")
     args.size_fractions = [float(f) for f in args.size_fractions.split(",") if f]
     args.sweep_points = [x for x in args.sweep_points.split(",") if x]
     args.sweep_rules = [x for x in args.sweep_rules.split(",") if x]
@@ -238,7 +251,7 @@ class Suite:
             if name not in shares:
                 self.part_progress(name, skipped(gpu_suite_merge.NOT_AMONG))
                 continue
-            deadline, started = budget.deadline(shares, name), time.monotonic()
+            deadline, started = budget.deadline(shares, name, self.args.part_seconds), time.monotonic()
             try:
                 part = runner(deadline)
             except Exception as err:  # one broken part must not lose the others

@@ -30,10 +30,16 @@ class Budget:
     def used(self) -> float:
         return time.monotonic() - self.begin
 
-    def deadline(self, shares: dict[str, float], part: str) -> float:
-        names = list(shares)
-        rest = sum(shares[n] for n in names[names.index(part):])
-        return time.monotonic() + (self.left() * shares[part] / rest if rest else self.left())
+    def deadline(self, shares: dict[str, float], part: str, fixed: dict[str, float] | None = None) -> float:
+        """``part``'s deadline: its ``fixed`` seconds where it has them, else its share of what is left after
+        the fixed seconds of the parts after it."""
+        fixed, names = fixed or {}, list(shares)
+        later = names[names.index(part):]
+        if part in fixed:
+            return time.monotonic() + min(fixed[part], self.left())
+        left = max(0.0, self.left() - sum(fixed[n] for n in later if n in fixed))
+        rest = sum(shares[n] for n in later if n not in fixed)
+        return time.monotonic() + (left * shares[part] / rest if rest else left)
 
 
 def skipped(reason: str) -> dict:

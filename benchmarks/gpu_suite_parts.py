@@ -214,9 +214,18 @@ def sweep_points(args) -> list[tuple[float, bool]]:
     return [(float(p.split("/")[0]), not p.endswith("/off")) for p in args.sweep_points]
 
 
+def sweep_scale(ctx, args) -> float:
+    """Bytes per GiB of ``--sweep-points``: scaled by the GPU's memory over an H100's, or 1 GiB with
+    ``--sweep-absolute``."""
+    return GIB * (1.0 if args.sweep_absolute else ctx.device_bytes / REFERENCE_GPU_BYTES)
+
+
 def sweep_size(ctx, args) -> tuple[str, str, dict]:
-    """The smallest of the sizes whose model data does not fit the largest budget of the sweep."""
-    largest = max((b for b, _ in sweep_points(args)), default=0) * GIB * ctx.device_bytes / REFERENCE_GPU_BYTES
+    """``--sweep-model``'s preset, or the smallest of the sizes whose model data does not fit the largest budget
+    of the sweep."""
+    if args.sweep_model:
+        return args.sweep_model, args.sweep_model, {}
+    largest = max((b for b, _ in sweep_points(args)), default=0) * sweep_scale(ctx, args)
     sizes = model_sizes(ctx, args)
     return next((s for s in sizes if OURS_BYTES_PER_PARAM * params_of(s[1], s[2]) > largest), sizes[-1])
 
@@ -226,7 +235,7 @@ def sweep_plan(ctx, args) -> list[tuple[dict, list[str] | str]]:
     name, preset, overrides = sweep_size(ctx, args)
     plan = []
     for gib, checkpointing in sweep_points(args):
-        budget = int(gib * GIB * ctx.device_bytes / REFERENCE_GPU_BYTES)
+        budget = int(gib * sweep_scale(ctx, args))
         sized = {**overrides, "activation_checkpointing": checkpointing}
         point = {"size": name, "point": f"{gib:g} GiB" + ("" if checkpointing else " no ckpt"), "budget_bytes": budget,
                  "checkpointing": checkpointing, "params": params_of(preset, sized)}

@@ -199,8 +199,9 @@ def _sweep(result: dict) -> list[str]:
                             f"{t['step_s']:.3f} / {_f(t.get('predicted_step_s'), '{:.3f}') or 'n/a'}"])
     size = part["trials"][0]
     return [f"**Equal memory** ({size['size']}, {_f(size.get('params'), '{:.4g} M', 1e6)} params: ours at "
-            "`device_budget` B, ZeRO-3 offload held to B by `torch.cuda.set_per_process_memory_fraction`; B in GiB "
-            "on an 80 GB GPU, scaled by this GPU's memory; MB moved: ours' counters, bytes_to_device + "
+            "`device_budget` B, ZeRO-3 offload held to B by `torch.cuda.set_per_process_memory_fraction`; a point's "
+            "GiB are an 80 GB GPU's, scaled by this GPU's memory, or this GPU's where the command has "
+            "`--sweep-absolute`; B in GiB; MB moved: ours' counters, bytes_to_device + "
             "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it; "
             "ours: `optimizer_placement` \"time\" (the default), ours (fill): \"fill\", the rule before the "
             "step-time model).",

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_harness
 import gpu_suite
+import gpu_suite_env
 import gpu_suite_max_model
 import gpu_suite_merge
 import gpu_suite_parts as parts
@@ -130,6 +131,22 @@ def test_sizes_follow_the_gpu_memory_and_the_host_says_what_it_cannot_hold(tmp_p
     ours = {head["rule"]: argv for head, argv in plan if head["backend"] == "ours" and head["point"] == "12 GiB"}
     assert {rule: argv[argv.index("--optimizer-placement") + 1] for rule, argv in ours.items()} == {
         "time": "time", "fill": "fill"}  # a row per optimizer_placement rule, the step-time model's beside fill's
+
+
+def test_a_preset_sweep_at_absolute_budgets_and_parts_with_fixed_seconds(tmp_path):
+    ctx = fake_suite(tmp_path, "--sweep-model", "gpt-1.3b", "--sweep-absolute", "--sweep-points", "12/off",
+                     "--part-seconds", "sweep=50")
+    ctx.args.dry_run, ctx.device_bytes = False, 150_000_000_000  # an H200: the 12 GiB stay 12 GiB
+    head, argv = next((h, a) for h, a in parts.sweep_plan(ctx, ctx.args) if h["backend"] == "ours")
+    assert head["size"] == "gpt-1.3b" and head["budget_bytes"] == 12 * bench_harness.GIB
+    assert argv[argv.index("--model") + 1] == "gpt-1.3b" and '{"activation_checkpointing": false}' in argv
+    budget = gpu_suite_env.Budget(100.0)
+    shares = {"builds": 1.0, "sweep": 1.0, "gpu_tests": 1.0}
+    fixed = {"builds": 20.0, "gpu_tests": 30.0}
+    assert 19 < budget.deadline(shares, "builds", fixed) - time.monotonic() <= 20  # its own seconds
+    assert 69 < budget.deadline(shares, "sweep", fixed) - time.monotonic() <= 70  # what gpu_tests' 30 s leave
+    with pytest.raises(SystemExit):
+        gpu_suite.parse_args(["--out", str(tmp_path), "--parts", "sweep", "--part-seconds", "builds=5"])
 
 
 def test_warm_up_runs_until_the_step_time_settles():
