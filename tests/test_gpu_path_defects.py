@@ -148,17 +148,26 @@ def test_7_retrace_with_a_higher_tide_replans_optimizer_states():
 
 
 def test_8_the_tracer_never_resets_cuda_peak_statistics(monkeypatch):
+    """It reads the allocator's nested statistics (not ``memory_stats``, which flattens and sorts ~120
+    of them at every call); the keys are the ones torch flattens to the documented names."""
     from ds_patrickstar.memory.cuda import CudaAccelerator
 
-    stats = {"allocated_bytes.all.current": 100, "allocated_bytes.all.peak": 500}
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    stats = {"allocated_bytes": {"all": {"current": 100, "peak": 500}},
+             "inactive_split_bytes": {"all": {"current": 7}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: pytest.fail("flattening every statistic"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("reset peak stats"))
     accel = CudaAccelerator.__new__(CudaAccelerator)
     accel.device, accel._peak_seen = torch.device("cuda"), 500
     assert accel.memory_in_use() == (100, 100)  # no new peak since the last look: allocated now
-    stats.update({"allocated_bytes.all.current": 200, "allocated_bytes.all.peak": 900})
+    stats["allocated_bytes"]["all"].update(current=200, peak=900)
     assert accel.memory_in_use() == (200, 900)  # the peak grew in between: that is the highest
     assert accel.memory_in_use() == (200, 200)
+    assert accel.fragmentation() == 7
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda device=None: stats)
+    flat = torch.cuda.memory.memory_stats()
+    assert flat["allocated_bytes.all.current"] == 200 and flat["inactive_split_bytes.all.current"] == 7
 
 
 def test_9_host_adam_chunks_are_not_brought_to_the_device_for_the_step():
