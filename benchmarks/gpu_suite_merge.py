@@ -1,7 +1,7 @@
 """``gpu_suite.py --merge``: the JSON files of runs that each ran some parts (a first lent GPU call and a
 second one, say) as the result of one run. A part a file did not run (``--parts`` left it out) takes the
 other file's; a part both ran merges its trials (the later file's trial replaces the earlier one's with the
-same size, backend, padding and point, unless the later one was not measured and the earlier one was)."""
+same size, backend, padding, point and rule, unless the later one was not measured and the earlier one was)."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import copy
 from gpu_suite_parts import part_result, ratios, sweep_ratios
 
 NOT_AMONG = "not among --parts"
-TRIAL_KEY = ("size", "backend", "padding", "point")
+TRIAL_KEY = ("size", "backend", "padding", "point", "rule")
 DERIVED = ("breakdown", "host_memory")  # recomputed from the merged throughput trials
 RATIOS = {"throughput": ratios, "sweep": sweep_ratios}
 

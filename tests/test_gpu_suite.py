@@ -182,6 +182,18 @@ def test_two_partial_runs_merge_into_the_table_of_one_run(dry_run, tmp_path):
     assert tables(merged) == tables(full)
 
 
+def test_a_merge_keeps_each_rule_of_a_sweep_point():
+    def trial(rule, status, tokens=None):
+        return {"size": "m", "point": "12 GiB", "backend": "ours", "rule": rule, "status": status,
+                **({"tokens_per_s": tokens} if tokens else {"reason": "r"})}
+
+    old = {"status": "measured", "trials": [trial("time", "measured", 2.0), trial("fill", "failed")]}
+    new = {"status": "measured", "trials": [trial("time", "measured", 3.0)]}
+    merged = gpu_suite_merge.merge_part("sweep", old, new)
+    assert {(t["rule"], t["status"], t.get("tokens_per_s")) for t in merged["trials"]} == {
+        ("time", "measured", 3.0), ("fill", "failed", None)}
+
+
 def test_a_part_cut_by_its_deadline_reads_cut(tmp_path):
     ctx = fake_suite(tmp_path)
     part = parts.run_sweep(ctx, ctx.args, time.monotonic() - 1)
