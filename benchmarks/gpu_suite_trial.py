@@ -40,7 +40,9 @@ PHASES = ("forward", "backward", "step")
 COUNTER_KEYS = ("predicted_step_s", "prefetches", "retraces_shape", "tide_replans",
                 "bytes_to_device", "bytes_to_host", "evictions", "adam_chunks_host", "adam_chunks_device",
                 "host_bytes_allocated", "model_bytes_host", "model_bytes_device", "peak_device_bytes",
-                "frozen_bytes_device", "frozen_bytes_host")
+                "frozen_bytes_device", "frozen_bytes_host", "prefetch_hits", "grads_released_in_backward",
+                "activation_bytes_offloaded", "activation_bytes_restored", "peak_activation_bytes_device",
+                "peak_non_model_bytes_device", "predicted_bytes_to_device", "predicted_bytes_to_host")
 PINNED_PROBE_BYTES = 256 * 2**20
 
 
