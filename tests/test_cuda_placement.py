@@ -247,3 +247,14 @@ def test_all_gathers_and_reduce_scatters_run_on_streams_of_their_own():
     for kind, stream in streams.items():
         with accel.collective_stream(kind) as issue:
             assert torch.cuda.current_stream() == stream and issue.kind == kind
+
+
+@pytest.mark.gpu
+def test_the_device_profile_is_measured_at_initialize():
+    """[Note: device profile] on CUDA: pinned copies each way and both Adam kernels, in plausible ranges."""
+    from ds_patrickstar.integration.device_profile import device_profile
+    from ds_patrickstar.memory.cuda import CudaAccelerator
+
+    profile = device_profile(CudaAccelerator(torch.device("cuda", torch.cuda.current_device()), 1 << 30))
+    assert 1e9 < profile.to_device_bytes_per_s < 1e12 and 1e9 < profile.to_host_bytes_per_s < 1e12
+    assert profile.device_adam_elements_per_s > profile.host_adam_elements_per_s > 1e6

@@ -72,3 +72,20 @@ def test_the_timer_predicts_from_the_previous_iterations_times():
 def test_a_twin_run_exports_its_predicted_step_once_two_steps_were_timed():
     steps = run_case("twin_1rank_ga1")[0]["steps"]
     assert [s["counters"]["predicted_step_s"] > 0 for s in steps] == [False, False, True]
+
+
+def test_the_profile_is_measured_on_a_gpu_and_the_h100s_figures_price_the_twin():
+    """[Note: device profile]: the twin prices with the H100's figures; the measuring arithmetic (best of the
+    timed runs after an untimed one) and the host Adam kernel's rate, on this CPU."""
+    import torch
+
+    from ds_patrickstar.integration import device_profile as dp
+    from ds_patrickstar.memory.emulated import EmulatedAccelerator
+    from ds_patrickstar.placement.step_time import H100_PROFILE
+
+    assert dp.device_profile(EmulatedAccelerator(1 << 20)) is H100_PROFILE
+    calls, times = [], iter([4.0, 2.0, 8.0])
+    assert dp.rate(100, lambda: calls.append(1), lambda work: (work(), next(times))[1]) == 50.0
+    assert len(calls) == 1 + dp.REPEATS  # one untimed, then the timed ones
+    host = dp.adam_rate(torch.device("cpu"), dp.host_clock)
+    assert 1e6 < host < 1e12  # elements per second of the kernel the host step runs

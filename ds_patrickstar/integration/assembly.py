@@ -45,12 +45,13 @@ from ..placement.moves import ChunkMoves
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.state_choice import ChunkCosts, StateChooser
-from ..placement.step_time import H100_PROFILE, StepTimer
+from ..placement.step_time import H100_PROFILE, DeviceProfile, StepTimer
 from ..placement.tracer import MemoryTracer, SavedTensorMeter
 from ..run_state import RunState
 from ..store.binding import build_chunk_map, check_bindable
 from ..store.chunk_store import ChunkStore
 from .config import PatrickStarConfig
+from .device_profile import device_profile
 from .hook_target import TrainingFlow
 from .hooks import HookRegistry
 from .leaf_modules import divergence_advice, leaf_tensors
@@ -131,14 +132,15 @@ def make_placement(
     if isinstance(accel, EmulatedAccelerator):
         meter = SavedTensorMeter(lambda s: s._cdata in model_storages, accel.activation_memory)
     owned = {c.chunk_id for c in chunk_map.owned_chunks()}
+    profile = device_profile(accel) if options.placement == "auto" else H100_PROFILE
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
         predictor=_move_predictor(accel, chunk_map, accumulate),
-        timer=_step_timer(accel, chunk_map, options.overlap_host_adam),
-        chooser=_state_chooser(options, accel, chunk_map, accumulate),
+        timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
+        chooser=_state_chooser(options, accel, chunk_map, accumulate, profile),
         trainable=_released_in_backward(options, chunk_map, accumulate),
     )
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
@@ -199,7 +201,7 @@ def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -
 
 
 def _state_chooser(
-    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, accumulate: bool
+    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, profile: DeviceProfile
 ) -> StateChooser | None:
     """The step-time model's choice of the optimizer states on the accelerator, where the move model holds
     (see [Note: optimizer states by step time]); None: every state that fits."""
@@ -220,7 +222,7 @@ def _state_chooser(
         capacities={c.chunk_id: c.capacity for c in trainable},
         uncopied={c.chunk_id for c in owned if c.on_disk},
     )
-    return StateChooser(accel.ledger.budget, costs, H100_PROFILE, options.overlap_host_adam)
+    return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam)
 
 
 def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> set[int] | None:
@@ -237,11 +239,10 @@ def _move_model_holds(chunk_map: ChunkMap, accumulate: bool) -> bool:
     return chunk_map.world_size == 1 and not accumulate
 
 
-def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool) -> StepTimer:
-    """The step-time model's clock and figures (see [Note: step-time model]), with the figures measured on an
-    H100 until the device's own are measured."""
+def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile: DeviceProfile) -> StepTimer:
+    """The step-time model's clock and figures (see [Note: step-time model] and [Note: device profile])."""
     elements = {c.chunk_id: c.used for c in chunk_map.trainable_owned()}
-    return StepTimer(accel.clock, accel.seconds_between, elements, H100_PROFILE, overlap)
+    return StepTimer(accel.clock, accel.seconds_between, elements, profile, overlap)
 
 
 def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str | None) -> list[torch.nn.Module]:

@@ -17,8 +17,9 @@ done, so ``max(0, max_i(finish_i - needed_i))`` is exposed.
 
 ``compute_k`` is a moment's measured time (the accelerator's clock: CUDA events on the compute stream,
 the host's clock on the strict twin) less the demand transfers the model prices in it. The figures of
-:class:`DeviceProfile` are measured on a GPU where the GPU suite measures them; :data:`H100_PROFILE`
-holds the figures this project measured on an H100, and the strict twin prices its moves with them.
+:class:`DeviceProfile` are measured at initialize on a GPU (see [Note: device profile] in
+integration/device_profile.py); :data:`H100_PROFILE` holds the figures this project measured on an H100, and
+the strict twin prices its moves with them.
 What the model leaves out: gathered groups and accumulators (one rank without accumulation, as the
 move model), two copy directions running at once, and host Adam slowing the host's compute.
 """
