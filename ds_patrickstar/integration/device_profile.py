@@ -4,7 +4,7 @@ measured at initialize where the accelerator is a GPU.
 [Note: device profile]
 On CUDA, initialize measures the four rates of :class:`~ds_patrickstar.placement.step_time.DeviceProfile`
 itself, in about 0.1 s: a pinned host buffer of ``PROBE_BYTES`` copied to the device and back (the copy
-stream's path: pinned memory, non-blocking copies; the best of ``REPEATS``, timed with CUDA events), and
+stream's path: a buffer of the host pool, non-blocking copies; the best of ``REPEATS``, timed with CUDA events), and
 Adam over ``PROBE_ELEMENTS`` elements with the kernels the step runs (the host one on the host clock, the
 device one with CUDA events; the best of ``REPEATS`` after a first call). An H200 machine measured 39 GB/s
 to the device and 53 GB/s back, where the figures this project measured on an H100 say 54 and 54, and its
@@ -41,7 +41,7 @@ def device_profile(accel: Accelerator) -> DeviceProfile:
     if not isinstance(accel, CudaAccelerator):
         return H100_PROFILE
     device = accel.device
-    to_device, to_host = copy_rates(device)
+    to_device, to_host = copy_rates(accel)
     profile = DeviceProfile(
         to_device_bytes_per_s=to_device,
         to_host_bytes_per_s=to_host,
@@ -89,15 +89,20 @@ def cuda_clock(device: torch.device) -> Clock:
     return clock
 
 
-def copy_rates(device: torch.device) -> tuple[float, float]:
-    """Bytes per second from a pinned host buffer to ``device`` and back (see [Note: device profile])."""
-    host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-    on_device = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
-    clock = cuda_clock(device)
-    return (
-        rate(PROBE_BYTES, lambda: on_device.copy_(host, non_blocking=True), clock),
-        rate(PROBE_BYTES, lambda: host.copy_(on_device, non_blocking=True), clock),
-    )
+def copy_rates(accel: CudaAccelerator) -> tuple[float, float]:
+    """Bytes per second from a pinned host buffer of the host pool to the device and back (see [Note: device
+    profile] and [Note: pinned host memory] in memory/host_pool.py: not torch's caching host allocator)."""
+    host = accel.host_empty(PROBE_BYTES, torch.uint8)
+    on_device = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=accel.device)
+    clock = cuda_clock(accel.device)
+    try:
+        return (
+            rate(PROBE_BYTES, lambda: on_device.copy_(host, non_blocking=True), clock),
+            rate(PROBE_BYTES, lambda: host.copy_(on_device, non_blocking=True), clock),
+        )
+    finally:
+        torch.cuda.current_stream(accel.device).synchronize()
+        accel.host_free(host)
 
 
 def adam_rate(device: torch.device, clock: Clock) -> float:
