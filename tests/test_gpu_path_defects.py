@@ -273,3 +273,40 @@ def test_12_a_prefetch_evicted_before_use_is_not_a_hit():
     runtime.evict(chunk)
     assert chunk.on_host and not chunk.prefetched  # the next access brings it again: a miss, not a hit
     engine.destroy()
+
+
+def test_12_states_give_way_where_the_tide_stands_above_the_plan(monkeypatch):
+    """[Note: states give way]: a step whose tide stands above the traced one everywhere (as the stranded
+    pieces or a longer batch do on a GPU) fits its chunks by moving optimizer states to the host instead of
+    raising DeviceBudgetExceeded; training goes on as stock ZeRO-3's, and the next step plans for the tide."""
+    import deepspeed
+    import harness
+
+    from ds_patrickstar.placement.tracer import MemoryTracer
+
+    budget = 3_000_000
+    _, ref, _ = _run(_config(3), steps=6)
+    extra = {"bytes": 0}
+    measured = MemoryTracer.non_model_now
+    monkeypatch.setattr(MemoryTracer, "non_model_now", lambda self, ledger: measured(self, ledger) + extra["bytes"])
+    harness.ensure_distributed()
+    model = _mlp()
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=budget)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    gen, losses, counters = torch.Generator().manual_seed(1), [], []
+    for step in range(6):
+        if step == 3:  # room for half a chunk beside the optimizer states
+            optim = engine.optimizer.accel.ledger.by_kind["optim"]
+            assert optim > 0, "the plan keeps optimizer states on the accelerator"
+            extra["bytes"] = budget - optim - 32768 * 4 // 2
+        x, y = torch.randn(BATCH, HIDDEN, generator=gen), torch.randn(BATCH, HIDDEN, generator=gen)
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        extra["bytes"] = 0
+        losses.append(loss.item())
+        counters.append(engine.get_patrickstar_counters())
+    engine.destroy()
+    assert [c["states_gave_way"] for c in counters] == [0, 0, 0, 1, 0, 0]
+    assert counters[2]["adam_chunks_device"] > counters[3]["adam_chunks_device"]  # those moved update on the host
+    assert losses == ref

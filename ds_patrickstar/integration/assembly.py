@@ -302,6 +302,8 @@ def assemble(
         )
         owned = chunk_map.trainable_owned()  # frozen chunks have no optimizer states (see [Note: frozen chunks])
         optim_states = OptimizerStates(owned, accel, start_on_device=not plan.movable, disk=disk)
+        if isinstance(placement, PlacementRuntime):  # see [Note: states give way]
+            placement.moves.room_from_states = optim_states.give_room
         adam = ChunkAdam(
             owned,
             optim_states,

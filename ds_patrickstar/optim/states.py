@@ -93,6 +93,25 @@ class OptimizerStates:
             len(self.capacities()),
         )
 
+    def give_room(self, nbytes: int) -> int:
+        """Accelerator bytes freed by moving optimizer states to the host, the highest chunks' first, until
+        ``nbytes`` are (see [Note: states give way] in placement/moves.py); 0 where none is on the accelerator."""
+        freed, moved = 0, []
+        for chunk_id in sorted(self.on_device, reverse=True):
+            if freed >= nbytes:
+                break
+            freed += sum(t.nbytes for t in self.state(chunk_id).tensors())
+            self._move(chunk_id, to_device=False)
+            moved.append(chunk_id)
+        if moved:
+            logger.info(
+                "ds_patrickstar: the tide stands above the plan: optimizer states of chunks %s moved to the host "
+                "(%d B) to make room (see [Note: states give way])",
+                moved,
+                freed,
+            )
+        return freed
+
     def all_to_host(self) -> None:
         """Before a (re-)trace: every state on the host, so the new tide is measured without them."""
         for chunk_id in sorted(self.on_device):

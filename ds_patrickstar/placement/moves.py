@@ -4,6 +4,19 @@ moment's chunks prefetched, a chunk placed for its Adam update; see [Note: place
 :class:`ChunkMoves` carries out the planner's answers (see [Note: placement planner]) through the chunk
 store, under the budget beside the tide; the runtime (``runtime.py``) says which moment it is and where
 it stands in the trace (:attr:`ChunkMoves.at`).
+
+[Note: states give way]
+The planner places optimizer states on the accelerator from the traced tide. A later iteration's tide can
+stand higher at some moment than the trace said (a longer batch, the allocator's stranded pieces, a step
+other than the traced one): the chunks a moment needs may then not fit beside it even after every
+evictable chunk went. Refusing there (``DeviceBudgetExceeded``) would stop a run that only needs the states
+elsewhere: they are read at the step alone. So where :meth:`ChunkMoves.make_room` cannot find victims for
+the whole shortfall, it first asks :attr:`ChunkMoves.room_from_states` (the run's
+:meth:`OptimizerStates.give_room <ds_patrickstar.optim.states.OptimizerStates.give_room>`, wired at
+assembly) to move states to the host until the shortfall is freed, and tries again; those chunks are updated
+on the host at the step, and the tide measured above the plan re-plans the states there (see
+:func:`~ds_patrickstar.placement.step_plan.raise_tide`). Only when no state is left on the accelerator does
+the error stand, with its remedies. Counter: ``states_gave_way`` (the times states made room so).
 """
 
 from __future__ import annotations
@@ -39,6 +52,8 @@ class ChunkMoves:
         self.moment = -1  # the current moment (recorded), for the errors
         self.at = -1  # the trace position the current moment is placed at (-1: none)
         self.stranded_peak = 0  # the most stranded allocator bytes at a recorded moment this iteration
+        # bytes asked -> bytes freed by moving optimizer states to the host (see [Note: states give way])
+        self.room_from_states: Callable[[int], int] | None = None
         self.offloading = False  # activation offload is on (for the remedies a budget error names)
 
     @staticmethod
@@ -107,6 +122,10 @@ class ChunkMoves:
             try:
                 self._evict_all(self.placer.victims(short, self._evictable(keep)))
             except DeviceBudgetExceeded as err:
+                if self.room_from_states is not None and self.room_from_states(short) > 0:
+                    self.counters.states_gave_way += 1  # see [Note: states give way]
+                    self.make_room(need, keep)
+                    return
                 non_model = self.placer.budget - headroom
                 held = sum(self.nbytes(self.chunks[c]) for c in keep if not self.chunks[c].on_host) + need
                 remedies = budget_remedies(
