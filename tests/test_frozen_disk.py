@@ -364,6 +364,11 @@ def test_a_failed_frozen_read_names_the_error_number_and_the_file(tmp_path):
 
     engine = _disk_engine(str(tmp_path))
     _lora_steps(engine, 0, 1)
-    engine.optimizer.parts.frozen_disk.io = FailingDisk()
-    with pytest.raises(OSError, match=r"read of [\d,]+ bytes at offset 0 failed with EIO .*chunk\d+\.swap"):
-        _lora_steps(engine, 1, 1)
+    frozen = engine.optimizer.parts.frozen_disk
+    working, frozen.io = frozen.io, FailingDisk()
+    try:
+        with pytest.raises(OSError, match=r"read of [\d,]+ bytes at offset 0 failed with EIO .*chunk\d+\.swap"):
+            _lora_steps(engine, 1, 1)
+    finally:  # the engine's I/O threads and the replaced reader's stop here, not at the interpreter's exit
+        engine.destroy()
+        working.close()

@@ -102,7 +102,7 @@ class ChunkedModel:
         unbind_parameters(
             infos, lambda: self.export.iter_host_values(fp32_masters=from_masters), "engine.destroy()", ""
         )
-        release(self.hooks, self.disk, self.accel, agreement=self.comm.agreement)
+        release(self.hooks, self.disk, self.accel, self.frozen_disk, self.comm.agreement)
 
     def abandon(self) -> None:
         """Initialize failed after this was built: what :meth:`close` gives back goes, and the parameters
