@@ -9,8 +9,10 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 ``_z3_optimizer``, and ``engine.destroy()`` takes them off again; no DeepSpeed function is wrapped:
 
 * ``ds_id`` (its index in the chunk map, the same on every rank), ``ds_shape``, ``ds_numel``,
-  ``ds_process_group`` (the data-parallel group); ``ds_status`` is ``NOT_AVAILABLE`` (its full value is not
-  readable through ``param.data`` between uses), ``AVAILABLE`` inside ``GatheredParameters``;
+  ``ds_process_group`` (the data-parallel group); ``ds_status`` is ``AVAILABLE`` while a module uses the
+  parameter (its tensor state is ``COMPUTE``: inside the forward of its module, also nested, and in its
+  backward) and inside ``GatheredParameters``, ``NOT_AVAILABLE`` otherwise (its full value is not readable
+  through ``param.data`` between uses), as stage 3's between its fetch and its release;
 * ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (``"exp_avg"``, ``"exp_avg_sq"``): the full fp32
   value, each rank contributing the pieces of the chunks it owns (a collective: call it on every rank, as
   stock's); ``safe_set_full_*`` write the owned pieces of the value given (the same on every rank) into the
@@ -76,12 +78,21 @@ class Zero3Params:
         for ds_id, info in enumerate(self.chunk_map.infos()):
             param = info.param
             param.ds_id, param.ds_shape, param.ds_numel = ds_id, info.shape, info.numel
-            param.ds_status, param.ds_process_group, param._z3_optimizer = ZeroParamStatus.NOT_AVAILABLE, group, self
+            param.ds_process_group, param._z3_optimizer = group, self
             param.all_gather = types.MethodType(_all_gather, param)
             param.partition = types.MethodType(_partition, param)
+            info.on_use = self._use_changed
+            self._use_changed(info, info.state is TensorState.COMPUTE)
+
+    def _use_changed(self, info: TensorInfo, in_use: bool) -> None:
+        """``ds_status`` follows the tensor's use: ``AVAILABLE`` while a module uses it (``COMPUTE``) or inside
+        ``GatheredParameters``, as stage 3's is between its fetch and its release."""
+        available = in_use or info in self.saved_views
+        info.param.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
     def remove(self) -> None:
         for info in self.chunk_map.infos():
+            info.on_use = None
             for name in _ATTRIBUTES:
                 if name in info.param.__dict__:
                     delattr(info.param, name)
@@ -209,7 +220,7 @@ class Zero3Params:
                 if has_been_updated:
                     self.export.write_value(info, info.name, info.param.data, errors)
                 info.param.data = self.saved_views.pop(info)
-                info.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                self._use_changed(info, info.state is TensorState.COMPUTE)
         self.states.flush()
         if has_been_updated:
             self.manager.release_all_groups()  # no other rank's chunk stays gathered with its old values
