@@ -1,6 +1,7 @@
 """Issue 43: what ZeRO-3 clients see of a parameter while a module uses it, against stock ZeRO-3 on the same model
 and seed (fp32, ~1.4K parameters, real gloo ranks): ``ds_status`` inside a module's forward and between uses (see
-[Note: ZeRO-3 parameter attributes])."""
+[Note: ZeRO-3 parameter attributes]), and ``deepspeed.runtime.zero.unwrap_model_for_generation``: the hooks off,
+the whole model gathered, forwards inside it and training after it (see [Note: hooks for generation])."""
 from __future__ import annotations
 
 import pytest
@@ -63,3 +64,30 @@ def test_ds_status_is_available_inside_the_modules_forward_as_zero3(world_size):
     assert ours == stock
     assert ours[0]["seen"][0] == [("AVAILABLE", "AVAILABLE")] * 3  # two training forwards, one without grad
     assert ours[0]["between"] == ["NOT_AVAILABLE"]
+
+
+def _generation(rank, world_size, stage):
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+
+    engine, model = _engine(stage)
+    losses = [_step(engine, rank, 0)]
+    holder = getattr(engine.optimizer, "parameter_offload", engine.optimizer)  # where stock's helper looks
+    with unwrap_model_for_generation(engine) as unwrapped:
+        hooks = len(holder.forward_hooks) + len(holder.backward_hooks)
+        shapes = [tuple(p.shape) for p in unwrapped.parameters()]
+        with torch.no_grad():
+            out = unwrapped(torch.ones(2, 16)).clone()  # a rank's own forward: no collective without hooks
+    after = len(holder.forward_hooks)
+    losses += [_step(engine, rank, step) for step in (1, 2)]
+    engine.destroy()
+    return {"hooks": hooks, "shapes": shapes, "out": out, "losses": losses, "after": after > 0}
+
+
+def test_unwrap_model_for_generation_gathers_and_training_goes_on_as_zero3():
+    ours = run_ranks(_generation, 2, "patrickstar")
+    stock = run_ranks(_generation, 2, 3)
+    for rank in range(2):
+        assert ours[rank]["hooks"] == 0 and ours[rank]["after"]
+        assert ours[rank]["shapes"] == stock[rank]["shapes"] == [(32, 16), (32,), (16, 32), (16,), (4, 16), (4,)]
+        torch.testing.assert_close(ours[rank]["out"], stock[rank]["out"], rtol=0, atol=2e-6)
+        torch.testing.assert_close(ours[rank]["losses"], stock[rank]["losses"], rtol=0, atol=2e-6)

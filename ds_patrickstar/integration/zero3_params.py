@@ -24,11 +24,13 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 * gradients (``safe_get/set_full_grad``, ``safe_get/set_local_grad``, ``safe_update_full_grad_vectorized``)
   between backward and step, read and written where they live (the owned slots or the fp32 accumulators; see
   [Note: gradients between backward and step] in zero3_grads.py), shared out as the fp32 values are;
-* ``GatheredParameters(params, modifier_rank=r)``: ``all_gather`` points each listed parameter at a host copy
-  of its full value (one streamed pass over the chunk groups, a collective), ``partition`` writes the values
+* ``GatheredParameters(params, modifier_rank=r)``: ``all_gather`` points each listed parameter at a copy of its
+  full value on the device the parameter lives on (one streamed pass over the chunk groups through the host, a
+  collective), ``partition`` writes the values
   back into the chunks and fp32 masters when the block changed them (``modifier_rank``: after stock's
-  broadcast, so every rank writes its own pieces) and points the parameters at their chunks again. Engine
-  forwards inside the block are not supported. A parameter a module is using (state COMPUTE) is left as
+  broadcast, so every rank writes its own pieces) and points the parameters at their chunks again. Training
+  forwards inside the block are not supported; forwards with the hooks off are (generation: see
+  [Note: hooks for generation] in generation_hooks.py). A parameter a module is using (state COMPUTE) is left as
   it is: its values are there (stock's ``zero.Init`` leaves ``F.linear`` replaced by a function whose
   backward calls ``weight.all_gather()`` for a ``NOT_AVAILABLE`` weight; it must stay a no-op there).
 """
@@ -207,7 +209,7 @@ class Zero3Params:
         for info, value in self.export.iter_host_values():
             if info in wanted and info not in self.saved_views:
                 self.saved_views[info] = info.param.data
-                info.param.data = value
+                info.param.data = value.to(info.param.device)  # where the module runs, as stock's
                 info.param.ds_status = ZeroParamStatus.AVAILABLE
 
     @torch.no_grad()
