@@ -84,6 +84,9 @@ class TensorInfo:
     released: set[int] = field(default_factory=set)  # chunks of its pieces released on this rank
     bound: bool = False  # the parameter is a view of its chunk (or its joined buffer): see store/binding.py
     kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
+    # called with ``(self, in_use)`` when it enters or leaves ``COMPUTE`` (ZeRO-3's ``ds_status``, see
+    # integration/zero3_params.py)
+    on_use: Callable[[TensorInfo, bool], None] | None = None
 
     @property
     def trainable(self) -> bool:
@@ -105,7 +108,10 @@ class TensorInfo:
 
     def transition(self, new: TensorState) -> None:
         check_transition(self.state, new, self.name, self.kind)
+        was = self.state is TensorState.COMPUTE
         self.state = new
+        if self.on_use is not None and was is not (new is TensorState.COMPUTE):
+            self.on_use(self, not was)
 
     # Named moves: what the hooks and the optimizer call.
     def start_compute(self) -> None:

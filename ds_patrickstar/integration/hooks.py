@@ -126,11 +126,23 @@ class HookRegistry:
     ) -> None:
         self._target = target
         self._handles: list[RemovableHandle] = []
+        self._what = (module, info_of, blocks, leaves or {})
+        self.register_again()
+
+    def register_again(self) -> None:
+        """Every hook off (a handle removed already stays removed), then on again as at initialize: after a client
+        removed handles (see [Note: hooks for generation] in generation_hooks.py)."""
+        self.remove()
         try:
-            self._register_all(module, info_of, blocks, leaves or {})
+            self._register_all(*self._what)
         except BaseException:
             self.remove()  # a registration that fails part way leaves no hook behind
             raise
+
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        """The live list of the handles (each ``remove()``-able, as torch's)."""
+        return self._handles
 
     def _register_all(
         self,

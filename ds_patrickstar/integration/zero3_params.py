@@ -9,8 +9,10 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 ``_z3_optimizer``, and ``engine.destroy()`` takes them off again; no DeepSpeed function is wrapped:
 
 * ``ds_id`` (its index in the chunk map, the same on every rank), ``ds_shape``, ``ds_numel``,
-  ``ds_process_group`` (the data-parallel group); ``ds_status`` is ``NOT_AVAILABLE`` (its full value is not
-  readable through ``param.data`` between uses), ``AVAILABLE`` inside ``GatheredParameters``;
+  ``ds_process_group`` (the data-parallel group); ``ds_status`` is ``AVAILABLE`` while a module uses the
+  parameter (its tensor state is ``COMPUTE``: inside the forward of its module, also nested, and in its
+  backward) and inside ``GatheredParameters``, ``NOT_AVAILABLE`` otherwise (its full value is not readable
+  through ``param.data`` between uses), as stage 3's between its fetch and its release;
 * ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (``"exp_avg"``, ``"exp_avg_sq"``): the full fp32
   value, each rank contributing the pieces of the chunks it owns (a collective: call it on every rank, as
   stock's); ``safe_set_full_*`` write the owned pieces of the value given (the same on every rank) into the
@@ -22,11 +24,13 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 * gradients (``safe_get/set_full_grad``, ``safe_get/set_local_grad``, ``safe_update_full_grad_vectorized``)
   between backward and step, read and written where they live (the owned slots or the fp32 accumulators; see
   [Note: gradients between backward and step] in zero3_grads.py), shared out as the fp32 values are;
-* ``GatheredParameters(params, modifier_rank=r)``: ``all_gather`` points each listed parameter at a host copy
-  of its full value (one streamed pass over the chunk groups, a collective), ``partition`` writes the values
+* ``GatheredParameters(params, modifier_rank=r)``: ``all_gather`` points each listed parameter at a copy of its
+  full value on the device the parameter lives on (one streamed pass over the chunk groups through the host, a
+  collective), ``partition`` writes the values
   back into the chunks and fp32 masters when the block changed them (``modifier_rank``: after stock's
-  broadcast, so every rank writes its own pieces) and points the parameters at their chunks again. Engine
-  forwards inside the block are not supported. A parameter a module is using (state COMPUTE) is left as
+  broadcast, so every rank writes its own pieces) and points the parameters at their chunks again. Training
+  forwards inside the block are not supported; forwards with the hooks off are (generation: see
+  [Note: hooks for generation] in generation_hooks.py). A parameter a module is using (state COMPUTE) is left as
   it is: its values are there (stock's ``zero.Init`` leaves ``F.linear`` replaced by a function whose
   backward calls ``weight.all_gather()`` for a ``NOT_AVAILABLE`` weight; it must stay a no-op there).
 """
@@ -76,12 +80,21 @@ class Zero3Params:
         for ds_id, info in enumerate(self.chunk_map.infos()):
             param = info.param
             param.ds_id, param.ds_shape, param.ds_numel = ds_id, info.shape, info.numel
-            param.ds_status, param.ds_process_group, param._z3_optimizer = ZeroParamStatus.NOT_AVAILABLE, group, self
+            param.ds_process_group, param._z3_optimizer = group, self
             param.all_gather = types.MethodType(_all_gather, param)
             param.partition = types.MethodType(_partition, param)
+            info.on_use = self._use_changed
+            self._use_changed(info, info.state is TensorState.COMPUTE)
+
+    def _use_changed(self, info: TensorInfo, in_use: bool) -> None:
+        """``ds_status`` follows the tensor's use: ``AVAILABLE`` while a module uses it (``COMPUTE``) or inside
+        ``GatheredParameters``, as stage 3's is between its fetch and its release."""
+        available = in_use or info in self.saved_views
+        info.param.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
     def remove(self) -> None:
         for info in self.chunk_map.infos():
+            info.on_use = None
             for name in _ATTRIBUTES:
                 if name in info.param.__dict__:
                     delattr(info.param, name)
@@ -196,7 +209,7 @@ class Zero3Params:
         for info, value in self.export.iter_host_values():
             if info in wanted and info not in self.saved_views:
                 self.saved_views[info] = info.param.data
-                info.param.data = value
+                info.param.data = value.to(info.param.device)  # where the module runs, as stock's
                 info.param.ds_status = ZeroParamStatus.AVAILABLE
 
     @torch.no_grad()
@@ -209,7 +222,7 @@ class Zero3Params:
                 if has_been_updated:
                     self.export.write_value(info, info.name, info.param.data, errors)
                 info.param.data = self.saved_views.pop(info)
-                info.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                self._use_changed(info, info.state is TensorState.COMPUTE)
         self.states.flush()
         if has_been_updated:
             self.manager.release_all_groups()  # no other rank's chunk stays gathered with its old values

@@ -29,12 +29,13 @@ from ..run_state import Phase
 from .accounts import StepAccounts
 from .assembly import ChunkedModel, assemble
 from .config import PatrickStarConfig
+from .generation_hooks import GenerationHooks
 from .parking import StateParking
 
 logger = logging.getLogger(__name__)
 
 
-class PatrickStarOptimizer(ZeROOptimizer):
+class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
     """Chunk-based mixed-precision Adam behind DeepSpeed's ZeRO-optimizer interface."""
 
     def __init__(

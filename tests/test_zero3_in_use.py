@@ -1,0 +1,93 @@
+"""Issue 43: what ZeRO-3 clients see of a parameter while a module uses it, against stock ZeRO-3 on the same model
+and seed (fp32, ~1.4K parameters, real gloo ranks): ``ds_status`` inside a module's forward and between uses (see
+[Note: ZeRO-3 parameter attributes]), and ``deepspeed.runtime.zero.unwrap_model_for_generation``: the hooks off,
+the whole model gathered, forwards inside it and training after it (see [Note: hooks for generation])."""
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import make_config
+from multiproc import run_ranks
+
+
+class _Recording(torch.nn.Linear):
+    """Records the ``ds_status`` of its own parameters at each forward."""
+
+    def forward(self, x):
+        self.seen.append(tuple(p.ds_status.name for p in self.parameters(recurse=False)))
+        return super().forward(x)
+
+
+def _model():
+    torch.manual_seed(0)
+    layers = [_Recording(16, 32), torch.nn.GELU(), _Recording(32, 16), torch.nn.GELU(), _Recording(16, 4)]
+    for layer in layers:
+        layer.seen = []
+    return torch.nn.Sequential(*layers)
+
+
+def _engine(stage):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    model = _model()
+    cfg = make_config(stage, chunk_size=1024, lr=1e-2)
+    cfg.pop("train_batch_size")
+    return deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0], model
+
+
+def _step(engine, rank, step):
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _statuses(rank, world_size, stage):
+    engine, model = _engine(stage)
+    for step in range(2):
+        _step(engine, rank, step)
+    between = sorted({p.ds_status.name for p in model.parameters()})
+    with torch.no_grad():
+        engine(torch.zeros(2, 16))
+    seen = [m.seen for m in model if isinstance(m, _Recording)]
+    engine.destroy()
+    return {"seen": seen, "between": between}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ds_status_is_available_inside_the_modules_forward_as_zero3(world_size):
+    ours = run_ranks(_statuses, world_size, "patrickstar")
+    stock = run_ranks(_statuses, world_size, 3, memo=True)
+    assert ours == stock
+    assert ours[0]["seen"][0] == [("AVAILABLE", "AVAILABLE")] * 3  # two training forwards, one without grad
+    assert ours[0]["between"] == ["NOT_AVAILABLE"]
+
+
+def _generation(rank, world_size, stage):
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+
+    engine, model = _engine(stage)
+    losses = [_step(engine, rank, 0)]
+    holder = getattr(engine.optimizer, "parameter_offload", engine.optimizer)  # where stock's helper looks
+    with unwrap_model_for_generation(engine) as unwrapped:
+        hooks = len(holder.forward_hooks) + len(holder.backward_hooks)
+        shapes = [tuple(p.shape) for p in unwrapped.parameters()]
+        with torch.no_grad():
+            out = unwrapped(torch.ones(2, 16)).clone()  # a rank's own forward: no collective without hooks
+    after = len(holder.forward_hooks)
+    losses += [_step(engine, rank, step) for step in (1, 2)]
+    engine.destroy()
+    return {"hooks": hooks, "shapes": shapes, "out": out, "losses": losses, "after": after > 0}
+
+
+def test_unwrap_model_for_generation_gathers_and_training_goes_on_as_zero3():
+    ours = run_ranks(_generation, 2, "patrickstar")
+    stock = run_ranks(_generation, 2, 3)
+    for rank in range(2):
+        assert ours[rank]["hooks"] == 0 and ours[rank]["after"]
+        assert ours[rank]["shapes"] == stock[rank]["shapes"] == [(32, 16), (32,), (16, 32), (16,), (4, 16), (4,)]
+        torch.testing.assert_close(ours[rank]["out"], stock[rank]["out"], rtol=0, atol=2e-6)
+        torch.testing.assert_close(ours[rank]["losses"], stock[rank]["losses"], rtol=0, atol=2e-6)
