@@ -342,12 +342,17 @@ def consolidate_fp32_state_dict(
     paths, world = optimizer_files(checkpoint_dir, tag)  # only the files the marker lists
     result: dict[str, torch.Tensor] = {}
     buffers: set[str] = set()
-    shared: dict[str, str] = {}  # tied weights: a second name -> the parameter's own (DeepSpeed's shared_params)
+    # tied weights: a second name -> the first, one tensor in the module state (DeepSpeed's shared_params, from
+    # data_ptr, also pairs parameters whose storage is released at the save: not read)
+    shared: dict[str, str] = {}
     for path in [os.path.join(folder, name) for name in listed(read_marker(checkpoint_dir, tag), "*model_states.pt")]:
         state = load_file(path)
         buffers.update(state.get("buffer_names") or ())
-        shared.update(state.get("shared_params") or {})
+        first: dict[int, str] = {}
         for name, value in state.get("module", {}).items():
+            if id(value) in first:
+                shared[name] = first[id(value)]
+            first.setdefault(id(value), name)
             result[name] = value.float() if value.is_floating_point() else value
     flat: dict[str, tuple[torch.Tensor, tuple]] = {}
     covered: dict[str, int] = {}
