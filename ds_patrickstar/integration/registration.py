@@ -15,8 +15,11 @@ launcher gets the environment ``torch.distributed`` needs (see [Note: no launche
 [Note: initialize as a transaction]); one that succeeds has the process wait at exit for gloo's
 worker threads to let go of the last collective (see [Note: gloo workers idle at exit]).
 
-The same call installs the only other three wrappers ds_patrickstar puts on another library,
-each a no-op for every other stage: DeepSpeed's ``clone_tensors_for_torch_save`` returns our
+The same call installs the only other four wrappers ds_patrickstar puts on another library,
+each a no-op for every other stage: DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` reads a
+checkpoint folder of this stage with our reader, and with it stock's ``convert_*`` and
+``load_state_dict_from_zero_checkpoint``, which call it by name (see [Note: DeepSpeed's fp32 readers] in
+fp32_readers.py); DeepSpeed's ``clone_tensors_for_torch_save`` returns our
 ``state_dict`` host copies as they are, so tied weights stay one tensor through accelerate's
 save path (see [Note: tied weights saved once]); Hugging Face's ``deepspeed_init`` refuses an
 evaluation-only run of a "patrickstar" config with what to do instead (see
@@ -49,6 +52,7 @@ import torch
 
 from .config import is_patrickstar, split_config
 from .ds_checkpointing import configure_from_our_config
+from .fp32_readers import read_ours_in_deepspeeds_readers
 from .hf_compat import accelerate_num_processes, adapt_accelerate, synchronize_generation, unsynchronize_generation
 from .hf_eval import guard_eval_only
 from .launch_env import fill_single_process_env
@@ -253,6 +257,7 @@ def install() -> None:
     keep_host_copies()  # see [Note: tied weights saved once]
     guard_eval_only()  # see [Note: evaluation without training]
     configure_from_our_config()  # see [Note: DeepSpeed's checkpointing configured from our config]
+    read_ours_in_deepspeeds_readers()  # see [Note: DeepSpeed's fp32 readers]
     original = deepspeed.initialize
     if getattr(original, _MARK, False):
         return

@@ -333,7 +333,8 @@ def consolidate_fp32_state_dict(
 
     Trainable parameters come from the fp32 masters; frozen parameters and buffers from the
     module state (upcast to fp32 when they are floating point); ``exclude_frozen_parameters``: the
-    frozen parameters left out (the buffers kept), as DeepSpeed's flag of that name does.
+    frozen parameters left out (the buffers kept), as DeepSpeed's flag of that name does. Every name of
+    a tied parameter maps to one tensor, the master's, as in DeepSpeed's reader.
     """
     tag = resolve_tag(checkpoint_dir, tag)
     verify_complete(checkpoint_dir, tag)
@@ -341,10 +342,17 @@ def consolidate_fp32_state_dict(
     paths, world = optimizer_files(checkpoint_dir, tag)  # only the files the marker lists
     result: dict[str, torch.Tensor] = {}
     buffers: set[str] = set()
+    # tied weights: a second name -> the first, one tensor in the module state (DeepSpeed's shared_params, from
+    # data_ptr, also pairs parameters whose storage is released at the save: not read)
+    shared: dict[str, str] = {}
     for path in [os.path.join(folder, name) for name in listed(read_marker(checkpoint_dir, tag), "*model_states.pt")]:
         state = load_file(path)
         buffers.update(state.get("buffer_names") or ())
+        first: dict[int, str] = {}
         for name, value in state.get("module", {}).items():
+            if id(value) in first:
+                shared[name] = first[id(value)]
+            first.setdefault(id(value), name)
             result[name] = value.float() if value.is_floating_point() else value
     flat: dict[str, tuple[torch.Tensor, tuple]] = {}
     covered: dict[str, int] = {}
@@ -369,4 +377,7 @@ def consolidate_fp32_state_dict(
         result[name] = values.view(shape)
     if exclude_frozen_parameters:  # neither a trainable parameter (in the optimizer files) nor a buffer
         result = {name: value for name, value in result.items() if name in flat or name in buffers}
+    for name, owner in shared.items():  # one tensor under each name, from the master, as DeepSpeed's reader gives
+        if owner in result:
+            result[name] = result[owner]
     return result
