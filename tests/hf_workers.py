@@ -259,3 +259,27 @@ def trainer_eval_before_train(rank, world_size, kind, stage, out_dir):
     predicted = trainer.predict(TokenData(n=8, seed=2))
     return {"eval_loss": metrics["eval_loss"], "predict_loss": predicted.metrics["test_loss"],
             "engine": type(trainer.model_wrapped).__name__}
+
+
+def peft_merge_run(rank, world_size, stage, out_dir, steps=2):
+    """A PEFT LoRA model trained by the Trainer, then merged and unmerged as users do under ZeRO-3 (inside
+    ``GatheredParameters(..., modifier_rank=0)``): the logits through the engine after each, and the full value
+    of a merged base weight."""
+    import deepspeed
+    import transformers
+
+    import ds_patrickstar  # noqa: F401
+
+    trainer = transformers.Trainer(model=tiny_lora(), args=_args(out_dir, stage, steps), train_dataset=TokenData())
+    trainer.train()
+    model, engine = trainer.model, trainer.model_wrapped
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    result = {}
+    for name, change in (("merged", model.merge_adapter), ("unmerged", model.unmerge_adapter)):
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            change()
+        with deepspeed.zero.GatheredParameters([base]):
+            result[f"{name}_base"] = base.detach().clone()
+        with torch.no_grad():
+            result[name] = engine(input_ids=PROBE).logits
+    return result

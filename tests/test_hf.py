@@ -194,3 +194,17 @@ def test_trainer_evaluates_and_predicts_before_training_as_zero3_does(tmp_path):
                      timeout=TIMEOUT)[0]
     assert ours["engine"] == "PatrickStarEngine", ours
     _assert_losses([ours["eval_loss"], ours["predict_loss"]], [ref["eval_loss"], ref["predict_loss"]])
+
+
+def test_peft_merge_and_unmerge_under_gathered_parameters_as_zero3(tmp_path):
+    """PEFT's ``merge_adapter``/``unmerge_adapter`` inside ``GatheredParameters(..., modifier_rank=0)`` after the
+    Trainer trained the adapters, on 2 ranks, against stock ZeRO-3: rank 0's merge reaches every rank's frozen
+    chunks (the merged base weight and the logits as stock's), and the unmerge gives the trained model back."""
+    pytest.importorskip("peft")
+    ref = run_ranks(hf_workers.peft_merge_run, 2, 3, str(tmp_path / "zero3"), timeout=TIMEOUT)
+    ours = run_ranks(hf_workers.peft_merge_run, 2, "patrickstar", str(tmp_path / "ps"), timeout=TIMEOUT)
+    for run, ref_run in zip(ours, ref):
+        for key in ("merged_base", "unmerged_base", "merged", "unmerged"):
+            torch.testing.assert_close(run[key], ref_run[key], rtol=RTOL, atol=1e-5, msg=key)
+        assert not torch.equal(run["merged_base"], run["unmerged_base"])  # the merge changed the base
+        torch.testing.assert_close(run["merged"], run["unmerged"], rtol=1e-3, atol=1e-4)  # same function
