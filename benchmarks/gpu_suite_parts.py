@@ -248,7 +248,7 @@ def sweep_plan(ctx, args) -> list[tuple[dict, list[str] | str]]:
             argv = [*trial_argv(args, backend, preset, sized), "--init"]
             if backend == "ours":
                 argv = with_option(argv, "--emulate-budget" if args.dry_run else "--device-budget", budget)
-                argv += ["--optimizer-placement", rule]
+                argv += ["--optimizer-placement", rule, "--profile-step"]  # where the host's time goes
             else:
                 argv += ["--memory-fraction", f"{budget / ctx.device_bytes:.6f}"]
             plan.append((head, host_shortfall(ctx, backend, params_of(preset, sized), budget) or argv))

@@ -301,9 +301,25 @@ def _max_model(result: dict) -> list[str]:
                      "exact", "tries", "stopped"], rows), ""]
 
 
+def _host_profiles(result: dict, top: int = 8) -> list[str]:
+    """Ours' sweep trials' extra step under cProfile: the functions with the most host time of their own."""
+    trials = [t for t in result["parts"].get("sweep", {}).get("trials", []) if t.get("host_profile")]
+    lines = []
+    for t in trials:
+        profile = t["host_profile"]
+        rows = [[r["function"], str(r["calls"]), f"{r['own_s'] * 1e3:.1f}", f"{r['cumulative_s'] * 1e3:.1f}"]
+                for r in profile["rows"][:top]]
+        lines += [f"**Host time of one step** ({t['point']}, ours{' (fill)' if t.get('rule') == 'fill' else ''}, "
+                  f"cProfile, {profile['wall_s']:.3f} s with the profiler on, of which "
+                  f"{profile.get('ds_patrickstar_own_s', 0.0):.3f} s in ds_patrickstar's own functions).", "",
+                  *_table(["function", "calls", "own (ms)", "cumulative (ms)"], rows), ""]
+    return lines
+
+
 def render(result: dict) -> str:
     lines = [*_machine(result["meta"]), *_parts(result), *_lora(result), *_dynamic_padding(result),
-             *_throughput(result), *_sweep(result), *_breakdown(result), *_host_memory(result), *_max_model(result)]
+             *_throughput(result), *_sweep(result), *_host_profiles(result), *_breakdown(result),
+             *_host_memory(result), *_max_model(result)]
     return "\n".join(lines).rstrip() + "\n"
 
 

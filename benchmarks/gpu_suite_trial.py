@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=None, help="ours: chunk_size (elements) over the config's")
     p.add_argument("--optimizer-placement", choices=("time", "fill"), default=None,
                    help="ours: zero_optimization.optimizer_placement (left out: the default, time)")
+    p.add_argument("--profile-step", action="store_true", help="one more step under cProfile: the host's "
+                   "time per function (host_profile in the JSON)")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     args.warmup = args.warmup if args.warmup == "auto" else int(args.warmup)
@@ -234,6 +236,31 @@ def train(args, engine, device, timer: PhaseTimer, adam: AdamClock, vocab: int) 
     return timed_steps(step, args.warmup, args.steps, args.max_warmup)
 
 
+def profile_step(args, engine, device, vocab: int, top: int = 30) -> dict:
+    """One more step under cProfile: where the host's time goes (the functions with the most time of their
+    own), to tell a step bound by the host's time per moment from one bound by the GPU or the copies."""
+    import cProfile
+    import pstats
+
+    tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    loss = engine(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1]
+    engine.backward(loss)
+    engine.step()
+    profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    ours = sum(c[2] for (f, _, _), c in stats.items() if "ds_patrickstar" in f)
+    return {"wall_s": time.perf_counter() - start, "ds_patrickstar_own_s": ours, "rows": [
+        {"function": f"{Path(f).name}:{line}({name})", "calls": c[1], "own_s": c[2], "cumulative_s": c[3]}
+        for (f, line, name), c in rows]}
+
+
 def summarize(args, cfg, n_params: int, warm: list[dict], records: list[dict]) -> dict:
     steady = steady_summary([r["wall_s"] for r in warm], [r["wall_s"] for r in records])
     step_s, tokens = steady["step_s"], args.batch * args.seq_len
@@ -283,6 +310,8 @@ def run(args) -> dict:
     else:
         warm, records = train(args, engine, device, timer, adam, cfg.vocab_size)
         figures = {**summarize(args, cfg, n_params, warm, records), "records": records}
+        if args.profile_step:
+            figures["host_profile"] = profile_step(args, engine, device, cfg.vocab_size)
     host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
     host["model_data_bytes"] = bu.model_data_bytes(engine, "patrickstar" if args.backend == "ours" else 3)
     return {"backend": args.backend, "model": args.model, "overrides": json.loads(args.overrides),

@@ -93,6 +93,11 @@ def test_dry_run_gives_every_part_a_row_or_a_stated_reason(dry_run):
 
 def test_dry_run_numbers_are_sane_and_ratios_as_computed(dry_run):
     _, result = dry_run
+    swept = [t for t in result["parts"]["sweep"]["trials"] if t["status"] == "measured" and t["backend"] == "ours"]
+    for t in swept:  # where the host's time goes, one step under cProfile
+        profile = t["host_profile"]
+        assert profile["rows"] and 0 < profile["ds_patrickstar_own_s"] < profile["wall_s"]
+    assert not swept or "**Host time of one step**" in gpu_suite_report.render(result)
     trials = result["parts"]["throughput"]["trials"]
     got = {(t["size"], t["backend"]): t for t in trials if t["status"] == "measured"}
     for t in got.values():
