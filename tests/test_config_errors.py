@@ -143,6 +143,17 @@ def test_stock_zero3_keys_are_accepted_with_one_info_line(caplog):
     assert math.isfinite(_train_step(engine))  # and training runs
 
 
+def test_deepspeeds_offload_device_enum_reads_as_its_value():
+    """DeepSpeed's own unit tests (test_zero_tensor_fragment.py) write ``OffloadDeviceEnum.cpu``, a str Enum whose
+    ``str()`` is its class name: it reads as "cpu", as a config that went through DeepSpeed's model has it."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    from ds_patrickstar.integration.stock_keys import offload_device
+
+    assert offload_device("offload_optimizer", {"device": OffloadDeviceEnum.cpu}) == "cpu"
+    assert offload_device("offload_param", {"device": OffloadDeviceEnum.none}) == "none"
+
+
 def test_offload_device_not_none_cpu_or_nvme_is_an_error():
     with pytest.raises(ValueError, match=r"zero_optimization\.offload_param=\{'device': 'gpu'\}: write a block "
                                          r"with \"device\": \"none\" \(no offload\), \"cpu\""):

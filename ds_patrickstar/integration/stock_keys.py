@@ -17,6 +17,7 @@ memory); ``"nvme"`` is the disk tier (``disk/config.py``).
 
 from __future__ import annotations
 
+import enum
 import logging
 from typing import Any
 
@@ -92,7 +93,9 @@ def offload_device(key: str, value: Any) -> str:
     device raises ``ValueError`` naming the ones that work."""
     if value is None:
         return "none"
-    device = str(value.get("device", "none")).lower() if isinstance(value, dict) else None
+    raw = value.get("device", "none") if isinstance(value, dict) else None
+    # DeepSpeed's own OffloadDeviceEnum (a str Enum: str() gives its class name) where a config went through it
+    device = str(raw.value if isinstance(raw, enum.Enum) else raw).lower() if raw is not None else None
     if device not in _OFFLOAD_DEVICES:
         raise ValueError(
             f'zero_optimization.{key}={value!r}: write a block with "device": "none" (no offload), "cpu" '
