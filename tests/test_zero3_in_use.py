@@ -89,3 +89,29 @@ def test_unwrap_model_for_generation_gathers_and_training_goes_on_as_zero3():
         assert ours[rank]["shapes"] == stock[rank]["shapes"] == [(32, 16), (32,), (16, 32), (16,), (4, 16), (4,)]
         torch.testing.assert_close(ours[rank]["out"], stock[rank]["out"], rtol=0, atol=2e-6)
         torch.testing.assert_close(ours[rank]["losses"], stock[rank]["losses"], rtol=0, atol=2e-6)
+
+
+def _two_engines(rank, world_size, out_dir):
+    import deepspeed
+
+    trained, _ = _engine("patrickstar")
+    _step(trained, rank, 0)
+    trained.save_checkpoint(out_dir, tag="t")
+    loaded, _ = _engine("patrickstar")
+    loaded.load_checkpoint(out_dir, tag="t", load_module_only=True)
+    pairs = list(zip(trained.module.parameters(), loaded.module.parameters()))
+    with deepspeed.zero.GatheredParameters([p for pair in pairs for p in pair]):  # both models' at once
+        values = [(a.detach().clone(), b.detach().clone()) for a, b in pairs]
+    trained.destroy()
+    loaded.destroy()
+    return values
+
+
+def test_gathered_parameters_of_two_engines_at_once(tmp_path):
+    """DeepSpeed's checkpoint tests gather a trained and a loaded model's parameters in one
+    ``GatheredParameters``, which calls the first parameter's ``all_gather`` with all of them: each engine
+    gathers its own (before: the second model's stayed partitioned, and reading them crashed the process)."""
+    for values in run_ranks(_two_engines, 2, str(tmp_path)):
+        assert [tuple(a.shape) for a, _ in values] == [(32, 16), (32,), (16, 32), (16,), (4, 16), (4,)]
+        for a, b in values:
+            assert torch.equal(a, b)

@@ -230,11 +230,25 @@ class Zero3Params:
             raise RuntimeError("; ".join(errors))
 
 
+def _by_engine(first: torch.Tensor, param_list: list[torch.Tensor] | None) -> list[tuple[Zero3Params, list]]:
+    """The listed parameters per engine that exposes them, in the order of their first appearance (the same on
+    every rank): stock's ``GatheredParameters`` takes parameters of several models at once (e.g. a trained and a
+    loaded one) and calls the first one's ``all_gather`` with all of them."""
+    owners: dict[int, tuple[Zero3Params, list]] = {}
+    for param in param_list if param_list is not None else [first]:
+        owner = getattr(param, "_z3_optimizer", None)
+        if isinstance(owner, Zero3Params):
+            owners.setdefault(id(owner), (owner, []))[1].append(param)
+    return list(owners.values())
+
+
 def _all_gather(self: torch.Tensor, param_list: list[torch.Tensor] | None = None, **kwargs: Any) -> None:
-    self._z3_optimizer.gather(param_list if param_list is not None else [self])  # type: ignore[attr-defined]
+    for owner, params in _by_engine(self, param_list):
+        owner.gather(params)
 
 
 def _partition(
     self: torch.Tensor, param_list: list[torch.Tensor] | None = None, has_been_updated: bool = False, **kwargs: Any
 ) -> None:
-    self._z3_optimizer.release(param_list if param_list is not None else [self], has_been_updated)  # type: ignore[attr-defined]
+    for owner, params in _by_engine(self, param_list):
+        owner.release(params, has_been_updated)
