@@ -46,6 +46,7 @@ class OptimizerStates:
     ) -> None:
         self.accel = accel
         self.chunks = {c.chunk_id: c for c in chunks}
+        self._pool_base = accel.host_pool.cache_limit  # one chunk's host buffers (see [Note: pinned host memory])
         self.disk = disk
         self.spilled: set[int] = set(disk.capacities) if disk is not None else set()
         self.states: dict[int, OptimizerChunk] = {}  # the states in memory (host or accelerator)
@@ -92,6 +93,10 @@ class OptimizerStates:
             len(self.on_device),
             len(self.capacities()),
         )
+        # the payloads of the chunks updated on the host leave it in forward and come back in backward, every
+        # step: the pool keeps their buffers cached in between (see [Note: pinned host memory])
+        moving = sum(c.capacity * c.dtype.itemsize for cid, c in self.chunks.items() if cid not in self.on_device)
+        self.accel.host_pool.cache_at_least(self._pool_base + moving)
 
     def give_room(self, nbytes: int) -> int:
         """Accelerator bytes freed by moving optimizer states to the host, the highest chunks' first, until
