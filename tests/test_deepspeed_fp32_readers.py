@@ -89,6 +89,11 @@ def test_deepspeeds_reader_reads_ours_as_it_reads_zero3(tmp_path, world_size):
 
     want = read(stock)
     assert want["head.weight"] is want["embed.weight"] and "frozen.weight" in want  # what the oracle holds
+    for folder in (ours, stock):  # the model file names the tied weights as stock's stage 3 does, and only them
+        tag = open(os.path.join(folder, "latest")).read().strip()
+        model_file = next(f for f in sorted(os.listdir(os.path.join(folder, tag))) if f.endswith("model_states.pt"))
+        state = torch.load(os.path.join(folder, tag, model_file), weights_only=False)
+        assert state["shared_params"] == {"head.weight": "embed.weight"}, (folder, state["shared_params"])
     _same(read(ours), want)
     _same(read(ours, exclude_frozen_parameters=True), read(stock, exclude_frozen_parameters=True))
     assert "frozen.weight" not in read(ours, exclude_frozen_parameters=True)

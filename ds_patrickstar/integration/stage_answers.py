@@ -19,7 +19,11 @@ method itself, so each of its callers was checked (DeepSpeed 0.19.6 to 0.19.8):
 * DeepCompile would take its stage-3 pass, which needs stage 3's optimizer: ``get_deepcompile_backend``
   falls back to the torch compiler, as it did for stage 0, and says so;
 * ``allreduce_gradients`` compares it with stage 1 only, and never runs (our optimizer reduces);
-* ``coalesce_grad_reduction()`` accepts stage 3: see :meth:`StageAnswers.coalesce_grad_reduction`.
+* ``coalesce_grad_reduction()`` accepts stage 3: see :meth:`StageAnswers.coalesce_grad_reduction`;
+* the checkpoint's ``shared_params`` (tied weights, for readers of the model file): with weights not
+  partitioned by stage 3, stock finds them by ``data_ptr``, which pairs every parameter whose chunk storage is
+  released at the save (a frozen weight with the embedding, seen at two ranks); :meth:`StageAnswers._get_shared_params`
+  finds them by the parameter itself, as stock's stage 3 does by ``ds_id``.
 
 [Note: engine without an optimizer]
 A reference or reward model (OpenRLHF, TRL, DeepSpeed-Chat) is ``deepspeed.initialize(model=m, config=c)`` with
@@ -98,6 +102,18 @@ class StageAnswers:
         """The full 16-bit ``state_dict`` on rank 0, None elsewhere (call it on every rank)."""
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)  # type: ignore[attr-defined]
         return state if dist.get_rank() == 0 else None
+
+    def _get_shared_params(self) -> dict[str, str]:
+        """Tied parameters, a second name -> the first, on rank 0 (see [Note: the stage clients see])."""
+        first: dict[int, str] = {}
+        shared: dict[str, str] = {}
+        if dist.get_rank() == 0:
+            for name, param in self.module.named_parameters(remove_duplicate=False):
+                if id(param) in first:
+                    shared[name] = first[id(param)]
+                else:
+                    first[id(param)] = name
+        return shared
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
