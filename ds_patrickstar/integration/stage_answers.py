@@ -49,6 +49,8 @@ from typing import Any
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import ZeroStageEnum
 
+from ..io.checkpoint import tied_names
+
 logger = logging.getLogger(__name__)
 
 
@@ -105,15 +107,9 @@ class StageAnswers:
 
     def _get_shared_params(self) -> dict[str, str]:
         """Tied parameters, a second name -> the first, on rank 0 (see [Note: the stage clients see])."""
-        first: dict[int, str] = {}
-        shared: dict[str, str] = {}
-        if dist.get_rank() == 0:
-            for name, param in self.module.named_parameters(remove_duplicate=False):
-                if id(param) in first:
-                    shared[name] = first[id(param)]
-                else:
-                    first[id(param)] = name
-        return shared
+        if dist.get_rank() != 0:
+            return {}
+        return tied_names(self.module.named_parameters(remove_duplicate=False))
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)

@@ -326,6 +326,19 @@ def load_optimizer_states(
 
 
 # ---- consolidation ------------------------------------------------------------------
+def tied_names(named: Iterable[tuple[str, object]]) -> dict[str, str]:
+    """Each name whose object (a parameter, a loaded tensor) came under an earlier name, to that first name:
+    the tied weights, found by the object itself (by ``data_ptr`` every storage released at a save pairs)."""
+    first: dict[int, str] = {}
+    shared: dict[str, str] = {}
+    for name, value in named:
+        if id(value) in first:
+            shared[name] = first[id(value)]
+        else:
+            first[id(value)] = name
+    return shared
+
+
 def consolidate_fp32_state_dict(
     checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -342,17 +355,14 @@ def consolidate_fp32_state_dict(
     paths, world = optimizer_files(checkpoint_dir, tag)  # only the files the marker lists
     result: dict[str, torch.Tensor] = {}
     buffers: set[str] = set()
-    # tied weights: a second name -> the first, one tensor in the module state (DeepSpeed's shared_params, from
-    # data_ptr, also pairs parameters whose storage is released at the save: not read)
+    # tied weights: one tensor under several names in the module state (the shared_params of files saved before
+    # the engine named them by the parameter paired every parameter released at the save: not read)
     shared: dict[str, str] = {}
     for path in [os.path.join(folder, name) for name in listed(read_marker(checkpoint_dir, tag), "*model_states.pt")]:
         state = load_file(path)
         buffers.update(state.get("buffer_names") or ())
-        first: dict[int, str] = {}
+        shared.update(tied_names(state.get("module", {}).items()))
         for name, value in state.get("module", {}).items():
-            if id(value) in first:
-                shared[name] = first[id(value)]
-            first.setdefault(id(value), name)
             result[name] = value.float() if value.is_floating_point() else value
     flat: dict[str, tuple[torch.Tensor, tuple]] = {}
     covered: dict[str, int] = {}
