@@ -102,6 +102,12 @@ def _two_engines(rank, world_size, out_dir):
     pairs = list(zip(trained.module.parameters(), loaded.module.parameters()))
     with deepspeed.zero.GatheredParameters([p for pair in pairs for p in pair]):  # both models' at once
         values = [(a.detach().clone(), b.detach().clone()) for a, b in pairs]
+    # stock sorts a set of the parameters by ds_id, which the two models share: the list's order differs by rank
+    mixed = [p for pair in pairs for p in (pair if rank == 0 else pair[::-1])]
+    mixed[0].all_gather(param_list=mixed)
+    again = [(a.detach().clone(), b.detach().clone()) for a, b in pairs]
+    mixed[0].partition(param_list=mixed)
+    assert all(torch.equal(x, y) for pair, other in zip(values, again) for x, y in zip(pair, other))
     trained.destroy()
     loaded.destroy()
     return values
@@ -111,7 +117,7 @@ def test_gathered_parameters_of_two_engines_at_once(tmp_path):
     """DeepSpeed's checkpoint tests gather a trained and a loaded model's parameters in one
     ``GatheredParameters``, which calls the first parameter's ``all_gather`` with all of them: each engine
     gathers its own (before: the second model's stayed partitioned, and reading them crashed the process)."""
-    for values in run_ranks(_two_engines, 2, str(tmp_path)):
+    for values in run_ranks(_two_engines, 2, str(tmp_path), timeout=120):
         assert [tuple(a.shape) for a, _ in values] == [(32, 16), (32,), (16, 32), (16,), (4, 16), (4,)]
         for a, b in values:
             assert torch.equal(a, b)

@@ -37,6 +37,7 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 from collections.abc import Callable
@@ -60,6 +61,7 @@ _ATTRIBUTES = (
     "all_gather",
     "partition",
 )
+_SERIALS = itertools.count()  # engines in the order this process made them: the same order on every rank
 _STATES = {None: "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
@@ -68,6 +70,7 @@ class Zero3Params:
 
     def __init__(self, optimizer: Any, engine: weakref.ref | None = None) -> None:
         self.engine = engine  # see [Note: a second initialize on a live model]
+        self.serial = next(_SERIALS)  # the order several engines gather in (see _by_engine)
         self.chunk_map, self.states, self.export = optimizer.chunk_map, optimizer.optim_states, optimizer.export
         self.manager = optimizer.manager
         self.group = optimizer.dp_process_group
@@ -231,15 +234,17 @@ class Zero3Params:
 
 
 def _by_engine(first: torch.Tensor, param_list: list[torch.Tensor] | None) -> list[tuple[Zero3Params, list]]:
-    """The listed parameters per engine that exposes them, in the order of their first appearance (the same on
+    """The listed parameters per engine that exposes them, the engines in the order they were made (the same on
     every rank): stock's ``GatheredParameters`` takes parameters of several models at once (e.g. a trained and a
-    loaded one) and calls the first one's ``all_gather`` with all of them."""
+    loaded one) and calls the first one's ``all_gather`` with all of them. Not in the list's order: stock sorts
+    a set of them by ``ds_id``, and two engines' parameters share ``ds_id`` values, so which engine's comes first
+    differs from rank to rank (each gather is a collective: a different order on two ranks deadlocks)."""
     owners: dict[int, tuple[Zero3Params, list]] = {}
     for param in param_list if param_list is not None else [first]:
         owner = getattr(param, "_z3_optimizer", None)
         if isinstance(owner, Zero3Params):
             owners.setdefault(id(owner), (owner, []))[1].append(param)
-    return list(owners.values())
+    return sorted(owners.values(), key=lambda pair: pair[0].serial)
 
 
 def _all_gather(self: torch.Tensor, param_list: list[torch.Tensor] | None = None, **kwargs: Any) -> None:
