@@ -50,14 +50,20 @@ class GatherPlan:
 
     def __init__(self, sizes: list[GroupBytes], comm: ChunkComm, placement: Placement) -> None:
         self._comm, self._placement = comm, placement
-        # what a gathered group counts, as the keep and prefetch decisions count it (see [Note: chunk group bytes])
-        self.group_bytes = max((size.gathered for size in sizes), default=0)
-        # a micro-step's gradient buffer (see [Note: flat group buffers]); the boundary reduces in place
-        self.buffer_bytes = max((size.grad_buffer for size in sizes), default=0)
         self._labels: list[str] = []
         self._keep: list[int] = []
         self._ahead: list[int] = []
         self._said_differ = False  # the ranks' iterations differed once: said, then only at debug level
+        self.resize(sizes)
+
+    def resize(self, sizes: list[GroupBytes]) -> None:
+        """The groups' sizes changed (see [Note: accumulation begun by the caller]): no plan until the next step
+        agrees one with them."""
+        # what a gathered group counts, as the keep and prefetch decisions count it (see [Note: chunk group bytes])
+        self.group_bytes = max((size.gathered for size in sizes), default=0)
+        # a micro-step's gradient buffer (see [Note: flat group buffers]); the boundary reduces in place
+        self.buffer_bytes = max((size.grad_buffer for size in sizes), default=0)
+        self._labels, self._keep, self._ahead = [], [], []
 
     def agree(self) -> None:
         """At the step, on every rank: agree the plan for the next iteration from the one just done."""

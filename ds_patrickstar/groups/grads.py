@@ -49,6 +49,17 @@ a micro-step's backward gives the heap's free pages back to the system (``malloc
 heap's free blocks, :func:`~ds_patrickstar.memory.host_heap.release_free_pages`): GA 2 then costs each
 rank the accumulators and about 0.7-0.8 B/param more than GA 1 (benchmarks/ga_memory.py,
 docs/benchmarks.md).
+
+[Note: accumulation begun by the caller]
+With ``gradient_accumulation_steps`` 1 the run is built without accumulators (none of their bytes in the plans, the
+move model in scope). A caller may still accumulate: ``engine.set_gradient_accumulation_boundary(False)`` before a
+backward, as DeepSpeed documents, or several backward calls in ``engine.coalesce_grad_reduction()``. The first
+backward outside the boundary begins accumulation for the rest of the run, on every rank alike (the boundary is the
+caller's, the same on every rank as stock's reductions require): each chunk group's bytes count its accumulator and
+flat buffer from then on, the agreed gather plan is dropped until the next step agrees one with the new sizes,
+placement plans its next step anew from needs that count them, and the move model and what is built on it (the
+step-time choice of states, gradients leaving in backward) end, as at ``gradient_accumulation_steps`` > 1. The
+accumulators themselves are made when a micro-step first needs them, as always. One info line says so.
 """
 
 from __future__ import annotations
@@ -96,6 +107,12 @@ class GradientSink:
 
     def _group_sizes(self) -> list[int]:
         return [len(group.tensors) for group in self._groups]
+
+    def accumulation_begins(self) -> None:
+        """From now on gradients may accumulate (see [Note: accumulation begun by the caller])."""
+        self.accumulate = True
+        if self._comm.world_size > 1:
+            self._scattered = ScatteredAccumulation(self._map, self._groups, self._comm, self._reductions)
 
     @torch.no_grad()
     def take_grad(self, info: TensorInfo, grad: torch.Tensor | None, boundary: bool) -> None:

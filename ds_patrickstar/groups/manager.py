@@ -58,6 +58,7 @@ from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..memory.reductions import InFlightReductions
+from ..placement.chunk_needs import chunk_needs
 from ..placement.interface import Placement
 from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
@@ -243,6 +244,15 @@ class ChunkManager:
                 "call engine.backward(loss) at least once before step()"
             )
         self.grads.finish_accumulation()
+
+    def accumulation_begins(self) -> None:
+        """See [Note: accumulation begun by the caller] in groups/grads.py."""
+        for group in self.groups:
+            group.nbytes = self.map.group_bytes(group.index, accumulate=True)
+        if self.plan is not None:
+            self.plan.resize([group.nbytes for group in self.groups])
+        self.grads.accumulation_begins()
+        self.placement.accumulation_begins(lambda trace: chunk_needs(trace, self.map, accumulate=True))
 
     def owned_grad_norm_sq(self, comm_device: torch.device) -> torch.Tensor:
         return self.grads.owned_grad_norm_sq(comm_device)

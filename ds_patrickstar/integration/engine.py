@@ -105,6 +105,8 @@ class PatrickStarEngine(StageAnswers, CheckpointingEngine):
 
     def backward(self, loss, *args, **kwargs):
         self._check_held()
+        if not self.is_gradient_accumulation_boundary():  # see [Note: accumulation begun by the caller]
+            self.optimizer.accumulation_begins()
         return super().backward(loss, *args, **kwargs)
 
     def destroy(self) -> None:

@@ -119,19 +119,13 @@ class StageAnswers:
         """Several ``backward`` calls, then one ``engine.step()`` after the block, as stock's context. Here
         each backward's gradients are reduce-scattered per chunk group as they are produced and
         accumulated in fp32 (the same values as one reduction at the end), so the block checks what stock
-        checks (``engine.step()`` inside raises, no nesting). The fp32 accumulators are built at
-        initialize, with ``gradient_accumulation_steps`` > 1: at 1 this raises ``NotImplementedError``
-        saying so (stock raises it for the configurations it does not support)."""
+        checks (``engine.step()`` inside raises, no nesting). With ``gradient_accumulation_steps`` 1 the
+        accumulators begin at the block's first backward before the boundary (see [Note: accumulation begun
+        by the caller] in groups/grads.py)."""
         if self._unmanaged_accumulation():  # type: ignore[attr-defined]
             raise AssertionError(  # stock's check and words
                 "coalesce_grad_reduction is not supported with managed_gradient_accumulation=False; "
                 "the caller already owns the accumulation boundary via step()"
-            )
-        if self.gradient_accumulation_steps() == 1:  # type: ignore[attr-defined]
-            raise NotImplementedError(
-                "coalesce_grad_reduction with stage 'patrickstar' needs gradient_accumulation_steps > 1 in the "
-                "config (the fp32 gradient accumulators are built at initialize): set it to the number of "
-                "backward calls per step"
             )
         if getattr(self, "inside_no_sync_ctxt", False):
             raise AssertionError("coalesce_grad_reduction cannot be nested inside another no_sync context")

@@ -124,6 +124,11 @@ class Placement(Protocol):
 
     def end_step(self) -> None: ...
 
+    def accumulation_begins(self, chunk_needs: Callable[[Trace], list[int]]) -> None:
+        """Gradients accumulate from now on; ``chunk_needs`` counts what that adds (see [Note: accumulation begun
+        by the caller] in groups/grads.py)."""
+        ...
+
     def plot_tide(self, path: str, caption: str) -> str: ...
 
 
@@ -188,6 +193,9 @@ class NullPlacement:
         pass
 
     def end_step(self) -> None:
+        pass
+
+    def accumulation_begins(self, chunk_needs: Callable[[Trace], list[int]]) -> None:
         pass
 
     def plot_tide(self, path: str, caption: str) -> str:

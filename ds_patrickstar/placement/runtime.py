@@ -271,6 +271,13 @@ class PlacementRuntime:
         self._on_device = set(on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
 
+    def accumulation_begins(self, chunk_needs: Callable[[Trace], list[int]]) -> None:
+        """See [Note: accumulation begun by the caller] in groups/grads.py: needs that count accumulators, no move
+        model, and the next step plans anew."""
+        self._chunk_needs = self.steps.chunk_needs = chunk_needs
+        self.predictor, self.timer, self.chooser, self.release = None, None, None, None
+        self.steps.forget()
+
     def end_step(self) -> None:
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
         predicted = self.predictor.plan if self.predictor is not None else None

@@ -31,7 +31,7 @@ class StepPlan:
         counters: StepCounters,
     ) -> None:
         self.budget, self.policy = budget, policy
-        self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
+        self.chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
         self._largest_chunk = largest_chunk
         self._counters = counters
         self.planned_from: Trace | None = None  # the trace the optimizer states were placed from
@@ -60,7 +60,7 @@ class StepPlan:
             return None
         self.planned_from = trace
         fill = states_on_device(
-            trace, self.budget, self.policy, self._chunk_needs(trace), self._largest_chunk, capacities
+            trace, self.budget, self.policy, self.chunk_needs(trace), self._largest_chunk, capacities
         )
         return choose(trace, fill) if choose is not None and fill else fill
 
