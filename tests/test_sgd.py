@@ -82,10 +82,11 @@ STEPS_DP, HALF = 6, 3
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.GELU(), torch.nn.Linear(96, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 4))  # 4868 elements: 6 chunks of 1024
 
 
-def _engine(stage, optimizer="sgd"):
+def _engine(stage, optimizer="sgd", zero_extra=None):
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
@@ -95,7 +96,7 @@ def _engine(stage, optimizer="sgd"):
               {"params": [m.bias for m in model if hasattr(m, "bias")], "weight_decay": 0.0}]
     opt = (torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True) if optimizer == "sgd"
            else torch.optim.Adam(groups, lr=1e-2))
-    zero = {"stage": stage, "chunk_size": 1024} if stage == "patrickstar" else {"stage": stage}
+    zero = {"stage": stage, "chunk_size": 1024, **(zero_extra or {})} if stage == "patrickstar" else {"stage": stage}
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": zero,
            "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0}
     return deepspeed.initialize(model=model, config=cfg, optimizer=opt, model_parameters=model.parameters())[0]
@@ -121,9 +122,13 @@ def _weights(engine, stage):
     return {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
 
 
-def _whole(rank, world_size, stage):
-    engine = _engine(stage)
-    return {"losses": _train(engine, rank, range(0, STEPS_DP)), "weights": _weights(engine, stage)}
+def _whole(rank, world_size, stage, zero_extra=None):
+    engine = _engine(stage, zero_extra=zero_extra)
+    result = {"losses": _train(engine, rank, range(0, STEPS_DP)), "weights": _weights(engine, stage)}
+    if stage == "patrickstar":
+        states = engine.optimizer.optim_states
+        result.update(on_host=len(states.states) - len(states.on_device), spilled=len(states.spilled))
+    return result
 
 
 def test_two_ranks_match_zero3():
@@ -132,6 +137,22 @@ def test_two_ranks_match_zero3():
         torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(r["losses"]), rtol=1e-5, atol=1e-6)
         for name, value in r["weights"].items():
             torch.testing.assert_close(o["weights"][name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["host_states_overlapped", "disk_tier"])
+def test_states_on_the_host_or_disk_change_nothing(tmp_path, where):
+    """SGD where placement puts some states on the host (updated on the host worker behind the next forward)
+    or where the disk tier spills them (updated piece by piece): bit-identical to the run with every state in
+    memory beside its chunk."""
+    extra = ({"emulate_accelerator": True, "device_budget": 60_000, "overlap_host_adam": True}
+             if where == "host_states_overlapped" else
+             {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4,
+                                    "buffer_size": 1024}, "host_budget": 20_000})
+    base = run_ranks(_whole, 1, "patrickstar", memo=True)[0]
+    moved = run_ranks(_whole, 1, "patrickstar", extra)[0]
+    assert (moved["on_host"] if where == "host_states_overlapped" else moved["spilled"]) >= 2
+    assert moved["losses"] == base["losses"]
+    assert all(torch.equal(moved["weights"][n], v) for n, v in base["weights"].items())
 
 
 def _states(engine):
