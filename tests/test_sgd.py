@@ -123,8 +123,12 @@ def _weights(engine, stage):
 
 
 def _whole(rank, world_size, stage, zero_extra=None):
+    from deepspeed.utils import safe_get_full_optimizer_state
+
     engine = _engine(stage, zero_extra=zero_extra)
     result = {"losses": _train(engine, rank, range(0, STEPS_DP)), "weights": _weights(engine, stage)}
+    result["momentum"] = {n: safe_get_full_optimizer_state(p, "momentum_buffer")
+                          for n, p in engine.module.named_parameters()}
     if stage == "patrickstar":
         states = engine.optimizer.optim_states
         result.update(on_host=len(states.states) - len(states.on_device), spilled=len(states.spilled))
@@ -137,6 +141,7 @@ def test_two_ranks_match_zero3():
         torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(r["losses"]), rtol=1e-5, atol=1e-6)
         for name, value in r["weights"].items():
             torch.testing.assert_close(o["weights"][name], value, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(o["momentum"][name], r["momentum"][name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("where", ["host_states_overlapped", "disk_tier"])
