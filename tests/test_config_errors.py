@@ -203,11 +203,19 @@ def test_config_adam_flag(flag):
         _init(cfg)
 
 
-def test_client_sgd():
+def test_client_adagrad():
     model = _model()
-    with pytest.raises(ValueError, match=r"supports Adam and AdamW only, got optimizer SGD\. Use \"type\": "
-                                         r"\"Adam\" or \"AdamW\" in the optimizer block, or pass torch\.optim\.Adam"):
-        _init(_config(optimizer_type=None), model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"supports Adam, AdamW and SGD only, got optimizer Adagrad\. Use \"type\": "
+                                         r"\"Adam\" or \"AdamW\" in the optimizer block, or pass torch\.optim\.Adam, "
+                                         r"torch\.optim\.AdamW or torch\.optim\.SGD"):
+        _init(_config(optimizer_type=None), model, optimizer=torch.optim.Adagrad(model.parameters(), lr=0.1))
+
+
+def test_client_sgd_differentiable():
+    model = _model()
+    with pytest.raises(ValueError, match=r"SGD\(differentiable=True\) is not supported by stage 'patrickstar'"):
+        _init(_config(optimizer_type=None), model,
+              optimizer=torch.optim.SGD(model.parameters(), lr=0.1, differentiable=True))
 
 
 def test_client_adam_amsgrad():

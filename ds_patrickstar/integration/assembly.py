@@ -292,7 +292,8 @@ def assemble(
     store: ChunkStore | None = None
     try:
         check_bindable(plan.specs, has_values)
-        build_kernels({accel.device, torch.device("cpu")} if plan.movable else {accel.device})
+        if not plan.rule.sgd:  # SGD runs on pure torch (see [Note: SGD on chunks])
+            build_kernels({accel.device, torch.device("cpu")} if plan.movable else {accel.device})
         pins = (accel.pin_host_range, accel.unpin_host_range)
         disk, frozen_disk = open_disk_tier(options.nvme, plan.disk, comm.rank, plan.poison, pins)
         run = RunState()
@@ -308,7 +309,7 @@ def assemble(
             owned,
             optim_states,
             basic_optimizer.param_groups,
-            plan.adamw,
+            plan.rule,
             stepped_groups={c.group_index for c in chunk_map.chunks if c.trainable},
             overlap=options.overlap_host_adam,
         )

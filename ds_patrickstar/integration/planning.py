@@ -26,7 +26,7 @@ from ..memory.accelerator import Accelerator, HostAccelerator
 from ..memory.cuda import CudaAccelerator
 from ..memory.emulated import EmulatedAccelerator
 from ..memory.preflight import check_budget_holds, check_fits, largest_group_bytes, plan_for_specs
-from ..optim.chunk_adam import adamw_mode
+from ..optim.rules import UpdateRule, update_rule
 from .config import PatrickStarConfig
 from .host_share import default_keep_gathered, step_bytes
 
@@ -43,7 +43,7 @@ collective), cuBLAS workspaces and the caching allocator's rounding come after i
 class RunPlan:
     """What :func:`plan_run` decided: the parts of a run that exist before its chunks."""
 
-    adamw: bool
+    rule: UpdateRule  # what the step computes (Adam, AdamW or SGD)
     counters: StepCounters
     comm: ChunkComm
     specs: list[ChunkSpec]
@@ -73,11 +73,11 @@ def plan_run(
     dp_group: ProcessGroup | None,
 ) -> RunPlan:
     """Plan a run of ``module``; raises ``ValueError`` for a run that cannot start."""
-    adamw = adamw_mode(basic_optimizer)  # refuse a non-Adam optimizer before anything is built
+    rule = update_rule(basic_optimizer)  # refuse an unsupported optimizer before anything is built
     counters = StepCounters()
     comm = ChunkComm(dp_group, counters, options.lockstep)
     try:
-        return _plan(module, basic_optimizer, options, device, dtype, accumulate, counters, comm, adamw)
+        return _plan(module, basic_optimizer, options, device, dtype, accumulate, counters, comm, rule)
     except BaseException:
         comm.agreement.destroy()  # its side group (see [Note: rank agreement])
         raise
@@ -92,7 +92,7 @@ def _plan(
     accumulate: bool,
     counters: StepCounters,
     comm: ChunkComm,
-    adamw: bool,
+    rule: UpdateRule,
 ) -> RunPlan:
     """:func:`plan_run`'s work, once the collectives' ``comm`` is made."""
     groups = named_param_groups(module, basic_optimizer.param_groups)
@@ -112,7 +112,7 @@ def _plan(
         rank_plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
         step = step_bytes(specs, dtype.itemsize, comm.world_size, accumulate, options.prefetch_groups)
         keep_gathered = default_keep_gathered(module, rank_plan, step, comm)
-    return RunPlan(adamw, counters, comm, specs, disk, accel, keep_gathered)
+    return RunPlan(rule, counters, comm, specs, disk, accel, keep_gathered)
 
 
 def check_values_held(module: torch.nn.Module) -> None:

@@ -13,7 +13,8 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
   parameter (its tensor state is ``COMPUTE``: inside the forward of its module, also nested, and in its
   backward) and inside ``GatheredParameters``, ``NOT_AVAILABLE`` otherwise (its full value is not readable
   through ``param.data`` between uses), as stage 3's between its fetch and its release;
-* ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (``"exp_avg"``, ``"exp_avg_sq"``): the full fp32
+* ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (``"exp_avg"``, ``"exp_avg_sq"``; with SGD
+  ``"momentum_buffer"``): the full fp32
   value, each rank contributing the pieces of the chunks it owns (a collective: call it on every rank, as
   stock's); ``safe_set_full_*`` write the owned pieces of the value given (the same on every rank) into the
   fp32 master or state: as stock, the low-precision parameter follows at the next step. A frozen parameter
@@ -63,6 +64,7 @@ _ATTRIBUTES = (
 )
 _SERIALS = itertools.count()  # engines in the order this process made them: the same order on every rank
 _STATES = {None: "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+_SGD_STATES = {None: "master", "momentum_buffer": "exp_avg"}  # torch's SGD's key (see [Note: SGD on chunks])
 
 
 class Zero3Params:
@@ -73,6 +75,7 @@ class Zero3Params:
         self.serial = next(_SERIALS)  # the order several engines gather in (see _by_engine)
         self.chunk_map, self.states, self.export = optimizer.chunk_map, optimizer.optim_states, optimizer.export
         self.manager = optimizer.manager
+        self.state_keys = _SGD_STATES if optimizer.adam.rule.sgd else _STATES
         self.group = optimizer.dp_process_group
         self.saved_views: dict[TensorInfo, torch.Tensor] = {}
         self.grads = ChunkGradients(self.chunk_map, self.manager, self.group)
@@ -108,11 +111,10 @@ class Zero3Params:
         return info if info is not None and info.trainable else None
 
     def _key(self, optim_state_key: str | None) -> str:
-        if optim_state_key not in _STATES:
-            raise ValueError(
-                f"optim_state_key={optim_state_key!r}: stage 'patrickstar' keeps 'exp_avg' and 'exp_avg_sq'"
-            )
-        return _STATES[optim_state_key]
+        if optim_state_key not in self.state_keys:
+            kept = " and ".join(repr(key) for key in self.state_keys if key)
+            raise ValueError(f"optim_state_key={optim_state_key!r}: stage 'patrickstar' keeps {kept}")
+        return self.state_keys[optim_state_key]
 
     def _owned(self, info: TensorInfo) -> list:
         return [piece for piece in info.pieces if piece.chunk_id in self.states.chunks]

@@ -53,7 +53,7 @@ from ..chunks.chunk import Piece
 from ..chunks.chunk_map import ChunkMap, owner_of
 from ..disk.io import align_up
 from ..optim.states import STATE_KEYS, OptimizerStates
-from .commit import FORMAT, CheckpointError, listed, read_marker, resolve_tag, verify_complete
+from .commit import FORMAT, CheckpointError, check_same_update, listed, read_marker, resolve_tag, verify_complete
 
 _FORMATS = (FORMAT, "ds_patrickstar/1")
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
@@ -100,8 +100,10 @@ def optimizer_state(
     loss_scaler: LossScalerBase,
     param_groups: list[dict],
     folder: str | None = None,
+    update: str = "Adam",
 ) -> dict[str, Any]:
-    """This rank's part of the checkpoint; see [Note: checkpoint format]. The states are copied to
+    """This rank's part of the checkpoint; see [Note: checkpoint format]; ``update``: the optimizer's (see
+    [Note: SGD on chunks]), which a load checks. The states are copied to
     the host one chunk at a time (those on the accelerator), so saving needs no accelerator memory;
     with ``folder`` (the tag folder of a save) spilled states go into files of their own there,
     chunk by chunk, piece by piece (see [Note: disk tier checkpoints])."""
@@ -127,6 +129,7 @@ def optimizer_state(
         "group_steps": list(group_steps),
         "loss_scaler": loss_scaler,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups],
+        "update": update,
     }
 
 
@@ -291,10 +294,11 @@ def _overlapping_saved_chunks(chunk_map: ChunkMap, saved: dict) -> set[int]:
 
 
 def load_optimizer_states(
-    chunk_map: ChunkMap, states: OptimizerStates, saved: Iterable[dict], load_moments: bool
+    chunk_map: ChunkMap, states: OptimizerStates, saved: Iterable[dict], load_moments: bool, update: str = "Adam"
 ) -> dict:
     """Copy the elements of every owned piece from whichever saved rank held them into the states
-    (spilled ones piece by piece through the disk tier's cache); returns one saved dict."""
+    (spilled ones piece by piece through the disk tier's cache); returns one saved dict. ``update``: this
+    run's optimizer, whose moments must be those saved when they load."""
     owned = {info.name: [p for p in info.pieces if p.chunk_id in states.chunks] for info in chunk_map.trainable_infos()}
     owned = {name: pieces for name, pieces in owned.items() if pieces}
     covered = dict.fromkeys(owned, 0)
@@ -307,6 +311,8 @@ def load_optimizer_states(
                 f"(format {sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})"
             )
         check_same_model(chunk_map, sd["layout"])
+        if load_moments:
+            check_same_update(sd.get("update", "Adam"), update)
         first = first or sd
         for name, entry in sd["layout"].items():
             if name not in owned:

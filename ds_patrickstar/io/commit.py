@@ -258,3 +258,13 @@ def verify_complete(load_dir: str, tag: str, rank: int = 0, world_size: int = 1)
         problem = _file_problem(folder, name, saved, name in mine)
         if problem:
             raise CheckpointError(f"checkpoint tag {tag!r} ({folder!r}) {problem}. {_recovery(load_dir, tag)}")
+
+
+def check_same_update(saved: str, ours: str) -> None:
+    """Refuse moments saved by SGD for Adam, or Adam's for SGD (Adam and AdamW keep the same ones)."""
+    if (saved == "SGD") != (ours == "SGD"):
+        raise CheckpointError(
+            f"the checkpoint's optimizer states were saved by {saved} and this run's optimizer is {ours}: their "
+            f"states differ (see [Note: SGD on chunks]); load it with load_optimizer_states=False to take the "
+            f"weights only, or use the optimizer it was saved with"
+        )

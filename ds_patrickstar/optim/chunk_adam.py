@@ -28,30 +28,11 @@ from ..chunks.chunk import Chunk
 from ..memory.optimizer_chunk import OptimizerChunk
 from .adam_math import AdamHyper, AdamStep, adam_step_reference
 from .frozen_steps import Run, SkippedSteps, update_runs
+from .rules import UpdateRule
+from .sgd_math import SgdHyper, sgd_step_reference
 from .states import OptimizerStates
 
 logger = logging.getLogger(__name__)
-
-_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
-
-
-def adamw_mode(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` decouples weight decay (AdamW); raise if it is not an Adam."""
-    name = type(optimizer).__name__
-    if hasattr(optimizer, "adam_w_mode"):  # DeepSpeed FusedAdam / DeepSpeedCPUAdam
-        return bool(optimizer.adam_w_mode)
-    if isinstance(optimizer, torch.optim.Adam):  # torch AdamW subclasses Adam
-        group = optimizer.param_groups[0] if optimizer.param_groups else {}
-        for flag in _UNSUPPORTED_FLAGS:
-            if any(g.get(flag) for g in optimizer.param_groups):
-                raise ValueError(f"{name}({flag}=True) is not supported by stage 'patrickstar'; set {flag}=False")
-        return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    raise ValueError(
-        f"stage 'patrickstar' updates parameters with its own fused Adam and supports "
-        f'Adam and AdamW only, got optimizer {name}. Use "type": "Adam" or "AdamW" in the '
-        f"optimizer block, or pass torch.optim.Adam / torch.optim.AdamW."
-    )
-
 
 @functools.cache
 def _warn_no_kernels(reason: str) -> None:
@@ -90,14 +71,14 @@ def combined_scale(scaled_norm: float, loss_scale: float, clip_grad: float) -> f
 
 
 class ChunkAdam:
-    """Runs the Adam update of every owned chunk; see [Note: step]."""
+    """Runs the update of every owned chunk, Adam's or SGD's (see [Note: SGD on chunks]); see [Note: step]."""
 
     def __init__(
         self,
         chunks: list[Chunk],
         states: OptimizerStates,
         param_groups: list[dict[str, Any]],
-        adamw: bool,
+        rule: UpdateRule,
         stepped_groups: set[int],
         overlap: bool = False,
     ) -> None:
@@ -106,7 +87,8 @@ class ChunkAdam:
         self._stepped_groups = stepped_groups  # param groups with chunks on any rank: their step counts advance
         self._states = states
         self.param_groups = param_groups
-        self.adamw = adamw
+        self.rule = rule
+        self.adamw = rule.adamw
         self.group_steps = [0] * len(param_groups)
 
     def apply(self, grad_scale: float, place: Callable[[Chunk], None], order: list[int] | None = None) -> None:
@@ -145,7 +127,7 @@ class ChunkAdam:
     def _hand_over(self, chunk: Chunk, grad_scale: float) -> None:
         """The chunk's update as a host job; what it reads from the groups is read now."""
         state = self._states.state(chunk.chunk_id)
-        hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
+        hyper = self.rule.hyper(self.param_groups[chunk.group_index])
         step = self.group_steps[chunk.group_index]
 
         def start(values: torch.Tensor, after: list) -> Any:
@@ -176,21 +158,21 @@ class ChunkAdam:
         data: torch.Tensor,
         state: OptimizerChunk,
         grad_scale: float,
-        hyper: AdamHyper | None = None,
+        hyper: AdamHyper | SgdHyper | None = None,
         step: int | None = None,
         runs: list[Run] | None = None,
     ) -> None:
-        """Adam on ``data`` (elements of the chunk's values, the gradient on entry) and the states
-        aligned with it, as far as the chunk is used; ``hyper``, ``step`` and ``runs``, when given, as
+        """The update (Adam's or SGD's) on ``data`` (elements of the chunk's values, the gradient on entry) and
+        the states aligned with it, as far as the chunk is used; ``hyper``, ``step`` and ``runs``, when given, as
         read when the update was handed over (else from the groups now). It runs in runs of pieces with
         one step count, a frozen run getting its values back from the master (see
         [Note: requires_grad after initialize])."""
         if hyper is None:
-            hyper = AdamHyper.from_group(self.param_groups[chunk.group_index], self.adamw)
+            hyper = self.rule.hyper(self.param_groups[chunk.group_index])
         if runs is None:
             start = _offset_in_chunk(chunk, data)
             runs = self._runs(chunk, start, start + data.numel(), step)
-        adam = adam_backend(data.device)
+        adam: AdamStep = sgd_step_reference if self.rule.sgd else adam_backend(data.device)
         base = runs[0].start
         for run in runs:
             part = slice(run.start - base, run.stop - base)
