@@ -16,8 +16,10 @@ autograd runs a node created later first and a parameter's gradient accumulation
 ready, so by the time the mark on the leaf's inputs runs, every gradient inside it exists. A
 tensor a rank did not use gets a zero gradient (its slot zeroed, nothing added to an
 accumulator), as ZeRO-3 gives unused experts ``torch.zeros_like``. Where the mark does not fire
-(no input of the leaf requires grad, a forward whose backward never came, a reentrant checkpoint
-whose recomputation runs inside backward) the backward epilogue hands over what is left, leaf by
+(no input of the leaf requires grad, in any of its calls of the forward: a call on the model's input and
+another later would otherwise hand over at the later call's mark, before the earlier call's backward; a
+forward whose backward never came; a reentrant checkpoint whose recomputation runs inside backward) the
+backward epilogue hands over what is left, leaf by
 leaf in the same order, before it completes the other groups. The rest of the chunk machinery
 sees a leaf as any module: the trace's moments, the keep policy and the gather order are the same
 on every rank. Ranks that differ outside any leaf are stopped before their collectives do (see
@@ -40,6 +42,7 @@ class Leaf:
     infos: list[TensorInfo]
     open_calls: int = 0  # forward calls marked for a post-backward that has not come yet
     handed: bool = field(default=False)  # its gradients went to the sink in this backward
+    unmarked: bool = False  # a call of this forward had no input requiring grad: the epilogue hands over
 
 
 class LeafGradients:
@@ -57,15 +60,21 @@ class LeafGradients:
     def __len__(self) -> int:
         return len(self._leaves)
 
-    def called(self, index: int) -> None:
-        """A training forward of the leaf marked its inputs for a post-backward."""
-        self._leaves[index].open_calls += 1
+    def called(self, index: int, marked: bool) -> None:
+        """A training forward call of the leaf; ``marked``: its inputs got a post-backward mark. A call without
+        one has a backward no mark ends, which may come after the marked calls' (a leaf called on the model's
+        input and again later): its leaf's gradients wait for the epilogue."""
+        leaf = self._leaves[index]
+        if marked:
+            leaf.open_calls += 1
+        else:
+            leaf.unmarked = True
 
     def backward_over(self, index: int, boundary: bool) -> None:
         """The backward of one forward call of the leaf is over; after the last, its gradients go."""
         leaf = self._leaves[index]
         leaf.open_calls -= 1
-        if leaf.open_calls <= 0 and not leaf.handed:
+        if leaf.open_calls <= 0 and not leaf.handed and not leaf.unmarked:
             self._hand_over(leaf, boundary)
 
     def end_backward(self, boundary: bool) -> None:
@@ -79,7 +88,7 @@ class LeafGradients:
     def abort(self) -> None:
         """A backward raised (see [Note: a backward that raised]): the gradients held back go unused."""
         for leaf in self._leaves:
-            leaf.open_calls, leaf.handed = 0, False
+            leaf.open_calls, leaf.handed, leaf.unmarked = 0, False, False
             for info in leaf.infos:
                 info.param.grad = None
 

@@ -172,8 +172,8 @@ class TrainingFlow:
         name = self._module_names.get(module)
         return f"module {name!r} ({type(module).__name__})" if name else f"the root module ({type(module).__name__})"
 
-    def leaf_called(self, module: torch.nn.Module) -> None:
-        self.manager.leaves.called(self._leaves[module])
+    def leaf_called(self, module: torch.nn.Module, marked: bool) -> None:
+        self.manager.leaves.called(self._leaves[module], marked)
 
     def leaf_backward_over(self, module: torch.nn.Module) -> None:
         """One forward call's backward of a leaf module is over (see [Note: leaf modules])."""

@@ -64,7 +64,7 @@ class HookTarget(Protocol):
 
     def post_backward(self, module: torch.nn.Module, infos: list[TensorInfo]) -> None: ...
 
-    def leaf_called(self, module: torch.nn.Module) -> None: ...
+    def leaf_called(self, module: torch.nn.Module, marked: bool) -> None: ...
 
     def leaf_backward_over(self, module: torch.nn.Module) -> None: ...
 
@@ -221,8 +221,7 @@ class HookRegistry:
             if target.in_backward():
                 return None
             marked = _mark_post_backward(args, kwargs, lambda: target.leaf_backward_over(mod))
-            if marked is not None:  # else the backward epilogue hands its gradients over
-                target.leaf_called(mod)
+            target.leaf_called(mod, marked is not None)  # unmarked: the backward epilogue hands them over
             return marked
 
         def post_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
