@@ -47,6 +47,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..autograd_state import iter_tensors
 from ..chunks.chunk import TensorInfo
+from .external_params import ExternalUses
 
 
 class HookTarget(Protocol):
@@ -125,6 +126,7 @@ class HookRegistry:
         leaves: Mapping[torch.nn.Module, list[TensorInfo]] | None = None,
     ) -> None:
         self._target = target
+        self._external = ExternalUses(info_of, target)  # see [Note: external parameters]
         self._handles: list[RemovableHandle] = []
         self._what = (module, info_of, blocks, leaves or {})
         self.register_again()
@@ -154,7 +156,7 @@ class HookRegistry:
         target = self._target
         self._handles.append(
             module.register_forward_pre_hook(
-                lambda mod, args, kwargs: target.root_forward_start((args, kwargs)), with_kwargs=True
+                lambda mod, args, kwargs: self._root_forward_start((args, kwargs)), with_kwargs=True
             )
         )
         for index, block in enumerate(blocks):  # registered before the blocks' own: see [Note: activation offload]
@@ -168,6 +170,7 @@ class HookRegistry:
         for sub in module.modules():
             if id(sub) in inside:
                 continue
+            self._register_external(sub)  # before the module's own: see [Note: external parameters]
             if sub in leaves:
                 self._register_module(sub, leaves[sub], [], leaf=True)
                 continue
@@ -234,6 +237,26 @@ class HookRegistry:
                     )
 
         self._handles.append(sub.register_forward_pre_hook(pre_forward, with_kwargs=True))
+        self._handles.append(sub.register_forward_hook(post_forward))
+
+    def _root_forward_start(self, inputs: Any) -> None:
+        if not self._target.in_backward():
+            self._external.clear()
+        self._target.root_forward_start(inputs)
+
+    def _register_external(self, sub: torch.nn.Module) -> None:
+        external = self._external
+        external.track(sub)
+
+        def pre_forward(mod: torch.nn.Module, args: Any) -> None:
+            if not self._target.in_backward():  # a recomputation's uses end with the backward they serve
+                external.enter(mod)
+
+        def post_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            if not self._target.in_backward():
+                external.leave(mod, output)
+
+        self._handles.append(sub.register_forward_pre_hook(pre_forward))
         self._handles.append(sub.register_forward_hook(post_forward))
 
     def _root_forward_end(self, output: Any) -> None:
