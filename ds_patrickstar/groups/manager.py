@@ -246,7 +246,14 @@ class ChunkManager:
         self.grads.finish_accumulation()
 
     def accumulation_begins(self) -> None:
-        """See [Note: accumulation begun by the caller] in groups/grads.py."""
+        """A backward before the boundary: see [Note: accumulation begun by the caller] in groups/grads.py."""
+        if self.grads.accumulate:
+            return
+        logger.info(
+            "ds_patrickstar: a backward before the gradient accumulation boundary with gradient_accumulation_steps "
+            "1: gradients accumulate in fp32 from now on (4 bytes per owned parameter while they do), and placement "
+            "plans its next step anew"
+        )
         for group in self.groups:
             group.nbytes = self.map.group_bytes(group.index, accumulate=True)
         if self.plan is not None:

@@ -106,7 +106,7 @@ class PatrickStarEngine(StageAnswers, CheckpointingEngine):
     def backward(self, loss, *args, **kwargs):
         self._check_held()
         if not self.is_gradient_accumulation_boundary():  # see [Note: accumulation begun by the caller]
-            self.optimizer.accumulation_begins()
+            self.optimizer.manager.accumulation_begins()
         return super().backward(loss, *args, **kwargs)
 
     def destroy(self) -> None:

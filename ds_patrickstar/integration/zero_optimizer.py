@@ -133,18 +133,6 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
             raise RuntimeError("engine.step() inside a forward or backward of the model")
         self.manager.finish_accumulation()
 
-    def accumulation_begins(self) -> None:
-        """A backward before the boundary in a run built without accumulators: see [Note: accumulation begun by
-        the caller] in groups/grads.py."""
-        if self.manager.grads.accumulate:
-            return
-        logger.info(
-            "ds_patrickstar: a backward before the gradient accumulation boundary with gradient_accumulation_steps "
-            "1: gradients accumulate in fp32 from now on (4 bytes per owned parameter while they do), and placement "
-            "plans its next step anew"
-        )
-        self.manager.accumulation_begins()
-
     def empty_partition_cache(self) -> None:
         """See [Note: the partition cache]."""
         if self.run.mid_iteration():
