@@ -2,7 +2,8 @@
 begun by the caller]): ``set_gradient_accumulation_boundary(False)`` before backward calls, and several backward
 calls in ``coalesce_grad_reduction()``, as DeepSpeed's own tests and clients do. Losses and fp32 values after each
 step match stock ZeRO-3 on the same model, seed and calls at 1 and 2 real gloo ranks; on the strict twin with a
-budget that moves chunks, the switch comes after a traced GA-1 step (the move model in scope) and trains the same.
+budget that moves chunks, the switch comes after a traced GA-1 step (at 1 rank with the move model in scope, at 2
+with the agreed gather plan) and trains the same.
 fp32, ~4K parameters."""
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ def test_accumulation_begun_by_the_caller_matches_zero3(world_size):
         _assert_matches(run_ranks(_run, 1, "patrickstar")[0], stock[0], "manual boundary")
 
 
-def test_accumulation_begun_after_a_traced_step_on_the_strict_twin():
-    stock = run_ranks(_run, 1, 3)[0]
-    ours = run_ranks(_run, 1, "patrickstar", False, 24_000)[0]
-    _assert_matches(ours, stock, "strict twin")
-    assert ours["counters"]["evictions"] > 0  # the budget moved chunks: placement ran with accumulators
+@pytest.mark.parametrize("world_size,budget", [(1, 24_000), (2, 48_000)])
+def test_accumulation_begun_after_a_traced_step_on_the_strict_twin(world_size, budget):
+    stock = run_ranks(_run, world_size, 3)
+    ours = run_ranks(_run, world_size, "patrickstar", world_size > 1, budget)
+    for rank in range(world_size):
+        _assert_matches(ours[rank], stock[rank], f"strict twin, rank {rank}")
+        assert ours[rank]["counters"]["bytes_to_device"] > 0  # the budget moved chunks: placement ran
