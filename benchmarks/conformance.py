@@ -20,8 +20,8 @@ The output folder gets ``table.tsv`` (test id, stock, ours, and the reason when 
 The target: every test stock passes passes for ours, except the listed ones.
 
 [Note: a killed test run]
-A rank that dies in a test (a segfault: reading a parameter whose chunk memory is released, see
-[Note: storage resize] in ds_patrickstar/chunks/chunk.py) takes its task with it: the harness's pool
+A rank that dies in a test (a segfault, as reading a parameter whose chunk memory was released did
+before [Note: released parameters read as empty]) takes its task with it: the harness's pool
 starts a new worker, the result never comes, and after ``DS_UNITTEST_TIMEOUT`` the harness's
 ``pool.join()`` waits forever (the pool's worker handler runs while a task is outstanding). The pytest
 is then killed past the file's limit, and a killed pytest writes no JUnit XML. So pytest runs with
