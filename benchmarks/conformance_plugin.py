@@ -2,8 +2,11 @@
 
 At collection it writes one JSON line per test id to the file named by
 ``DS_PATRICKSTAR_CONFORMANCE_IDS`` with whether the test is a stage-3 parametrization (see
-[Note: which tests are stage 3] in conformance.py).
-It imports nothing of DeepSpeed's tests: it reads the collected items.
+[Note: which tests are stage 3] in conformance.py). While tests run it writes, to the file named by
+``DS_PATRICKSTAR_CONFORMANCE_PROGRESS``, one line when a test starts and one per outcome as pytest
+reports it, flushed at once: a pytest killed part way leaves no JUnit XML, and this says what
+finished and which test was running (see [Note: a killed test run]).
+It imports nothing of DeepSpeed's tests: it reads the collected items and the reports.
 """
 
 from __future__ import annotations
@@ -58,3 +61,24 @@ def pytest_collection_finish(session):
     with open(out, "a") as f:
         for item in session.items:
             f.write(json.dumps({"id": item.nodeid, "stage3": is_stage3(item)}) + "\n")
+
+
+def _progress(record: dict) -> None:
+    out = os.environ.get("DS_PATRICKSTAR_CONFORMANCE_PROGRESS")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _progress({"start": nodeid})
+
+
+def pytest_runtest_logreport(report):
+    """As JUnit counts them: a failed setup or teardown is an error, a failed call a failure."""
+    if report.passed and report.when != "call":
+        return
+    outcome = "skipped" if report.skipped else "passed" if report.passed else "failed"
+    if report.failed and report.when != "call":
+        outcome = "error"
+    _progress({"id": report.nodeid, "outcome": outcome})

@@ -55,6 +55,7 @@ The questions asked of the phase:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 
@@ -123,10 +124,18 @@ class RunState:
     def __init__(self) -> None:
         self.phase = Phase.IDLE
         self._before_eval = Phase.IDLE  # where an evaluation forward returns to
+        self.on_settled: Callable[[], None] | None = None  # called on entering a settled phase
 
     def _move(self, new: Phase) -> None:
         check_move(self.phase, new)
-        self.phase = new
+        was, self.phase = self.settled(), new
+        if self.on_settled is not None and not was and self.settled():
+            self.on_settled()
+
+    def settled(self) -> bool:
+        """No autograd graph of the run is alive: ``IDLE`` or ``BACKWARD_DONE`` (a parameter may point away from its
+        released memory, see [Note: released parameters read as empty] in memory/released_views.py)."""
+        return self.phase in (Phase.IDLE, Phase.BACKWARD_DONE)
 
     # ---- moves ---------------------------------------------------------------------
     def start_forward(self, grad: bool) -> bool:

@@ -52,3 +52,39 @@ def test_stage_rewrite_is_test_only(monkeypatch):
     assert rewritten == {"stage": "patrickstar", "stage3_param_persistence_threshold": 0}
     assert cfg["zero_optimization"]["stage"] == 3  # the caller's dict is untouched
     assert conformance_stage({"zero_optimization": {"stage": 2}})["zero_optimization"]["stage"] == 2
+
+
+FAKE_TESTS = """
+import os, subprocess, sys, time
+
+
+def test_passes():
+    pass
+
+
+def test_rank_dies():  # as a rank of DeepSpeed's harness that segfaults: the harness then waits forever
+    subprocess.run([sys.executable, "-c", "import faulthandler; faulthandler._sigsegv()"], env=dict(os.environ))
+    time.sleep(600)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_a_killed_run_blames_the_test_it_was_running(tmp_path, monkeypatch):
+    """See [Note: a killed test run]: a pytest killed part way keeps the results of the tests that finished
+    (before: it left no JUnit XML, and the first id of each new run was marked ``timeout``, so tests that
+    passed read as hung), the test it was running is ``crashed`` (a fatal error in the log; ``timeout``
+    without one), and the ids after it run again."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "tests" / "test_fake.py").write_text(FAKE_TESTS)
+    monkeypatch.setattr(conformance, "GRACE_S", 3)  # a run is killed 1 s per id and 3 s after it starts
+    ids = [f"test_fake.py::test_{name}" for name in ("passes", "rank_dies", "after")]
+    got = conformance.run_file(tmp_path / "tests", ids, "stock", tmp_path, timeout_s=1)
+    assert got == {
+        "test_fake.py::test_passes": "passed",
+        "test_fake.py::test_rank_dies": "crashed",
+        "test_fake.py::test_after": "passed",
+    }

@@ -22,7 +22,9 @@ the buffers directly.
 A parameter is a view into its chunk's payload for its whole life (or into its joined
 buffer, see [Note: straddling tensors]). Releasing a chunk
 resizes the payload's untyped storage to zero bytes and materializing it resizes it back,
-so the views (and the views autograd saved for backward) stay valid, as in FSDP2.
+so the views (and the views autograd saved for backward) stay valid, as in FSDP2. While the
+storage holds no bytes the parameter itself points at an empty tensor (see
+[Note: released parameters read as empty] in memory/released_views.py).
 
 [Note: pieces released one by one]
 A tensor straddling the chunks of a group (see [Note: straddling tensors]) has a piece in

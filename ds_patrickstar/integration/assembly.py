@@ -297,6 +297,7 @@ def assemble(
         pins = (accel.pin_host_range, accel.unpin_host_range)
         disk, frozen_disk = open_disk_tier(options.nvme, plan.disk, comm.rank, plan.poison, pins)
         run = RunState()
+        accel.released_views.allowed, run.on_settled = run.settled, accel.released_views.sweep
         store = ChunkStore(accel, counters, movable=plan.movable, disk=frozen_disk)
         placement, manager = _build_chunks(
             module, options, plan, chunk_map, has_values, device, deferred, accumulate, run, store

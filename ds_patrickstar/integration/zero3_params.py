@@ -227,6 +227,7 @@ class Zero3Params:
                 if has_been_updated:
                     self.export.write_value(info, info.name, info.param.data, errors)
                 info.param.data = self.saved_views.pop(info)
+                self.export.store.accel.released_views.settle(info.param)  # its chunk may be released meanwhile
                 self._use_changed(info, info.state is TensorState.COMPUTE)
         self.states.flush()
         if has_been_updated:

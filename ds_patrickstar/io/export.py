@@ -248,3 +248,4 @@ def host_parameters(export: ChunkExport) -> Iterator[None]:
     finally:
         for info, view in saved.items():
             info.param.data = view
+            export.store.accel.released_views.settle(info.param)  # see [Note: released parameters read as empty]

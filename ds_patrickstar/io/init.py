@@ -262,8 +262,8 @@ class DeferredModel:
 
     def _init_module(self, mod: nn.Module, mod_name: str, mine: list, root_init: Any, chunk_map: ChunkMap) -> None:
         originals = dict(mod._parameters)
-        scratch = {
-            key: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+        scratch = {  # a chunk parameter's own shape may read empty (see [Note: released parameters read as empty])
+            key: nn.Parameter(torch.empty(_shape(p, chunk_map), dtype=torch.float32), requires_grad=p.requires_grad)
             for key, p in originals.items()
             if p is not None and p in self.seeds
         }
@@ -288,6 +288,11 @@ class DeferredModel:
             param.data = value.detach().to(param.dtype)
             return
         chunk_map.write_pieces(info, value.detach().reshape(-1), self._values)
+
+
+def _shape(param: nn.Parameter, chunk_map: ChunkMap) -> torch.Size:
+    info = chunk_map.info(param)
+    return param.shape if info is None else info.shape
 
 
 def swap_deferred(module: nn.Module, dtype: torch.dtype | None) -> DeferredModel:

@@ -36,6 +36,7 @@ from .host_pool import HostPool
 from .host_work import HostWorker
 from .ledger import DeviceLedger
 from .pending import Pending
+from .released_views import ReleasedViews
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -54,6 +55,7 @@ class Accelerator:
         self._backed: dict[int, tuple[torch.Tensor, int, str]] = {}  # storage data_ptr -> (tensor, bytes, kind)
         self.host_pool = HostPool(self._pin_host, self._unpin_host, self.host_alignment)
         self.host_worker = HostWorker()
+        self.released_views = ReleasedViews()  # see [Note: released parameters read as empty]
 
     # ---- memory -------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
@@ -76,6 +78,7 @@ class Accelerator:
         self.ledger.charge(_nbytes(tensor), kind, what)
         tensor.untyped_storage().resize_(_nbytes(tensor))
         self._record(tensor, kind)
+        self.released_views.backed(tensor)
 
     def _record(self, tensor: torch.Tensor, kind: str) -> None:
         """A backed allocation: :meth:`close` frees it if nothing did before (see [Note: closing the accelerator])."""
@@ -96,6 +99,7 @@ class Accelerator:
         self._backed.pop(tensor.untyped_storage().data_ptr(), None)
         tensor.untyped_storage().resize_(0)
         self.ledger.release(nbytes, kind)
+        self.released_views.released(tensor)
 
     def _check_free(self, tensor: torch.Tensor) -> None:
         """Raise where freeing ``tensor`` now is a hazard (the strict twin checks collectives in flight)."""

@@ -80,6 +80,7 @@ def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: 
         joined = store.accel.empty(info.numel, chunk.dtype, "chunk", f"{info.name} (joined)")
         info.joined = joined
         info.param.data = joined.view(info.shape)
+        store.accel.released_views.bind(info.param)
         store.accel.free(joined, "chunk")
     elif info.straddles:  # frozen: a view of its group's storage, landing slot included
         members = chunk_map.group_members(chunk_map.group_of(chunk))
@@ -88,6 +89,8 @@ def _bind(chunk_map: ChunkMap, store: ChunkStore, info: TensorInfo, has_values: 
         info.param.data = store.group_storage(members)[start : start + info.numel].view(info.shape)
     else:
         info.param.data = chunk.view_of(info)
+    if not info.joins:
+        store.accel.released_views.bind(info.param)  # see [Note: released parameters read as empty]
     info.bound = True
 
 
