@@ -10,10 +10,10 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 
 * ``ds_id`` (its index in the chunk map, the same on every rank), ``ds_shape``, ``ds_numel``,
   ``ds_process_group`` (the data-parallel group), ``ds_persist`` (False: no parameter is persistent here, every
-  one is partitioned, whatever ``stage3_param_persistence_threshold`` says); ``ds_status`` is ``AVAILABLE`` while a module uses the
-  parameter (its tensor state is ``COMPUTE``: inside the forward of its module, also nested, and in its
-  backward) and inside ``GatheredParameters``, ``NOT_AVAILABLE`` otherwise (its full value is not readable
-  through ``param.data`` between uses), as stage 3's between its fetch and its release;
+  one is partitioned, whatever ``stage3_param_persistence_threshold`` says); ``ds_status`` is ``AVAILABLE``
+  while a module uses the parameter (its tensor state is ``COMPUTE``: inside the forward of its module, also
+  nested, and in its backward) and inside ``GatheredParameters``, ``NOT_AVAILABLE`` otherwise (its full value
+  is not readable through ``param.data`` between uses), as stage 3's between its fetch and its release;
 * ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (``"exp_avg"``, ``"exp_avg_sq"``; with SGD
   ``"momentum_buffer"``): the full fp32
   value, each rank contributing the pieces of the chunks it owns (a collective: call it on every rank, as

@@ -34,6 +34,7 @@ from .states import OptimizerStates
 
 logger = logging.getLogger(__name__)
 
+
 @functools.cache
 def _warn_no_kernels(reason: str) -> None:
     logger.warning(
