@@ -14,11 +14,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import conformance
 
 # stage-3 tests that pass for ours: a gather/free cycle, a module built under zero.Init then initialized, a
-# parameter fetched by all-reduce; a few seconds each on 2 idle cores
+# parameter fetched by all-reduce, a parameter a module returns (stock's external-parameter registry); a few
+# seconds each on 2 idle cores
 FAST_IDS = (
     "unit/runtime/zero/test_zero_context.py::TestZeroGatheredParametersFree::test",
     "unit/runtime/zero/test_zero_allreduce_fetch_params.py::TestAllReduceFetchParamsPadded::"
     "test_params_reconstruct_exactly[aligned]",
+    "unit/runtime/zero/test_zero_context_return.py::TestReturnParam::test_ext_param_return",
 )
 
 
