@@ -76,9 +76,8 @@ class ExternalUses:
             self._stack = [entry for entry in self._stack if entry[0] is not module]
             return
         _, infos = self._stack.pop()
-        for tensor in iter_tensors(output):
-            info = self._info_of(tensor)
-            if info is not None and isinstance(tensor, torch.nn.Parameter):
+        for tensor in iter_tensors(output):  # a parameter first: activations need no lookup
+            if isinstance(tensor, torch.nn.Parameter) and (info := self._info_of(tensor)) is not None:
                 self._returned(module, tensor, info)
         if not infos:
             return

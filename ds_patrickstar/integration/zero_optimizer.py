@@ -221,7 +221,7 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
             self.loss_scaler,
             self.param_groups,
             folder=self.checkpoint_folder,
-            update=self.adam.rule.name,
+            update=self.adam.rule.value,
         )
 
     def load_state_dict(
@@ -236,7 +236,7 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
         self.optim_states.settle()  # the step's host jobs write the states being replaced
         if load_from_fp32_weights or load_optimizer_states:
             saved = checkpoint.load_optimizer_states(
-                self.chunk_map, self.optim_states, state_dict_list, load_optimizer_states, self.adam.rule.name
+                self.chunk_map, self.optim_states, state_dict_list, load_optimizer_states, self.adam.rule.value
             )
             if load_optimizer_states:
                 self.adam.group_steps = list(saved["group_steps"])

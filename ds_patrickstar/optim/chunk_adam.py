@@ -89,8 +89,11 @@ class ChunkAdam:
         self._states = states
         self.param_groups = param_groups
         self.rule = rule
-        self.adamw = rule.adamw
         self.group_steps = [0] * len(param_groups)
+
+    @property
+    def adamw(self) -> bool:
+        return self.rule.adamw
 
     def apply(self, grad_scale: float, place: Callable[[Chunk], None], order: list[int] | None = None) -> None:
         """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``, each after

@@ -6,7 +6,7 @@ pure-torch math (see [Note: SGD on chunks]). Every other optimizer is refused be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
 from typing import Any
 
 import torch
@@ -17,21 +17,22 @@ from .sgd_math import SgdHyper
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
-@dataclass(frozen=True)
-class UpdateRule:
-    """The optimizer's update: ``"Adam"``, ``"AdamW"`` or ``"SGD"``; its hyper-parameters are read from a
+class UpdateRule(enum.Enum):
+    """The optimizer's update (its value is what a checkpoint records); its hyper-parameters are read from a
     param group at every step."""
 
-    name: str
+    ADAM = "Adam"
+    ADAMW = "AdamW"
+    SGD = "SGD"
 
     @property
     def adamw(self) -> bool:
         """Decoupled weight decay (AdamW)."""
-        return self.name == "AdamW"
+        return self is UpdateRule.ADAMW
 
     @property
     def sgd(self) -> bool:
-        return self.name == "SGD"
+        return self is UpdateRule.SGD
 
     def hyper(self, group: dict[str, Any]) -> AdamHyper | SgdHyper:
         """The hyper-parameters of ``group`` as they are now (an LR scheduler edits them)."""
@@ -45,8 +46,8 @@ def update_rule(optimizer: torch.optim.Optimizer) -> UpdateRule:
             raise ValueError(
                 "SGD(differentiable=True) is not supported by stage 'patrickstar'; set differentiable=False"
             )
-        return UpdateRule("SGD")
-    return UpdateRule("AdamW" if adamw_mode(optimizer) else "Adam")
+        return UpdateRule.SGD
+    return UpdateRule.ADAMW if adamw_mode(optimizer) else UpdateRule.ADAM
 
 
 def adamw_mode(optimizer: torch.optim.Optimizer) -> bool:
