@@ -732,3 +732,18 @@ def mlp_steps(engine, rank: int, steps: int, first: int) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def loss_model_steps(engine, rank: int, width: int, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` training steps of an engine whose model returns its loss, on a seeded ``(4, width)`` batch per step
+    and rank; the losses, and the full fp32 values after them (a collective: every rank calls it)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    losses = []
+    for step in range(steps):
+        loss = engine(torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + rank)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    return losses, params

@@ -7,7 +7,7 @@ chunks."""
 from __future__ import annotations
 
 import torch
-from harness import make_config
+from harness import loss_model_steps, make_config
 from multiproc import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -38,7 +38,6 @@ class Model(torch.nn.Module):
 
 def _run(rank, world_size, stage):
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
 
     import ds_patrickstar  # noqa: F401
 
@@ -47,13 +46,7 @@ def _run(rank, world_size, stage):
     cfg = make_config(stage, chunk_size=1024, lr=1e-2, extra_zero={"keep_gathered": 0} if stage != 3 else None)
     cfg.pop("train_batch_size")
     engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
-    losses = []
-    for step in range(3):
-        loss = engine(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    params = {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    losses, params = loss_model_steps(engine, rank, 16)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     registry = {n: sorted(names[k] for k in m._external_params) for n, m in engine.module.named_modules()}
     engine.destroy()

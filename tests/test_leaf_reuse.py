@@ -6,7 +6,7 @@ the reused leaf's parameters (duplicate ids in a bucket), as that test's docstri
 from __future__ import annotations
 
 import torch
-from harness import make_config
+from harness import loss_model_steps, make_config
 from multiproc import run_ranks
 
 
@@ -23,7 +23,7 @@ class Reused(torch.nn.Module):
 
 def _run(rank, world_size, stage, leaf):
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, set_z3_leaf_modules
+    from deepspeed.utils import set_z3_leaf_modules
 
     import ds_patrickstar  # noqa: F401
 
@@ -33,15 +33,9 @@ def _run(rank, world_size, stage, leaf):
     cfg = make_config(stage, chunk_size=1024, lr=1e-2)
     cfg.pop("train_batch_size")
     engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
-    losses = []
-    for step in range(3):
-        loss = engine(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank)))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    params = {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    result = loss_model_steps(engine, rank, 8)
     engine.destroy()
-    return losses, params
+    return result
 
 
 def test_leaf_called_on_the_input_and_again_matches_zero3():
