@@ -74,10 +74,10 @@ from ..chunks.state import TensorState
 from ..memory.reductions import InFlightReductions
 from .accumulation import ScatteredAccumulation
 from .comm import ChunkComm
+from .grad_norm import GradientNorms
 from .group import ChunkGroup
 from .residency import GroupResidency
 
-_NORM_SLICE = 1 << 22
 _S = TensorState
 
 
@@ -104,6 +104,7 @@ class GradientSink:
         self._pending = self._group_sizes()  # per group: tensors whose gradient is not in its slot yet
         # frozen groups get no gradient and are never reduced (see [Note: frozen chunks])
         self._trainable = [group.index for group in groups if group.owned.trainable]
+        self.norms = GradientNorms()  # see [Note: the norm as gradients become final]
 
     def _group_sizes(self) -> list[int]:
         return [len(group.tensors) for group in self._groups]
@@ -174,6 +175,8 @@ class GradientSink:
         self.reduced.add(group)
         self._residency.unkeep(group)
         if self._comm.world_size == 1:
+            if self._groups[group].owned.trainable:
+                self.norms.record(self._groups[group].owned)
             return
         owned = self._groups[group].owned
         pending = self._groups[group].reduce_scatter(then=self._fold)
@@ -186,6 +189,8 @@ class GradientSink:
         [Note: gradient accumulation])."""
         if self._scattered is not None:
             self._scattered.fold(owned)
+        if owned.trainable:
+            self.norms.record(owned)
 
     @torch.no_grad()
     def end_backward(self, boundary: bool) -> None:
@@ -246,6 +251,7 @@ class GradientSink:
             owned = self._groups[group].owned
             acc, slot = owned.ready_acc(), owned.ready()
             slot.copy_(acc) if acc is not None else slot.zero_()
+            self.norms.record(owned)
             for info in self._groups[group].tensors:
                 if info.state is _S.HOLD and self._map.owns_any(info):
                     info.grad_written()
@@ -259,19 +265,11 @@ class GradientSink:
         if self._scattered is not None:
             self._scattered.discard()
         self.reduced.clear()
+        self.norms.clear()
         self._pending = self._group_sizes()
 
     def owned_grad_norm_sq(self, comm_device: torch.device) -> torch.Tensor:
-        """Sum over ranks of the squared norms of the owned gradient slots (fp32), each read where
-        it lives (accelerator or host) through :meth:`Chunk.ready`."""
-        partial: dict[torch.device, torch.Tensor] = {}
-        for chunk in self._map.trainable_owned():
-            data = chunk.ready()[: chunk.used]
-            sq = partial.setdefault(data.device, torch.zeros((), dtype=torch.float32, device=data.device))
-            # in slices: the fp32 upcast of a whole large chunk would be a large temporary
-            for part in data.split(_NORM_SLICE):
-                sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
-        total = torch.zeros((), dtype=torch.float32, device=comm_device)
-        for sq in partial.values():
-            total += sq.to(comm_device)
+        """Sum over ranks of the squared norms of the owned gradient slots (fp32), each taken when the slot
+        became final (see [Note: the norm as gradients become final])."""
+        total = self.norms.total(list(self._map.trainable_owned()), comm_device)
         return self._comm.all_reduce_sum(total)
