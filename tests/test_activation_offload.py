@@ -64,10 +64,15 @@ def build_checkpointed(seed: int):
     return TinyGPT(True), _batches(seed)
 
 
+def build_plain(seed: int):
+    torch.manual_seed(seed)
+    return TinyGPT(False), _batches(seed)
+
+
 BUDGET = 100_000  # fp32, one rank: checkpointing alone needs 117 kB of tide beside the chunks (fails)
 
 
-def _train(rank, world_size, stage, dtype, mode, budget, gas=1):
+def _train(rank, world_size, stage, dtype, mode, budget, gas=1, build=build_checkpointed):
     from harness import make_config, run_training
 
     import ds_patrickstar  # noqa: F401
@@ -80,7 +85,7 @@ def _train(rank, world_size, stage, dtype, mode, budget, gas=1):
     config = make_config(stage, dtype, gas=gas, chunk_size=2048, extra_zero=extra)
     if world_size > 1:
         config.pop("train_batch_size")
-    return run_training(build_checkpointed, config, STEPS, SEED)
+    return run_training(build, config, STEPS, SEED)
 
 
 # mode, world size, dtype, budget (bf16 on two ranks: half the tide, whole groups gathered; near the
@@ -126,6 +131,24 @@ def test_left_out_the_run_offloads_instead_of_refusing():
 
     ref = run_ranks(_train, 1, 3, "fp32", "none", 0, memo=True)
     ours = run_ranks(_train, 1, "patrickstar", "fp32", None, BUDGET, timeout=600.0)[0]
+    check(ours, ref[0], "fp32")
+    after = [c["activation_bytes_offloaded"] for c in ours.counters]
+    assert all(0 < moved < after[0] for moved in after[1:]), after
+
+
+FITS = 600_000  # fp32, one rank, no checkpointing: 235 kB of model data fit, 1.23 MB of activations do not
+
+
+def test_left_out_a_model_that_fits_offloads_the_activations_that_do_not():
+    """Model data below the budget, activations above it beside the chunks: without the key the run offloads
+    (it was refused: "none" below), and trains as stock ZeRO-3 does (see [Note: activations by default])."""
+    from multiproc import WorkerError, run_ranks
+    from test_vs_zero3 import check
+
+    with pytest.raises(WorkerError, match="DeviceBudgetExceeded"):
+        run_ranks(_train, 1, "patrickstar", "fp32", "none", FITS, 1, build_plain)
+    ref = run_ranks(_train, 1, 3, "fp32", "none", 0, 1, build_plain)
+    ours = run_ranks(_train, 1, "patrickstar", "fp32", None, FITS, 1, build_plain)[0]
     check(ours, ref[0], "fp32")
     after = [c["activation_bytes_offloaded"] for c in ours.counters]
     assert all(0 < moved < after[0] for moved in after[1:]), after

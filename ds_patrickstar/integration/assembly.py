@@ -162,30 +162,31 @@ def make_placement(
 
 
 def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int) -> OffloadMode:
-    """``offload_activations`` as set, else as chosen for the run.
+    """``offload_activations`` as set, else "auto".
 
     [Note: activations by default]
-    Where the model data (every chunk in low precision and this rank's optimizer states) fits the
-    budget, placement moves nothing and activations stay ("none": the traced iteration moves nothing
-    either). Where it does not, the run is the one this backend exists for, and the activations of
-    the model's blocks are offloaded exactly where the chunks would not fit beside them ("auto":
-    the traced iteration offloads every block, and the plan then the fewest bytes that fit, nothing
-    where nothing is needed), so a budget below the tide trains instead of being refused. Set the
-    key to choose; "none" refuses such a budget with the remedies and the bytes each saves.
+    Left out, ``offload_activations`` is "auto": the traced iteration offloads every block, and the plan
+    made from it at that iteration's step offloads the fewest bytes that let the chunks fit beside the tide,
+    nothing where nothing is needed (see [Note: auto activation offload] in activations/plan.py). Whether the
+    tide fits beside the chunks a moment needs is known only from the trace: a model whose data fits the budget
+    can still have activations that do not fit beside it (measured on an H200: gpt2-medium, 4.97 GB of model
+    data under a 5.35 GB budget, 4.1 GB of activations), where "none" is refused and ZeRO-3 offload trains. The
+    price where nothing is needed is the traced iteration's: its activations go to pinned host memory and back
+    once. Set the key to choose; "none" refuses a budget below the tide with the remedies and the bytes each
+    saves.
     """
     if options.offload_activations is not None:
         return options.offload_activations
     chunks = sum(c.nbytes for c in chunk_map.chunks)
     states = OPTIM_BYTES_PER_ELEMENT * sum(c.capacity for c in chunk_map.trainable_owned())
-    if chunks + states <= budget:
-        return "none"
-    logger.info(
-        "ds_patrickstar: model data (%d B of chunks and optimizer states) is larger than device_budget (%d B): "
-        "activations of the model's blocks move to the host where the chunks would not fit beside them "
-        '(offload_activations "auto"; set the key to choose)',
-        chunks + states,
-        budget,
-    )
+    if chunks + states > budget:
+        logger.info(
+            "ds_patrickstar: model data (%d B of chunks and optimizer states) is larger than device_budget (%d B): "
+            "activations of the model's blocks move to the host where the chunks would not fit beside them "
+            '(offload_activations "auto"; set the key to choose)',
+            chunks + states,
+            budget,
+        )
     return "auto"
 
 

@@ -121,9 +121,8 @@ class PatrickStarConfig(BaseModel):
     budget the chunks cannot fit beside them is refused, naming the remedies). "all": every
     block's, every step. "auto": the fewest bytes that let the chunks fit beside the traced tide
     under device_budget (see [Note: auto activation offload]); the traced iteration offloads every
-    block. Left out: "auto" where the model data (chunks and optimizer states) is larger than
-    device_budget, else "none" (see [Note: activations by default]). Needs placement (a CUDA device
-    or emulate_accelerator)."""
+    block. Left out: "auto" (the plan offloads nothing where nothing is needed; see [Note: activations
+    by default]). Needs placement (a CUDA device or emulate_accelerator)."""
 
     overlap_host_adam: bool = True
     """The CPU Adam of the chunks whose optimizer states live on the host runs on a worker thread,
