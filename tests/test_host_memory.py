@@ -73,6 +73,19 @@ def test_a_pool_going_away_unpins_what_it_holds():
     assert kept.fill_(1.0).sum().item() == 1000  # the memory itself lives on with its last user
 
 
+def test_a_buffer_released_after_the_pool_closed_is_let_go_quietly():
+    """A saved activation dying after ``engine.destroy()`` hands its host buffer back to a closed pool: close
+    let go of it already (it raised "did not hand out" in a finalizer); a buffer never handed out still raises."""
+    accel = EmulatedAccelerator(1 << 20)
+    buffer = accel.host_empty(1000, torch.float32)
+    accel.close()
+    accel.host_free(buffer)
+    assert accel.host_pool.allocated == 0
+    other = EmulatedAccelerator(1 << 20)
+    with pytest.raises(RuntimeError, match="did not hand out"):
+        other.host_free(torch.empty(4))
+
+
 # ---- a training run: host bytes allocated == host bytes counted -----------------------------
 def _host_bytes(rank, world_size, budget, runs):
     import deepspeed

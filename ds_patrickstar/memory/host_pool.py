@@ -89,6 +89,7 @@ class HostPool:
         self._storages: set[int] = set()  # data_ptr of every allocation held
         self.allocated = 0  # bytes held: in use, waiting on a copy, cached
         self.pinnings = 0  # buffers pinned so far (each once)
+        self.closed = False  # let go of every buffer (see close)
 
     # ---- handing out and taking back --------------------------------------------------
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -110,6 +111,8 @@ class HostPool:
         """Take back a buffer from :meth:`acquire`; with ``after`` (a :class:`Pending` copy that
         reads or writes it), only once that copy has completed."""
         buffer = self._in_use.pop(tensor.data_ptr(), None)
+        if buffer is None and self.closed:
+            return  # the pool let go of every buffer when it closed (a saved activation dying after its run)
         if buffer is None:
             raise RuntimeError(
                 f"host pool: releasing a tensor ({tensor.numel()} elements, {tensor.dtype}) it did not hand out"
@@ -180,6 +183,7 @@ class HostPool:
         ``empty`` (the run is over, nothing may use them: see [Note: closing the accelerator] in
         accelerator.py) their storages go to zero bytes too, so the memory goes back though a tensor
         of a buffer may live on; without, such a tensor keeps its memory until it dies."""
+        self.closed = True
         held = [*self._in_use.values(), *(b for _, b in self._deferred), *self._free_order]
         self._in_use, self._deferred, self._free, self._free_order = {}, [], {}, []
         for buffer in held:
