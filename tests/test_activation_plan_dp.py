@@ -36,8 +36,10 @@ def test_auto_fits_where_all_fits_on_two_ranks(gas, budget):
     fewest bytes that fit: counting every accumulator and one gradient buffer at every moment (the
     first micro-step has no accumulators yet, the boundary no buffer) it moved a block more."""
     # the reference first, as in tests/test_activation_offload.py: stock ZeRO-3 replaces F.linear in
-    # the worker for good, which changes the rounding of the runs after it
-    ref = run_ranks(_train, 2, 3, "bf16", "none", 0, memo=True) if gas == 1 else None
+    # the worker for good, which changes the rounding of the runs after it; not memoized: a result kept
+    # from test_activation_offload.py's identical call may come from workers replaced since (a test that
+    # expects a rank to fail ends them), whose successors round ours the other way (a CI run failed so)
+    ref = run_ranks(_train, 2, 3, "bf16", "none", 0) if gas == 1 else None
     runs = {mode: run_ranks(_train, 2, "patrickstar", "bf16", mode, budget, gas) for mode in ("all", "auto")}
     for rank in range(2):
         if ref is not None:

@@ -138,10 +138,12 @@ def test_sizes_follow_the_gpu_memory_and_the_host_says_what_it_cannot_hold(tmp_p
         "time": "time", "fill": "fill"}  # a row per optimizer_placement rule, the step-time model's beside fill's
 
 
-def test_a_preset_sweep_at_absolute_budgets_and_parts_with_fixed_seconds(tmp_path):
+def test_a_preset_sweep_at_absolute_budgets_and_parts_with_fixed_seconds(tmp_path, monkeypatch):
     ctx = fake_suite(tmp_path, "--sweep-model", "gpt-1.3b", "--sweep-absolute", "--sweep-points", "12/off",
                      "--part-seconds", "sweep=50")
     ctx.args.dry_run, ctx.device_bytes = False, 150_000_000_000  # an H200: the 12 GiB stay 12 GiB
+    # and its host (126 GiB), not this machine's available memory, which decides whether a trial launches
+    monkeypatch.setattr(parts.psutil, "virtual_memory", lambda: SimpleNamespace(available=126 * bench_harness.GIB))
     head, argv = next((h, a) for h, a in parts.sweep_plan(ctx, ctx.args) if h["backend"] == "ours")
     assert head["size"] == "gpt-1.3b" and head["budget_bytes"] == 12 * bench_harness.GIB
     assert argv[argv.index("--model") + 1] == "gpt-1.3b" and '{"activation_checkpointing": false}' in argv
