@@ -33,7 +33,9 @@ def _gpt():
 def _config(stage, gas, keep_gathered=None):
     zero = {"stage": stage}
     if stage == "patrickstar":
-        zero.update(chunk_size=CHUNK, keep_gathered=keep_gathered)
+        # every group partitioned, gathered and prefetched each step (stock keeps this model's small parameters
+        # whole; ours would keep its groups gathered between steps: see [Note: persistent chunk groups])
+        zero.update(chunk_size=CHUNK, keep_gathered=keep_gathered, stage3_param_persistence_threshold=0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "zero_optimization": zero,
            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     if stage == 3:

@@ -57,7 +57,9 @@ def _quirk(rank, world_size, model, dtype, stage, gas=1, extra_zero=None):
         name, config = REFERENCE_MODEL.get(model, model), make_config(3, dtype, gas=gas, lr=LR)
     else:
         name = model
-        config = make_config("patrickstar", dtype, gas=gas, lr=LR, chunk_size=1024, extra_zero=extra_zero or {})
+        # partitioned groups, prefetched (no persistent one: see [Note: persistent chunk groups])
+        extra = {"stage3_param_persistence_threshold": 0, **(extra_zero or {})}
+        config = make_config("patrickstar", dtype, gas=gas, lr=LR, chunk_size=1024, extra_zero=extra)
     config.pop("train_batch_size", None)  # DeepSpeed derives it from the world size
     return run_training(models[name], config, STEPS, SEED)
 

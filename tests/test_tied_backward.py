@@ -16,7 +16,8 @@ from multiproc import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-RELEASE = {"keep_gathered": 0, "prefetch_groups": 0}
+# every group released after use (no persistent group either: see [Note: persistent chunk groups])
+RELEASE = {"keep_gathered": 0, "prefetch_groups": 0, "stage3_param_persistence_threshold": 0}
 
 
 @pytest.mark.parametrize("model,dtype,gas", [("gpt", "fp32", 1), ("gpt", "fp32", 2), ("tied", "fp32", 1)])

@@ -25,13 +25,16 @@ def _model():
     return torch.nn.Sequential(*layers)
 
 
-def _engine(stage):
+def _engine(stage, partitioned: bool = False):
+    """``partitioned``: no persistent group (see [Note: persistent chunk groups]): this small model's would stay
+    gathered between steps."""
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
 
     model = _model()
-    cfg = make_config(stage, chunk_size=1024, lr=1e-2)
+    cfg = make_config(stage, chunk_size=1024, lr=1e-2,
+                      extra_zero={"stage3_param_persistence_threshold": 0} if partitioned else None)
     cfg.pop("train_batch_size")
     return deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0], model
 
@@ -126,10 +129,10 @@ def test_gathered_parameters_of_two_engines_at_once(tmp_path):
 def _read_between_uses(rank, world_size, out_dir):
     """As DeepSpeed's checkpoint tests compare a trained and a loaded model (their gather gets (name, parameter)
     pairs and gathers nothing): every parameter read directly between uses, then training goes on."""
-    trained, _ = _engine("patrickstar")
+    trained, _ = _engine("patrickstar", partitioned=True)
     _step(trained, rank, 0)
     trained.save_checkpoint(out_dir, tag="t")
-    loaded, _ = _engine("patrickstar")
+    loaded, _ = _engine("patrickstar", partitioned=True)
     loaded.load_checkpoint(out_dir, tag="t", load_module_only=True)
     read = []
     for a, b in zip(trained.module.parameters(), loaded.module.parameters()):

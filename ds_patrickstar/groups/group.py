@@ -252,6 +252,12 @@ class ChunkGroup:
         self._to(_S.KEPT)
         self.joined.drop()
 
+    def persist(self) -> None:
+        """A persistent group gathered after the step stays, its straddling tensors joined, so that its
+        parameters read their values until the next use (see [Note: persistent chunk groups])."""
+        self._to(_S.KEPT)
+        self.joined.join_all()
+
     def unkeep(self) -> None:
         """The group is used again (or reduced): no longer kept."""
         if self.state is _S.KEPT:

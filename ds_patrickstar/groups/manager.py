@@ -67,6 +67,7 @@ from .gather_plan import GatherPlan
 from .grads import GradientSink
 from .group import build_groups
 from .leaves import LeafGradients
+from .persistent import persistent_groups
 from .residency import GroupResidency
 
 _S = TensorState
@@ -88,6 +89,7 @@ class ChunkManager:
         accumulate: bool,
         keep_gathered: int | None,
         prefetch_groups: int,
+        persistence: tuple[int, int] = (0, 0),
     ) -> None:
         self.map = chunk_map
         self.comm = comm
@@ -102,6 +104,9 @@ class ChunkManager:
         )
         self.grads = GradientSink(chunk_map, self.groups, comm, self.residency, reductions, accumulate)
         self.leaves = LeafGradients(self.grads)  # see [Note: leaf modules]
+        # gathered between steps (see [Note: persistent chunk groups]); (param, model) element thresholds
+        on_host = comm.world_size > 1 and self.plan is None
+        self.persistent = persistent_groups(self.groups, *persistence) if on_host else []
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
@@ -279,6 +284,17 @@ class ChunkManager:
         for group in self.groups:
             group.finalize()
         self.grads.next_step()
+        self._gather_persistent()
+
+    def _gather_persistent(self) -> None:
+        """The persistent groups are gathered again with the updated values, waited on and kept (see [Note:
+        persistent chunk groups])."""
+        for group in self.persistent:
+            self.residency.gather(group)
+        for group in self.persistent:
+            self.residency.persist(group)  # waits on the all-gather where it joins a straddling tensor
+            for chunk in self.groups[group].members:
+                chunk.wait_pending()
 
     def abort_iteration(self) -> None:
         """A backward raised: the iteration's uses, reduce-scatters and gradients go (the owned slots get

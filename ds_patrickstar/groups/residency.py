@@ -82,6 +82,11 @@ class GroupResidency:
         self.groups[group].keep()
         self.kept[group] = self.groups[group].nbytes.members
 
+    def persist(self, group: int) -> None:
+        """``group`` was gathered after the step and stays, whole (see [Note: persistent chunk groups])."""
+        self.groups[group].persist()
+        self.kept[group] = self.groups[group].nbytes.members
+
     def keep_or_release(self, group: int) -> None:
         """``group``'s use is over: kept gathered for its next use, releasing the oldest kept groups over the
         limit, or released (see [Note: kept groups]). With one rank nothing is gathered (a group is its one

@@ -85,6 +85,12 @@ class JoinedBuffers:
             self._accel.materialize(_joined(info), "chunk", f"{info.name} (joined)")
             self._unjoined.add(info)
 
+    def join_all(self) -> None:
+        """Fill every joined buffer of the group (a persistent group after the step: see [Note: persistent
+        chunk groups] in groups/persistent.py)."""
+        for info in self._straddling:
+            self.join(info)
+
     @torch.no_grad()
     def join(self, info: TensorInfo) -> None:
         """Fill a straddling tensor's buffer from its pieces (once per gather; the pieces' chunks are

@@ -374,6 +374,7 @@ def _build_chunks(
         accumulate=accumulate,
         keep_gathered=plan.keep_gathered,
         prefetch_groups=options.prefetch_groups,
+        persistence=(options.stage3_param_persistence_threshold, options.stage3_model_persistence_threshold),
     )
     if deferred:  # values from each module's own init, into the owned chunks only (see io/init.py)
         with store.disk.writing() if store.disk is not None else contextlib.nullcontext():

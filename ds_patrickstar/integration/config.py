@@ -32,6 +32,11 @@ STAGE_NAME: Literal["patrickstar"] = "patrickstar"
 DEFAULT_CHUNK_SIZE = 32 * 1024 * 1024
 
 _OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
+# stock's short names of keys that are ours under their stage3_ names
+_STOCK_ALIASES = {
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+}
 
 
 class PatrickStarConfig(BaseModel):
@@ -73,6 +78,18 @@ class PatrickStarConfig(BaseModel):
     """Data parallel: chunk groups all-gathered ahead of use, asynchronously, in the order the
     previous step gathered them, and waited on just before use; with placement only when they fit
     the budget without evicting anything. 0: every all-gather waits at the moment of use."""
+
+    stage3_param_persistence_threshold: int = Field(default=100_000, ge=0)
+    """Data parallel without a device budget (ranks on the host): a chunk group whose tensors all have at most
+    this many elements stays gathered between steps, all-gathered again after each update, so its parameters
+    read their full values between iterations, as ZeRO-3's persistent parameters do (``ds_persist`` True;
+    DeepSpeed's default, 1e5, here too; the alias ``param_persistence_threshold`` works). Groups holding a
+    larger tensor are released as before. With a device budget (every GPU run) placement decides what stays
+    gathered and this key does nothing (see [Note: persistent chunk groups])."""
+
+    stage3_model_persistence_threshold: int = Field(default=2**63 - 1, ge=0)
+    """With ``stage3_param_persistence_threshold``: the most elements the persistent groups hold in all, in
+    group order (DeepSpeed's default: no limit)."""
 
     max_consecutive_skipped_steps: int = Field(default=50, ge=1)
     """A run of this many consecutive skipped steps (non-finite gradients: an inf/NaN loss, or
@@ -229,6 +246,17 @@ class PatrickStarConfig(BaseModel):
             )
         return value
 
+    @field_validator("stage3_param_persistence_threshold", "stage3_model_persistence_threshold", mode="before")
+    @classmethod
+    def _elements(cls, value: Any) -> Any:
+        """DeepSpeed's configs write these as 1e5: a whole float is a count (a string, "auto" included, is not:
+        Hugging Face's Trainer fills its "auto" in before DeepSpeed sees it)."""
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, (bool, str)):
+            raise ValueError("expected a number of elements (e.g. 100000 or 1e5)")
+        return value
+
 
 def _describe(error: ErrorDetails) -> str:
     loc = [str(p) for p in error["loc"] if p not in ("int", "float")]  # int | float: the key, not the member
@@ -260,6 +288,7 @@ def parse_patrickstar_options(zero_block: dict[str, Any], aio: dict[str, Any] | 
     ours: dict[str, Any] = {}
     accepted: dict[str, str] = {}  # stock keys and what they do here (see [Note: stock ZeRO keys])
     for key, value in zero_block.items():
+        key = _STOCK_ALIASES.get(key, key)
         if key in _OFFLOAD_BLOCKS and means_nvme(value):
             ours[key] = parse_nvme(value, aio, key)
         elif key in stock_keys and (key in _OFFLOAD_BLOCKS or key not in PatrickStarConfig.model_fields):

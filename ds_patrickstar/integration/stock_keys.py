@@ -39,23 +39,17 @@ _HERE = {
     "zenflow": "off",
     "load_from_fp32_weights": "loads restore the fp32 masters, as here",
 }
-_FETCH = (
-    "ZeRO-3 fetch and persistence tuning: chunk groups are fetched by the trace here (prefetch_groups, keep_gathered)"
-)
+_FETCH = "ZeRO-3 fetch tuning: chunk groups are fetched by the trace here (prefetch_groups, keep_gathered)"
 _BUCKETS = "bucket and overlap tuning: gradients are reduce-scattered per chunk group here"
 _NOTHING = "a setting of stock stages with no counterpart here"
 _STAGE3_FETCH = {
     "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "stage3_model_persistence_threshold",
     "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
     "stage3_module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params",
     "stage3_allgather_sequential",
     "prefetch_bucket_size",
-    "param_persistence_threshold",
-    "model_persistence_threshold",
     "max_live_parameters",
     "max_reuse_distance",
     "module_granularity_threshold",

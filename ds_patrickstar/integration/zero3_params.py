@@ -9,8 +9,8 @@ or frozen) gets those attributes, as stock's ``zero.Init`` gives them, with :cla
 ``_z3_optimizer``, and ``engine.destroy()`` takes them off again; no DeepSpeed function is wrapped:
 
 * ``ds_id`` (its index in the chunk map, the same on every rank), ``ds_shape``, ``ds_numel``,
-  ``ds_process_group`` (the data-parallel group), ``ds_persist`` (False: no parameter is persistent here, every
-  one is partitioned, whatever ``stage3_param_persistence_threshold`` says); ``ds_status`` is ``AVAILABLE``
+  ``ds_process_group`` (the data-parallel group), ``ds_persist`` (True where every chunk group the parameter
+  lies in stays gathered between steps, see [Note: persistent chunk groups]); ``ds_status`` is ``AVAILABLE``
   while a module uses the parameter (its tensor state is ``COMPUTE``: inside the forward of its module, also
   nested, and in its backward) and inside ``GatheredParameters``, ``NOT_AVAILABLE`` otherwise (its full value
   is not readable through ``param.data`` between uses), as stage 3's between its fetch and its release;
@@ -51,6 +51,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from ..chunks.chunk import TensorInfo
 from ..chunks.state import TensorState
+from ..groups.persistent import persistent_tensors
 from .zero3_grads import ChunkGradients
 
 _ATTRIBUTES = (
@@ -85,11 +86,12 @@ class Zero3Params:
     # ---- attributes -------------------------------------------------------------------------
     def expose(self) -> None:
         group = self.group if self.group is not None else dist.get_world_group()
+        persistent = persistent_tensors(self.chunk_map, self.manager.persistent)
         for ds_id, info in enumerate(self.chunk_map.infos()):
             param = info.param
             param.ds_id, param.ds_shape, param.ds_numel = ds_id, info.shape, info.numel
             param.ds_process_group, param._z3_optimizer = group, self
-            param.ds_persist = False  # stock's persistent (never partitioned) parameters: none here
+            param.ds_persist = info in persistent  # see [Note: persistent chunk groups]
             param.all_gather = types.MethodType(_all_gather, param)
             param.partition = types.MethodType(_partition, param)
             info.on_use = self._use_changed
