@@ -38,8 +38,15 @@ def _train(rank: int, world: int, stage, zero: dict) -> dict:
         engine.step()
         between.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
     persist = {n: bool(p.ds_persist) for n, p in model.named_parameters()}
+    engine.empty_partition_cache()  # persistent parameters stay, as stock's
+    emptied = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        for p in model.parameters():
+            if rank == 0:
+                p.data.add_(1.0)
+    written = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     engine.destroy()
-    return {"between": between, "persist": persist}
+    return {"between": between, "persist": persist, "emptied": emptied, "written": written}
 
 
 def test_parameters_read_their_updated_values_between_steps_as_stock_persistent_ones():
@@ -47,6 +54,9 @@ def test_parameters_read_their_updated_values_between_steps_as_stock_persistent_
     ours = run_ranks(_train, 2, "patrickstar", {"chunk_size": 4096}, timeout=240.0)
     for theirs, mine in zip(stock, ours):
         assert all(mine["persist"].values()) and all(theirs["persist"].values())
+        for name, value in mine["between"][-1].items():  # kept by empty_partition_cache; rank 0's write reaches all
+            assert torch.equal(mine["emptied"][name], value), name
+            torch.testing.assert_close(mine["written"][name], value + 1.0, msg=name)
         for step_theirs, step_mine in zip(theirs["between"], mine["between"]):
             for name, value in step_theirs.items():  # same seed and data, fp32; the attention's key bias (no
                 # gradient in exact arithmetic: Adam scales the rounding) differs most, 1.2e-5 after two steps

@@ -253,8 +253,8 @@ class ChunkGroup:
         self.joined.drop()
 
     def persist(self) -> None:
-        """A persistent group gathered after the step stays, its straddling tensors joined, so that its
-        parameters read their values until the next use (see [Note: persistent chunk groups])."""
+        """A persistent group, gathered, stays until its next use, its straddling tensors joined, so that its
+        parameters read their values (see [Note: persistent chunk groups])."""
         self._to(_S.KEPT)
         self.joined.join_all()
 

@@ -67,7 +67,7 @@ from .gather_plan import GatherPlan
 from .grads import GradientSink
 from .group import build_groups
 from .leaves import LeafGradients
-from .persistent import persistent_groups
+from .persistent import PersistentGroups, persistent_groups
 from .residency import GroupResidency
 
 _S = TensorState
@@ -105,8 +105,8 @@ class ChunkManager:
         self.grads = GradientSink(chunk_map, self.groups, comm, self.residency, reductions, accumulate)
         self.leaves = LeafGradients(self.grads)  # see [Note: leaf modules]
         # gathered between steps (see [Note: persistent chunk groups]); (param, model) element thresholds
-        on_host = comm.world_size > 1 and self.plan is None
-        self.persistent = persistent_groups(self.groups, *persistence) if on_host else []
+        chosen = persistent_groups(self.groups, *persistence) if comm.world_size > 1 and self.plan is None else []
+        self.persistent = PersistentGroups(self.residency, chosen)
         self._reductions = reductions
         self._backward_users: dict[TensorInfo, int] = {}  # backward uses begun and not over, this backward
         self._forward_users: dict[TensorInfo, int] = {}  # forward uses begun and not over (nested modules)
@@ -284,17 +284,7 @@ class ChunkManager:
         for group in self.groups:
             group.finalize()
         self.grads.next_step()
-        self._gather_persistent()
-
-    def _gather_persistent(self) -> None:
-        """The persistent groups are gathered again with the updated values, waited on and kept (see [Note:
-        persistent chunk groups])."""
-        for group in self.persistent:
-            self.residency.gather(group)
-        for group in self.persistent:
-            self.residency.persist(group)  # waits on the all-gather where it joins a straddling tensor
-            for chunk in self.groups[group].members:
-                chunk.wait_pending()
+        self.persistent.gather()
 
     def abort_iteration(self) -> None:
         """A backward raised: the iteration's uses, reduce-scatters and gradients go (the owned slots get
@@ -314,12 +304,18 @@ class ChunkManager:
         self.grads.next_step()
 
     def empty_cache(self) -> None:
-        """``engine.empty_partition_cache()``: every gathered group (kept for a next use or prefetched) lets the
-        other ranks' chunks go, and frozen chunks read from disk go back; the owned chunks stay where
-        placement put them (see [Note: the partition cache])."""
+        """``engine.empty_partition_cache()``: every gathered group (kept for a next use or prefetched) but the
+        persistent ones lets the other ranks' chunks go, and frozen chunks read from disk go back; the owned chunks
+        stay where placement put them (see [Note: the partition cache])."""
         self._reductions.drain()
-        self.residency.release_all()
+        for group in range(len(self.groups)):
+            if group not in self.persistent:  # they stay, as stock's persistent parameters do
+                self.residency.release(group)
         self._let_go(keep=0)
+        self.persistent.gather()
 
     def release_all_groups(self) -> None:
+        """Values changed between steps (a load, a write inside ``GatheredParameters``): no group stays gathered
+        with its old ones; the persistent groups are gathered again with the new."""
         self.residency.release_all()
+        self.persistent.gather()

@@ -13,7 +13,9 @@ live on disk, see [Note: frozen chunks on disk]). At the end of each step
 (:meth:`~ds_patrickstar.groups.manager.ChunkManager.finish_step`, after the update) such a group is all-gathered
 again, waited on, and kept (see [Note: kept groups]); its backward's reduce-scatter releases it as any other.
 A tensor is persistent (``ds_persist`` True) when every group it has a piece in is. ``empty_partition_cache``
-releases persistent groups too, as ZeRO-3's releases its persistent parameters.
+keeps the persistent groups (stock keeps its persistent parameters there: DeepSpeed's checkpoint tests compare a
+model after it with a loaded one, reading both directly); a load, or a write inside ``GatheredParameters``,
+releases every group and gathers the persistent ones again with the new values.
 
 Scope: data parallelism without a device budget (ranks on the host, no placement), where the groups' bytes are
 host memory the ranks share. With a device budget (every GPU run) placement plans the gathered groups (see
@@ -29,6 +31,30 @@ from __future__ import annotations
 from ..chunks.chunk import TensorInfo
 from ..chunks.chunk_map import ChunkMap
 from .group import ChunkGroup
+from .residency import GroupResidency
+
+
+class PersistentGroups:
+    """The persistent groups of a run and their gathers between steps (see [Note: persistent chunk groups])."""
+
+    def __init__(self, residency: GroupResidency, indices: list[int]) -> None:
+        self._residency = residency
+        self.indices = indices  # in group order
+
+    def __contains__(self, group: int) -> bool:
+        return group in self.indices
+
+    def gather(self) -> None:
+        """Those not gathered are gathered (after a step or a load: with the new values); every one is waited on
+        and kept whole."""
+        residency = self._residency
+        for group in self.indices:
+            if not residency.is_present(group):
+                residency.gather(group)
+        for group in self.indices:
+            residency.persist(group)  # waits on the all-gather where it joins a straddling tensor
+            for chunk in residency.groups[group].members:
+                chunk.wait_pending()
 
 
 def persistent_groups(groups: list[ChunkGroup], param_threshold: int, model_threshold: int) -> list[int]:

@@ -86,9 +86,10 @@ class JoinedBuffers:
             self._unjoined.add(info)
 
     def join_all(self) -> None:
-        """Fill every joined buffer of the group (a persistent group after the step: see [Note: persistent
-        chunk groups] in groups/persistent.py)."""
+        """Every joined buffer of the group backed and filled (a persistent group between steps: see [Note:
+        persistent chunk groups] in groups/persistent.py)."""
         for info in self._straddling:
+            self.rejoin(info)
             self.join(info)
 
     @torch.no_grad()

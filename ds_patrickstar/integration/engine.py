@@ -17,7 +17,8 @@ op is built for it; ``engine.basic_optimizer`` is that object.
 [Note: the partition cache]
 Stock ZeRO-3's ``empty_partition_cache()`` releases the parameters gathered on the accelerator (kept or
 prefetched for a next use) back to their partitions. Here that cache is the gathered chunk groups: the
-other ranks' chunks of every gathered group go (their next use gathers them again), and frozen chunks
+other ranks' chunks of every gathered group go (their next use gathers them again), but the persistent
+groups' (stock keeps its persistent parameters too: see [Note: persistent chunk groups]), and frozen chunks
 read from the disk tier go back to it. The owned chunks, this rank's partition, stay where placement
 put them (``offload_states()`` moves those). With one rank nothing is gathered: a group is its one chunk.
 Not inside a forward or backward (it raises there); between a backward and the step the gradients stay.

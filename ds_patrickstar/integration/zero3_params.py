@@ -86,7 +86,7 @@ class Zero3Params:
     # ---- attributes -------------------------------------------------------------------------
     def expose(self) -> None:
         group = self.group if self.group is not None else dist.get_world_group()
-        persistent = persistent_tensors(self.chunk_map, self.manager.persistent)
+        persistent = persistent_tensors(self.chunk_map, self.manager.persistent.indices)
         for ds_id, info in enumerate(self.chunk_map.infos()):
             param = info.param
             param.ds_id, param.ds_shape, param.ds_numel = ds_id, info.shape, info.numel
