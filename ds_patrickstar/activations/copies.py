@@ -154,19 +154,23 @@ class StorageCopies:
             self.release_now(entry)
 
     def release_now(self, entry: Entry) -> None:
-        """Nothing refers to ``entry`` any more: its buffers go, once the copy in flight has run."""
-        if entry.state in (State.TO_HOST, State.TO_DEVICE):
+        """Nothing refers to ``entry`` any more: its buffers go, once the copy in flight has run. The entry is
+        ``RELEASED`` first: letting go of its storage below can run that storage's finalizer at once
+        (:meth:`storage_gone`), which must find it released, not release it again (the meter freed its block
+        twice)."""
+        state = entry.state
+        entry.move(State.RELEASED)
+        if state in (State.TO_HOST, State.TO_DEVICE):
             assert entry.pending is not None
             entry.pending.wait_host()  # the source (resp. destination) must outlive its copy
         if entry.host is not None:
             self.accel.host_free(entry.host, after=entry.pending)
-            self.host_bytes -= entry.nbytes if entry.state in (State.ON_HOST, State.TO_DEVICE) else 0
-        if entry.state is not State.ON_HOST:
+            self.host_bytes -= entry.nbytes if state in (State.ON_HOST, State.TO_DEVICE) else 0
+        if state is not State.ON_HOST:
             self._charge(entry, -entry.nbytes)
         if self._by_storage.get(entry.ptr) is entry:
             del self._by_storage[entry.ptr]
         entry.device, entry.host, entry.pending = None, None, None
-        entry.move(State.RELEASED)
 
     def _charge(self, entry: Entry, nbytes: int) -> None:
         """``entry``'s accelerator storage came (``nbytes`` > 0) or went (< 0)."""
