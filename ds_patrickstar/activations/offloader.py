@@ -129,10 +129,10 @@ class ActivationOffloader:
             trace.set_non_model(index, non_model)
         self._planned = trace
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
-        total = sum(s.nbytes for s in self._records if s.block in self.chosen)
         if not self.chosen:
             logger.info("ds_patrickstar: the activations fit beside the chunks: none is offloaded from now on")
             return
+        total = sum(s.nbytes for s in self._records if s.block in self.chosen)
         logger.info(
             "ds_patrickstar: offloading the activations of blocks %s (%d B per step of %d B saved in blocks)",
             sorted(self.chosen),

@@ -40,9 +40,10 @@ class PersistentGroups:
     def __init__(self, residency: GroupResidency, indices: list[int]) -> None:
         self._residency = residency
         self.indices = indices  # in group order
+        self._members = frozenset(indices)
 
     def __contains__(self, group: int) -> bool:
-        return group in self.indices
+        return group in self._members
 
     def gather(self) -> None:
         """Those not gathered are gathered (after a step or a load: with the new values); every one is waited on

@@ -236,7 +236,14 @@ class PatrickStarConfig(BaseModel):
             raise ValueError("a budget in bytes must be at least 4 KiB (4096); for a fraction write e.g. 0.5")
         return value
 
-    @field_validator("chunk_size", "max_consecutive_skipped_steps", "prefetch_groups", mode="before")
+    @field_validator(
+        "chunk_size",
+        "max_consecutive_skipped_steps",
+        "prefetch_groups",
+        "stage3_param_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        mode="before",
+    )
     @classmethod
     def _a_number(cls, value: Any) -> Any:
         # pydantic would read "4096" as 4096 and True as 1: a quoted number or a flag here is a mistake
@@ -244,17 +251,6 @@ class PatrickStarConfig(BaseModel):
             raise ValueError(
                 f"expected an integer (a JSON number, not {'a boolean' if isinstance(value, bool) else 'a string'})"
             )
-        return value
-
-    @field_validator("stage3_param_persistence_threshold", "stage3_model_persistence_threshold", mode="before")
-    @classmethod
-    def _elements(cls, value: Any) -> Any:
-        """DeepSpeed's configs write these as 1e5: a whole float is a count (a string, "auto" included, is not:
-        Hugging Face's Trainer fills its "auto" in before DeepSpeed sees it)."""
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, (bool, str)):
-            raise ValueError("expected a number of elements (e.g. 100000 or 1e5)")
         return value
 
 
