@@ -139,7 +139,7 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
         gc.collect()
         gc.freeze()  # the imports live as long as the worker: kept out of every later collection
     except BaseException:  # the traceback travels to the parent
-        results.put((None, rank, False, traceback.format_exc()))
+        results.put((None, rank, False, traceback.format_exc(), 0))
         return
     env, cwd, seed = dict(os.environ), os.getcwd(), torch.initial_seed()
     while True:
@@ -158,15 +158,23 @@ def _worker(rank: int, world_size: int, store: str, port: int, jobs, results) ->
             fn, args = pickle.loads(payload)
             buffer = io.BytesIO()
             torch.save(fn(rank, world_size, *args), buffer)  # plain bytes: no shared-memory handles
-            message = (job_id, rank, True, buffer.getvalue())
+            message = (job_id, rank, True, buffer.getvalue(), _groups_made())
         except BaseException:
-            message = (job_id, rank, False, traceback.format_exc())
+            message = (job_id, rank, False, traceback.format_exc(), _groups_made())
         finally:
             faulthandler.cancel_dump_traceback_later()
         results.put(message)
         message = buffer = None
         gc.collect()  # the job's engines (hooks, chunks) go now, not during the next job
         gc.freeze()  # what lives on (modules the job imported, caches) is left out of later collections
+
+
+def _groups_made() -> int:
+    """How many process groups this worker has made: torch names each new group after this count, which
+    every rank must call ``new_group`` for, so ranks whose counts differ would meet under different names."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._world.group_count
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,13 +211,14 @@ class _Pool:
             q.put((job_id, payload))
         deadline = time.monotonic() + timeout
         out: dict[int, bytes] = {}
+        made: dict[int, int] = {}
         while len(out) < self.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WorkerError(f"ranks {sorted(set(range(self.world_size)) - set(out))} did not finish "
                                   f"within {timeout} s")
             try:
-                got, rank, ok, value = self.results.get(timeout=min(remaining, 0.5))
+                got, rank, ok, value, made[rank] = self.results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
                 if dead:
@@ -223,10 +232,31 @@ class _Pool:
             if not ok:
                 # every other rank finished its job: none is left blocked in a collective, and the
                 # failing one caught its exception and waits for the next job
-                self.intact = len(out) == self.world_size - 1
-                raise WorkerError(f"rank {rank} failed:\n{value}")
+                self.intact = len(out) == self.world_size - 1 and len(set(made.values())) == 1
+                raise WorkerError(f"rank {rank} failed:\n{value}{self._other_failures(job_id, rank, out)}")
             out[rank] = value
+        # [Note: groups made on every rank] A job whose ranks made different numbers of process groups
+        # leaves them naming their next group differently: the next job's new_group would connect to
+        # another group's stale address in the store. Such a job fails here, naming the counts.
+        if len(set(made.values())) > 1:
+            raise WorkerError(f"the ranks made different numbers of process groups: {made} (rank: count)")
+        self.intact = True
         return [out[r] for r in range(self.world_size)]
+
+    def _other_failures(self, job_id: int, failed: int, out: dict) -> str:
+        """The tracebacks of other ranks that fail within a few seconds of the first: which rank failed first
+        is often the one that saw its peer go (a closed connection), not the cause."""
+        waiting = set(range(self.world_size)) - set(out) - {failed}
+        deadline, found = time.monotonic() + 3.0, []
+        while waiting and time.monotonic() < deadline:
+            try:
+                got, rank, ok, value, _ = self.results.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            waiting.discard(rank)
+            if got == job_id and not ok:
+                found.append(f"\nrank {rank} failed too:\n{value}")
+        return "".join(found)
 
     def close(self, graceful: bool) -> None:
         if graceful:
