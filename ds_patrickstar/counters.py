@@ -56,6 +56,10 @@ class StepCounters:
     """offloaded activation bytes copied back host -> accelerator"""
     prefetches: int = 0
     prefetch_hits: int = 0
+    prefetches_beyond_next: int = 0
+    """of ``prefetches``, chunks brought for a moment after the next one (see [Note: prefetch distance])"""
+    prefetch_distance: int = 0
+    """moments prefetched ahead, as the step-time model chose at the last plan (0: not chosen, one moment)"""
     adam_chunks_device: int = 0
     """chunks whose Adam update ran on the accelerator"""
     adam_chunks_host: int = 0

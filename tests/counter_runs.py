@@ -13,6 +13,8 @@ by the step-time model (``twin_1rank_device_adam``: 7 of 10 chunks' states on th
 backward (the same bytes at earlier moments: one Belady eviction fewer in ``twin_checkpointed_offload``), and
 the traced iteration planned at its own step (the steady state from the second step, not the third; in
 ``twin_2rank_ga2`` the agreed gather plan keeps no group from then on, 28 all-gathers a step instead of 27).
+The prefetch distance's counters were added later (``prefetch_distance``, ``prefetches_beyond_next``: every
+case prefetches one moment ahead; nothing else moved).
 """
 from __future__ import annotations
 

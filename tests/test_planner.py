@@ -54,10 +54,16 @@ def test_headroom_is_the_budget_less_the_tide_here_and_next_or_now():
     assert headroom(1000, TRACE, 99, 50) == 950  # off the trace
 
 
+def test_headroom_over_a_span_is_the_budget_less_its_highest_tide():
+    assert headroom(1000, TRACE, 0, 0, span=1) == 1000 - 300  # moments 0 and 1
+    assert headroom(1000, TRACE, 0, 0, span=2) == 1000 - 500  # up to moment 2
+
+
 def test_prefetch_brings_the_next_moments_chunks():
-    assert prefetch_for(TRACE, 0, "auto") == (1,)
-    assert prefetch_for(TRACE, 3, "auto") == ()  # the step uses none
-    assert prefetch_for(TRACE, 4, "auto") == ()  # the last moment
+    assert prefetch_for(TRACE, 0, "auto") == ((1, (1,)),)
+    assert prefetch_for(TRACE, 0, "auto", distance=3) == ((1, (1,)), (2, (1,)), (3, (0,)))  # nearest first
+    assert prefetch_for(TRACE, 3, "auto") == ((4, ()),)  # the step uses none
+    assert prefetch_for(TRACE, 3, "auto", distance=4) == ((4, ()),)  # not past the iteration's end
     assert prefetch_for(None, 0, "auto") == ()
     assert prefetch_for(TRACE, 0, "static") == ()
 

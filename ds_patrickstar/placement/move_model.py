@@ -6,7 +6,8 @@ driver, see [Note: placement planner]).
 [Note: placement]): at each moment the chunks it uses come to the accelerator, room made by evicting the
 resident chunk used again farthest ahead, under the budget less the tide planned for this moment and the
 next and the bytes that do not move (optimizer states on the accelerator); after the moment the next
-one's chunks are brought ahead where they fit, if need be after evicting chunks used only after it; at
+``distance`` moments' chunks are brought ahead where they fit up to their moment, if need be after evicting
+chunks used only after it (see [Note: prefetch distance] in state_choice.py); at
 the step the chunks updated on the host leave, those whose last use this iteration is behind already at
 the next moment (their gradients leave during backward, see [Note: gradients leave in backward] in
 grad_release.py). It starts from the chunks on the accelerator and leaves
@@ -31,11 +32,20 @@ from .tracer import Trace
 @dataclass(frozen=True)
 class MovePlan:
     """Bytes to the accelerator and back at each moment of one iteration; ``demand``: of ``to_device``, the
-    bytes brought for the moment's own use (not ahead of it)."""
+    bytes brought for the moment's own use (not ahead of it); ``ahead``: the rest, per moment as ``(target
+    moment, bytes)`` in the order they were brought (None: all of it for the next moment)."""
 
     to_device: list[int]
     to_host: list[int]
     demand: list[int]
+    ahead: list[list[tuple[int, int]]] | None = None
+
+    def brought_ahead(self, moment: int) -> list[tuple[int, int]]:
+        """``(target moment, bytes)`` brought ahead at ``moment``."""
+        if self.ahead is not None:
+            return self.ahead[moment]
+        early = self.to_device[moment] - self.demand[moment]
+        return [(moment + 1, early)] if early else []
 
     @property
     def bytes_to_device(self) -> int:
@@ -65,6 +75,7 @@ class _Replay:
         self.to_device = [0] * len(trace)
         self.to_host = [0] * len(trace)
         self.demand = [0] * len(trace)
+        self.ahead: list[list[tuple[int, int]]] = [[] for _ in range(len(trace))]
         self.at = 0
         self.queue = EvictionQueue()
         for chunk in resident:
@@ -81,13 +92,16 @@ class _Replay:
         for chunk in chunks & self.resident:
             self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
 
-    def bring(self, chunk: int, demand: bool = False) -> None:
+    def bring(self, chunk: int, target: int | None = None) -> None:
+        """``chunk`` to the accelerator for ``target`` (None: for this moment, on demand)."""
         self.resident.add(chunk)
         self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
         self.held += self.sizes[chunk]
         self.to_device[self.at] += self.sizes[chunk]
-        if demand:
+        if target is None:
             self.demand[self.at] += self.sizes[chunk]
+        else:
+            self.ahead[self.at].append((target, self.sizes[chunk]))
 
     def evict(self, chunk: int) -> None:
         self.resident.discard(chunk)
@@ -120,23 +134,29 @@ class _Replay:
         for victim in victims:
             self.evict(victim)
 
-    def prefetch(self, in_use: set[int]) -> None:
-        """The next moment's chunks ahead, where they fit there after evicting chunks used only after it."""
-        if self.at + 1 >= len(self.trace):
-            return
-        ahead = self.trace.moments[self.at + 1].chunks
-        for chunk in ahead:
-            if chunk in self.resident or chunk not in self.sizes:
-                continue
-            short = self.total() + self.sizes[chunk] - self.headroom(self.at + 1)
-            if short > 0:
-                keep = in_use | set(ahead)
-                chosen = self.queue.take_below(short, self._size_unless(keep), -(self.at + 1))
-                if chosen is None:
+    def prefetch(self, in_use: set[int], distance: int) -> None:
+        """The next ``distance`` moments' chunks ahead, nearest first, where they fit up to their moment after
+        evicting chunks used only after it; none of a farther moment after one whose chunks did not all fit."""
+        keep = set(in_use)
+        for target in range(self.at + 1, min(self.at + distance, len(self.trace) - 1) + 1):
+            ahead = self.trace.moments[target].chunks
+            keep.update(ahead)
+            room = min(self.headroom(m) for m in range(self.at + 1, target + 1))
+            complete = True
+            for chunk in ahead:
+                if chunk in self.resident or chunk not in self.sizes:
                     continue
-                for victim in chosen:
-                    self.evict(victim)
-            self.bring(chunk)
+                short = self.total() + self.sizes[chunk] - room
+                if short > 0:
+                    chosen = self.queue.take_below(short, self._size_unless(keep), -target)
+                    if chosen is None:
+                        complete = False
+                        continue
+                    for victim in chosen:
+                        self.evict(victim)
+                self.bring(chunk, target)
+            if not complete:
+                return
 
 
 def simulate_moves(
@@ -147,11 +167,13 @@ def simulate_moves(
     resident: set[int],
     host_updated: set[int],
     uncopied: AbstractSet[int] = frozenset(),
+    distance: int = 1,
 ) -> MovePlan:
     """Replay one iteration of ``trace`` (see [Note: predicted moves]): ``sizes``, the movable chunks' bytes
     on the accelerator; ``fixed``, bytes that do not move; ``resident``, the chunks on the accelerator at
     its start (left as those at its end); ``host_updated``, the chunks Adam updates on the host;
-    ``uncopied``, chunks whose eviction copies nothing (frozen chunks whose home is their disk record)."""
+    ``uncopied``, chunks whose eviction copies nothing (frozen chunks whose home is their disk record);
+    ``distance``, the moments prefetched ahead (see [Note: prefetch distance] in state_choice.py)."""
     replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied))
     for index, moment in enumerate(trace.moments):
         replay.at = index
@@ -162,7 +184,7 @@ def simulate_moves(
         for chunk in moment.chunks if moment.label != "step" else ():
             if chunk in sizes and chunk not in resident:
                 replay.make_room(sizes[chunk], used)
-                replay.bring(chunk, demand=True)
+                replay.bring(chunk)
         if moment.label == "step":  # Adam in chunk order, each chunk where its states live
             for chunk in sorted(used | host_updated):
                 if chunk in host_updated:
@@ -170,11 +192,11 @@ def simulate_moves(
                         replay.evict(chunk)
                 elif chunk not in resident:
                     replay.make_room(sizes[chunk], {chunk})
-                    replay.bring(chunk, demand=True)
+                    replay.bring(chunk)
         else:
             replay.make_room(0, used)
-            replay.prefetch(used)
-    return MovePlan(replay.to_device, replay.to_host, replay.demand)
+            replay.prefetch(used, distance)
+    return MovePlan(replay.to_device, replay.to_host, replay.demand, replay.ahead)
 
 
 class MovePredictor:
@@ -183,20 +205,21 @@ class MovePredictor:
 
     def __init__(self, budget: int, sizes: Mapping[int, int], trainable: set[int], uncopied: set[int]) -> None:
         self._budget, self._sizes, self._trainable, self._uncopied = budget, dict(sizes), trainable, uncopied
-        self._key: tuple[int, frozenset[int]] | None = None
+        self._key: tuple[int, frozenset[int], int] | None = None
         self.plan: MovePlan | None = None
 
-    def update(self, trace: Trace, fixed: int, resident: set[int], on_device: set[int]) -> MovePlan:
+    def update(self, trace: Trace, fixed: int, resident: set[int], on_device: set[int], distance: int = 1) -> MovePlan:
         """The prediction for ``trace`` with the optimizer states of ``on_device`` (``fixed`` bytes that do not
-        move) on the accelerator, from the chunks ``resident`` there now: the second of two iterations."""
-        key = (id(trace), frozenset(on_device))
+        move) on the accelerator, prefetching ``distance`` moments ahead, from the chunks ``resident`` there
+        now: the second of two iterations."""
+        key = (id(trace), frozenset(on_device), distance)
         if self.plan is None or key != self._key:
             self._key = key
             host_updated = self._trainable - on_device
             replay = set(resident)
             for _ in range(2):
                 self.plan = simulate_moves(
-                    trace, self._budget, self._sizes, fixed, replay, host_updated, self._uncopied
+                    trace, self._budget, self._sizes, fixed, replay, host_updated, self._uncopied, distance
                 )
         assert self.plan is not None
         return self.plan

@@ -80,11 +80,12 @@ class ChunkMoves:
             self.store.to_host(chunk)
             self.placer.left(chunk.chunk_id)
 
-    def _headroom(self, trace: Trace | None, moment: int) -> int:
-        """Bytes model data may take at ``moment``: the budget less the higher of the tide ahead and the
-        memory reserved now (the tide now and the stranded pieces): see [Note: stranded allocator bytes]."""
+    def _headroom(self, trace: Trace | None, moment: int, span: int = 1) -> int:
+        """Bytes model data may take from ``moment`` over ``span`` moments: the budget less the higher of the
+        tide ahead and the memory reserved now (the tide now and the stranded pieces): see [Note: stranded
+        allocator bytes]."""
         self.non_model()
-        return self.placer.headroom(trace, moment, self.ledger.non_model)
+        return self.placer.headroom(trace, moment, self.ledger.non_model, span)
 
     def non_model(self) -> int:
         """The tide now; the ledger's charges must fit beside it and the allocator's stranded pieces
@@ -154,15 +155,15 @@ class ChunkMoves:
             self.to_device(chunk)
         chunk.wait_pending()
 
-    def _room_for_prefetch(self, nbytes: int, trace: Trace | None, keep: set[int]) -> bool:
-        """Whether ``nbytes`` fit at the next moment, after evicting chunks used only after it (see
-        [Note: placement]); nothing is evicted when that would not be enough."""
-        if self._fits(nbytes, trace):
+    def _room_for_prefetch(self, nbytes: int, trace: Trace | None, keep: set[int], target: int) -> bool:
+        """Whether ``nbytes`` fit at every moment up to ``target`` (the moment they are for), after evicting
+        chunks used only after it (see [Note: placement]); nothing is evicted when that would not be enough."""
+        headroom = self._headroom(trace, self.at + 1, target - self.at)
+        if self.ledger.total + nbytes <= headroom:
             return True
         accel = self.store.accel
-        headroom = self._headroom(trace, self.at + 1)
         short = self.ledger.total + nbytes - headroom - accel.in_flight_bytes()
-        victims = self.placer.victims_used_after(short, self._evictable(keep), self.at + 1) if short > 0 else []
+        victims = self.placer.victims_used_after(short, self._evictable(keep), target) if short > 0 else []
         if victims is None:
             return False
         self._evict_all(victims)
@@ -175,9 +176,6 @@ class ChunkMoves:
         only where the tide is lower, see [Note: stranded allocator bytes] in memory/cuda.py); no
         reserve beyond it."""
         return self.placer.budget - self.ledger.by_kind.get("optim", 0) - self.store.accel.fragmentation()
-
-    def _fits(self, nbytes: int, trace: Trace | None) -> bool:
-        return self.ledger.total + nbytes <= self._headroom(trace, self.at + 1)
 
     def after_use(self, chunk: Chunk) -> None:
         if self.placer.release_after_use(chunk.chunk_id) and chunk.movable:
@@ -192,11 +190,24 @@ class ChunkMoves:
             self.evict(chunk)
             self.counters.adam_chunks_host += 1
 
-    def prefetch(self, ahead: tuple[int, ...], trace: Trace | None, in_use: set[int]) -> None:
-        """Bring the chunks of ``ahead`` (the next moment's) that are away and fit at the next moment."""
-        for chunk_id in ahead:
-            chunk = self.chunks[chunk_id]
-            if chunk.on_host and self._room_for_prefetch(self.nbytes(chunk), trace, in_use | set(ahead)):
+    def prefetch(self, ahead: tuple[tuple[int, tuple[int, ...]], ...], trace: Trace | None, in_use: set[int]) -> None:
+        """Bring the chunks of ``ahead`` (per target moment, nearest first) that are away and fit up to their
+        moment; after a moment whose chunks did not all fit, no farther one's (they would take the room its
+        chunks need on demand; see [Note: prefetch distance] in state_choice.py)."""
+        keep = set(in_use)
+        for target, chunk_ids in ahead:
+            keep.update(chunk_ids)
+            complete = True
+            for chunk_id in chunk_ids:
+                chunk = self.chunks[chunk_id]
+                if not chunk.on_host:
+                    continue
+                if not self._room_for_prefetch(self.nbytes(chunk), trace, keep, target):
+                    complete = False
+                    continue
                 self.to_device(chunk)
                 self.counters.prefetches += 1
+                self.counters.prefetches_beyond_next += int(target > self.at + 1)
                 chunk.prefetched = True
+            if not complete:
+                return

@@ -9,7 +9,7 @@ hand-made :class:`~ds_patrickstar.placement.tracer.Trace`:
   trace (see [Note: optimizer-state placement]);
 * :func:`headroom`: the bytes model data may take at a moment, beside the tide planned there and the
   non-model memory now (see [Note: placement] and [Note: stranded allocator bytes]);
-* :func:`prefetch_for`: the chunks brought ahead after a moment (those of the next one);
+* :func:`prefetch_for`: the chunks brought ahead after a moment (those of the next ``distance`` moments);
 * :func:`belady_victims`: what to evict for a number of bytes, farthest next use first (the oracle of
   the driver's :class:`~ds_patrickstar.placement.policy.EvictionQueue`, which gives the same answer
   in O(log n) per change);
@@ -61,19 +61,23 @@ def optimizer_chunks_on_device(free_bytes: int, capacities: Mapping[int, int]) -
     return chosen
 
 
-def headroom(budget: int, trace: Trace | None, moment: int, non_model_now: int) -> int:
-    """Bytes model data may use on the accelerator at ``moment``: the budget less the higher of the tide the
-    trace plans over this moment and the next, and the non-model memory now."""
-    planned = trace.non_model_ahead(moment) if trace is not None and 0 <= moment < len(trace) else 0
+def headroom(budget: int, trace: Trace | None, moment: int, non_model_now: int, span: int = 1) -> int:
+    """Bytes model data may use on the accelerator from ``moment`` over ``span`` moments: the budget less the
+    higher of the tide the trace plans over them and the one after, and the non-model memory now."""
+    planned = trace.non_model_ahead(moment, span + 1) if trace is not None and 0 <= moment < len(trace) else 0
     return budget - max(planned, non_model_now)
 
 
-def prefetch_for(trace: Trace | None, moment: int, policy: str) -> tuple[int, ...]:
-    """The chunks to bring ahead after ``moment``: the next moment's (none without a trace, at its last
-    moment, or with the ``static`` policy)."""
-    if trace is None or policy == "static" or moment + 1 >= len(trace):
+def prefetch_for(
+    trace: Trace | None, moment: int, policy: str, distance: int = 1
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """What to bring ahead after ``moment``: ``(target moment, its chunks)`` for the next ``distance`` moments
+    of this iteration, nearest first (none without a trace, at its last moment, or with the ``static``
+    policy); see [Note: prefetch distance] in state_choice.py."""
+    if trace is None or policy == "static":
         return ()
-    return trace.moments[moment + 1].chunks
+    last = min(moment + distance, len(trace) - 1)
+    return tuple((target, trace.moments[target].chunks) for target in range(moment + 1, last + 1))
 
 
 def belady_victims(resident: dict[int, int], need: int, next_use: Callable[[int], int]) -> list[int]:

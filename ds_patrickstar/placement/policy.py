@@ -138,6 +138,7 @@ class Placer:
         self._resident: set[int] = set()
         self._base = 0  # absolute clock of this iteration's moment 0 (Belady priorities)
         self._moment = -1
+        self.distance = 1  # moments prefetched ahead (see [Note: prefetch distance] in state_choice.py)
 
     # ---- what is where ------------------------------------------------------------
     @property
@@ -185,9 +186,10 @@ class Placer:
             return self._clock  # least recently used first
         return -(self._base + self._trace.next_use(chunk, self._moment))  # farthest next use first
 
-    def headroom(self, trace: Trace | None, moment: int, non_model_now: int) -> int:
-        """Bytes model data may use on the accelerator at ``moment`` (:func:`~.planner.headroom`)."""
-        return headroom(self.budget, trace, moment, non_model_now)
+    def headroom(self, trace: Trace | None, moment: int, non_model_now: int, span: int = 1) -> int:
+        """Bytes model data may use on the accelerator from ``moment`` over ``span`` moments
+        (:func:`~.planner.headroom`)."""
+        return headroom(self.budget, trace, moment, non_model_now, span)
 
     def victims(self, need: int, size_if_evictable: Callable[[int], int | None]) -> list[int]:
         """Chunks to evict for ``need`` bytes, by priority; see :class:`EvictionQueue`."""
@@ -205,9 +207,9 @@ class Placer:
             return None
         return self._queue.take_below(need, size_if_evictable, -(self._base + moment))
 
-    def prefetch(self, trace: Trace | None, moment: int) -> tuple[int, ...]:
-        """The chunks to bring after ``moment`` (:func:`~.planner.prefetch_for`)."""
-        return prefetch_for(trace, moment, self.policy)
+    def prefetch(self, trace: Trace | None, moment: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """What to bring after ``moment``, per target moment (:func:`~.planner.prefetch_for`)."""
+        return prefetch_for(trace, moment, self.policy, self.distance)
 
     def release_after_use(self, chunk: int) -> bool:
         """Static policy: chunks outside the kept fraction go back to the host after use."""

@@ -258,7 +258,9 @@ class PlacementRuntime:
         without a chooser); priced with the moment times the traced iteration measured."""
         if self.chooser is None or self.timer is None:
             return fill
-        return self.chooser(trace, fill, self.placer.resident, self.timer.traced_times(len(trace)))
+        choice = self.chooser(trace, fill, self.placer.resident, self.timer.traced_times(len(trace)))
+        self.placer.distance = choice.distance  # see [Note: prefetch distance]
+        return set(choice.on_device)
 
     def step_moment(self, on_device: set[int]) -> None:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator (the
@@ -267,7 +269,7 @@ class PlacementRuntime:
         self.steps.settle(trace, on_device)
         if self.predictor is not None and trace is not None:
             fixed = self.ledger.by_kind.get("optim", 0)
-            self.predictor.update(trace, fixed, self.placer.resident, on_device)
+            self.predictor.update(trace, fixed, self.placer.resident, on_device, self.placer.distance)
         self._on_device = set(on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
 
@@ -284,6 +286,7 @@ class PlacementRuntime:
         if predicted is not None:
             self.counters.predicted_bytes_to_device = predicted.bytes_to_device
             self.counters.predicted_bytes_to_host = predicted.bytes_to_host
+            self.counters.prefetch_distance = self.placer.distance if self.chooser is not None else 0
         trace = self.tracer.last_iteration()
         if self.timer is not None and predicted is not None and trace is not None:
             step = self.timer.end_step(trace, predicted, self._on_device)

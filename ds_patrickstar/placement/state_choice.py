@@ -26,6 +26,19 @@ has reached them (else 0: the transfers priced as exposed); the profile's rates 
 candidates the search takes a grid of :data:`GRID` points, then halves the interval around the best until
 neighbours are compared: a few dozen replays of the trace, once per (re-)trace. ``tests/test_state_choice.py``
 checks the choice against every subset of the candidates on small traces.
+
+[Note: prefetch distance]
+After a moment the driver brings ahead the chunks of the next ``distance`` moments, nearest first, each
+where it fits at every moment up to the one it is for (after evicting chunks used only after that moment;
+never a chunk needed sooner), and none of a farther moment once one moment's chunks did not all fit (they
+would take the room its chunks then need on demand). One moment ahead hides a copy behind one moment's
+compute; where moments are uneven (a short one before a long copy) or the link is slow, copies issued
+earlier run behind several moments' compute, at the price of room held longer (more evictions where room is
+short). With the optimizer states placed, the planner prices each distance from 1 to :data:`MAX_DISTANCE`
+(the moves of a steady-state iteration at that distance, then the two-stream step-time model, see [Note:
+step-time model]) and keeps the fastest; within :data:`TIE` of it, the fewest bytes moved, then the shortest
+distance. The distance is logged and exported (counter ``prefetch_distance``); without the step-time model
+(several ranks, gradient accumulation, ``optimizer_placement: "fill"``) it is one moment.
 """
 
 from __future__ import annotations
@@ -52,6 +65,8 @@ LOCAL_WORK = 200_000
 """Local moves only where chunks x moments (a replay's work) is at most this: about a second in all."""
 TIE = 0.02
 """Predicted steps within this fraction of the fastest are a tie, settled by the bytes moved."""
+MAX_DISTANCE = 4
+"""The most moments prefetched ahead (see [Note: prefetch distance])."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ class StateChoice:
     on_device: frozenset[int]
     step: StepTime
     plan: MovePlan
+    distance: int = 1
 
     @property
     def moved(self) -> int:
@@ -89,18 +105,41 @@ def price(
     compute_s: Sequence[float],
     profile: DeviceProfile,
     overlap: bool,
+    distance: int = 1,
 ) -> StateChoice:
-    """The steady-state step with the states of ``on_device`` on the accelerator (see [Note: optimizer states
-    by step time]): two iterations of the moves from ``resident``, the second priced."""
+    """The steady-state step with the states of ``on_device`` on the accelerator, prefetching ``distance``
+    moments ahead (see [Note: optimizer states by step time]): two iterations of the moves from ``resident``,
+    the second priced."""
     trace = with_step_chunks(trace, tuple(sorted(on_device)))
     fixed = sum(OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in on_device)
     host = {c: n for c, n in costs.elements.items() if c not in on_device}
     replay = set(resident)
-    plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied)
-    plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied)
+    for _ in range(2):
+        plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance)
     device = sum(costs.elements[c] for c in on_device)
     step = predict_step(trace, plan, compute_s, host, device, profile, overlap)
-    return StateChoice(frozenset(on_device), step, plan)
+    return StateChoice(frozenset(on_device), step, plan, distance)
+
+
+def choose_distance(
+    trace: Trace,
+    budget: int,
+    costs: ChunkCosts,
+    placed: StateChoice,
+    resident: AbstractSet[int],
+    compute_s: Sequence[float],
+    profile: DeviceProfile,
+    overlap: bool,
+) -> StateChoice:
+    """``placed`` (priced one moment ahead) at the prefetch distance the step-time model prefers: see [Note:
+    prefetch distance]."""
+    choices = [placed] + [
+        price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap, distance)
+        for distance in range(2, MAX_DISTANCE + 1)
+    ]
+    fastest = min(c.step.total_s for c in choices)
+    tied = [c for c in choices if c.step.total_s <= fastest * (1 + TIE)]
+    return min(tied, key=lambda c: (c.moved, c.distance))
 
 
 def choose_states(
@@ -209,8 +248,19 @@ class StateChooser:
 
     def __call__(
         self, trace: Trace, fill: set[int], resident: AbstractSet[int], compute_s: Sequence[float]
-    ) -> set[int]:
-        """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator."""
-        order = sorted(fill)
-        choice = choose_states(trace, self.budget, self.costs, order, resident, compute_s, self.profile, self.overlap)
-        return set(choice.on_device)
+    ) -> StateChoice:
+        """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator, and the
+        prefetch distance (see [Note: prefetch distance])."""
+        args = (self.budget, self.costs)
+        placed = choose_states(trace, *args, sorted(fill), resident, compute_s, self.profile, self.overlap)
+        choice = choose_distance(trace, *args, placed, resident, compute_s, self.profile, self.overlap)
+        logger.info(
+            "ds_patrickstar: prefetch %d moment(s) ahead by the step-time model: predicted step %.4f s, %d B moved "
+            "(one moment ahead: %.4f s, %d B)",
+            choice.distance,
+            choice.step.total_s,
+            choice.moved,
+            placed.step.total_s,
+            placed.moved,
+        )
+        return choice

@@ -62,7 +62,7 @@ class StepPlan:
         fill = states_on_device(
             trace, self.budget, self.policy, self.chunk_needs(trace), self._largest_chunk, capacities
         )
-        return choose(trace, fill) if choose is not None and fill else fill
+        return choose(trace, fill) if choose is not None else fill
 
     def settle(self, trace: Trace | None, on_device: set[int]) -> None:
         """The states were placed: after a new decision the traced step moment uses the chunks updated on

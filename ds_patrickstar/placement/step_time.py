@@ -1,17 +1,21 @@
 """A step's time predicted from the trace, the moves the planner predicts and a device profile.
 
 [Note: step-time model]
-:func:`predict_step` prices one steady-state iteration of a trace. Each moment ``k`` costs
+:func:`predict_step` prices one steady-state iteration of a trace as two streams run it: the compute stream
+runs the moments in order, the copy stream the moves (:class:`~ds_patrickstar.placement.move_model.MovePlan`,
+see [Note: predicted moves]) in the order the driver issues them. At moment ``k`` the driver issues, before
+the moment's compute is queued, the bytes brought on demand, then the bytes sent back and the bytes brought
+ahead for later moments; each copy starts when the copy stream is free and the compute queued before it
+(moments up to ``k - 1``) is done. Moment ``k``'s compute starts when moment ``k - 1``'s is done, its
+on-demand bytes have arrived and so have the bytes brought ahead for it (at any earlier moment: the prefetch
+distance, see [Note: prefetch distance] in state_choice.py). With one moment ahead, a moment costs
 
     t_k = demand_k / to_device + max(compute_k, ahead_k / to_device + evicted_k / to_host)
 
-where ``demand_k`` are the bytes brought on demand before the moment's compute can start (they cannot
-hide), ``ahead_k`` the bytes prefetched for the next moment and ``evicted_k`` the bytes sent back, both
-on the copy stream behind the moment's compute (:class:`~ds_patrickstar.placement.move_model.MovePlan`,
-see [Note: predicted moves]). The step moment costs its own moves, its own measured time beyond the Adam
-priced here (the gradient norm, the step's bookkeeping and waits; on an H200 0.58 s of a 1.42 s step, which a
-model without it left out), the device Adam (elements / the device's Adam rate) and the host Adam: all of it
-serially without overlap; with the overlapped host
+when the copy stream is not behind. The step moment runs its moves, then its own measured time beyond the
+Adam priced here (the gradient norm, the step's bookkeeping and waits; on an H200 0.58 s of a 1.42 s step,
+which a model without it left out), the device Adam (elements / the device's Adam rate) and the host Adam:
+all of it serially without overlap; with the overlapped host
 Adam (see [Note: overlapped host Adam] in memory/host_work.py) only what the next forward waits for:
 the jobs run one after the other from the step's start, in the order the forward first uses their
 chunks, and chunk ``i`` is needed once the step and the forward's moments before its first use are
@@ -81,30 +85,58 @@ def predict_step(
     """One iteration of ``trace`` with the moves of ``plan`` and moment times ``compute_s`` (one per moment);
     ``host_updated``: elements of each chunk Adam updates on the host, ``device_updated``: elements updated
     on the accelerator (see [Note: step-time model])."""
-    compute = exposed = 0.0
-    moment_s: list[float] = []
-    step_at = -1
     device_adam = device_updated / profile.device_adam_elements_per_s
     host_adam = sum(host_updated.values()) / profile.host_adam_elements_per_s
     priced_adam = device_adam + (0.0 if overlap else host_adam)  # what the step moment's own time already holds
+    streams = _Streams(profile)
+    compute, step_at = 0.0, -1
     for k, moment in enumerate(trace.moments):
-        demand = plan.demand[k] / profile.to_device_bytes_per_s
-        behind = (plan.to_device[k] - plan.demand[k]) / profile.to_device_bytes_per_s
-        behind += plan.to_host[k] / profile.to_host_bytes_per_s
         work = compute_s[k] if k < len(compute_s) else 0.0
         if moment.label == "step":  # its own time beyond the Adam priced below (norm, bookkeeping, host waits)
-            step_at, own = k, max(0.0, work - priced_adam)
-            compute += own
-            exposed += demand + behind
-            moment_s.append(demand + behind + own)
-            continue
+            step_at, work = k, max(0.0, work - priced_adam)
+            streams.serial(plan.to_device[k], plan.to_host[k], work)
+        else:
+            streams.moment(k, plan.demand[k], plan.to_host[k], plan.brought_ahead(k), work)
         compute += work
-        exposed += demand + max(0.0, behind - work)
-        moment_s.append(demand + max(work, behind))
+    exposed = streams.done - compute
     if not overlap or step_at < 0:
         return StepTime(compute, exposed, device_adam + host_adam)
-    waited = _host_adam_waited(trace, moment_s, step_at, device_adam, host_updated, profile)
+    waited = _host_adam_waited(trace, streams.moment_s, step_at, device_adam, host_updated, profile)
     return StepTime(compute, exposed, device_adam + waited)
+
+
+class _Streams:
+    """The compute stream and the copy stream through one iteration (see [Note: step-time model]): when
+    each has run what was queued so far, and each moment's time from the end of the one before."""
+
+    def __init__(self, profile: DeviceProfile) -> None:
+        self.profile = profile
+        self.done = 0.0  # the compute stream has run the moments so far
+        self.copied = 0.0  # the copy stream has run the moves issued so far
+        self.ready: dict[int, float] = {}  # moment -> its chunks brought ahead have arrived
+        self.moment_s: list[float] = []
+
+    def moment(self, k: int, demand: int, evicted: int, ahead: list[tuple[int, int]], work: float) -> None:
+        before = self.done
+        copied = max(self.copied, before) + demand / self.profile.to_device_bytes_per_s
+        start = max(before, copied, self.ready.get(k, 0.0))
+        copied += evicted / self.profile.to_host_bytes_per_s
+        for target, nbytes in ahead:
+            copied += nbytes / self.profile.to_device_bytes_per_s
+            self.ready[target] = max(self.ready.get(target, 0.0), copied)
+        self.copied, self.done = copied, start + work
+        self.moment_s.append(self.done - before)
+
+    def serial(self, to_device: int, to_host: int, work: float) -> None:
+        """The step moment: its moves after the copies in flight, then its own time (the wait for those
+        copies is the moment before's)."""
+        waited = max(0.0, self.copied - self.done)
+        if self.moment_s:
+            self.moment_s[-1] += waited
+        moves = to_device / self.profile.to_device_bytes_per_s + to_host / self.profile.to_host_bytes_per_s
+        self.done += waited + moves + work
+        self.copied = self.done
+        self.moment_s.append(moves + work)
 
 
 def _host_adam_waited(
