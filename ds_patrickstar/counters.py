@@ -37,6 +37,8 @@ class StepCounters:
     grads_released_in_backward: int = 0
     """chunks updated on the host sent to it during backward, once their last use this iteration was behind
     (see [Note: gradients leave in backward])"""
+    stranded_bytes_released: int = 0
+    """stranded allocator bytes given back before a budget error (see [Note: stranded bytes released])"""
     states_gave_way: int = 0
     """times a moment's chunks fit only once optimizer states moved from the accelerator to the host (the
     tide above the plan; see [Note: states give way])"""

@@ -312,6 +312,51 @@ def test_12_states_give_way_where_the_tide_stands_above_the_plan(monkeypatch):
     assert losses == ref
 
 
+def test_12_stranded_pieces_are_released_before_states_give_way(monkeypatch):
+    """[Note: stranded bytes released]: where the shortfall is stranded allocator pieces that giving back the
+    allocator's cache returns (as PyTorch's expandable segments do), they are released and counted, and
+    neither optimizer states move nor does the run stop; where they stay (the default allocator), the error
+    that stands names them with the setting that can return them."""
+    import deepspeed
+    import harness
+
+    from ds_patrickstar.memory.emulated import EmulatedAccelerator
+    from ds_patrickstar.placement.remedies import budget_remedies
+
+    budget = 3_000_000
+    _, ref, _ = _run(_config(3), steps=5)
+    stranded = {"bytes": 0}
+    measured, release = EmulatedAccelerator.fragmentation, EmulatedAccelerator.release_cached
+    monkeypatch.setattr(EmulatedAccelerator, "fragmentation", lambda self: measured(self) + stranded["bytes"])
+
+    def release_cached(self):
+        stranded["bytes"] = 0  # the pages of the stranded pieces are given back
+        release(self)
+
+    monkeypatch.setattr(EmulatedAccelerator, "release_cached", release_cached)
+    harness.ensure_distributed()
+    model = _mlp()
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=budget)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    gen, losses, counters, pieces = torch.Generator().manual_seed(1), [], [], 0
+    for step in range(5):
+        if step == 3:  # as in the give-way test: room for half a chunk beside the optimizer states
+            pieces = stranded["bytes"] = budget - engine.optimizer.accel.ledger.by_kind["optim"] - 32768 * 4 // 2
+        x, y = torch.randn(BATCH, HIDDEN, generator=gen), torch.randn(BATCH, HIDDEN, generator=gen)
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        counters.append(engine.get_patrickstar_counters())
+    engine.destroy()
+    assert [c["stranded_bytes_released"] for c in counters] == [0, 0, 0, pieces, 0] and pieces > 0
+    assert [c["states_gave_way"] for c in counters] == [0] * 5
+    assert losses == ref
+    text = budget_remedies(1000, budget, 5000, 4000, True, stranded=777)
+    assert "expandable_segments" in text and "777 B stranded" in text
+    assert "expandable_segments" not in budget_remedies(1000, budget, 5000, 4000, True)
+
+
 def test_13_steady_steps_pin_no_host_memory_anew():
     """[Note: pinned host memory]: the payloads of chunks updated on the host leave the host in forward and
     their gradients come back in backward, every step; their buffers stay in the pool in between, so a steady

@@ -17,10 +17,20 @@ assembly) to move states to the host until the shortfall is freed, and tries aga
 on the host at the step, and the tide measured above the plan re-plans the states there (see
 :func:`~ds_patrickstar.placement.step_plan.raise_tide`). Only when no state is left on the accelerator does
 the error stand, with its remedies. Counter: ``states_gave_way`` (the times states made room so).
+
+[Note: stranded bytes released]
+Before states give way, and before any budget error, the allocator gives back what it caches
+(:meth:`~ds_patrickstar.memory.accelerator.Accelerator.release_cached`, ``torch.cuda.empty_cache``) and
+the stranded pieces are read again (see [Note: stranded allocator bytes] in memory/cuda.py): where that
+returned some (PyTorch's ``expandable_segments`` allocator unmaps the free pages inside partly used
+segments; the default allocator returns only whole free segments, which are not counted as stranded), the
+room is tried again. Counter ``stranded_bytes_released``; an error that still stands names the stranded
+bytes among its remedies.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from ..chunks.chunk import Chunk
@@ -32,6 +42,8 @@ from ..store.chunk_store import ChunkStore
 from .policy import Placer
 from .remedies import budget_remedies
 from .tracer import MemoryTracer, Trace
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkMoves:
@@ -123,25 +135,57 @@ class ChunkMoves:
             try:
                 self._evict_all(self.placer.victims(short, self._evictable(keep)))
             except DeviceBudgetExceeded as err:
+                if self.release_stranded():  # see [Note: stranded bytes released]
+                    self.make_room(need, keep)
+                    return
                 if self.room_from_states is not None and self.room_from_states(short) > 0:
                     self.counters.states_gave_way += 1  # see [Note: states give way]
                     self.make_room(need, keep)
                     return
                 non_model = self.placer.budget - headroom
                 held = sum(self.nbytes(self.chunks[c]) for c in keep if not self.chunks[c].on_host) + need
-                remedies = budget_remedies(
-                    self.ledger.total + need + non_model - self.placer.budget,
-                    self.placer.budget,
-                    non_model,
-                    held,
-                    self.offloading,
-                )
+                short = self.ledger.total + need + non_model - self.placer.budget
+                stranded = self.store.accel.fragmentation()
+                remedies = budget_remedies(short, self.placer.budget, non_model, held, self.offloading, stranded)
                 raise DeviceBudgetExceeded(
                     f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
                     f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
                     f"{non_model:,} B of non-model memory ({err}; needed now: {sorted(keep)}). {remedies}"
                 ) from None
         accel.reclaim(need_below=headroom - need)
+
+    def release_stranded(self) -> bool:
+        """Whether giving back what the allocator caches freed stranded pieces (see [Note: stranded bytes
+        released])."""
+        accel = self.store.accel
+        before = accel.fragmentation()
+        if before <= 0:
+            return False
+        accel.release_cached()
+        released = before - accel.fragmentation()
+        if released > 0:
+            self.counters.stranded_bytes_released += released
+            logger.info(
+                "ds_patrickstar: %d B of stranded allocator pieces released at moment %d", released, self.moment
+            )
+        return released > 0
+
+    def check_budget(self) -> int:
+        """The tide now, after checking that the chunks on the accelerator fit beside it and the stranded pieces
+        (released first where that helps, see [Note: stranded bytes released]); raises with the remedies."""
+        non_model = self.non_model()
+        over = self.ledger.total + self.ledger.non_model - self.placer.budget
+        if over > 0 and self.release_stranded():
+            non_model = self.non_model()
+            over = self.ledger.total + self.ledger.non_model - self.placer.budget
+        if over > 0:
+            model, stranded = self.ledger.total, self.ledger.non_model - non_model
+            remedies = budget_remedies(over, self.placer.budget, non_model, model, self.offloading, stranded)
+            raise DeviceBudgetExceeded(
+                f"model data {model:,} B + non-model {non_model:,} B + stranded allocator pieces {stranded:,} B "
+                f"exceed the accelerator budget of {self.placer.budget:,} B at moment {self.moment}. {remedies}"
+            )
+        return non_model
 
     def _evict_all(self, victims: list[int]) -> None:
         for victim in victims:

@@ -5,9 +5,11 @@ activations learns which setting makes the run train, not only that it does not.
 from __future__ import annotations
 
 
-def budget_remedies(short: int, budget: int, non_model: int, held: int, offloading: bool) -> str:
+def budget_remedies(short: int, budget: int, non_model: int, held: int, offloading: bool, stranded: int = 0) -> str:
     """The remedies, one clause each: ``short`` bytes over the ``budget``, ``non_model`` bytes of activations
-    and temporaries then, ``held`` bytes of the chunks in use then; ``offloading``: activation offload is on."""
+    and temporaries then, ``held`` bytes of the chunks in use then; ``offloading``: activation offload is on;
+    ``stranded``: free bytes stranded in the allocator's partly used blocks then (see [Note: stranded bytes
+    released] in moves.py)."""
     remedies = [f"zero_optimization.device_budget of at least {budget + short:,} B ({short:,} B more)"]
     if not offloading and non_model:
         remedies.append(
@@ -19,4 +21,9 @@ def budget_remedies(short: int, budget: int, non_model: int, held: int, offloadi
         remedies.append(f"a smaller train_micro_batch_size_per_gpu (the {non_model:,} B here grow with it)")
     if held:
         remedies.append(f"a smaller zero_optimization.chunk_size (the chunks in use here take {held:,} B)")
+    if stranded:
+        remedies.append(
+            f"PyTorch's expandable_segments allocator (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set "
+            f"before CUDA starts), which can return the {stranded:,} B stranded here in partly used blocks"
+        )
     return "Any of these fits more: " + "; ".join(remedies) + "."

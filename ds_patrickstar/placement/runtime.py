@@ -25,14 +25,13 @@ from collections.abc import Callable
 from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
-from ..memory.ledger import DeviceBudgetExceeded, DeviceLedger
+from ..memory.ledger import DeviceLedger
 from .grad_release import GradientRelease
 from .interface import NO_TIDE, ActivationPolicy
 from .move_model import MovePredictor
 from .moves import ChunkMoves
 from .planner import gathered_rooms
 from .positions import TracePositions
-from .remedies import budget_remedies
 from .shapes import RetraceReason
 from .state_choice import StateChooser
 from .step_plan import StepPlan
@@ -143,15 +142,7 @@ class PlacementRuntime:
     def end_moment(self, in_use: set[int]) -> None:
         """Check the budget (the tide may have risen), record peaks, prefetch the next moment."""
         self.moves.make_room(0, in_use)
-        model, non_model = self.ledger.total, self.moves.non_model()
-        if model + self.ledger.non_model > self.placer.budget:
-            short = model + self.ledger.non_model - self.placer.budget
-            remedies = budget_remedies(short, self.placer.budget, non_model, model, self.activations is not None)
-            raise DeviceBudgetExceeded(
-                f"model data {model:,} B + non-model {non_model:,} B + stranded allocator pieces "
-                f"{self.ledger.non_model - non_model:,} B exceed the accelerator budget of "
-                f"{self.placer.budget:,} B at moment {self.moment}. {remedies}"
-            )
+        model, non_model = self.ledger.total, self.moves.check_budget()
         trace = self.moves.plan_trace()
         if self.run.records():
             offloaded = self.activations.host_bytes if self.activations is not None else 0
