@@ -297,11 +297,50 @@ def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
     runtime.tracer = SimpleNamespace(non_model_now=lambda ledger: 100)
     runtime.store = SimpleNamespace(accel=SimpleNamespace(fragmentation=lambda: stranded[0]))
     runtime.run, runtime.stranded_peak = SimpleNamespace(records=lambda: True), 0
+    runtime.hook_ends()
     assert runtime._headroom(trace, 0) == 1000 - 500  # the tide ahead (500) covers now (100) + 300 stranded
     stranded[0] = 450
     assert runtime._headroom(trace, 0) == 1000 - 550
     assert runtime._headroom(trace, 3) == 1000 - 550  # tide ahead 100: now + stranded decide
     assert runtime.stranded_peak == 450  # the auto plan's margin (see [Note: auto activation offload])
+    # [Note: one reading per hook]: inside a moment's hook the allocator is read once
+    runtime.hook_begins()
+    assert runtime._headroom(trace, 3) == 1000 - 550
+    stranded[0] = 600
+    assert runtime._headroom(trace, 3) == 1000 - 550  # the hook's reading
+    runtime.hook_ends()
+    assert runtime._headroom(trace, 3) == 1000 - 700  # read again outside it
+
+
+def test_a_steady_step_reads_the_allocator_about_once_a_moment(monkeypatch):
+    """[Note: one reading per hook]: on the twin at a budget with evictions, a steady step reads the stranded
+    pieces (on a GPU, with the tide: one allocator statistics call each) about once a moment, not once per
+    chunk brought, room made and prefetch; the training is stock ZeRO-3's."""
+    from ds_patrickstar.memory.emulated import EmulatedAccelerator
+
+    reads = [0]
+    measured = EmulatedAccelerator.fragmentation
+
+    def counted(self):
+        reads[0] += 1
+        return measured(self)
+
+    monkeypatch.setattr(EmulatedAccelerator, "fragmentation", counted)
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=BUDGET)
+    engine, ours, _ = _run(config, steps=3)  # a step more below, its reads counted
+    ref = _run(_config(3), steps=3)[1]
+    moments = len(engine.optimizer.manager.placement.tracer.current_trace())
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(BATCH, HIDDEN, generator=gen), torch.randn(BATCH, HIDDEN, generator=gen)
+    reads[0] = 0
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+    counters = engine.get_patrickstar_counters()
+    engine.destroy()
+    assert ours[:3] == ref
+    assert counters["evictions"] > 0 and counters["prefetches"] > 0
+    step_moves = counters["adam_chunks_device"] + counters["adam_chunks_host"]  # the step moment reads per chunk
+    assert reads[0] <= moments + step_moves, (reads, moments, step_moves)
 
 
 def test_a_budget_below_the_activations_names_what_would_fit():

@@ -80,6 +80,7 @@ class PlacementRuntime:
         any other (an evaluation forward's) is a moment of its own, placed without touching the trace
         or the tide (see [Note: evaluation moments])."""
         trace = self.tracer.current_trace()
+        self.moves.hook_begins() if label != "step" else self.moves.hook_ends()  # [Note: one reading per hook]
         if self.run.records():
             self.positions.training_moment()
             self.moment = self.moves.at = self.tracer.record(label, chunk_ids, self.ledger)
@@ -155,6 +156,7 @@ class PlacementRuntime:
         )
         if in_training:
             self.moves.prefetch(self.placer.prefetch(trace, self.moves.at), trace, in_use)
+        self.moves.hook_ends()
 
     def gathered_rooms(self, trace: Trace, held: Callable[[int], int]) -> tuple[list[int], list[int]]:
         """Per moment of ``trace``, the bytes gathered groups may take: see :func:`gathered_rooms`."""
