@@ -191,18 +191,20 @@ def _sweep(result: dict) -> list[str]:
         counters = t["records"][-1].get("counters") or {}
         moved = (counters["bytes_to_device"] + counters["bytes_to_host"]) if "bytes_to_device" in counters else None
         phases = t["phases_s"]
+        ahead = f" ({counters['prefetch_distance']} ahead)" if counters.get("prefetch_distance") else ""
         rows.append(head + ["measured", f"{t['tokens_per_s']:.1f}",
                             _f(ratio.get((t["point"], t.get("rule"))), "{:.2f}x"),
                             _f(moved, "{:.1f}", MB), *(f"{phases[k] * 1e3:.1f}" for k in ("forward", "backward",
                                                                                           "step")),
                             _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
-                            f"{t['step_s']:.3f} / {_f(t.get('predicted_step_s'), '{:.3f}') or 'n/a'}"])
+                            f"{t['step_s']:.3f} / {_f(t.get('predicted_step_s'), '{:.3f}') or 'n/a'}{ahead}"])
     size = part["trials"][0]
     return [f"**Equal memory** ({size['size']}, {_f(size.get('params'), '{:.4g} M', 1e6)} params: ours at "
             "`device_budget` B, ZeRO-3 offload held to B by `torch.cuda.set_per_process_memory_fraction`; a point's "
             "GiB are an 80 GB GPU's, scaled by this GPU's memory, or this GPU's where the command has "
             "`--sweep-absolute`; B in GiB; MB moved: ours' counters, bytes_to_device + "
-            "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it; "
+            "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it, "
+            "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md); "
             "ours: `optimizer_placement` \"time\" (the default), ours (fill): \"fill\", the rule before the "
             "step-time model).",
             "", *_table(["point", "backend", "B (GiB)", "status", "tokens/s", "ours / ZeRO-3 offload",
