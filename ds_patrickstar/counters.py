@@ -34,6 +34,9 @@ class StepCounters:
     bytes_to_host: int = 0
     """chunk bytes copied accelerator -> host (placement)"""
     evictions: int = 0
+    clean_evictions: int = 0
+    """of the evictions, those that copied nothing: the payload was as it came, its host buffer kept (see
+    [Note: clean evictions])"""
     grads_released_in_backward: int = 0
     """chunks updated on the host sent to it during backward, once their last use this iteration was behind
     (see [Note: gradients leave in backward])"""

@@ -186,6 +186,9 @@ class Chunk:
     prefetched: bool = False
     kind: ChunkKind = ChunkKind.TRAINABLE  # see [Note: frozen chunks]
     on_disk: bool = False  # a frozen chunk whose record is its home away from use (see [Note: frozen chunks on disk])
+    # on the accelerator: the host buffer it came from and the payload's version then (see [Note: clean evictions])
+    clean: torch.Tensor | None = None
+    clean_version: int = -1
 
     @property
     def on_host(self) -> bool:

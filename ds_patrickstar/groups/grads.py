@@ -148,6 +148,7 @@ class GradientSink:
             if boundary:
                 slot = chunk.ready()[piece.in_chunk]
                 slot.copy_(part) if part is not None else slot.zero_()
+                chunk_group.written(chunk)
         if not boundary:
             info.settle()
             return

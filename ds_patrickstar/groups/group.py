@@ -120,6 +120,10 @@ class ChunkGroup:
         """A member (or its accelerator memory) is needed now: placement brings it, keeping ``keep``."""
         self._placement.bring(chunk, keep)
 
+    def written(self, chunk: Chunk) -> None:
+        """A gradient went into a member's payload (see [Note: clean evictions] in store/clean_copies.py)."""
+        self._placement.written(chunk.chunk_id)
+
     def make_room(self, nbytes: int, keep: set[int]) -> None:
         """``nbytes`` more for this group (a buffer, an accumulator, a joined copy), keeping ``keep``."""
         self._placement.make_room(nbytes, keep)

@@ -135,12 +135,13 @@ def make_placement(
     profile = device_profile(accel) if options.placement == "auto" else H100_PROFILE
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
+    store.copies.enabled = _keeps_copies(options, chunk_map, accumulate)
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
-        predictor=_move_predictor(accel, chunk_map, accumulate),
+        predictor=_move_predictor(accel, chunk_map, accumulate, store.copies.enabled),
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
-        chooser=_state_chooser(options, accel, chunk_map, accumulate, profile),
+        chooser=_state_chooser(options, accel, chunk_map, accumulate, profile, store.copies.enabled),
         trainable=_released_in_backward(options, chunk_map, accumulate),
     )
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
@@ -190,7 +191,13 @@ def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int
     return "auto"
 
 
-def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -> MovePredictor | None:
+def _keeps_copies(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> bool:
+    """Whether a chunk brought to the accelerator keeps its host buffer (see [Note: clean evictions]): tide-aware
+    placement in the move model's scope, host memory not budgeted (no optimizer states on disk)."""
+    return options.placement == "auto" and _move_model_holds(chunk_map, accumulate) and options.host_budget is None
+
+
+def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, clean: bool) -> MovePredictor | None:
     """The model of the driver's moves, where it holds: one rank, no gradient accumulation (see
     [Note: predicted moves])."""
     if not _move_model_holds(chunk_map, accumulate):
@@ -198,11 +205,16 @@ def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool) -
     owned = chunk_map.owned_chunks()
     sizes = {c.chunk_id: c.nbytes for c in owned}
     trainable = {c.chunk_id for c in owned if c.trainable}
-    return MovePredictor(accel.ledger.budget, sizes, trainable, {c.chunk_id for c in owned if c.on_disk})
+    return MovePredictor(accel.ledger.budget, sizes, trainable, {c.chunk_id for c in owned if c.on_disk}, clean)
 
 
 def _state_chooser(
-    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, profile: DeviceProfile
+    options: PatrickStarConfig,
+    accel: Accelerator,
+    chunk_map: ChunkMap,
+    accumulate: bool,
+    profile: DeviceProfile,
+    clean: bool,
 ) -> StateChooser | None:
     """The step-time model's choice of the optimizer states on the accelerator, where the move model holds
     (see [Note: optimizer states by step time]); None: every state that fits."""
@@ -222,6 +234,7 @@ def _state_chooser(
         elements={c.chunk_id: c.used for c in trainable},
         capacities={c.chunk_id: c.capacity for c in trainable},
         uncopied={c.chunk_id for c in owned if c.on_disk},
+        clean_copies=clean,
     )
     return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam)
 

@@ -145,6 +145,10 @@ class Accelerator:
         :meth:`host_free`): the one accessor, see [Note: pinned host memory]."""
         return self.host_pool.acquire(numel, dtype)
 
+    def check_clean(self, payload: torch.Tensor, host: torch.Tensor, chunk_id: int, copying: Pending | None) -> None:
+        """A payload evicted without a copy holds what its kept host buffer holds (see [Note: clean evictions]
+        in store/clean_copies.py): the strict emulated accelerator compares them; a GPU trusts the version."""
+
     def host_free(self, tensor: torch.Tensor, after: Pending | None = None) -> None:
         """Give back a buffer of :meth:`host_empty`; with ``after``, once that copy has completed."""
         self.host_pool.release(tensor, after)

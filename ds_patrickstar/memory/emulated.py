@@ -85,7 +85,7 @@ class _EmulatedCopy(Pending):
                 f"emulated accelerator: the source of a pending copy ({self.src.numel()} elements, "
                 f"{self.src.dtype}) was overwritten before the copy completed; wait on the copy first"
             )
-        self.dst.copy_(self.src)
+        self.dst.data.copy_(self.src)  # the NaN fill at issue was the write a GPU's copy_ is (one version bump)
         self.completed = True
 
 
@@ -177,6 +177,18 @@ class EmulatedAccelerator(Accelerator):
     def host_bytes_allocated(self) -> int:
         """Pinned host bytes a GPU run would hold: the pool's buffers plus torch's blocks."""
         return sum(self._pinned.values()) + self.torch_pinned.allocated
+
+    def check_clean(self, payload: torch.Tensor, host: torch.Tensor, chunk_id: int, copying: Pending | None) -> None:
+        """Bit for bit (a write no version counted fails here); not while the copy in still runs (``copying``:
+        it makes them equal, and a write before it was waited on is a hazard of its own)."""
+        if copying is not None and not copying.done():
+            return
+        same = payload.view(torch.uint8).equal(host.view(torch.uint8))
+        if not same:
+            raise CopyHazard(
+                f"emulated accelerator: chunk {chunk_id} was evicted without a copy, but its payload differs from "
+                f"the host buffer it came from: a write to it did not change its version (see [Note: clean evictions])"
+            )
 
     def fragmentation(self) -> int:
         """The free pieces of the activations' partly used segments (see [Note: caching allocator model])."""

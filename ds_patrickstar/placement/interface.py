@@ -97,6 +97,9 @@ class Placement(Protocol):
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None: ...
 
+    def written(self, chunk_id: int) -> None:
+        """A gradient went into the chunk's payload (see [Note: clean evictions] in store/clean_copies.py)."""
+
     def evict(self, chunk: Chunk) -> None: ...
 
     def after_use(self, chunk: Chunk) -> None: ...
@@ -169,6 +172,9 @@ class NullPlacement:
         pass
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
+        pass
+
+    def written(self, chunk_id: int) -> None:
         pass
 
     def evict(self, chunk: Chunk) -> None:

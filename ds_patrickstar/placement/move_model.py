@@ -71,6 +71,8 @@ class _Replay:
     ) -> None:
         self.trace, self.budget, self.sizes, self.resident = trace, budget, sizes, resident
         self.uncopied = uncopied
+        self.keeps_copies = False  # brought chunks keep their host buffer (see [Note: clean evictions])
+        self.clean: set[int] = set()  # resident chunks whose payload is as it came
         self.held = fixed + sum(sizes[c] for c in resident)  # what the accelerator holds now, a running total
         self.to_device = [0] * len(trace)
         self.to_host = [0] * len(trace)
@@ -98,6 +100,8 @@ class _Replay:
         self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
         self.held += self.sizes[chunk]
         self.to_device[self.at] += self.sizes[chunk]
+        if self.keeps_copies:
+            self.clean.add(chunk)
         if target is None:
             self.demand[self.at] += self.sizes[chunk]
         else:
@@ -107,7 +111,9 @@ class _Replay:
         self.resident.discard(chunk)
         self.queue.drop(chunk)
         self.held -= self.sizes[chunk]
-        if chunk not in self.uncopied:
+        if chunk in self.clean:
+            self.clean.discard(chunk)
+        elif chunk not in self.uncopied:
             self.to_host[self.at] += self.sizes[chunk]
 
     def release_finished(self, host_updated: set[int]) -> None:
@@ -168,16 +174,23 @@ def simulate_moves(
     host_updated: set[int],
     uncopied: AbstractSet[int] = frozenset(),
     distance: int = 1,
+    keeps_copies: bool = False,
 ) -> MovePlan:
     """Replay one iteration of ``trace`` (see [Note: predicted moves]): ``sizes``, the movable chunks' bytes
     on the accelerator; ``fixed``, bytes that do not move; ``resident``, the chunks on the accelerator at
     its start (left as those at its end); ``host_updated``, the chunks Adam updates on the host;
     ``uncopied``, chunks whose eviction copies nothing (frozen chunks whose home is their disk record);
-    ``distance``, the moments prefetched ahead (see [Note: prefetch distance] in state_choice.py)."""
+    ``distance``, the moments prefetched ahead (see [Note: prefetch distance] in state_choice.py);
+    ``keeps_copies``, whether a chunk brought keeps the host buffer it came from, so that its eviction copies
+    nothing until a moment's gradients went into it (the trace's ``written``; see [Note: clean evictions] in
+    store/clean_copies.py)."""
     replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied))
     for index, moment in enumerate(trace.moments):
         replay.at = index
-        if moment.label != "step":
+        replay.keeps_copies = keeps_copies and moment.label != "step"
+        if moment.label == "step":  # the step drops every kept copy
+            replay.clean.clear()
+        else:
             replay.release_finished(host_updated)
         used = {c for c in moment.chunks if c in sizes}
         replay.used(used)
@@ -196,6 +209,7 @@ def simulate_moves(
         else:
             replay.make_room(0, used)
             replay.prefetch(used, distance)
+            replay.clean.difference_update(moment.written)  # its gradients went into those payloads
     return MovePlan(replay.to_device, replay.to_host, replay.demand, replay.ahead)
 
 
@@ -203,8 +217,11 @@ class MovePredictor:
     """The moves of one steady-state iteration of the current trace, predicted once per trace and placement
     of the optimizer states (see [Note: predicted moves])."""
 
-    def __init__(self, budget: int, sizes: Mapping[int, int], trainable: set[int], uncopied: set[int]) -> None:
+    def __init__(
+        self, budget: int, sizes: Mapping[int, int], trainable: set[int], uncopied: set[int], clean: bool = False
+    ) -> None:
         self._budget, self._sizes, self._trainable, self._uncopied = budget, dict(sizes), trainable, uncopied
+        self._clean = clean  # chunks keep the host buffer they came from (see [Note: clean evictions])
         self._key: tuple[int, frozenset[int], int] | None = None
         self.plan: MovePlan | None = None
 
@@ -219,7 +236,15 @@ class MovePredictor:
             replay = set(resident)
             for _ in range(2):
                 self.plan = simulate_moves(
-                    trace, self._budget, self._sizes, fixed, replay, host_updated, self._uncopied, distance
+                    trace,
+                    self._budget,
+                    self._sizes,
+                    fixed,
+                    replay,
+                    host_updated,
+                    self._uncopied,
+                    distance,
+                    self._clean,
                 )
         assert self.plan is not None
         return self.plan

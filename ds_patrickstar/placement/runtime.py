@@ -131,6 +131,9 @@ class PlacementRuntime:
     def evict(self, chunk: Chunk) -> None:
         self.moves.evict(chunk)
 
+    def written(self, chunk_id: int) -> None:
+        self.tracer.note_written(chunk_id)
+
     def after_use(self, chunk: Chunk) -> None:
         self.moves.after_use(chunk)
 
@@ -259,6 +262,7 @@ class PlacementRuntime:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator (the
         trace's step moment names them after a new decision)."""
         trace = self.tracer.current_trace()
+        self.moves.store.step_begins()  # see [Note: clean evictions] in store/clean_copies.py
         self.steps.settle(trace, on_device)
         if self.predictor is not None and trace is not None:
             fixed = self.ledger.by_kind.get("optim", 0)
@@ -274,6 +278,7 @@ class PlacementRuntime:
         self.steps.forget()
 
     def end_step(self) -> None:
+        self.moves.store.copies.step_ends()
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
         predicted = self.predictor.plan if self.predictor is not None else None
         if predicted is not None:

@@ -79,6 +79,7 @@ class ChunkCosts:
     elements: Mapping[int, int]
     capacities: Mapping[int, int]
     uncopied: AbstractSet[int] = frozenset()
+    clean_copies: bool = False  # chunks keep the host buffer they came from (see [Note: clean evictions])
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,9 @@ def price(
     fixed = sum(OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in on_device)
     host = {c: n for c, n in costs.elements.items() if c not in on_device}
     replay = set(resident)
+    copies = costs.clean_copies
     for _ in range(2):
-        plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance)
+        plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance, copies)
     device = sum(costs.elements[c] for c in on_device)
     step = predict_step(trace, plan, compute_s, host, device, profile, overlap)
     return StateChoice(frozenset(on_device), step, plan, distance)

@@ -65,7 +65,7 @@ import bisect
 import logging
 import weakref
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -91,6 +91,7 @@ class Moment:
     chunks: tuple[int, ...]
     non_model: int
     traced: int = -1  # the tide as traced, before any plan changed it (-1: ``non_model``)
+    written: frozenset[int] = frozenset()  # chunks whose payload its gradients went into (see [Note: clean evictions])
 
     @property
     def measured(self) -> int:
@@ -130,19 +131,25 @@ class Trace:
             self._uses[chunk].remove(index)
         for chunk in chunks:
             bisect.insort(self._uses.setdefault(chunk, []), index)
-        self.moments[index] = Moment(old.label, tuple(chunks), old.non_model, old.measured)
+        self.moments[index] = replace(old, chunks=tuple(chunks), traced=old.measured)
+
+    def note_written(self, index: int, chunk: int) -> None:
+        """A gradient went into ``chunk``'s payload during moment ``index``."""
+        old = self.moments[index]
+        if chunk not in old.written:
+            self.moments[index] = replace(old, written=old.written | {chunk})
 
     def set_non_model(self, index: int, non_model: int) -> None:
         """The tide planned at moment ``index`` (activation offload re-plans it, see
         [Note: auto activation offload])."""
         old = self.moments[index]
-        self.moments[index] = Moment(old.label, old.chunks, non_model, old.measured)
+        self.moments[index] = replace(old, non_model=non_model, traced=old.measured)
 
     def raise_tide(self, index: int, non_model: int) -> None:
         """A batch's tide at moment ``index`` rose above the plan: plan for it from now on (see
         [Note: traces across input shapes])."""
         old = self.moments[index]
-        self.moments[index] = Moment(old.label, old.chunks, max(old.non_model, non_model), max(old.measured, non_model))
+        self.moments[index] = replace(old, non_model=max(old.non_model, non_model), traced=max(old.measured, non_model))
 
     def cover(self, other: Trace) -> bool:
         """Where ``other`` has the same moments, the higher traced tide of the two at each; returns
@@ -151,7 +158,7 @@ class Trace:
             return False
         for index, (mine, theirs) in enumerate(zip(self.moments, other.moments)):
             tide = max(mine.measured, theirs.measured)
-            self.moments[index] = Moment(mine.label, mine.chunks, tide, tide)
+            self.moments[index] = replace(mine, non_model=tide, traced=tide)
         return True
 
     def truncate(self, length: int) -> None:
@@ -316,6 +323,12 @@ class MemoryTracer:
             return self.meter.bytes
         now, highest = self.accel.memory_in_use()
         return max(0, now - ledger.total, highest - ledger.interval_peak())
+
+    def note_written(self, chunk: int) -> None:
+        """While tracing, a gradient went into ``chunk``'s payload at the current moment (see [Note: clean
+        evictions] in store/clean_copies.py)."""
+        if self.tracing and 0 <= self.moment < len(self._recording):
+            self._recording.note_written(self.moment, chunk)
 
     def current_trace(self) -> Trace | None:
         """The trace to plan from, or None while an iteration is being traced."""

@@ -2,14 +2,17 @@
 
 [Note: chunk locations]
 A parameter is always a view of its chunk's accelerator payload. An owned chunk is in one
-place at a time: on the accelerator (payload backed, no host buffer) or on the host
+place at a time: on the accelerator (payload backed; no host buffer, or, with placement on one rank,
+the one it came from, kept until its eviction or the step: see [Note: clean evictions] in
+clean_copies.py) or on the host
 (values in a buffer of the host pool, see [Note: pinned host memory]; payload storage
 resized to zero so the views stay valid and come back to life when the chunk returns,
 see [Note: storage resize]).
 A frozen chunk on disk (see [Note: frozen chunks on disk]) has a third place: away from use it
 is on the host with no host buffer, its values only in its disk record, from which it is brought
 (:meth:`ChunkStore.to_device`) and to which it goes back without a copy (:meth:`ChunkStore.to_host`).
-Model data therefore costs 14 bytes per parameter over device and host together. Chunks
+Model data therefore costs 14 bytes per parameter over device and host together (at most 16 while
+chunks keep their host buffer on the accelerator; the peak is initialize's, every chunk on the host). Chunks
 are built on the host (initialize never needs the model on the accelerator) and placement
 brings them in when used. A chunk owned by another rank exists only while its group is
 gathered: with ``W`` ranks the other ranks' chunks of a group are views of one flat storage
@@ -49,6 +52,7 @@ from ..counters import StepCounters
 from ..disk.frozen import FrozenDisk
 from ..memory.accelerator import Accelerator
 from ..memory.pending import Pending
+from .clean_copies import CleanCopies
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class ChunkStore:
         self.host_bytes = 0  # model data on the host: host buffers and accumulators
         self._flats: dict[int, torch.Tensor] = {}  # a group's first chunk id -> its flat storage
         self.disk = disk  # frozen chunks on disk (see [Note: frozen chunks on disk])
+        self.copies = CleanCopies(accel, counters)  # see [Note: clean evictions] in clean_copies.py
 
     def values(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's values where they live, waited on (:meth:`Chunk.ready`); a frozen chunk in its disk
@@ -194,6 +199,12 @@ class ChunkStore:
             self.accel.free(chunk.payload, "chunk")
             chunk.home, chunk.prefetched = Home.DISK, False
             return
+        if self.copies.evict(chunk):  # unchanged since it came: nothing is copied
+            self._acc_to_host(chunk)
+            return
+        kept = self.copies.take(chunk)  # written since it came: its kept buffer goes (the copy in may read it still)
+        if kept is not None:
+            self._drop_host(kept, after=chunk.pending[-1] if chunk.pending else None)
         host = self.accel.host_empty(chunk.capacity, chunk.dtype)
         self.host_bytes += chunk.nbytes
         pending = self.accel.copy(host, chunk.payload)  # ordered after every earlier copy of the chunk
@@ -215,10 +226,16 @@ class ChunkStore:
         else:
             host = chunk.host_buffer()
             pending = self.accel.copy(chunk.payload, host)
-            self._drop_host(host, after=pending)
+            if not self.copies.keep(chunk, host):
+                self._drop_host(host, after=pending)
         chunk.host, chunk.home, chunk.pending = None, Home.DEVICE, [pending]
         self._acc_to_device(chunk)
         self.counters.bytes_to_device += chunk.nbytes
+
+    def step_begins(self) -> None:
+        """The kept host buffers go back to the pool (see [Note: clean evictions] in clean_copies.py)."""
+        for chunk, host in self.copies.step_begins():
+            self._drop_host(host, after=chunk.pending[-1] if chunk.pending else None)
 
     # ---- gradient accumulators (see [Note: gradient accumulation]) ---------------------
     def accumulator(self, chunk: Chunk) -> torch.Tensor:

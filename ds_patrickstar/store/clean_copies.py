@@ -1,0 +1,71 @@
+"""Host buffers kept beside the accelerator payload, so that an unchanged chunk goes back without a copy.
+
+[Note: clean evictions]
+With tide-aware placement on one rank without gradient accumulation (the move model's scope) and no host
+budget, a chunk brought to the accelerator keeps the host buffer it came from (``Chunk.clean``) with its
+payload's version counter then. Evicted while that counter has not moved (a frozen chunk; a trainable one
+in forward, before backward writes its gradients into the payload), it copies nothing back: the payload
+goes once the copy in has run, and the kept buffer is its host home again (counter ``clean_evictions``; the
+bytes are not in ``bytes_to_host``). Any write through a tensor op into the payload or a view of it (the
+gradients, a rejoin, ``GatheredParameters``, a load) moves the counter, and the eviction copies into the
+kept buffer. The step's writes are not all tensor ops (the accelerator's Adam kernel writes through a
+pointer): it gives every kept buffer back first and keeps none while it runs. The strict emulated
+accelerator checks at every eviction without a copy that the payload holds what the kept buffer holds, bit
+for bit, so a write no counter saw fails a CPU test. The price is host memory: the kept buffers of the
+chunks on the accelerator, until their eviction or the step (every chunk starts on the host, so the peak is
+the one initialize had). The move model replays it: a chunk brought is clean, a backward moment dirties the
+trainable chunks it uses, the step keeps nothing (see [Note: predicted moves] in placement/move_model.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..chunks.chunk import Chunk, Home
+from ..counters import StepCounters
+from ..memory.accelerator import Accelerator
+
+
+class CleanCopies:
+    """The host buffers chunks on the accelerator keep (see [Note: clean evictions])."""
+
+    def __init__(self, accel: Accelerator, counters: StepCounters) -> None:
+        self.accel, self.counters = accel, counters
+        self.enabled = False  # set where placement keeps them
+        self._stepping = False  # the step writes payloads no version counts: nothing is kept meanwhile
+        self._kept: set[Chunk] = set()
+
+    def keep(self, chunk: Chunk, host: torch.Tensor) -> bool:
+        """Whether ``chunk``, just copied in from ``host``, keeps it (else the caller gives it back)."""
+        if not self.enabled or self._stepping:
+            return False
+        chunk.clean, chunk.clean_version = host, chunk.payload._version
+        self._kept.add(chunk)
+        return True
+
+    def evict(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` went back to its kept buffer without a copy (its payload unchanged since it came)."""
+        host = chunk.clean
+        if host is None or chunk.payload._version != chunk.clean_version:
+            return False
+        self.take(chunk)
+        last = chunk.pending[-1] if chunk.pending else None  # the copy in, if it still runs
+        self.accel.check_clean(chunk.payload, host, chunk.chunk_id, last)
+        self.accel.free(chunk.payload, "chunk", after=last)
+        chunk.host, chunk.home, chunk.prefetched = host, Home.HOST, False
+        self.counters.clean_evictions += 1
+        return True
+
+    def take(self, chunk: Chunk) -> torch.Tensor | None:
+        """``chunk``'s kept buffer, which it no longer keeps (None: it keeps none)."""
+        host, chunk.clean, chunk.clean_version = chunk.clean, None, -1
+        self._kept.discard(chunk)
+        return host
+
+    def step_begins(self) -> list[tuple[Chunk, torch.Tensor]]:
+        """The step begins: every kept buffer, for the caller to give back; none is kept until :meth:`step_ends`."""
+        self._stepping = True
+        return [(chunk, host) for chunk in list(self._kept) if (host := self.take(chunk)) is not None]
+
+    def step_ends(self) -> None:
+        self._stepping = False
