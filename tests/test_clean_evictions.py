@@ -84,3 +84,22 @@ def test_a_write_no_version_counted_fails_at_the_eviction():
     with pytest.raises(CopyHazard, match="did not change its version"):
         manager.placement.evict(kept[0])
     engine.destroy()
+
+
+def test_the_step_gives_back_the_trainable_chunks_buffers_and_frozen_ones_keep_theirs():
+    from ds_patrickstar.chunks.chunk import Chunk
+    from ds_patrickstar.chunks.kind import ChunkKind
+    from ds_patrickstar.counters import StepCounters
+    from ds_patrickstar.store.clean_copies import CleanCopies
+
+    copies = CleanCopies(accel=None, counters=StepCounters())  # keeping and giving back touch no accelerator
+    copies.enabled = True
+    trainable = Chunk(0, 4, torch.float32, 0, payload=torch.zeros(4))
+    frozen = Chunk(1, 4, torch.float32, 0, payload=torch.zeros(4), kind=ChunkKind.FROZEN)
+    assert copies.keep(trainable, torch.zeros(4)) and copies.keep(frozen, torch.zeros(4))
+    given_back = copies.step_begins()
+    assert [chunk for chunk, _ in given_back] == [trainable] and trainable.clean is None
+    assert frozen.clean is not None  # the step does not write a frozen chunk
+    assert not copies.keep(trainable, torch.zeros(4))  # nothing is kept while the step runs
+    copies.step_ends()
+    assert copies.keep(trainable, torch.zeros(4))

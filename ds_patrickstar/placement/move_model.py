@@ -175,6 +175,7 @@ def simulate_moves(
     uncopied: AbstractSet[int] = frozenset(),
     distance: int = 1,
     keeps_copies: bool = False,
+    frozen: AbstractSet[int] = frozenset(),
 ) -> MovePlan:
     """Replay one iteration of ``trace`` (see [Note: predicted moves]): ``sizes``, the movable chunks' bytes
     on the accelerator; ``fixed``, bytes that do not move; ``resident``, the chunks on the accelerator at
@@ -182,14 +183,14 @@ def simulate_moves(
     ``uncopied``, chunks whose eviction copies nothing (frozen chunks whose home is their disk record);
     ``distance``, the moments prefetched ahead (see [Note: prefetch distance] in state_choice.py);
     ``keeps_copies``, whether a chunk brought keeps the host buffer it came from, so that its eviction copies
-    nothing until a moment's gradients went into it (the trace's ``written``; see [Note: clean evictions] in
-    store/clean_copies.py)."""
+    nothing until a moment's gradients went into it (the trace's ``written``), and ``frozen``, the chunks that
+    keep it across the step (see [Note: clean evictions] in store/clean_copies.py)."""
     replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied))
     for index, moment in enumerate(trace.moments):
         replay.at = index
         replay.keeps_copies = keeps_copies and moment.label != "step"
-        if moment.label == "step":  # the step drops every kept copy
-            replay.clean.clear()
+        if moment.label == "step":  # the step gives back the trainable chunks' kept copies
+            replay.clean &= set(frozen)
         else:
             replay.release_finished(host_updated)
         used = {c for c in moment.chunks if c in sizes}
@@ -245,6 +246,7 @@ class MovePredictor:
                     self._uncopied,
                     distance,
                     self._clean,
+                    set(self._sizes) - self._trainable,
                 )
         assert self.plan is not None
         return self.plan

@@ -115,9 +115,11 @@ def price(
     fixed = sum(OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in on_device)
     host = {c: n for c, n in costs.elements.items() if c not in on_device}
     replay = set(resident)
-    copies = costs.clean_copies
+    copies, frozen = costs.clean_copies, set(costs.sizes) - set(costs.elements)
     for _ in range(2):
-        plan = simulate_moves(trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance, copies)
+        plan = simulate_moves(
+            trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance, copies, frozen
+        )
     device = sum(costs.elements[c] for c in on_device)
     step = predict_step(trace, plan, compute_s, host, device, profile, overlap)
     return StateChoice(frozenset(on_device), step, plan, distance)

@@ -3,8 +3,8 @@
 [Note: chunk locations]
 A parameter is always a view of its chunk's accelerator payload. An owned chunk is in one
 place at a time: on the accelerator (payload backed; no host buffer, or, with placement on one rank,
-the one it came from, kept until its eviction or the step: see [Note: clean evictions] in
-clean_copies.py) or on the host
+the one it came from, kept until its eviction, a trainable chunk's until the step: see [Note: clean
+evictions] in clean_copies.py) or on the host
 (values in a buffer of the host pool, see [Note: pinned host memory]; payload storage
 resized to zero so the views stay valid and come back to life when the chunk returns,
 see [Note: storage resize]).

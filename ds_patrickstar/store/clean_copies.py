@@ -7,14 +7,15 @@ payload's version counter then. Evicted while that counter has not moved (a froz
 in forward, before backward writes its gradients into the payload), it copies nothing back: the payload
 goes once the copy in has run, and the kept buffer is its host home again (counter ``clean_evictions``; the
 bytes are not in ``bytes_to_host``). Any write through a tensor op into the payload or a view of it (the
-gradients, a rejoin, ``GatheredParameters``, a load) moves the counter, and the eviction copies into the
-kept buffer. The step's writes are not all tensor ops (the accelerator's Adam kernel writes through a
-pointer): it gives every kept buffer back first and keeps none while it runs. The strict emulated
-accelerator checks at every eviction without a copy that the payload holds what the kept buffer holds, bit
-for bit, so a write no counter saw fails a CPU test. The price is host memory: the kept buffers of the
-chunks on the accelerator, until their eviction or the step (every chunk starts on the host, so the peak is
-the one initialize had). The move model replays it: a chunk brought is clean, a backward moment dirties the
-trainable chunks it uses, the step keeps nothing (see [Note: predicted moves] in placement/move_model.py).
+gradients, a rejoin, ``GatheredParameters``, a load) moves the counter, and the eviction copies out instead.
+The step's writes are not all tensor ops (the accelerator's Adam kernel writes through a pointer): it gives
+the trainable chunks' kept buffers back first and keeps none while it runs; a frozen chunk keeps its buffer
+across steps (nothing but tensor ops writes it). The strict emulated accelerator checks at every eviction
+without a copy that the payload holds what the kept buffer holds, bit for bit, so a write no counter saw
+fails a CPU test. The price is host memory: the kept buffers of the chunks on the accelerator (every chunk
+starts on the host, so the peak is the one initialize had). The move model replays it: a chunk brought is
+clean, a moment dirties the chunks its gradients went into (recorded while tracing), the step keeps the
+frozen chunks' buffers only (see [Note: predicted moves] in placement/move_model.py).
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ class CleanCopies:
         return host
 
     def step_begins(self) -> list[tuple[Chunk, torch.Tensor]]:
-        """The step begins: every kept buffer, for the caller to give back; none is kept until :meth:`step_ends`."""
+        """The step begins: the trainable chunks' kept buffers, for the caller to give back (frozen chunks keep
+        theirs: the step does not write them); none is kept until :meth:`step_ends`."""
         self._stepping = True
-        return [(chunk, host) for chunk in list(self._kept) if (host := self.take(chunk)) is not None]
+        trainable = [chunk for chunk in self._kept if chunk.trainable]
+        return [(chunk, host) for chunk in trainable if (host := self.take(chunk)) is not None]
 
     def step_ends(self) -> None:
         self._stepping = False
