@@ -67,7 +67,8 @@ class CleanCopies:
         """The step begins: the trainable chunks' kept buffers, for the caller to give back (frozen chunks keep
         theirs: the step does not write them); none is kept until :meth:`step_ends`."""
         self._stepping = True
-        trainable = [chunk for chunk in self._kept if chunk.trainable]
+        # in chunk order: the pool keeps the buffers given back last, so the order decides which it keeps
+        trainable = sorted((chunk for chunk in self._kept if chunk.trainable), key=lambda chunk: chunk.chunk_id)
         return [(chunk, host) for chunk in trainable if (host := self.take(chunk)) is not None]
 
     def step_ends(self) -> None:
