@@ -86,8 +86,10 @@ class _Replay:
     def total(self) -> int:
         return self.held
 
-    def headroom(self, moment: int) -> int:
-        return self.budget - self.trace.non_model_ahead(moment % len(self.trace))
+    def headroom(self, moment: int, span: int = 1) -> int:
+        """The budget less the tide planned from ``moment`` over ``span`` moments and the one after (the
+        planner's :func:`~.planner.headroom` without the tide now)."""
+        return self.budget - self.trace.non_model_ahead(moment % len(self.trace), span + 1)
 
     def used(self, chunks: set[int]) -> None:
         """The moment used ``chunks``: their next uses move on."""
@@ -147,7 +149,7 @@ class _Replay:
         for target in range(self.at + 1, min(self.at + distance, len(self.trace) - 1) + 1):
             ahead = self.trace.moments[target].chunks
             keep.update(ahead)
-            room = min(self.headroom(m) for m in range(self.at + 1, target + 1))
+            room = self.headroom(self.at + 1, target - self.at)
             complete = True
             for chunk in ahead:
                 if chunk in self.resident or chunk not in self.sizes:

@@ -278,7 +278,7 @@ class PlacementRuntime:
         self.steps.forget()
 
     def end_step(self) -> None:
-        self.moves.store.copies.step_ends()
+        self.moves.store.step_ends()
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
         predicted = self.predictor.plan if self.predictor is not None else None
         if predicted is not None:

@@ -137,13 +137,13 @@ def choose_distance(
 ) -> StateChoice:
     """``placed`` (priced one moment ahead) at the prefetch distance the step-time model prefers: see [Note:
     prefetch distance]."""
-    choices = [placed] + [
-        price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap, distance)
-        for distance in range(2, MAX_DISTANCE + 1)
-    ]
-    fastest = min(c.step.total_s for c in choices)
-    tied = [c for c in choices if c.step.total_s <= fastest * (1 + TIE)]
-    return min(tied, key=lambda c: (c.moved, c.distance))
+    return best_of(
+        [placed]
+        + [
+            price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap, distance)
+            for distance in range(2, MAX_DISTANCE + 1)
+        ]
+    )
 
 
 def choose_states(
@@ -221,10 +221,11 @@ def _improve(best: StateChoice, fill: Sequence[int], of: Callable[[frozenset[int
 
 def best_of(choices: Sequence[StateChoice]) -> StateChoice:
     """The fastest of ``choices``, where predicted steps within :data:`TIE` of the fastest are a tie (the model
-    is not that exact): of those, the fewest bytes moved, then the most states on the accelerator."""
+    is not that exact): of those, the fewest bytes moved, then the most states on the accelerator, then the
+    shortest prefetch distance."""
     fastest = min(c.step.total_s for c in choices)
     tied = [c for c in choices if c.step.total_s <= fastest * (1 + TIE)]
-    return min(tied, key=lambda c: (c.moved, -len(c.on_device)))
+    return min(tied, key=lambda c: (c.moved, -len(c.on_device), c.distance))
 
 
 def with_step_chunks(trace: Trace, chunks: tuple[int, ...]) -> Trace:

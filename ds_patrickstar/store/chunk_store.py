@@ -233,9 +233,13 @@ class ChunkStore:
         self.counters.bytes_to_device += chunk.nbytes
 
     def step_begins(self) -> None:
-        """The kept host buffers go back to the pool (see [Note: clean evictions] in clean_copies.py)."""
+        """The trainable chunks' kept host buffers go back to the pool, and none is kept until :meth:`step_ends`
+        (see [Note: clean evictions] in clean_copies.py)."""
         for chunk, host in self.copies.step_begins():
             self._drop_host(host, after=chunk.pending[-1] if chunk.pending else None)
+
+    def step_ends(self) -> None:
+        self.copies.step_ends()
 
     # ---- gradient accumulators (see [Note: gradient accumulation]) ---------------------
     def accumulator(self, chunk: Chunk) -> torch.Tensor:
