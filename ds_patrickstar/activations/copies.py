@@ -12,7 +12,7 @@ import torch
 
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
-from ..placement.tracer import SavedTensorMeter
+from ..placement.saved_meter import SavedTensorMeter
 from .storages import Entry, Segment, State
 
 logger = logging.getLogger(__name__)

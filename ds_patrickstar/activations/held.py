@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from ..placement.tracer import SavedTensorMeter
+from ..placement.saved_meter import SavedTensorMeter
 from .copies import StorageCopies
 from .storages import Entry, HeldInput, Segment, State
 

@@ -51,7 +51,8 @@ import torch
 
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
-from ..placement.tracer import MemoryTracer, SavedTensorMeter, Trace
+from ..placement.saved_meter import SavedTensorMeter
+from ..placement.tracer import MemoryTracer, Trace
 from .copies import StorageCopies
 from .held import HeldInputs
 from .plan import plan_offload

@@ -11,7 +11,7 @@ each block (see [Note: activation offload]) sees the block's tensor inputs (posi
 * **Counted.** The emulated accelerator's meter counts an input's storage from the block's pre-forward
   until the storage is freed (``weakref.finalize`` on the storage, whose Python object torch keeps for
   as long as the storage lives), once per storage with the saved tensors of it
-  (:meth:`~ds_patrickstar.placement.tracer.SavedTensorMeter.hold`): a CUDA allocator holds those bytes
+  (:meth:`~ds_patrickstar.placement.saved_meter.SavedTensorMeter.hold`): a CUDA allocator holds those bytes
   as long.
 * **Moved.** With ``offload_activations`` an input is an entry of its block's segment, like a saved
   storage, but known by weak references (the tensor, its storage) so that it lives as long as its

@@ -44,9 +44,10 @@ from ..placement.move_model import MovePredictor
 from ..placement.moves import ChunkMoves
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
+from ..placement.saved_meter import SavedTensorMeter
 from ..placement.state_choice import ChunkCosts, StateChooser
 from ..placement.step_time import H100_PROFILE, DeviceProfile, StepTimer
-from ..placement.tracer import MemoryTracer, SavedTensorMeter
+from ..placement.tracer import MemoryTracer
 from ..run_state import RunState
 from ..store.binding import build_chunk_map, check_bindable
 from ..store.chunk_store import ChunkStore

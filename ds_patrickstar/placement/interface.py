@@ -20,7 +20,8 @@ from typing import Any, Protocol
 import torch
 
 from ..chunks.chunk import Chunk
-from .tracer import MemoryTracer, SavedTensorMeter, Trace
+from .saved_meter import SavedTensorMeter
+from .tracer import MemoryTracer, Trace
 
 NO_TIDE = (
     "no placement trace to plot: placement runs on CUDA or with "

@@ -32,12 +32,13 @@ from .move_model import MovePredictor
 from .moves import ChunkMoves
 from .planner import gathered_rooms
 from .positions import TracePositions
+from .saved_meter import SavedTensorMeter
 from .shapes import RetraceReason
 from .state_choice import StateChooser
 from .step_plan import StepPlan
 from .step_time import StepTimer
 from .tide_plot import plot_tide
-from .tracer import SavedTensorMeter, Trace
+from .tracer import Trace
 
 
 class PlacementRuntime:
