@@ -67,7 +67,7 @@ def run(cfg: dict, steps: int) -> dict:
 
 KEYS = ("bytes_to_device", "bytes_to_host", "predicted_bytes_to_device", "predicted_bytes_to_host", "evictions",
         "adam_chunks_device", "adam_chunks_host", "predicted_step_s", "peak_activation_bytes_device",
-        "prefetch_distance", "prefetches_beyond_next")
+        "prefetch_distance", "prefetches_beyond_next", "eviction_order")
 
 
 def steady(counters: list[dict], warmup: int) -> dict:
@@ -114,7 +114,8 @@ def print_row(row: dict) -> None:
               f"  evictions {r['evictions']:>6.1f}  Adam device/host {r['adam_chunks_device']:.0f}/"
               f"{r['adam_chunks_host']:.0f}  predicted step {r['predicted_step_s']:.4f} s"
               f"  activations {r['peak_activation_bytes_device']:,.0f} B"
-              f"  prefetch distance {r['prefetch_distance']:.0f} ({r['prefetches_beyond_next']:.1f} beyond the next)")
+              f"  prefetch distance {r['prefetch_distance']:.0f} ({r['prefetches_beyond_next']:.1f} beyond the next)"
+              f"  eviction order {'free first' if r['eviction_order'] else 'Belady'}")
 
 
 def main(argv=None) -> int:

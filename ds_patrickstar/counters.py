@@ -65,6 +65,9 @@ class StepCounters:
     """of ``prefetches``, chunks brought for a moment after the next one (see [Note: prefetch distance])"""
     prefetch_distance: int = 0
     """moments prefetched ahead, as the step-time model chose at the last plan (0: not chosen, one moment)"""
+    eviction_order: int = 0
+    """0: farthest next use first (Belady); 1: chunks whose eviction copies nothing first, as the step-time model
+    chose at the last plan (see [Note: eviction order])"""
     adam_chunks_device: int = 0
     """chunks whose Adam update ran on the accelerator"""
     adam_chunks_host: int = 0

@@ -35,14 +35,14 @@ def test_counters_and_losses_as_golden(name, golden):
                                   "frozen_on_disk_twin"])
 def test_the_move_model_predicts_the_bytes_measured(name):
     """At steady state (after the traced step) the planner's model of the driver (see [Note: predicted moves])
-    predicts the bytes each way within 10% of those the strict twin moved (most runs: exactly)."""
+    predicts the bytes each way that the strict twin moved, exactly."""
     ours = run_case(name)[0]
     assert ours["steps"][0]["counters"]["predicted_bytes_to_device"] == 0  # the traced iteration: no trace yet
     for step in ours["steps"][2:]:
         counters = step["counters"]
         for way in ("to_device", "to_host"):
             measured, predicted = counters[f"bytes_{way}"], counters[f"predicted_bytes_{way}"]
-            assert measured > 0 and abs(predicted - measured) <= 0.1 * measured, (name, way, predicted, measured)
+            assert measured > 0 and predicted == measured, (name, way, predicted, measured)
 
 
 def test_no_move_model_at_several_ranks():

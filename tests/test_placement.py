@@ -72,12 +72,12 @@ def test_eviction_queue_agrees_with_the_plain_belady_rule():
 
 
 def test_eviction_queue_stays_bounded():
-    from ds_patrickstar.placement.policy import EvictionQueue
+    from ds_patrickstar.placement.eviction_queue import EvictionQueue
 
     queue = EvictionQueue()
     for i in range(100_000):
         queue.push(i % 10, i)  # ten chunks re-keyed over and over
-    assert len(queue._heap) <= 2 * 10 + 1024 + 1
+    assert queue.entries <= 2 * 10 + 1024 + 1
     assert queue.take(3, lambda c: 1) == [0, 1, 2]  # lowest priority first: the oldest keys
 
 
@@ -294,7 +294,7 @@ def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
     runtime = ChunkMoves.__new__(ChunkMoves)
     runtime.placer = Placer(1000, "auto", 0.5, [])
     runtime.ledger = SimpleNamespace(non_model=0)
-    runtime.tracer = SimpleNamespace(non_model_now=lambda ledger: 100)
+    runtime.tracer = SimpleNamespace(non_model_now=lambda ledger: 100, note_read=lambda nbytes: None)
     runtime.store = SimpleNamespace(accel=SimpleNamespace(fragmentation=lambda: stranded[0]))
     runtime.run, runtime.stranded_peak = SimpleNamespace(records=lambda: True), 0
     runtime.hook_ends()

@@ -106,3 +106,22 @@ def test_the_move_model_replays_belady_with_prefetch_by_hand():
     again = simulate_moves(trace, 200, sizes, 40, set(), host_updated=set())
     assert again.to_device == [100, 100, 100, 0, 100, 100, 0]
     assert again.to_host == [0, 100, 100, 0, 100, 100, 0]
+
+
+def test_the_move_model_makes_room_beside_what_the_driver_read_at_the_moment():
+    """The driver makes room beside the higher of the tide planned ahead and what it reads at the moment (the
+    tide then and the allocator's stranded pieces, kept per moment as ``Moment.read``): the replay too. Read 60 B
+    above the plan at moment 0, the prefetch of chunk 1 no longer fits beside chunk 0 (room 200 - 60)."""
+    from dataclasses import replace
+
+    from ds_patrickstar.placement.move_model import simulate_moves
+
+    trace = _trace(("fwd:a", (0,), 0), ("fwd:b", (1,), 0), ("step", (), 0))
+    sizes = {0: 100, 1: 100}
+    assert simulate_moves(trace, 200, sizes, 0, set(), set()).ahead[0] == [(1, 100)]
+    trace.note_read(0, 60)
+    assert trace.revision == 1 and trace.moments[0] == replace(trace.moments[0], read=60)
+    trace.note_read(0, 20)  # the most of the readings is kept
+    assert (trace.revision, trace.moments[0].read) == (1, 60)
+    plan = simulate_moves(trace, 200, sizes, 0, set(), set())
+    assert plan.ahead[0] == [] and plan.demand[1] == 100

@@ -7,7 +7,7 @@ from counter_runs import CASES, run_case, train_case
 from multiproc import run_ranks
 
 from ds_patrickstar.placement.move_model import simulate_moves
-from ds_patrickstar.placement.state_choice import ChunkCosts, choose_distance, price
+from ds_patrickstar.placement.state_choice import ChunkCosts, choose_moves, price
 from ds_patrickstar.placement.step_time import DeviceProfile
 from ds_patrickstar.placement.tracer import Moment, Trace
 
@@ -44,10 +44,10 @@ def test_copies_issued_two_moments_ahead_hide_behind_the_long_moments_before_the
 
 
 def test_the_planner_keeps_the_fastest_distance_and_where_every_copy_hides_the_fewest_bytes():
-    chosen = choose_distance(TRACE, ROOM, COSTS, _priced(1), set(), COMPUTE, SLOW, False)
+    chosen = choose_moves(TRACE, ROOM, COSTS, _priced(1), set(), COMPUTE, SLOW, False)
     best = min((_priced(d) for d in range(1, 5)), key=lambda c: (c.step.total_s, c.distance))
     assert (chosen.distance, chosen.step.total_s) == (best.distance, best.step.total_s) == (2, 24.0 + 3.0)
-    fast = choose_distance(TRACE, ROOM, COSTS, _priced(1, FAST), set(), COMPUTE, FAST, False)
+    fast = choose_moves(TRACE, ROOM, COSTS, _priced(1, FAST), set(), COMPUTE, FAST, False)
     assert fast.distance == 1 and fast.moved == _priced(1, FAST).moved  # every distance ties: the bytes decide
 
 
@@ -62,17 +62,17 @@ def _distance_forced(rank, world_size, case, distance):
     """``case`` trained with the planner's distance replaced by ``distance`` (restored afterwards)."""
     from ds_patrickstar.placement import state_choice
 
-    real = state_choice.choose_distance
+    real = state_choice.choose_moves
 
     def forced(trace, budget, costs, placed, resident, compute_s, profile, overlap):
         return state_choice.price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap,
                                   distance)
 
-    state_choice.choose_distance = forced
+    state_choice.choose_moves = forced
     try:
         return train_case(rank, world_size, case)
     finally:
-        state_choice.choose_distance = real
+        state_choice.choose_moves = real
 
 
 @pytest.mark.parametrize("distance", [2, 3])

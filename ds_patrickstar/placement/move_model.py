@@ -4,8 +4,11 @@ driver, see [Note: placement planner]).
 [Note: predicted moves]
 :func:`simulate_moves` replays one iteration of a trace as the per-moment driver places it (see
 [Note: placement]): at each moment the chunks it uses come to the accelerator, room made by evicting the
-resident chunk used again farthest ahead, under the budget less the tide planned for this moment and the
-next and the bytes that do not move (optimizer states on the accelerator); after the moment the next
+resident chunk used again farthest ahead (or in the order chosen, see [Note: eviction order] in
+eviction_queue.py), under the budget less the bytes that do not move (optimizer states on the accelerator) and
+the higher of the tide planned for this moment and the next and what the driver read beside model data at the
+moment (``Moment.read``: the tide then and the allocator's stranded pieces, the most of the readings with this
+trace; the tide of a steady iteration can stand above the traced one); after the moment the next
 ``distance`` moments' chunks are brought ahead where they fit up to their moment, if need be after evicting
 chunks used only after it (see [Note: prefetch distance] in state_choice.py); at
 the step the chunks updated on the host leave, those whose last use this iteration is behind already at
@@ -25,7 +28,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from .policy import EvictionQueue
+from .eviction_queue import EvictionOrder, EvictionQueue
 from .tracer import Trace
 
 
@@ -63,11 +66,18 @@ considers every resident chunk."""
 
 class _Replay:
     """One iteration's residency, moment by moment (see :func:`simulate_moves`). The resident chunks sit in an
-    :class:`~ds_patrickstar.placement.policy.EvictionQueue` keyed by next use, re-keyed when used, as the
+    :class:`~ds_patrickstar.placement.eviction_queue.EvictionQueue` keyed by next use, re-keyed when used, as the
     driver's (O(log n) per change, not a sort of every resident chunk per moment)."""
 
     def __init__(
-        self, trace: Trace, budget: int, sizes: Mapping[int, int], fixed: int, resident: set[int], uncopied: set[int]
+        self,
+        trace: Trace,
+        budget: int,
+        sizes: Mapping[int, int],
+        fixed: int,
+        resident: set[int],
+        uncopied: set[int],
+        order: EvictionOrder = EvictionOrder.BELADY,
     ) -> None:
         self.trace, self.budget, self.sizes, self.resident = trace, budget, sizes, resident
         self.uncopied = uncopied
@@ -79,17 +89,24 @@ class _Replay:
         self.demand = [0] * len(trace)
         self.ahead: list[list[tuple[int, int]]] = [[] for _ in range(len(trace))]
         self.at = 0
-        self.queue = EvictionQueue()
+        free = order is EvictionOrder.FREE_FIRST  # see [Note: eviction order] in eviction_queue.py
+        self.queue = EvictionQueue(self.free if free else None)
         for chunk in resident:
             self.queue.push(chunk, -trace.next_use(chunk, -1))
 
     def total(self) -> int:
         return self.held
 
+    def free(self, chunk: int) -> bool:
+        """Whether evicting ``chunk`` now copies nothing."""
+        return chunk in self.clean or chunk in self.uncopied
+
     def headroom(self, moment: int, span: int = 1) -> int:
-        """The budget less the tide planned from ``moment`` over ``span`` moments and the one after (the
-        planner's :func:`~.planner.headroom` without the tide now)."""
-        return self.budget - self.trace.non_model_ahead(moment % len(self.trace), span + 1)
+        """The budget less the tide planned from ``moment`` over ``span`` moments and the one after, and the
+        memory beside model data now, the tide and the stranded pieces as read at the moment being replayed when
+        it was traced (the planner's :func:`~.planner.headroom`)."""
+        now = self.trace.moments[self.at].read
+        return self.budget - max(self.trace.non_model_ahead(moment % len(self.trace), span + 1), now)
 
     def used(self, chunks: set[int]) -> None:
         """The moment used ``chunks``: their next uses move on."""
@@ -99,11 +116,11 @@ class _Replay:
     def bring(self, chunk: int, target: int | None = None) -> None:
         """``chunk`` to the accelerator for ``target`` (None: for this moment, on demand)."""
         self.resident.add(chunk)
+        if self.keeps_copies:
+            self.clean.add(chunk)
         self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
         self.held += self.sizes[chunk]
         self.to_device[self.at] += self.sizes[chunk]
-        if self.keeps_copies:
-            self.clean.add(chunk)
         if target is None:
             self.demand[self.at] += self.sizes[chunk]
         else:
@@ -178,6 +195,7 @@ def simulate_moves(
     distance: int = 1,
     keeps_copies: bool = False,
     frozen: AbstractSet[int] = frozenset(),
+    order: EvictionOrder = EvictionOrder.BELADY,
 ) -> MovePlan:
     """Replay one iteration of ``trace`` (see [Note: predicted moves]): ``sizes``, the movable chunks' bytes
     on the accelerator; ``fixed``, bytes that do not move; ``resident``, the chunks on the accelerator at
@@ -186,8 +204,9 @@ def simulate_moves(
     ``distance``, the moments prefetched ahead (see [Note: prefetch distance] in state_choice.py);
     ``keeps_copies``, whether a chunk brought keeps the host buffer it came from, so that its eviction copies
     nothing until a moment's gradients went into it (the trace's ``written``), and ``frozen``, the chunks that
-    keep it across the step (see [Note: clean evictions] in store/clean_copies.py)."""
-    replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied))
+    keep it across the step (see [Note: clean evictions] in store/clean_copies.py); ``order``, the eviction
+    order (see [Note: eviction order] in eviction_queue.py)."""
+    replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied), order)
     for index, moment in enumerate(trace.moments):
         replay.at = index
         replay.keeps_copies = keeps_copies and moment.label != "step"
@@ -225,14 +244,22 @@ class MovePredictor:
     ) -> None:
         self._budget, self._sizes, self._trainable, self._uncopied = budget, dict(sizes), trainable, uncopied
         self._clean = clean  # chunks keep the host buffer they came from (see [Note: clean evictions])
-        self._key: tuple[int, frozenset[int], int] | None = None
+        self._key: tuple[int, int, frozenset[int], int, EvictionOrder] | None = None
         self.plan: MovePlan | None = None
 
-    def update(self, trace: Trace, fixed: int, resident: set[int], on_device: set[int], distance: int = 1) -> MovePlan:
+    def update(
+        self,
+        trace: Trace,
+        fixed: int,
+        resident: set[int],
+        on_device: set[int],
+        distance: int = 1,
+        order: EvictionOrder = EvictionOrder.BELADY,
+    ) -> MovePlan:
         """The prediction for ``trace`` with the optimizer states of ``on_device`` (``fixed`` bytes that do not
-        move) on the accelerator, prefetching ``distance`` moments ahead, from the chunks ``resident`` there
-        now: the second of two iterations."""
-        key = (id(trace), frozenset(on_device), distance)
+        move) on the accelerator, prefetching ``distance`` moments ahead, evicting in ``order``, from the chunks
+        ``resident`` there now: the second of two iterations."""
+        key = (id(trace), trace.revision, frozenset(on_device), distance, order)
         if self.plan is None or key != self._key:
             self._key = key
             host_updated = self._trainable - on_device
@@ -249,6 +276,7 @@ class MovePredictor:
                     distance,
                     self._clean,
                     set(self._sizes) - self._trainable,
+                    order,
                 )
         assert self.plan is not None
         return self.plan

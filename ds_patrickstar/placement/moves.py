@@ -96,6 +96,11 @@ class ChunkMoves:
 
         return size
 
+    def evicts_free(self, chunk_id: int) -> bool:
+        """Whether evicting the chunk now copies nothing (see [Note: eviction order] in eviction_queue.py)."""
+        chunk = self.chunks[chunk_id]
+        return chunk.on_disk or self.store.copies.unchanged(chunk)
+
     def to_device(self, chunk: Chunk) -> None:
         self.store.to_device(chunk)
         self.placer.arrived(chunk.chunk_id)
@@ -124,6 +129,7 @@ class ChunkMoves:
             stranded = self.store.accel.fragmentation()
             if self.run.records():
                 self.stranded_peak = max(self.stranded_peak, stranded)
+                self.tracer.note_read(non_model + stranded)  # what the move model replays (see [Note: predicted moves])
             if self._hook:
                 self._reading = (non_model, stranded)
         self.ledger.non_model = non_model + stranded

@@ -11,7 +11,7 @@ hand-made :class:`~ds_patrickstar.placement.tracer.Trace`:
   non-model memory now (see [Note: placement] and [Note: stranded allocator bytes]);
 * :func:`prefetch_for`: the chunks brought ahead after a moment (those of the next ``distance`` moments);
 * :func:`belady_victims`: what to evict for a number of bytes, farthest next use first (the oracle of
-  the driver's :class:`~ds_patrickstar.placement.policy.EvictionQueue`, which gives the same answer
+  the driver's :class:`~ds_patrickstar.placement.eviction_queue.EvictionQueue`, which gives the same answer
   in O(log n) per change);
 * :func:`update_order`: the order the host worker updates chunks in (see [Note: overlapped host Adam]);
 * :func:`gathered_rooms`: per moment, the room gathered chunk groups may take, kept or ahead (the

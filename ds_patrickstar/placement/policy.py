@@ -4,7 +4,8 @@
 The accelerator holds, at every moment, non-model memory (the activation *tide*) and the
 chunks that fit beside it under the budget. At a moment the chunks in use must be on the
 accelerator; when one is not, room is made by evicting resident, movable chunks in order
-of farthest next use in the trace (Belady's rule: optimal for a known sequence), and the
+of farthest next use in the trace (Belady's rule: optimal for a known sequence; or those whose
+eviction copies nothing first, where the step-time model prefers it: [Note: eviction order]), and the
 budget left for model data is ``budget - non_model`` planned for this moment and the next
 one (the tide rises before the next moment is reached). After a moment, the chunks of the
 next moment are prefetched when they fit, if need be after evicting resident chunks whose next
@@ -22,7 +23,7 @@ the others are updated on the host by the CPU kernel (hybrid Adam); see
 
 Bookkeeping per moment is O(chunks used) plus O(log resident chunks) per eviction: byte totals
 are running sums in the :class:`~ds_patrickstar.memory.ledger.DeviceLedger`, and the resident
-chunks sit in an :class:`EvictionQueue` keyed by next use (or last use), updated when a chunk
+chunks sit in an :class:`~.eviction_queue.EvictionQueue` keyed by next use (or last use), updated when a chunk
 is used, arrives or leaves; nothing is recomputed over every chunk
 (``benchmarks/bench_placement_overhead.py`` measures it with 10,000+ chunks).
 
@@ -33,92 +34,13 @@ and evicts them the moment after, and updates every chunk's optimizer state on t
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable
 
-from ..memory.ledger import DeviceBudgetExceeded
+from .eviction_queue import EvictionOrder, EvictionQueue
 from .planner import headroom, prefetch_for
 from .tracer import Trace
 
-__all__ = ["EvictionQueue", "Placer"]
-
-
-class EvictionQueue:
-    """Resident chunks by eviction priority, with lazy updates: O(log n) per change and per victim.
-
-    The priority of a chunk is its next use in the trace (Belady: farthest first) or, while there
-    is no trace, its last use (least recently used first). A chunk's next use changes only when
-    it is used, and every use re-keys it, so keys stay exact between uses. Moments are counted
-    on an absolute clock across iterations (the trace wraps), so keys from two iterations compare.
-    Entries superseded by a newer key or by an eviction are skipped when popped.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int]] = []  # (priority, chunk, stamp); smallest is evicted first
-        self._stamp: dict[int, int] = {}
-
-    def push(self, chunk: int, priority: int) -> None:
-        stamp = self._stamp.get(chunk, 0) + 1
-        self._stamp[chunk] = stamp
-        heapq.heappush(self._heap, (priority, chunk, stamp))
-        if len(self._heap) > 2 * len(self._stamp) + 1024:  # superseded entries: compact, O(n) now and then
-            self._heap = [e for e in self._heap if self._stamp.get(e[1]) == e[2]]
-            heapq.heapify(self._heap)
-
-    def drop(self, chunk: int) -> None:
-        self._stamp[chunk] = self._stamp.get(chunk, 0) + 1
-
-    def take(self, need: int, size_if_evictable: Callable[[int], int | None]) -> list[int]:
-        """Pop chunks in priority order until ``need`` bytes are covered; chunks that cannot go
-        now (``size_if_evictable`` gives None) keep their place."""
-        chosen, freed, kept = [], 0, []
-        while freed < need and self._heap:
-            entry = heapq.heappop(self._heap)
-            _, chunk, stamp = entry
-            if self._stamp.get(chunk) != stamp:
-                continue
-            size = size_if_evictable(chunk)
-            if size is None:
-                kept.append(entry)
-                continue
-            self.drop(chunk)
-            chosen.append(chunk)
-            freed += size
-        for entry in kept:
-            heapq.heappush(self._heap, entry)
-        if freed < need:
-            raise DeviceBudgetExceeded(
-                f"cannot free {need} bytes on the accelerator: only {freed} bytes of movable chunks are resident"
-            )
-        return chosen
-
-    def take_below(self, need: int, size_if_evictable: Callable[[int], int | None], limit: int) -> list[int] | None:
-        """Like :meth:`take`, but only chunks of priority below ``limit``; None, taking nothing, when
-        they do not cover ``need``."""
-        chosen, freed, popped = [], 0, []
-        while freed < need and self._heap and self._heap[0][0] < limit:
-            entry = heapq.heappop(self._heap)
-            if self._stamp.get(entry[1]) != entry[2]:
-                continue
-            popped.append(entry)
-            size = size_if_evictable(entry[1])
-            if size is not None:
-                chosen.append(entry[1])
-                freed += size
-        if freed < need:
-            for entry in popped:
-                heapq.heappush(self._heap, entry)
-            return None
-        for entry in popped:
-            if entry[1] in chosen:
-                self.drop(entry[1])
-            else:
-                heapq.heappush(self._heap, entry)
-        return chosen
-
-    def clear(self) -> None:
-        self._heap.clear()
-        self._stamp.clear()
+__all__ = ["Placer"]
 
 
 class Placer:
@@ -139,6 +61,7 @@ class Placer:
         self._base = 0  # absolute clock of this iteration's moment 0 (Belady priorities)
         self._moment = -1
         self.distance = 1  # moments prefetched ahead (see [Note: prefetch distance] in state_choice.py)
+        self.order = EvictionOrder.BELADY  # see [Note: eviction order] in eviction_queue.py
 
     # ---- what is where ------------------------------------------------------------
     @property
@@ -185,6 +108,12 @@ class Placer:
         if self._trace is None or self.policy == "static":
             return self._clock  # least recently used first
         return -(self._base + self._trace.next_use(chunk, self._moment))  # farthest next use first
+
+    def set_order(self, order: EvictionOrder, free: Callable[[int], bool]) -> None:
+        """Evict in ``order`` from now on; ``free``: whether a chunk's eviction copies nothing now (see [Note:
+        eviction order] in eviction_queue.py)."""
+        self.order = order
+        self._queue.reorder(free if order is EvictionOrder.FREE_FIRST else None)
 
     def headroom(self, trace: Trace | None, moment: int, non_model_now: int, span: int = 1) -> int:
         """Bytes model data may use on the accelerator from ``moment`` over ``span`` moments

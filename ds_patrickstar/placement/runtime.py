@@ -28,9 +28,10 @@ from ..counters import StepCounters
 from ..memory.ledger import DeviceLedger
 from .grad_release import GradientRelease
 from .interface import NO_TIDE, ActivationPolicy
-from .move_model import MovePredictor
+from .move_model import MovePlan, MovePredictor
 from .moves import ChunkMoves
 from .planner import gathered_rooms
+from .policy import Placer
 from .positions import TracePositions
 from .saved_meter import SavedTensorMeter
 from .shapes import RetraceReason
@@ -257,6 +258,7 @@ class PlacementRuntime:
             return fill
         choice = self.chooser(trace, fill, self.placer.resident, self.timer.traced_times(len(trace)))
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
+        self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
         return set(choice.on_device)
 
     def step_moment(self, on_device: set[int]) -> None:
@@ -267,7 +269,9 @@ class PlacementRuntime:
         self.steps.settle(trace, on_device)
         if self.predictor is not None and trace is not None:
             fixed = self.ledger.by_kind.get("optim", 0)
-            self.predictor.update(trace, fixed, self.placer.resident, on_device, self.placer.distance)
+            self.predictor.update(
+                trace, fixed, self.placer.resident, on_device, self.placer.distance, self.placer.order
+            )
         self._on_device = set(on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
 
@@ -283,13 +287,20 @@ class PlacementRuntime:
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
         predicted = self.predictor.plan if self.predictor is not None else None
         if predicted is not None:
-            self.counters.predicted_bytes_to_device = predicted.bytes_to_device
-            self.counters.predicted_bytes_to_host = predicted.bytes_to_host
-            self.counters.prefetch_distance = self.placer.distance if self.chooser is not None else 0
+            note_prediction(self.counters, predicted, self.placer, chosen=self.chooser is not None)
         trace = self.tracer.last_iteration()
         if self.timer is not None and predicted is not None and trace is not None:
             step = self.timer.end_step(trace, predicted, self._on_device)
             self.counters.predicted_step_s = step.total_s if step is not None else 0.0
+
+
+def note_prediction(counters: StepCounters, predicted: MovePlan, placer: Placer, chosen: bool) -> None:
+    """The bytes predicted for the step, and the prefetch distance and eviction order placement runs with (as the
+    step-time model ``chosen`` them, else one moment ahead: 0, and Belady's order)."""
+    counters.predicted_bytes_to_device = predicted.bytes_to_device
+    counters.predicted_bytes_to_host = predicted.bytes_to_host
+    counters.prefetch_distance = placer.distance if chosen else 0
+    counters.eviction_order = int(placer.order)
 
 
 def note_peaks(counters: StepCounters, ledger: DeviceLedger, non_model: int, meter: SavedTensorMeter | None) -> None:

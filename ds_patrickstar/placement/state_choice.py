@@ -49,6 +49,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
+from .eviction_queue import EvictionOrder
 from .move_model import MovePlan, simulate_moves
 from .step_time import DeviceProfile, StepTime, predict_step
 from .tracer import Moment, Trace
@@ -90,6 +91,7 @@ class StateChoice:
     step: StepTime
     plan: MovePlan
     distance: int = 1
+    order: EvictionOrder = EvictionOrder.BELADY
 
     @property
     def moved(self) -> int:
@@ -107,10 +109,11 @@ def price(
     profile: DeviceProfile,
     overlap: bool,
     distance: int = 1,
+    order: EvictionOrder = EvictionOrder.BELADY,
 ) -> StateChoice:
     """The steady-state step with the states of ``on_device`` on the accelerator, prefetching ``distance``
-    moments ahead (see [Note: optimizer states by step time]): two iterations of the moves from ``resident``,
-    the second priced."""
+    moments ahead, evicting in ``order`` (see [Note: optimizer states by step time]): two iterations of the
+    moves from ``resident``, the second priced."""
     trace = with_step_chunks(trace, tuple(sorted(on_device)))
     fixed = sum(OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in on_device)
     host = {c: n for c, n in costs.elements.items() if c not in on_device}
@@ -118,14 +121,14 @@ def price(
     copies, frozen = costs.clean_copies, set(costs.sizes) - set(costs.elements)
     for _ in range(2):
         plan = simulate_moves(
-            trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance, copies, frozen
+            trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance, copies, frozen, order
         )
     device = sum(costs.elements[c] for c in on_device)
     step = predict_step(trace, plan, compute_s, host, device, profile, overlap)
-    return StateChoice(frozenset(on_device), step, plan, distance)
+    return StateChoice(frozenset(on_device), step, plan, distance, order)
 
 
-def choose_distance(
+def choose_moves(
     trace: Trace,
     budget: int,
     costs: ChunkCosts,
@@ -135,15 +138,25 @@ def choose_distance(
     profile: DeviceProfile,
     overlap: bool,
 ) -> StateChoice:
-    """``placed`` (priced one moment ahead) at the prefetch distance the step-time model prefers: see [Note:
-    prefetch distance]."""
-    return best_of(
-        [placed]
-        + [
-            price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap, distance)
-            for distance in range(2, MAX_DISTANCE + 1)
-        ]
-    )
+    """``placed`` (priced one moment ahead, Belady's order) at the prefetch distance and in the eviction order
+    the step-time model prefers: see [Note: prefetch distance] and [Note: eviction order] in
+    eviction_queue.py (free evictions first only where some eviction can be free)."""
+    orders = eviction_orders(costs)
+    candidates = [
+        price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap, distance, order)
+        for distance in range(1, MAX_DISTANCE + 1)
+        for order in orders
+        if (distance, order) != (1, EvictionOrder.BELADY)
+    ]
+    return best_of([placed, *candidates])
+
+
+def eviction_orders(costs: ChunkCosts) -> list[EvictionOrder]:
+    """The eviction orders worth pricing: free evictions first only where some can be free (see [Note: eviction
+    order] in eviction_queue.py)."""
+    if costs.clean_copies or costs.uncopied:
+        return [EvictionOrder.BELADY, EvictionOrder.FREE_FIRST]
+    return [EvictionOrder.BELADY]
 
 
 def choose_states(
@@ -155,15 +168,16 @@ def choose_states(
     compute_s: Sequence[float],
     profile: DeviceProfile,
     overlap: bool,
+    order: EvictionOrder = EvictionOrder.BELADY,
 ) -> StateChoice:
-    """Of ``fill`` (the chunks the fill rule places, in its order), the states placed by the predicted step: the
-    best prefix, then local moves from it (where the trace is small enough); see [Note: optimizer states by step
-    time]."""
+    """Of ``fill`` (the chunks the fill rule places, in its order), the states placed by the predicted step with
+    evictions in ``order``: the best prefix, then local moves from it (where the trace is small enough); see
+    [Note: optimizer states by step time]."""
     priced: dict[frozenset[int], StateChoice] = {}
 
     def of(chunks: frozenset[int]) -> StateChoice:
         if chunks not in priced:
-            priced[chunks] = price(trace, budget, costs, chunks, resident, compute_s, profile, overlap)
+            priced[chunks] = price(trace, budget, costs, chunks, resident, compute_s, profile, overlap, 1, order)
         return priced[chunks]
 
     best = _search(len(fill), lambda k: of(frozenset(fill[:k])))
@@ -173,10 +187,11 @@ def choose_states(
         for chunks, c in sorted(priced.items(), key=lambda item: sorted(item[0])):
             logger.debug("ds_patrickstar: states of %s: %.6f s, %d B moved", sorted(chunks), c.step.total_s, c.moved)
     logger.info(
-        "ds_patrickstar: optimizer states of %d of %d chunk(s) on the accelerator by the step-time model: "
-        "predicted step %.4f s, %d B moved (all %d that fit: %.4f s, %d B)",
+        "ds_patrickstar: optimizer states of %d of %d chunk(s) on the accelerator by the step-time model (%s "
+        "eviction order): predicted step %.4f s, %d B moved (all %d that fit: %.4f s, %d B)",
         len(best.on_device),
         len(costs.elements),
+        order.label,
         best.step.total_s,
         best.moved,
         len(fill),
@@ -222,10 +237,10 @@ def _improve(best: StateChoice, fill: Sequence[int], of: Callable[[frozenset[int
 def best_of(choices: Sequence[StateChoice]) -> StateChoice:
     """The fastest of ``choices``, where predicted steps within :data:`TIE` of the fastest are a tie (the model
     is not that exact): of those, the fewest bytes moved, then the most states on the accelerator, then the
-    shortest prefetch distance."""
+    shortest prefetch distance, then Belady's eviction order."""
     fastest = min(c.step.total_s for c in choices)
     tied = [c for c in choices if c.step.total_s <= fastest * (1 + TIE)]
-    return min(tied, key=lambda c: (c.moved, -len(c.on_device), c.distance))
+    return min(tied, key=lambda c: (c.moved, -len(c.on_device), c.distance, c.order))
 
 
 def with_step_chunks(trace: Trace, chunks: tuple[int, ...]) -> Trace:
@@ -254,15 +269,21 @@ class StateChooser:
     def __call__(
         self, trace: Trace, fill: set[int], resident: AbstractSet[int], compute_s: Sequence[float]
     ) -> StateChoice:
-        """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator, and the
-        prefetch distance (see [Note: prefetch distance])."""
+        """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator, the
+        prefetch distance and the eviction order (see [Note: prefetch distance], [Note: eviction order])."""
         args = (self.budget, self.costs)
-        placed = choose_states(trace, *args, sorted(fill), resident, compute_s, self.profile, self.overlap)
-        choice = choose_distance(trace, *args, placed, resident, compute_s, self.profile, self.overlap)
+        placed = best_of(
+            [
+                choose_states(trace, *args, sorted(fill), resident, compute_s, self.profile, self.overlap, order)
+                for order in eviction_orders(self.costs)
+            ]
+        )
+        choice = choose_moves(trace, *args, placed, resident, compute_s, self.profile, self.overlap)
         logger.info(
-            "ds_patrickstar: prefetch %d moment(s) ahead by the step-time model: predicted step %.4f s, %d B moved "
-            "(one moment ahead: %.4f s, %d B)",
+            "ds_patrickstar: prefetch %d moment(s) ahead, %s eviction order, by the step-time model: predicted "
+            "step %.4f s, %d B moved (one moment ahead, Belady: %.4f s, %d B)",
             choice.distance,
+            choice.order.label,
             choice.step.total_s,
             choice.moved,
             placed.step.total_s,

@@ -88,6 +88,7 @@ class Moment:
     non_model: int
     traced: int = -1  # the tide as traced, before any plan changed it (-1: ``non_model``)
     written: frozenset[int] = frozenset()  # chunks whose payload its gradients went into (see [Note: clean evictions])
+    read: int = 0  # the most placement read beside model data at it (see [Note: predicted moves] in move_model.py)
 
     @property
     def measured(self) -> int:
@@ -98,6 +99,7 @@ class Moment:
 class Trace:
     moments: list[Moment] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)
+    revision: int = 0  # moves when a moment's reading rises (see :meth:`note_read`)
 
     def add(self, moment: Moment) -> None:
         index = len(self.moments)
@@ -134,6 +136,14 @@ class Trace:
         old = self.moments[index]
         if chunk not in old.written:
             self.moments[index] = replace(old, written=old.written | {chunk})
+
+    def note_read(self, index: int, nbytes: int) -> None:
+        """Placement read ``nbytes`` beside model data (the tide and the allocator's stranded pieces) during
+        moment ``index``: the most of the readings is kept, and :attr:`revision` moves when it rises."""
+        old = self.moments[index]
+        if nbytes > old.read:
+            self.moments[index] = replace(old, read=nbytes)
+            self.revision += 1
 
     def set_non_model(self, index: int, non_model: int) -> None:
         """The tide planned at moment ``index`` (activation offload re-plans it, see
@@ -233,6 +243,12 @@ class MemoryTracer:
         evictions] in store/clean_copies.py)."""
         if self.tracing and 0 <= self.moment < len(self._recording):
             self._recording.note_written(self.moment, chunk)
+
+    def note_read(self, nbytes: int) -> None:
+        """Placement read ``nbytes`` beside model data at the current moment of the trace recorded or followed."""
+        trace = self._recording if self.tracing else self.trace
+        if trace is not None and 0 <= self.moment < len(trace):
+            trace.note_read(self.moment, nbytes)
 
     def current_trace(self) -> Trace | None:
         """The trace to plan from, or None while an iteration is being traced."""

@@ -44,10 +44,15 @@ class CleanCopies:
         self._kept.add(chunk)
         return True
 
+    @staticmethod
+    def unchanged(chunk: Chunk) -> bool:
+        """Whether ``chunk`` keeps a host buffer its payload still equals (its eviction would copy nothing)."""
+        return chunk.clean is not None and chunk.payload._version == chunk.clean_version
+
     def evict(self, chunk: Chunk) -> bool:
         """Whether ``chunk`` went back to its kept buffer without a copy (its payload unchanged since it came)."""
         host = chunk.clean
-        if host is None or chunk.payload._version != chunk.clean_version:
+        if host is None or not self.unchanged(chunk):
             return False
         self.take(chunk)
         last = chunk.pending[-1] if chunk.pending else None  # the copy in, if it still runs
