@@ -22,7 +22,10 @@ host buffers in ``host_bytes_allocated``, and in ``twin_1rank_device_adam`` (the
 prices; the losses unchanged. The eviction order's counter was added later (``eviction_order``: Belady's in every
 case), when the move model learned the memory placement reads beside the tide at a moment (the tide then and the
 allocator's stranded pieces): ``twin_1rank_ga1``'s predicted bytes to the device went 294,016 -> 310,400, the
-bytes measured.
+bytes measured. Written again when clean evictions reached several ranks and gradient accumulation: bytes to
+the host per steady step 490,624 -> 162,944 in ``twin_1rank_ga2``, 154,560 / 168,384 -> 81,472 per rank in
+``twin_2rank_ga1``, 123,712 / 137,536 -> 81,472 in ``twin_2rank_ga2``, and the kept buffers' host bytes; the
+losses unchanged.
 """
 from __future__ import annotations
 

@@ -49,3 +49,14 @@ def test_no_move_model_at_several_ranks():
     """The model is of one rank (gathered groups are not in it): at two ranks nothing is predicted."""
     ours = run_case("twin_2rank_ga1")[0]
     assert all(step["counters"]["predicted_bytes_to_device"] == 0 for step in ours["steps"])
+
+
+@pytest.mark.parametrize("name", ["twin_1rank_ga2", "twin_2rank_ga1", "twin_2rank_ga2"])
+def test_clean_evictions_at_several_ranks_and_with_accumulation(name):
+    """A chunk evicted unchanged copies nothing at any number of ranks and between micro-steps (see [Note: clean
+    evictions]); the strict twin compared each such payload with its kept buffer, and the golden test holds the
+    losses."""
+    for rank in run_case(name):
+        for step in rank["steps"][1:]:
+            counters = step["counters"]
+            assert counters["clean_evictions"] > 0 and counters["bytes_to_host"] < counters["bytes_to_device"]

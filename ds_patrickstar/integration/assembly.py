@@ -194,8 +194,8 @@ def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int
 
 def _keeps_copies(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> bool:
     """Whether a chunk brought to the accelerator keeps its host buffer (see [Note: clean evictions]): tide-aware
-    placement in the move model's scope, host memory not budgeted (no optimizer states on disk)."""
-    return options.placement == "auto" and _move_model_holds(chunk_map, accumulate) and options.host_budget is None
+    placement, host memory not budgeted (no optimizer states on disk)."""
+    return options.placement == "auto" and options.host_budget is None
 
 
 def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, clean: bool) -> MovePredictor | None:

@@ -1,21 +1,25 @@
 """Host buffers kept beside the accelerator payload, so that an unchanged chunk goes back without a copy.
 
 [Note: clean evictions]
-With tide-aware placement on one rank without gradient accumulation (the move model's scope) and no host
-budget, a chunk brought to the accelerator keeps the host buffer it came from (``Chunk.clean``) with its
-payload's version counter then. Evicted while that counter has not moved (a frozen chunk; a trainable one
-in forward, before backward writes its gradients into the payload), it copies nothing back: the payload
-goes once the copy in has run, and the kept buffer is its host home again (counter ``clean_evictions``; the
-bytes are not in ``bytes_to_host``). Any write through a tensor op into the payload or a view of it (the
-gradients, a rejoin, ``GatheredParameters``, a load) moves the counter, and the eviction copies out instead.
-The step's writes are not all tensor ops (the accelerator's Adam kernel writes through a pointer): it gives
-the trainable chunks' kept buffers back first and keeps none while it runs; a frozen chunk keeps its buffer
-across steps (nothing but tensor ops writes it). The strict emulated accelerator checks at every eviction
-without a copy that the payload holds what the kept buffer holds, bit for bit, so a write no counter saw
-fails a CPU test. The price is host memory: the kept buffers of the chunks on the accelerator (every chunk
-starts on the host, so the peak is the one initialize had). The move model replays it: a chunk brought is
-clean, a moment dirties the chunks its gradients went into (recorded while tracing), the step keeps the
-frozen chunks' buffers only (see [Note: predicted moves] in placement/move_model.py).
+With tide-aware placement and no host budget, a chunk brought to the accelerator keeps the host buffer it came
+from (``Chunk.clean``) with its payload's version counter then. Evicted while that counter has not moved (a
+frozen chunk; a trainable one in forward, before backward writes its gradients into the payload), it copies
+nothing back: the payload goes once the copy in has run, and the kept buffer is its host home again (counter
+``clean_evictions``; the bytes are not in ``bytes_to_host``). Any write through a tensor op into the payload or
+a view of it (the gradients, a rejoin, ``GatheredParameters``, a load) moves the counter, and the eviction
+copies out instead. The step's writes are not all tensor ops (the accelerator's Adam kernel writes through a
+pointer): it gives the trainable chunks' kept buffers back first and keeps none while it runs; a frozen chunk
+keeps its buffer across steps (nothing but tensor ops writes it). Collectives write through pointers too, but
+never into an owned payload: an all-gather reads it into the group's storage, and a reduce-scatter's piece goes
+into the owned slot by a tensor copy (see :meth:`~ds_patrickstar.groups.group.ChunkGroup.reduce_scatter`), so
+several ranks keep buffers as one does. With gradient accumulation the micro-steps' gradients go into the
+accumulator, and a payload stays unchanged (its eviction free) until the boundary folds the sum into it. The
+strict emulated accelerator checks at every eviction without a copy that the payload holds what the kept buffer
+holds, bit for bit, so a write no counter saw fails a CPU test. The price is host memory: the kept buffers of
+the chunks on the accelerator (every chunk starts on the host, so the peak is the one initialize had). The move
+model replays it: a chunk brought is clean, a moment dirties the chunks its gradients went into (recorded while
+tracing), the step keeps the frozen chunks' buffers only (see [Note: predicted moves] in
+placement/move_model.py).
 """
 
 from __future__ import annotations
