@@ -192,6 +192,7 @@ def _sweep(result: dict) -> list[str]:
         moved = (counters["bytes_to_device"] + counters["bytes_to_host"]) if "bytes_to_device" in counters else None
         phases = t["phases_s"]
         ahead = f" ({counters['prefetch_distance']} ahead)" if counters.get("prefetch_distance") else ""
+        ahead += ", free first" if counters.get("eviction_order") else ""
         rows.append(head + ["measured", f"{t['tokens_per_s']:.1f}",
                             _f(ratio.get((t["point"], t.get("rule"))), "{:.2f}x"),
                             _f(moved, "{:.1f}", MB), *(f"{phases[k] * 1e3:.1f}" for k in ("forward", "backward",
@@ -204,7 +205,8 @@ def _sweep(result: dict) -> list[str]:
             "GiB are an 80 GB GPU's, scaled by this GPU's memory, or this GPU's where the command has "
             "`--sweep-absolute`; B in GiB; MB moved: ours' counters, bytes_to_device + "
             "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it, "
-            "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md); "
+            "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md) and \"free first\" "
+            "where it evicts unchanged chunks first (`eviction_order`); "
             "ours: `optimizer_placement` \"time\" (the default), ours (fill): \"fill\", the rule before the "
             "step-time model).",
             "", *_table(["point", "backend", "B (GiB)", "status", "tokens/s", "ours / ZeRO-3 offload",
