@@ -33,6 +33,11 @@ class StepCounters:
     """chunk bytes copied host -> accelerator (placement)"""
     bytes_to_host: int = 0
     """chunk bytes copied accelerator -> host (placement)"""
+    accumulator_bytes_to_device: int = 0
+    """fp32 gradient-accumulator bytes that moved host -> accelerator with their chunk (gradient accumulation; not in
+    ``bytes_to_device``)"""
+    accumulator_bytes_to_host: int = 0
+    """likewise accelerator -> host (not in ``bytes_to_host``)"""
     evictions: int = 0
     clean_evictions: int = 0
     """of the evictions, those that copied nothing: the payload was as it came, its host buffer kept (see

@@ -25,7 +25,8 @@ allocator's stranded pieces): ``twin_1rank_ga1``'s predicted bytes to the device
 bytes measured. Written again when clean evictions reached several ranks and gradient accumulation: bytes to
 the host per steady step 490,624 -> 162,944 in ``twin_1rank_ga2``, 154,560 / 168,384 -> 81,472 per rank in
 ``twin_2rank_ga1``, 123,712 / 137,536 -> 81,472 in ``twin_2rank_ga2``, and the kept buffers' host bytes; the
-losses unchanged.
+losses unchanged. The accumulators' own counters were added later (``accumulator_bytes_to_device`` / ``_to_host``,
+nonzero only with gradient accumulation; nothing else moved).
 """
 from __future__ import annotations
 

@@ -271,6 +271,7 @@ class ChunkStore:
             return
         host = self.accel.host_empty(chunk.capacity, torch.float32)
         self.host_bytes += chunk.acc_nbytes
+        self.counters.accumulator_bytes_to_host += chunk.acc_nbytes
         pending = self.accel.copy(host, chunk.acc)
         self.accel.free(chunk.acc, "grad_acc", after=pending)
         chunk.acc, chunk.acc_host = None, host
@@ -283,6 +284,7 @@ class ChunkStore:
             chunk.capacity, torch.float32, "grad_acc", f"the gradient accumulator of chunk {chunk.chunk_id}"
         )
         pending = self.accel.copy(acc, chunk.acc_host)
+        self.counters.accumulator_bytes_to_device += chunk.acc_nbytes
         chunk.pending.append(pending)
         self._drop_host(chunk.acc_host, after=pending)
         chunk.acc, chunk.acc_host = acc, None
