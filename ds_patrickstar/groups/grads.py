@@ -5,8 +5,10 @@ and the gradient norm.
 With GA = 1 a gradient goes straight into its parameter slot
 (see [Note: gradient in the param slot]). With GA > 1 the parameters must survive until
 the last micro-step, and the micro-steps' gradients are summed in fp32 accumulators, which
-exist only from a chunk's first micro-step to the end of the step and follow their chunk
-between the accelerator and the host (see [Note: chunk locations]).
+exist only from a chunk's first micro-step until the boundary has written their sum into the
+slot (then they go at once, not at the step: an accumulator kept to the step would follow a
+chunk evicted meanwhile to the host for nothing) and follow their chunk between the accelerator
+and the host (see [Note: chunk locations]).
 
 With one rank every micro-step adds its gradient into the accumulator of its chunk; on the
 boundary micro-step the sum is written into the slot, rounded to the param dtype once.
@@ -176,6 +178,8 @@ class GradientSink:
         self.reduced.add(group)
         self._residency.unkeep(group)
         if self._comm.world_size == 1:
+            if self.accumulate:  # the sum is in the slot: the accumulator goes now, not at the step
+                self._groups[group].drop_accumulators()
             if self._groups[group].owned.trainable:
                 self.norms.record(self._groups[group].owned)
             return
@@ -190,6 +194,7 @@ class GradientSink:
         [Note: gradient accumulation])."""
         if self._scattered is not None:
             self._scattered.fold(owned)
+            self._groups[self._map.group_of(owned)].drop_accumulators()  # its sum is in the slot now
         if owned.trainable:
             self.norms.record(owned)
 

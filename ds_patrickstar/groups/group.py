@@ -226,10 +226,14 @@ class ChunkGroup:
         backward use of a tensor still waiting for its gradient; the group may then be kept or released."""
         return all(t.state is TensorState.HOLD_AFTER_FWD for t in self.tensors)
 
-    def finalize(self) -> None:
-        """The step is over: the members' gradient accumulators go and its tensors settle (``HOLD``)."""
+    def drop_accumulators(self) -> None:
+        """The members' gradient accumulators go (their sums are in the slots, or the step is over)."""
         for chunk in self.members:
             self._store.drop_accumulator(chunk)
+
+    def finalize(self) -> None:
+        """The step is over: the members' gradient accumulators go and its tensors settle (``HOLD``)."""
+        self.drop_accumulators()
         for info in self.tensors:
             if info.state not in (TensorState.HOLD, TensorState.FREE):
                 info.settle()

@@ -15,8 +15,9 @@ might:
 
 * a held group's fp32 accumulator from the moment it comes into being: in the first micro-step,
   with ``W > 1``, at the group's micro-step reduce-scatter (during its last backward moment), with
-  one rank at its first gradient (its first backward moment); in later micro-steps (and at the
-  step) it is there from the start;
+  one rank at its first gradient (its first backward moment); in later micro-steps it is there from
+  the start; it goes once the boundary has put its sum in the slot, so the step has none (a bound:
+  the moments of the boundary's backward count it until their end);
 * with ``W > 1`` in every micro-step but the boundary, a group's flat gradient buffer (see
   [Note: flat group buffers] in groups/flat.py) from the group's first backward moment of the
   micro-step to its last, whether or not the group is held then (a recomputation may run between
@@ -45,6 +46,8 @@ def chunk_needs(trace: Trace, chunk_map: ChunkMap, accumulate: bool) -> list[int
     boundary = micro[-1] if micro else 0
     for index, held in enumerate(groups):
         step = micro[index]
+        if trace.moments[index].label == "step":  # every sum is in its slot: no accumulator is left
+            continue
         for group in held:
             span = spans.get((0, group))
             born = span is not None and index >= (span[1] if world > 1 else span[0])
