@@ -123,10 +123,14 @@ class StepCounters:
 
     predicted_bytes_to_device: int = 0
     """bytes the placement planner's model of the driver predicts one iteration of the current trace brings to the
-    accelerator, at steady state (see [Note: predicted moves]; 0: not predicted, with several ranks or gradient
-    accumulation, or without placement); ``bytes_to_device`` is what it measured"""
+    accelerator, at steady state (see [Note: predicted moves]; 0: not predicted, with several ranks or without
+    placement); ``bytes_to_device`` is what it measured"""
     predicted_bytes_to_host: int = 0
     """likewise, bytes back to the host (``bytes_to_host`` measured)"""
+    predicted_accumulator_bytes_to_device: int = 0
+    """with gradient accumulation, likewise the accumulators' bytes (``accumulator_bytes_to_device`` measured)"""
+    predicted_accumulator_bytes_to_host: int = 0
+    """likewise, back to the host (``accumulator_bytes_to_host`` measured)"""
     predicted_step_s: float = 0.0
     """seconds the step-time model predicts for this step (see [Note: step-time model]): the moves predicted, priced
     with the device profile, beside the moments' measured times of the previous step (0: not predicted, as the

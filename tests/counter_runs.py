@@ -29,7 +29,10 @@ losses unchanged. The accumulators' own counters were added later (``accumulator
 nonzero only with gradient accumulation; nothing else moved). Written again when an accumulator went at the
 boundary instead of at the step: accumulator bytes to the host per steady step 375,936 -> 212,992 in
 ``twin_1rank_ga2`` (24 -> 21 evictions) and 109,888 / 123,712 -> 42,240 / 56,064 in ``twin_2rank_ga2``, host
-bytes lower; the losses unchanged.
+bytes lower; the losses unchanged. Written again when the move model took in gradient accumulation on one rank:
+``twin_1rank_ga2`` now predicts (its payloads' and accumulators' bytes, equal to those measured), prefetches by
+the step-time model's choice, and sends its 9 host-updated chunks out during the boundary's backward (one
+eviction fewer; the same bytes; 61,952 more host bytes allocated); the losses unchanged.
 """
 from __future__ import annotations
 

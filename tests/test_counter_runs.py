@@ -32,10 +32,11 @@ def test_counters_and_losses_as_golden(name, golden):
 
 
 @pytest.mark.parametrize("name", ["twin_1rank_ga1", "twin_1rank_device_adam", "twin_checkpointed_offload",
-                                  "frozen_on_disk_twin"])
+                                  "frozen_on_disk_twin", "twin_1rank_ga2"])
 def test_the_move_model_predicts_the_bytes_measured(name):
     """At steady state (after the traced step) the planner's model of the driver (see [Note: predicted moves])
-    predicts the bytes each way that the strict twin moved, exactly."""
+    predicts the bytes each way that the strict twin moved, exactly; with gradient accumulation the accumulators'
+    too."""
     ours = run_case(name)[0]
     assert ours["steps"][0]["counters"]["predicted_bytes_to_device"] == 0  # the traced iteration: no trace yet
     for step in ours["steps"][2:]:
@@ -43,6 +44,8 @@ def test_the_move_model_predicts_the_bytes_measured(name):
         for way in ("to_device", "to_host"):
             measured, predicted = counters[f"bytes_{way}"], counters[f"predicted_bytes_{way}"]
             assert measured > 0 and predicted == measured, (name, way, predicted, measured)
+            measured, predicted = counters[f"accumulator_bytes_{way}"], counters[f"predicted_accumulator_bytes_{way}"]
+            assert predicted == measured and (measured > 0) == (CASES[name]["ga"] > 1), (name, way, predicted)
 
 
 def test_no_move_model_at_several_ranks():

@@ -127,3 +127,20 @@ def test_on_the_twin_the_time_rule_moves_fewer_bytes_than_fill_with_the_same_los
     for c in last.values():  # the move model's prediction is what the twin moved
         assert (c["predicted_bytes_to_device"], c["predicted_bytes_to_host"]) == (c["bytes_to_device"],
                                                                                  c["bytes_to_host"])
+
+
+def test_with_gradient_accumulation_the_time_rule_moves_fewer_bytes_than_fill_as_predicted():
+    """GA 2 on one rank (see [Note: predicted moves]): the accumulators come and go where the trace recorded and
+    move with their chunks; the time rule's states move fewer bytes, accumulators included, with the same losses."""
+    case = {"world": 1, "ga": 2, "zero": {"device_budget": 640_000}}
+    fill_case = {**case, "zero": {**case["zero"], "optimizer_placement": "fill"}}
+    timed = run_ranks(train_case, 1, case, timeout=240.0)[0]["steps"]
+    fill = run_ranks(train_case, 1, fill_case, timeout=240.0)[0]["steps"]
+    assert [s["losses"] for s in timed] == [s["losses"] for s in fill]
+    last = {name: steps[-1]["counters"] for name, steps in (("fill", fill), ("time", timed))}
+    ways = ("bytes_to_device", "bytes_to_host", "accumulator_bytes_to_device", "accumulator_bytes_to_host")
+    moved = {name: sum(c[way] for way in ways) for name, c in last.items()}
+    assert moved["time"] < 0.5 * moved["fill"]
+    for c in last.values():
+        assert all(c[f"predicted_{way}"] == c[way] for way in ways), c
+    assert last["fill"]["accumulator_bytes_to_host"] > 0  # the fill rule's evictions carry accumulators

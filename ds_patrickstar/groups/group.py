@@ -130,6 +130,8 @@ class ChunkGroup:
 
     def accumulator(self, chunk: Chunk) -> torch.Tensor:
         """The fp32 gradient accumulator of a member (created on first use; see [Note: gradient accumulation])."""
+        if chunk.acc is None and chunk.acc_host is None:
+            self._placement.accumulator(chunk.chunk_id, True)
         return self._store.accumulator(chunk)
 
     def flat_buffer(self, keep: set[int]) -> torch.Tensor:
@@ -229,6 +231,8 @@ class ChunkGroup:
     def drop_accumulators(self) -> None:
         """The members' gradient accumulators go (their sums are in the slots, or the step is over)."""
         for chunk in self.members:
+            if chunk.acc is not None or chunk.acc_host is not None:
+                self._placement.accumulator(chunk.chunk_id, False)
             self._store.drop_accumulator(chunk)
 
     def finalize(self) -> None:

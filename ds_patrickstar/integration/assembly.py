@@ -136,7 +136,8 @@ def make_placement(
     profile = device_profile(accel) if options.placement == "auto" else H100_PROFILE
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
-    store.copies.enabled = _keeps_copies(options, chunk_map, accumulate)
+    # kept host buffers: tide-aware placement, host memory not budgeted (see [Note: clean evictions])
+    store.copies.enabled = options.placement == "auto" and options.host_budget is None
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
@@ -192,21 +193,21 @@ def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int
     return "auto"
 
 
-def _keeps_copies(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> bool:
-    """Whether a chunk brought to the accelerator keeps its host buffer (see [Note: clean evictions]): tide-aware
-    placement, host memory not budgeted (no optimizer states on disk)."""
-    return options.placement == "auto" and options.host_budget is None
-
-
 def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, clean: bool) -> MovePredictor | None:
-    """The model of the driver's moves, where it holds: one rank, no gradient accumulation (see
-    [Note: predicted moves])."""
-    if not _move_model_holds(chunk_map, accumulate):
+    """The model of the driver's moves, where it holds: one rank (see [Note: predicted moves])."""
+    if not _move_model_holds(chunk_map):
         return None
     owned = chunk_map.owned_chunks()
     sizes = {c.chunk_id: c.nbytes for c in owned}
     trainable = {c.chunk_id for c in owned if c.trainable}
-    return MovePredictor(accel.ledger.budget, sizes, trainable, {c.chunk_id for c in owned if c.on_disk}, clean)
+    on_disk = {c.chunk_id for c in owned if c.on_disk}
+    return MovePredictor(accel.ledger.budget, sizes, trainable, on_disk, clean, _accumulators(chunk_map, accumulate))
+
+
+def _accumulators(chunk_map: ChunkMap, accumulate: bool) -> dict[int, int] | None:
+    """With gradient accumulation, each trainable owned chunk's fp32 accumulator bytes (see [Note: gradient
+    accumulation] in groups/grads.py)."""
+    return {c.chunk_id: 4 * c.capacity for c in chunk_map.trainable_owned()} if accumulate else None
 
 
 def _state_chooser(
@@ -221,11 +222,10 @@ def _state_chooser(
     (see [Note: optimizer states by step time]); None: every state that fits."""
     if options.placement != "auto" or options.optimizer_placement != "time":
         return None
-    if not _move_model_holds(chunk_map, accumulate):
+    if not _move_model_holds(chunk_map):
         if "optimizer_placement" in options.model_fields_set:
             logger.info(
-                'ds_patrickstar: optimizer_placement "time" needs one rank without gradient accumulation (the move '
-                'model\'s scope): "fill" is used'
+                'ds_patrickstar: optimizer_placement "time" needs one rank (the move model\'s scope): "fill" is used'
             )
         return None
     owned = chunk_map.owned_chunks()
@@ -236,22 +236,22 @@ def _state_chooser(
         capacities={c.chunk_id: c.capacity for c in trainable},
         uncopied={c.chunk_id for c in owned if c.on_disk},
         clean_copies=clean,
+        accumulators=_accumulators(chunk_map, accumulate),
     )
     return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam)
 
 
 def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> set[int] | None:
     """The chunks whose gradients may leave during backward when updated on the host (see [Note: gradients leave
-    in backward] in placement/grad_release.py): one rank without gradient accumulation, tide-aware placement."""
-    if options.placement != "auto" or not _move_model_holds(chunk_map, accumulate):
+    in backward] in placement/grad_release.py): one rank, tide-aware placement."""
+    if options.placement != "auto" or not _move_model_holds(chunk_map):
         return None
     return {c.chunk_id for c in chunk_map.trainable_owned()}
 
 
-def _move_model_holds(chunk_map: ChunkMap, accumulate: bool) -> bool:
-    """One rank without gradient accumulation: the scope of the move model and of what is built on it (see
-    [Note: predicted moves])."""
-    return chunk_map.world_size == 1 and not accumulate
+def _move_model_holds(chunk_map: ChunkMap) -> bool:
+    """One rank: the scope of the move model and of what is built on it (see [Note: predicted moves])."""
+    return chunk_map.world_size == 1
 
 
 def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile: DeviceProfile) -> StepTimer:

@@ -14,7 +14,7 @@ Neither is better on every trace, so the planner prices both with the step-time 
 steady-state iteration in each order, see [Note: predicted moves] in move_model.py) and keeps the faster;
 within the tie of [Note: optimizer states by step time] the fewer bytes, then Belady (see [Note: prefetch
 distance] in state_choice.py for the rest of the choice). The two orders differ only where some evictions
-are free: with clean evictions off (several ranks, gradient accumulation, a host budget) and no frozen chunk
+are free: with clean evictions off (a host budget) and no frozen chunk
 whose home is its disk record, every order is Belady's. Counter ``eviction_order`` (0: Belady, 1: free first).
 
 A chunk's priority is its next use (re-keyed at every use, see :class:`EvictionQueue`); whether its

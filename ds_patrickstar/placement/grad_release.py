@@ -8,7 +8,8 @@ is movable (no tensor of it in use: a gradient still to come keeps a tensor in `
 instead of at the step: the copy runs behind the rest of backward's compute, and the room it leaves serves the
 moments after it. It is the eviction Belady would choose first anyway (next use: the next iteration), made
 early. Only once a step has placed the optimizer states from this trace (before, any chunk may turn out to be
-updated on the accelerator); one rank without gradient accumulation (the move model's scope, which models it);
+updated on the accelerator); one rank (the move model's scope, which models it; with gradient accumulation the last
+use is in the boundary micro-step);
 the counter ``grads_released_in_backward`` counts them.
 """
 

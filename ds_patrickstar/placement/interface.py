@@ -101,6 +101,9 @@ class Placement(Protocol):
     def written(self, chunk_id: int) -> None:
         """A gradient went into the chunk's payload (see [Note: clean evictions] in store/clean_copies.py)."""
 
+    def accumulator(self, chunk_id: int, exists: bool) -> None:
+        """The chunk's gradient accumulator came into being (``exists``) or went (see [Note: predicted moves])."""
+
     def evict(self, chunk: Chunk) -> None: ...
 
     def after_use(self, chunk: Chunk) -> None: ...
@@ -176,6 +179,9 @@ class NullPlacement:
         pass
 
     def written(self, chunk_id: int) -> None:
+        pass
+
+    def accumulator(self, chunk_id: int, exists: bool) -> None:
         pass
 
     def evict(self, chunk: Chunk) -> None:

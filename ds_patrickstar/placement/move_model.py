@@ -17,9 +17,13 @@ grad_release.py). It starts from the chunks on the accelerator and leaves
 there those at the iteration's end, so two calls give a steady state. What it returns, bytes to the
 accelerator and back per moment, is what the step-time model weighs against compute (see [Note: step-time
 model] in step_time.py), and the
-per-step counters ``predicted_bytes_to_device``/``_to_host`` put it beside the bytes measured. It models
-one rank without gradient accumulation: gathered groups, accumulators and copies still in flight are
-not in it (at several ranks or GA > 1 the counters say 0: not predicted).
+per-step counters ``predicted_bytes_to_device``/``_to_host`` put it beside the bytes measured. With gradient
+accumulation a trainable chunk's fp32 accumulator comes into being and goes at the moments the traced iteration
+recorded (``Moment.acc_born``, ``acc_gone``: its first gradient, and the boundary's sum in its slot), during
+the moment, after its hook (room made beside what the driver read then, ``Moment.read_late``); from then on it
+takes room beside its chunk and moves with it (``predicted_accumulator_bytes_to_device``/``_to_host``). It
+models one rank: gathered groups and copies still in flight are not in it (at several ranks the counters say 0:
+not predicted).
 """
 
 from __future__ import annotations
@@ -34,14 +38,40 @@ from .tracer import Trace
 
 @dataclass(frozen=True)
 class MovePlan:
-    """Bytes to the accelerator and back at each moment of one iteration; ``demand``: of ``to_device``, the
-    bytes brought for the moment's own use (not ahead of it); ``ahead``: the rest, per moment as ``(target
-    moment, bytes)`` in the order they were brought (None: all of it for the next moment)."""
+    """Bytes to the accelerator and back at each moment of one iteration: chunk payloads (``to_device``,
+    ``to_host``) and, with gradient accumulation, the fp32 accumulators that move with them (``acc_to_device``,
+    ``acc_to_host``; None: none); ``demand``: of both, the bytes brought for the moment's own use (not ahead of
+    it); ``ahead``: the rest, per moment as ``(target moment, bytes)`` in the order they were brought (None: all
+    of it for the next moment)."""
 
     to_device: list[int]
     to_host: list[int]
     demand: list[int]
     ahead: list[list[tuple[int, int]]] | None = None
+    acc_to_device: list[int] | None = None
+    acc_to_host: list[int] | None = None
+
+    def evicted(self, moment: int) -> int:
+        """Bytes sent to the host at ``moment``, accumulators included."""
+        return self.to_host[moment] + (self.acc_to_host[moment] if self.acc_to_host is not None else 0)
+
+    @property
+    def accumulator_bytes_to_device(self) -> int:
+        return sum(self.acc_to_device) if self.acc_to_device is not None else 0
+
+    @property
+    def accumulator_bytes_to_host(self) -> int:
+        return sum(self.acc_to_host) if self.acc_to_host is not None else 0
+
+    @property
+    def moved(self) -> int:
+        """Every byte copied each way, accumulators included."""
+        return (
+            self.bytes_to_device
+            + self.bytes_to_host
+            + self.accumulator_bytes_to_device
+            + self.accumulator_bytes_to_host
+        )
 
     def brought_ahead(self, moment: int) -> list[tuple[int, int]]:
         """``(target moment, bytes)`` brought ahead at ``moment``."""
@@ -78,14 +108,20 @@ class _Replay:
         resident: set[int],
         uncopied: set[int],
         order: EvictionOrder = EvictionOrder.BELADY,
+        accumulators: Mapping[int, int] | None = None,
     ) -> None:
         self.trace, self.budget, self.sizes, self.resident = trace, budget, sizes, resident
+        self.acc_sizes = accumulators or {}  # chunk -> its accumulator's bytes (gradient accumulation)
+        self.acc: set[int] = set()  # chunks whose accumulator exists now
+        self.late = False  # after the moment's hook: a gradient's room (see [Note: predicted moves])
         self.uncopied = uncopied
         self.keeps_copies = False  # brought chunks keep their host buffer (see [Note: clean evictions])
         self.clean: set[int] = set()  # resident chunks whose payload is as it came
         self.held = fixed + sum(sizes[c] for c in resident)  # what the accelerator holds now, a running total
         self.to_device = [0] * len(trace)
         self.to_host = [0] * len(trace)
+        self.acc_to_device = [0] * len(trace)
+        self.acc_to_host = [0] * len(trace)
         self.demand = [0] * len(trace)
         self.ahead: list[list[tuple[int, int]]] = [[] for _ in range(len(trace))]
         self.at = 0
@@ -97,6 +133,10 @@ class _Replay:
     def total(self) -> int:
         return self.held
 
+    def size(self, chunk: int) -> int:
+        """What ``chunk`` takes on the accelerator now: payload and accumulator."""
+        return self.sizes[chunk] + (self.acc_sizes[chunk] if chunk in self.acc else 0)
+
     def free(self, chunk: int) -> bool:
         """Whether evicting ``chunk`` now copies nothing."""
         return chunk in self.clean or chunk in self.uncopied
@@ -105,7 +145,8 @@ class _Replay:
         """The budget less the tide planned from ``moment`` over ``span`` moments and the one after, and the
         memory beside model data now, the tide and the stranded pieces as read at the moment being replayed when
         it was traced (the planner's :func:`~.planner.headroom`)."""
-        now = self.trace.moments[self.at].read
+        at = self.trace.moments[self.at]
+        now = max(at.read, at.read_late) if at.label == "step" else at.read_late if self.late else at.read
         return self.budget - max(self.trace.non_model_ahead(moment % len(self.trace), span + 1), now)
 
     def used(self, chunks: set[int]) -> None:
@@ -119,17 +160,20 @@ class _Replay:
         if self.keeps_copies:
             self.clean.add(chunk)
         self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
-        self.held += self.sizes[chunk]
+        nbytes = self.size(chunk)
+        self.held += nbytes
         self.to_device[self.at] += self.sizes[chunk]
+        self.acc_to_device[self.at] += nbytes - self.sizes[chunk]
         if target is None:
-            self.demand[self.at] += self.sizes[chunk]
+            self.demand[self.at] += nbytes
         else:
-            self.ahead[self.at].append((target, self.sizes[chunk]))
+            self.ahead[self.at].append((target, nbytes))
 
     def evict(self, chunk: int) -> None:
         self.resident.discard(chunk)
         self.queue.drop(chunk)
-        self.held -= self.sizes[chunk]
+        self.held -= self.size(chunk)
+        self.acc_to_host[self.at] += self.size(chunk) - self.sizes[chunk]
         if chunk in self.clean:
             self.clean.discard(chunk)
         elif chunk not in self.uncopied:
@@ -146,7 +190,24 @@ class _Replay:
                 self.evict(chunk)
 
     def _size_unless(self, keep: AbstractSet[int]) -> Callable[[int], int | None]:
-        return lambda chunk: None if chunk in keep else self.sizes[chunk]
+        return lambda chunk: None if chunk in keep else self.size(chunk)
+
+    def grow(self, chunk: int, in_use: set[int]) -> None:
+        """``chunk``'s first gradient this iteration: its accumulator comes into being beside it, room made after
+        the moment's hook (see [Note: predicted moves])."""
+        if chunk not in self.resident:
+            self.make_room(self.sizes[chunk], in_use | {chunk})
+            self.bring(chunk)
+        self.make_room(self.acc_sizes[chunk], in_use | {chunk})
+        self.acc.add(chunk)
+        self.held += self.acc_sizes[chunk]
+
+    def shrink(self, chunk: int) -> None:
+        """The boundary put ``chunk``'s sum into its slot: its accumulator goes, wherever it is."""
+        if chunk in self.acc:
+            self.acc.discard(chunk)
+            if chunk in self.resident:
+                self.held -= self.acc_sizes[chunk]
 
     def make_room(self, need: int, keep: set[int]) -> None:
         """Farthest next use first, until ``need`` more bytes fit (or nothing else can go)."""
@@ -171,7 +232,7 @@ class _Replay:
             for chunk in ahead:
                 if chunk in self.resident or chunk not in self.sizes:
                     continue
-                short = self.total() + self.sizes[chunk] - room
+                short = self.total() + self.size(chunk) - room
                 if short > 0:
                     chosen = self.queue.take_below(short, self._size_unless(keep), -target)
                     if chosen is None:
@@ -196,6 +257,7 @@ def simulate_moves(
     keeps_copies: bool = False,
     frozen: AbstractSet[int] = frozenset(),
     order: EvictionOrder = EvictionOrder.BELADY,
+    accumulators: Mapping[int, int] | None = None,
 ) -> MovePlan:
     """Replay one iteration of ``trace`` (see [Note: predicted moves]): ``sizes``, the movable chunks' bytes
     on the accelerator; ``fixed``, bytes that do not move; ``resident``, the chunks on the accelerator at
@@ -205,8 +267,9 @@ def simulate_moves(
     ``keeps_copies``, whether a chunk brought keeps the host buffer it came from, so that its eviction copies
     nothing until a moment's gradients went into it (the trace's ``written``), and ``frozen``, the chunks that
     keep it across the step (see [Note: clean evictions] in store/clean_copies.py); ``order``, the eviction
-    order (see [Note: eviction order] in eviction_queue.py)."""
-    replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied), order)
+    order (see [Note: eviction order] in eviction_queue.py); ``accumulators``, with gradient accumulation, each
+    trainable chunk's accumulator bytes."""
+    replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied), order, accumulators)
     for index, moment in enumerate(trace.moments):
         replay.at = index
         replay.keeps_copies = keeps_copies and moment.label != "step"
@@ -232,7 +295,15 @@ def simulate_moves(
             replay.make_room(0, used)
             replay.prefetch(used, distance)
             replay.clean.difference_update(moment.written)  # its gradients went into those payloads
-    return MovePlan(replay.to_device, replay.to_host, replay.demand, replay.ahead)
+        if accumulators:  # during the moment, after its hook (see [Note: gradient accumulation] in groups/grads.py)
+            replay.late = True
+            for chunk in sorted(moment.acc_born & set(accumulators)):
+                replay.grow(chunk, used)
+            for chunk in sorted(moment.acc_gone):
+                replay.shrink(chunk)
+            replay.late = False
+    accs = (replay.acc_to_device, replay.acc_to_host) if accumulators else (None, None)
+    return MovePlan(replay.to_device, replay.to_host, replay.demand, replay.ahead, *accs)
 
 
 class MovePredictor:
@@ -240,10 +311,17 @@ class MovePredictor:
     of the optimizer states (see [Note: predicted moves])."""
 
     def __init__(
-        self, budget: int, sizes: Mapping[int, int], trainable: set[int], uncopied: set[int], clean: bool = False
+        self,
+        budget: int,
+        sizes: Mapping[int, int],
+        trainable: set[int],
+        uncopied: set[int],
+        clean: bool = False,
+        accumulators: Mapping[int, int] | None = None,
     ) -> None:
         self._budget, self._sizes, self._trainable, self._uncopied = budget, dict(sizes), trainable, uncopied
         self._clean = clean  # chunks keep the host buffer they came from (see [Note: clean evictions])
+        self._accumulators = accumulators  # with gradient accumulation: chunk -> accumulator bytes
         self._key: tuple[int, int, frozenset[int], int, EvictionOrder] | None = None
         self.plan: MovePlan | None = None
 
@@ -277,6 +355,7 @@ class MovePredictor:
                     self._clean,
                     set(self._sizes) - self._trainable,
                     order,
+                    self._accumulators,
                 )
         assert self.plan is not None
         return self.plan

@@ -129,7 +129,7 @@ class ChunkMoves:
             stranded = self.store.accel.fragmentation()
             if self.run.records():
                 self.stranded_peak = max(self.stranded_peak, stranded)
-                self.tracer.note_read(non_model + stranded)  # what the move model replays (see [Note: predicted moves])
+                self.tracer.note_read(non_model + stranded, late=not self._hook)  # see [Note: predicted moves]
             if self._hook:
                 self._reading = (non_model, stranded)
         self.ledger.non_model = non_model + stranded

@@ -136,6 +136,9 @@ class PlacementRuntime:
     def written(self, chunk_id: int) -> None:
         self.tracer.note_written(chunk_id)
 
+    def accumulator(self, chunk_id: int, exists: bool) -> None:
+        self.tracer.note_accumulator(chunk_id, exists)
+
     def after_use(self, chunk: Chunk) -> None:
         self.moves.after_use(chunk)
 
@@ -238,8 +241,7 @@ class PlacementRuntime:
         (``capacities``: id -> elements) live from now on, after a (re-)trace or a re-plan; None: where
         they are (see [Note: placement planner]; the traced iteration's own step plans: [Note: first steps])."""
         self.tracer.cover_previous()  # before any plan is made from a trace for larger inputs
-        self.counters.retraces_shape = int(self.tracer.retraced is RetraceReason.SHAPE)
-        self.counters.retraces_order = int(self.tracer.retraced is RetraceReason.ORDER)
+        note_retrace(self.counters, self.tracer.retraced)
         over = self.positions.take_over()
         trace = self.tracer.current_trace()
         if trace is None:  # the step of the iteration being traced plans from it (see [Note: first steps])
@@ -252,8 +254,7 @@ class PlacementRuntime:
         return self.steps.decide(trace, over, capacities, self._choose_states)
 
     def _choose_states(self, trace: Trace, fill: set[int]) -> set[int]:
-        """Of ``fill``, the chunks whose states the step-time model places on the accelerator (all of them
-        without a chooser); priced with the moment times the traced iteration measured."""
+        """Of ``fill``, the states the step-time model places (all without a chooser), and the moves' choices."""
         if self.chooser is None or self.timer is None:
             return fill
         choice = self.chooser(trace, fill, self.placer.resident, self.timer.traced_times(len(trace)))
@@ -268,10 +269,8 @@ class PlacementRuntime:
         self.moves.store.step_begins()  # see [Note: clean evictions] in store/clean_copies.py
         self.steps.settle(trace, on_device)
         if self.predictor is not None and trace is not None:
-            fixed = self.ledger.by_kind.get("optim", 0)
-            self.predictor.update(
-                trace, fixed, self.placer.resident, on_device, self.placer.distance, self.placer.order
-            )
+            placer, fixed = self.placer, self.ledger.by_kind.get("optim", 0)
+            self.predictor.update(trace, fixed, placer.resident, on_device, placer.distance, placer.order)
         self._on_device = set(on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
 
@@ -294,11 +293,19 @@ class PlacementRuntime:
             self.counters.predicted_step_s = step.total_s if step is not None else 0.0
 
 
+def note_retrace(counters: StepCounters, reason: RetraceReason | None) -> None:
+    """Whether this step's iteration was traced anew, and why."""
+    counters.retraces_shape = int(reason is RetraceReason.SHAPE)
+    counters.retraces_order = int(reason is RetraceReason.ORDER)
+
+
 def note_prediction(counters: StepCounters, predicted: MovePlan, placer: Placer, chosen: bool) -> None:
     """The bytes predicted for the step, and the prefetch distance and eviction order placement runs with (as the
     step-time model ``chosen`` them, else one moment ahead: 0, and Belady's order)."""
     counters.predicted_bytes_to_device = predicted.bytes_to_device
     counters.predicted_bytes_to_host = predicted.bytes_to_host
+    counters.predicted_accumulator_bytes_to_device = predicted.accumulator_bytes_to_device
+    counters.predicted_accumulator_bytes_to_host = predicted.accumulator_bytes_to_host
     counters.prefetch_distance = placer.distance if chosen else 0
     counters.eviction_order = int(placer.order)
 

@@ -38,7 +38,7 @@ short). With the optimizer states placed, the planner prices each distance from 
 (the moves of a steady-state iteration at that distance, then the two-stream step-time model, see [Note:
 step-time model]) and keeps the fastest; within :data:`TIE` of it, the fewest bytes moved, then the shortest
 distance. The distance is logged and exported (counter ``prefetch_distance``); without the step-time model
-(several ranks, gradient accumulation, ``optimizer_placement: "fill"``) it is one moment.
+(several ranks, ``optimizer_placement: "fill"``) it is one moment.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class ChunkCosts:
     capacities: Mapping[int, int]
     uncopied: AbstractSet[int] = frozenset()
     clean_copies: bool = False  # chunks keep the host buffer they came from (see [Note: clean evictions])
+    accumulators: Mapping[int, int] | None = None  # with gradient accumulation: chunk -> accumulator bytes
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,8 @@ class StateChoice:
 
     @property
     def moved(self) -> int:
-        """Bytes to the accelerator and back in the step."""
-        return self.plan.bytes_to_device + self.plan.bytes_to_host
+        """Bytes to the accelerator and back in the step (accumulators included)."""
+        return self.plan.moved
 
 
 def price(
@@ -121,7 +122,18 @@ def price(
     copies, frozen = costs.clean_copies, set(costs.sizes) - set(costs.elements)
     for _ in range(2):
         plan = simulate_moves(
-            trace, budget, costs.sizes, fixed, replay, set(host), costs.uncopied, distance, copies, frozen, order
+            trace,
+            budget,
+            costs.sizes,
+            fixed,
+            replay,
+            set(host),
+            costs.uncopied,
+            distance,
+            copies,
+            frozen,
+            order,
+            costs.accumulators,
         )
     device = sum(costs.elements[c] for c in on_device)
     step = predict_step(trace, plan, compute_s, host, device, profile, overlap)

@@ -26,7 +26,7 @@ the host's clock on the strict twin) less the demand transfers the model prices 
 :class:`DeviceProfile` are measured at initialize on a GPU (see [Note: device profile] in
 integration/device_profile.py); :data:`H100_PROFILE` holds the figures this project measured on an H100, and
 the strict twin prices its moves with them.
-What the model leaves out: gathered groups and accumulators (one rank without accumulation, as the
+What the model leaves out: gathered groups (one rank, as the
 move model), two copy directions running at once, and host Adam slowing the host's compute.
 """
 
@@ -94,9 +94,9 @@ def predict_step(
         work = compute_s[k] if k < len(compute_s) else 0.0
         if moment.label == "step":  # its own time beyond the Adam priced below (norm, bookkeeping, host waits)
             step_at, work = k, max(0.0, work - priced_adam)
-            streams.serial(plan.to_device[k], plan.to_host[k], work)
+            streams.serial(plan.to_device[k], plan.evicted(k), work)
         else:
-            streams.moment(k, plan.demand[k], plan.to_host[k], plan.brought_ahead(k), work)
+            streams.moment(k, plan.demand[k], plan.evicted(k), plan.brought_ahead(k), work)
         compute += work
     exposed = streams.done - compute
     if not overlap or step_at < 0:

@@ -88,7 +88,12 @@ class Moment:
     non_model: int
     traced: int = -1  # the tide as traced, before any plan changed it (-1: ``non_model``)
     written: frozenset[int] = frozenset()  # chunks whose payload its gradients went into (see [Note: clean evictions])
-    read: int = 0  # the most placement read beside model data at it (see [Note: predicted moves] in move_model.py)
+    read: int = (
+        0  # the most placement read beside model data in its hook (see [Note: predicted moves] in move_model.py)
+    )
+    read_late: int = 0  # the most it read after the hook, before the next moment (a gradient's room, the step)
+    acc_born: frozenset[int] = frozenset()  # chunks whose gradient accumulator came into being during it
+    acc_gone: frozenset[int] = frozenset()  # chunks whose gradient accumulator went during it
 
     @property
     def measured(self) -> int:
@@ -137,12 +142,21 @@ class Trace:
         if chunk not in old.written:
             self.moments[index] = replace(old, written=old.written | {chunk})
 
-    def note_read(self, index: int, nbytes: int) -> None:
-        """Placement read ``nbytes`` beside model data (the tide and the allocator's stranded pieces) during
-        moment ``index``: the most of the readings is kept, and :attr:`revision` moves when it rises."""
+    def note_accumulator(self, index: int, chunk: int, exists: bool) -> None:
+        """``chunk``'s gradient accumulator came into being (``exists``) or went during moment ``index``."""
         old = self.moments[index]
-        if nbytes > old.read:
-            self.moments[index] = replace(old, read=nbytes)
+        if exists:
+            self.moments[index] = replace(old, acc_born=old.acc_born | {chunk})
+        else:
+            self.moments[index] = replace(old, acc_gone=old.acc_gone | {chunk})
+
+    def note_read(self, index: int, nbytes: int, late: bool = False) -> None:
+        """Placement read ``nbytes`` beside model data (the tide and the allocator's stranded pieces) during
+        moment ``index``, in its hook or ``late`` (after it): the most of the readings is kept, and
+        :attr:`revision` moves when it rises."""
+        old = self.moments[index]
+        if nbytes > (old.read_late if late else old.read):
+            self.moments[index] = replace(old, read_late=nbytes) if late else replace(old, read=nbytes)
             self.revision += 1
 
     def set_non_model(self, index: int, non_model: int) -> None:
@@ -244,11 +258,17 @@ class MemoryTracer:
         if self.tracing and 0 <= self.moment < len(self._recording):
             self._recording.note_written(self.moment, chunk)
 
-    def note_read(self, nbytes: int) -> None:
-        """Placement read ``nbytes`` beside model data at the current moment of the trace recorded or followed."""
+    def note_accumulator(self, chunk: int, exists: bool) -> None:
+        """While tracing, ``chunk``'s gradient accumulator came into being or went at the current moment."""
+        if self.tracing and 0 <= self.moment < len(self._recording):
+            self._recording.note_accumulator(self.moment, chunk, exists)
+
+    def note_read(self, nbytes: int, late: bool) -> None:
+        """Placement read ``nbytes`` beside model data at the current moment of the trace recorded or followed, in
+        its hook or ``late``."""
         trace = self._recording if self.tracing else self.trace
         if trace is not None and 0 <= self.moment < len(trace):
-            trace.note_read(self.moment, nbytes)
+            trace.note_read(self.moment, nbytes, late)
 
     def current_trace(self) -> Trace | None:
         """The trace to plan from, or None while an iteration is being traced."""
