@@ -136,8 +136,7 @@ def make_placement(
     profile = device_profile(accel) if options.placement == "auto" else H100_PROFILE
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
-    # kept host buffers: tide-aware placement, host memory not budgeted (see [Note: clean evictions])
-    store.copies.enabled = options.placement == "auto" and options.host_budget is None
+    store.copies.enabled = _keeps_copies(options)
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
@@ -193,6 +192,11 @@ def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int
     return "auto"
 
 
+def _keeps_copies(options: PatrickStarConfig) -> bool:
+    """Chunks keep their host buffer (see [Note: clean evictions]): tide-aware placement, host memory not budgeted."""
+    return options.placement == "auto" and options.host_budget is None
+
+
 def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, clean: bool) -> MovePredictor | None:
     """The model of the driver's moves, where it holds: one rank (see [Note: predicted moves])."""
     if not _move_model_holds(chunk_map):
@@ -205,8 +209,7 @@ def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, c
 
 
 def _accumulators(chunk_map: ChunkMap, accumulate: bool) -> dict[int, int] | None:
-    """With gradient accumulation, each trainable owned chunk's fp32 accumulator bytes (see [Note: gradient
-    accumulation] in groups/grads.py)."""
+    """With GA, each trainable owned chunk's fp32 accumulator bytes (see [Note: gradient accumulation])."""
     return {c.chunk_id: 4 * c.capacity for c in chunk_map.trainable_owned()} if accumulate else None
 
 
