@@ -2,6 +2,7 @@
 
     python benchmarks/twin_pressure.py                  # budgets mirroring 8 / 12 / 16 / 24 GiB, both rules
     python benchmarks/twin_pressure.py --json out.json
+    python benchmarks/twin_pressure.py --ga 2            # two micro-batches a step (gradient accumulation)
 
 Issue 42's GPU sweep (gpt-1.3b, batch 8 x 512, bf16: 18.4 GB of model data, 6.4 GB of activations at their
 peak, 100 chunks, one H100) in miniature on the strict emulated accelerator (``emulate_accelerator``): a GPT
@@ -42,32 +43,39 @@ GIB = 2**30
 MIRRORED_GIB = (8, 12, 16, 24)
 
 
-def config(stage, budget: int | None = None, rule: str = "time") -> dict:
+def config(stage, budget: int | None = None, rule: str = "time", ga: int = 1) -> dict:
     zero: dict = {"stage": stage}
     if stage == "patrickstar":
         zero.update(chunk_size=CHUNK, emulate_accelerator=True, device_budget=budget, optimizer_placement=rule)
     else:
         zero["stage3_param_persistence_threshold"] = 0
-    return {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": zero, "gradient_clipping": 1.0,
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ga,
+            "zero_optimization": zero, "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
 
 
 def run(cfg: dict, steps: int) -> dict:
+    """``steps`` optimizer steps of ``cfg`` (each of its ``gradient_accumulation_steps`` micro-batches); the
+    losses and counters of each step's boundary micro-batch."""
     import deepspeed
     from gpt_model import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    ga = cfg.get("gradient_accumulation_steps", 1)
     gen = torch.Generator().manual_seed(1)
-    batches = (torch.randint(0, VOCAB, (BATCH, MODEL["block_size"] + 1), generator=gen) for _ in range(steps))
+    batches = (torch.randint(0, VOCAB, (BATCH, MODEL["block_size"] + 1), generator=gen) for _ in range(steps * ga))
     losses, counters, _ = lm_steps(engine, batches, VOCAB)
-    return {"losses": losses, "counters": counters}
+    boundary = slice(ga - 1, None, ga)
+    return {"losses": losses[boundary], "counters": counters[boundary] if counters else counters}
 
 
 KEYS = ("bytes_to_device", "bytes_to_host", "predicted_bytes_to_device", "predicted_bytes_to_host", "evictions",
         "adam_chunks_device", "adam_chunks_host", "predicted_step_s", "peak_activation_bytes_device",
-        "prefetch_distance", "prefetches_beyond_next", "eviction_order")
+        "prefetch_distance", "prefetches_beyond_next", "eviction_order", "accumulator_bytes_to_device",
+        "accumulator_bytes_to_host", "predicted_accumulator_bytes_to_device", "predicted_accumulator_bytes_to_host")
+MOVED = ("bytes_to_device", "bytes_to_host", "accumulator_bytes_to_device", "accumulator_bytes_to_host")
 
 
 def steady(counters: list[dict], warmup: int) -> dict:
@@ -81,25 +89,26 @@ def model_data_bytes() -> int:
     return 14 * params
 
 
-def sweep(steps: int, warmup: int) -> dict:
+def sweep(steps: int, warmup: int, ga: int = 1) -> dict:
     data = model_data_bytes()
-    zero3 = run(config(3), steps)["losses"]
+    zero3 = run(config(3, ga=ga), steps)["losses"]
     rows = []
     for gib in MIRRORED_GIB:
         budget = int(data * gib * GIB / H100_MODEL_DATA)
         row: dict = {"mirrors_gib": gib, "budget": budget}
         for rule in ("fill", "time"):
-            result = run(config("patrickstar", budget, rule), steps)
+            result = run(config("patrickstar", budget, rule, ga), steps)
             row[rule] = steady(result["counters"], warmup)
             row[rule]["losses"] = result["losses"]
-        moved = {r: row[r]["bytes_to_device"] + row[r]["bytes_to_host"] for r in ("fill", "time")}
+        moved = {r: sum(row[r][way] for way in MOVED) for r in ("fill", "time")}
         row["moved_ratio"] = moved["time"] / moved["fill"] if moved["fill"] else 1.0
         row["loss_rel_vs_zero3"] = max(abs(a - b) / abs(b) for a, b in zip(row["time"]["losses"], zero3))
         row["loss_rel_time_vs_fill"] = max(abs(a - b) / abs(b) for a, b in zip(row["time"]["losses"],
                                                                                row["fill"]["losses"]))
         rows.append(row)
         print_row(row)
-    return {"model_data_bytes": data, "steps": steps, "warmup": warmup, "rows": rows, "cpu": bu.describe_cpu()}
+    return {"model_data_bytes": data, "steps": steps, "warmup": warmup, "ga": ga, "rows": rows,
+            "cpu": bu.describe_cpu()}
 
 
 def print_row(row: dict) -> None:
@@ -115,19 +124,24 @@ def print_row(row: dict) -> None:
               f"{r['adam_chunks_host']:.0f}  predicted step {r['predicted_step_s']:.4f} s"
               f"  activations {r['peak_activation_bytes_device']:,.0f} B"
               f"  prefetch distance {r['prefetch_distance']:.0f} ({r['prefetches_beyond_next']:.1f} beyond the next)"
-              f"  eviction order {'free first' if r['eviction_order'] else 'Belady'}")
+              f"  eviction order {'free first' if r['eviction_order'] else 'Belady'}"
+              f"  accumulators to device {r['accumulator_bytes_to_device']:,.0f}"
+              f" (predicted {r['predicted_accumulator_bytes_to_device']:,.0f})"
+              f" to host {r['accumulator_bytes_to_host']:,.0f}"
+              f" (predicted {r['predicted_accumulator_bytes_to_host']:,.0f})")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps (micro-batches per step)")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the means")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     bu.setup_single_process_env()
     print(bu.describe_cpu())
-    result = sweep(args.steps, args.warmup)
+    result = sweep(args.steps, args.warmup, args.ga)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
