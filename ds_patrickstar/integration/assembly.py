@@ -40,12 +40,12 @@ from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
 from ..placement.chunk_needs import chunk_needs
 from ..placement.interface import NullPlacement, Placement
-from ..placement.move_model import MovePredictor
+from ..placement.move_model import ChunkCosts, MovePredictor
 from ..placement.moves import ChunkMoves
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.saved_meter import SavedTensorMeter
-from ..placement.state_choice import ChunkCosts, StateChooser
+from ..placement.state_choice import StateChooser
 from ..placement.step_time import H100_PROFILE, DeviceProfile, StepTimer
 from ..placement.tracer import MemoryTracer
 from ..run_state import RunState
@@ -137,13 +137,14 @@ def make_placement(
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
     store.copies.enabled = _keeps_copies(options)
+    costs = _chunk_costs(chunk_map, accumulate, store.copies.enabled)
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
-        predictor=_move_predictor(accel, chunk_map, accumulate, store.copies.enabled),
+        predictor=MovePredictor(accel.ledger.budget, costs) if _move_model_holds(chunk_map) else None,
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
-        chooser=_state_chooser(options, accel, chunk_map, accumulate, profile, store.copies.enabled),
-        trainable=_released_in_backward(options, chunk_map, accumulate),
+        chooser=_state_chooser(options, accel, chunk_map, costs, profile),
+        trainable=_released_in_backward(options, chunk_map),
     )
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
@@ -197,29 +198,22 @@ def _keeps_copies(options: PatrickStarConfig) -> bool:
     return options.placement == "auto" and options.host_budget is None
 
 
-def _move_predictor(accel: Accelerator, chunk_map: ChunkMap, accumulate: bool, clean: bool) -> MovePredictor | None:
-    """The model of the driver's moves, where it holds: one rank (see [Note: predicted moves])."""
-    if not _move_model_holds(chunk_map):
-        return None
+def _chunk_costs(chunk_map: ChunkMap, accumulate: bool, clean: bool) -> ChunkCosts:
+    """What the move model and the step-time model need of the owned chunks (see [Note: predicted moves])."""
     owned = chunk_map.owned_chunks()
-    sizes = {c.chunk_id: c.nbytes for c in owned}
-    trainable = {c.chunk_id for c in owned if c.trainable}
-    on_disk = {c.chunk_id for c in owned if c.on_disk}
-    return MovePredictor(accel.ledger.budget, sizes, trainable, on_disk, clean, _accumulators(chunk_map, accumulate))
-
-
-def _accumulators(chunk_map: ChunkMap, accumulate: bool) -> dict[int, int] | None:
-    """With GA, each trainable owned chunk's fp32 accumulator bytes (see [Note: gradient accumulation])."""
-    return {c.chunk_id: 4 * c.capacity for c in chunk_map.trainable_owned()} if accumulate else None
+    trainable = [c for c in owned if c.trainable]
+    return ChunkCosts(
+        sizes={c.chunk_id: c.nbytes for c in owned},
+        elements={c.chunk_id: c.used for c in trainable},
+        capacities={c.chunk_id: c.capacity for c in trainable},
+        uncopied={c.chunk_id for c in owned if c.on_disk},
+        clean_copies=clean,
+        accumulators={c.chunk_id: 4 * c.capacity for c in trainable} if accumulate else None,
+    )
 
 
 def _state_chooser(
-    options: PatrickStarConfig,
-    accel: Accelerator,
-    chunk_map: ChunkMap,
-    accumulate: bool,
-    profile: DeviceProfile,
-    clean: bool,
+    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, costs: ChunkCosts, profile: DeviceProfile
 ) -> StateChooser | None:
     """The step-time model's choice of the optimizer states on the accelerator, where the move model holds
     (see [Note: optimizer states by step time]); None: every state that fits."""
@@ -231,20 +225,10 @@ def _state_chooser(
                 'ds_patrickstar: optimizer_placement "time" needs one rank (the move model\'s scope): "fill" is used'
             )
         return None
-    owned = chunk_map.owned_chunks()
-    trainable = [c for c in owned if c.trainable]
-    costs = ChunkCosts(
-        sizes={c.chunk_id: c.nbytes for c in owned},
-        elements={c.chunk_id: c.used for c in trainable},
-        capacities={c.chunk_id: c.capacity for c in trainable},
-        uncopied={c.chunk_id for c in owned if c.on_disk},
-        clean_copies=clean,
-        accumulators=_accumulators(chunk_map, accumulate),
-    )
     return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam)
 
 
-def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap, accumulate: bool) -> set[int] | None:
+def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> set[int] | None:
     """The chunks whose gradients may leave during backward when updated on the host (see [Note: gradients leave
     in backward] in placement/grad_release.py): one rank, tide-aware placement."""
     if options.placement != "auto" or not _move_model_holds(chunk_map):

@@ -37,6 +37,20 @@ from .tracer import Trace
 
 
 @dataclass(frozen=True)
+class ChunkCosts:
+    """What the models need of the owned chunks: bytes on the accelerator (movable chunks), elements Adam
+    updates and elements its states take (trainable chunks), the chunks whose eviction copies nothing (a disk
+    record is their home)."""
+
+    sizes: Mapping[int, int]
+    elements: Mapping[int, int]
+    capacities: Mapping[int, int]
+    uncopied: AbstractSet[int] = frozenset()
+    clean_copies: bool = False  # chunks keep the host buffer they came from (see [Note: clean evictions])
+    accumulators: Mapping[int, int] | None = None  # with gradient accumulation: chunk -> accumulator bytes
+
+
+@dataclass(frozen=True)
 class MovePlan:
     """Bytes to the accelerator and back at each moment of one iteration: chunk payloads (``to_device``,
     ``to_host``) and, with gradient accumulation, the fp32 accumulators that move with them (``acc_to_device``,
@@ -270,6 +284,7 @@ def simulate_moves(
     order (see [Note: eviction order] in eviction_queue.py); ``accumulators``, with gradient accumulation, each
     trainable chunk's accumulator bytes."""
     replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied), order, accumulators)
+    accumulating = set(accumulators or ())
     for index, moment in enumerate(trace.moments):
         replay.at = index
         replay.keeps_copies = keeps_copies and moment.label != "step"
@@ -297,7 +312,7 @@ def simulate_moves(
             replay.clean.difference_update(moment.written)  # its gradients went into those payloads
         if accumulators:  # during the moment, after its hook (see [Note: gradient accumulation] in groups/grads.py)
             replay.late = True
-            for chunk in sorted(moment.acc_born & set(accumulators)):
+            for chunk in sorted(moment.acc_born & accumulating):
                 replay.grow(chunk, used)
             for chunk in sorted(moment.acc_gone):
                 replay.shrink(chunk)
@@ -306,22 +321,45 @@ def simulate_moves(
     return MovePlan(replay.to_device, replay.to_host, replay.demand, replay.ahead, *accs)
 
 
+def steady_moves(
+    trace: Trace,
+    budget: int,
+    costs: ChunkCosts,
+    fixed: int,
+    resident: AbstractSet[int],
+    on_device: AbstractSet[int],
+    distance: int = 1,
+    order: EvictionOrder = EvictionOrder.BELADY,
+) -> MovePlan:
+    """The moves of a steady-state iteration of ``trace`` with the optimizer states of ``on_device`` (``fixed``
+    bytes that do not move) on the accelerator, prefetching ``distance`` moments ahead, evicting in ``order``:
+    the second of two replays from the chunks ``resident`` there now (see [Note: predicted moves])."""
+    replay, host_updated = set(resident), set(costs.elements) - set(on_device)
+    frozen = set(costs.sizes) - set(costs.elements)
+    for _ in range(2):
+        plan = simulate_moves(
+            trace,
+            budget,
+            costs.sizes,
+            fixed,
+            replay,
+            host_updated,
+            costs.uncopied,
+            distance,
+            costs.clean_copies,
+            frozen,
+            order,
+            costs.accumulators,
+        )
+    return plan
+
+
 class MovePredictor:
     """The moves of one steady-state iteration of the current trace, predicted once per trace and placement
     of the optimizer states (see [Note: predicted moves])."""
 
-    def __init__(
-        self,
-        budget: int,
-        sizes: Mapping[int, int],
-        trainable: set[int],
-        uncopied: set[int],
-        clean: bool = False,
-        accumulators: Mapping[int, int] | None = None,
-    ) -> None:
-        self._budget, self._sizes, self._trainable, self._uncopied = budget, dict(sizes), trainable, uncopied
-        self._clean = clean  # chunks keep the host buffer they came from (see [Note: clean evictions])
-        self._accumulators = accumulators  # with gradient accumulation: chunk -> accumulator bytes
+    def __init__(self, budget: int, costs: ChunkCosts) -> None:
+        self._budget, self._costs = budget, costs
         self._key: tuple[int, int, frozenset[int], int, EvictionOrder] | None = None
         self.plan: MovePlan | None = None
 
@@ -334,28 +372,10 @@ class MovePredictor:
         distance: int = 1,
         order: EvictionOrder = EvictionOrder.BELADY,
     ) -> MovePlan:
-        """The prediction for ``trace`` with the optimizer states of ``on_device`` (``fixed`` bytes that do not
-        move) on the accelerator, prefetching ``distance`` moments ahead, evicting in ``order``, from the chunks
-        ``resident`` there now: the second of two iterations."""
+        """The prediction for ``trace`` (:func:`steady_moves`), made again when the trace, its readings, the
+        states on the accelerator, the distance or the order change."""
         key = (id(trace), trace.revision, frozenset(on_device), distance, order)
         if self.plan is None or key != self._key:
             self._key = key
-            host_updated = self._trainable - on_device
-            replay = set(resident)
-            for _ in range(2):
-                self.plan = simulate_moves(
-                    trace,
-                    self._budget,
-                    self._sizes,
-                    fixed,
-                    replay,
-                    host_updated,
-                    self._uncopied,
-                    distance,
-                    self._clean,
-                    set(self._sizes) - self._trainable,
-                    order,
-                    self._accumulators,
-                )
-        assert self.plan is not None
+            self.plan = steady_moves(trace, self._budget, self._costs, fixed, resident, on_device, distance, order)
         return self.plan

@@ -44,13 +44,13 @@ distance. The distance is logged and exported (counter ``prefetch_distance``); w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from .eviction_queue import EvictionOrder
-from .move_model import MovePlan, simulate_moves
+from .move_model import ChunkCosts, MovePlan, steady_moves
 from .step_time import DeviceProfile, StepTime, predict_step
 from .tracer import Moment, Trace
 
@@ -68,20 +68,6 @@ TIE = 0.02
 """Predicted steps within this fraction of the fastest are a tie, settled by the bytes moved."""
 MAX_DISTANCE = 4
 """The most moments prefetched ahead (see [Note: prefetch distance])."""
-
-
-@dataclass(frozen=True)
-class ChunkCosts:
-    """What the models need of the owned chunks: bytes on the accelerator (movable chunks), elements Adam
-    updates and elements its states take (trainable chunks), the chunks whose eviction copies nothing (a disk
-    record is their home)."""
-
-    sizes: Mapping[int, int]
-    elements: Mapping[int, int]
-    capacities: Mapping[int, int]
-    uncopied: AbstractSet[int] = frozenset()
-    clean_copies: bool = False  # chunks keep the host buffer they came from (see [Note: clean evictions])
-    accumulators: Mapping[int, int] | None = None  # with gradient accumulation: chunk -> accumulator bytes
 
 
 @dataclass(frozen=True)
@@ -118,23 +104,7 @@ def price(
     trace = with_step_chunks(trace, tuple(sorted(on_device)))
     fixed = sum(OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in on_device)
     host = {c: n for c, n in costs.elements.items() if c not in on_device}
-    replay = set(resident)
-    copies, frozen = costs.clean_copies, set(costs.sizes) - set(costs.elements)
-    for _ in range(2):
-        plan = simulate_moves(
-            trace,
-            budget,
-            costs.sizes,
-            fixed,
-            replay,
-            set(host),
-            costs.uncopied,
-            distance,
-            copies,
-            frozen,
-            order,
-            costs.accumulators,
-        )
+    plan = steady_moves(trace, budget, costs, fixed, resident, on_device, distance, order)
     device = sum(costs.elements[c] for c in on_device)
     step = predict_step(trace, plan, compute_s, host, device, profile, overlap)
     return StateChoice(frozenset(on_device), step, plan, distance, order)

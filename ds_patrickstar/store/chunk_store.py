@@ -2,7 +2,7 @@
 
 [Note: chunk locations]
 A parameter is always a view of its chunk's accelerator payload. An owned chunk is in one
-place at a time: on the accelerator (payload backed; no host buffer, or, with placement on one rank,
+place at a time: on the accelerator (payload backed; no host buffer, or, with tide-aware placement,
 the one it came from, kept until its eviction, a trainable chunk's until the step: see [Note: clean
 evictions] in clean_copies.py) or on the host
 (values in a buffer of the host pool, see [Note: pinned host memory]; payload storage
