@@ -63,6 +63,14 @@ def test_each_order_wins_on_some_trace_and_the_planner_keeps_the_faster():
     assert choose_moves(BELADY_WINS, 12, COSTS, belady, set(), [0.0] * 6, SLOW, False).order is EvictionOrder.BELADY
 
 
+def test_states_searched_in_free_first_order_still_get_belady_priced_one_moment_ahead():
+    """The states may come from the search in free-first order: the choice still prices Belady's at distance 1."""
+    placed = _priced(BELADY_WINS, EvictionOrder.FREE_FIRST)
+    chosen = choose_moves(BELADY_WINS, 12, COSTS, placed, set(), [0.0] * 6, SLOW, False)
+    assert (chosen.order, chosen.distance) == (EvictionOrder.BELADY, 1)
+    assert chosen.step.total_s < placed.step.total_s
+
+
 def test_without_free_evictions_only_belady_is_priced():
     """No kept host buffers and no chunk on disk: every eviction copies, the two orders are the same one."""
     costs = ChunkCosts(sizes=COSTS.sizes, elements={}, capacities={})

@@ -120,15 +120,14 @@ def choose_moves(
     profile: DeviceProfile,
     overlap: bool,
 ) -> StateChoice:
-    """``placed`` (priced one moment ahead, Belady's order) at the prefetch distance and in the eviction order
-    the step-time model prefers: see [Note: prefetch distance] and [Note: eviction order] in
-    eviction_queue.py (free evictions first only where some eviction can be free)."""
-    orders = eviction_orders(costs)
+    """``placed`` (priced one moment ahead, in the order its states were searched in) at the prefetch distance
+    and in the eviction order the step-time model prefers: see [Note: prefetch distance] and [Note: eviction
+    order] in eviction_queue.py (free evictions first only where some eviction can be free)."""
     candidates = [
         price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap, distance, order)
         for distance in range(1, MAX_DISTANCE + 1)
-        for order in orders
-        if (distance, order) != (1, EvictionOrder.BELADY)
+        for order in eviction_orders(costs)
+        if (distance, order) != (placed.distance, placed.order)
     ]
     return best_of([placed, *candidates])
 
