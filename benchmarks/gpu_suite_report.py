@@ -65,6 +65,11 @@ def derived_parts(parts: dict) -> dict:
                                                                                           for t in trials]}}
 
 
+def _floor(counters: dict) -> str:
+    """The MB moved cell's " (floor F)", where the engine computed the bytes floor (see [Note: the bytes floor])."""
+    return f" (floor {counters['bytes_floor'] / MB:.1f})" if counters.get("bytes_floor") else ""
+
+
 def _f(value, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
     return "" if value is None else fmt.format(value / scale)
 
@@ -195,8 +200,8 @@ def _sweep(result: dict) -> list[str]:
         ahead += ", free first" if counters.get("eviction_order") else ""
         rows.append(head + ["measured", f"{t['tokens_per_s']:.1f}",
                             _f(ratio.get((t["point"], t.get("rule"))), "{:.2f}x"),
-                            _f(moved, "{:.1f}", MB), *(f"{phases[k] * 1e3:.1f}" for k in ("forward", "backward",
-                                                                                          "step")),
+                            _f(moved, "{:.1f}", MB) + _floor(counters),
+                            *(f"{phases[k] * 1e3:.1f}" for k in ("forward", "backward", "step")),
                             _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
                             f"{t['step_s']:.3f} / {_f(t.get('predicted_step_s'), '{:.3f}') or 'n/a'}{ahead}"])
     size = part["trials"][0]
@@ -204,7 +209,8 @@ def _sweep(result: dict) -> list[str]:
             "`device_budget` B, ZeRO-3 offload held to B by `torch.cuda.set_per_process_memory_fraction`; a point's "
             "GiB are an 80 GB GPU's, scaled by this GPU's memory, or this GPU's where the command has "
             "`--sweep-absolute`; B in GiB; MB moved: ours' counters, bytes_to_device + "
-            "bytes_to_host of the last step; predicted: the engine's `predicted_step_s` counter, n/a without it, "
+            "bytes_to_host of the last step (floor: the fewest any placement of the trace moves, `bytes_floor`); "
+            "predicted: the engine's `predicted_step_s` counter, n/a without it, "
             "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md) and \"free first\" "
             "where it evicts unchanged chunks first (`eviction_order`); "
             "ours: `optimizer_placement` \"time\" (the default), ours (fill): \"fill\", the rule before the "

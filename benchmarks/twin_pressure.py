@@ -14,7 +14,8 @@ fastest, see [Note: optimizer states by step time]). Reported per run, as means 
 warm-up: bytes to the accelerator and back (measured by the emulated accelerator's copies), the move model's
 prediction of them, evictions, chunks updated by Adam on the accelerator and the host, and the predicted step
 (the twin's CPU moment times with transfers and Adam priced by the H100 profile: a model figure, not a GPU
-time); the losses of both rules against each other and against stock ZeRO-3's.
+time), the fewest bytes any placement of the trace could move (see [Note: the bytes floor]); the losses of both
+rules against each other and against stock ZeRO-3's.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def run(cfg: dict, steps: int) -> dict:
 KEYS = ("bytes_to_device", "bytes_to_host", "predicted_bytes_to_device", "predicted_bytes_to_host", "evictions",
         "adam_chunks_device", "adam_chunks_host", "predicted_step_s", "peak_activation_bytes_device",
         "prefetch_distance", "prefetches_beyond_next", "eviction_order", "accumulator_bytes_to_device",
-        "accumulator_bytes_to_host", "predicted_accumulator_bytes_to_device", "predicted_accumulator_bytes_to_host")
+        "accumulator_bytes_to_host", "predicted_accumulator_bytes_to_device", "predicted_accumulator_bytes_to_host",
+        "bytes_floor")
 MOVED = ("bytes_to_device", "bytes_to_host", "accumulator_bytes_to_device", "accumulator_bytes_to_host")
 
 
@@ -102,6 +104,8 @@ def sweep(steps: int, warmup: int, ga: int = 1) -> dict:
             row[rule]["losses"] = result["losses"]
         moved = {r: sum(row[r][way] for way in MOVED) for r in ("fill", "time")}
         row["moved_ratio"] = moved["time"] / moved["fill"] if moved["fill"] else 1.0
+        row["floor"] = row["time"]["bytes_floor"]  # the same trace under either rule (see [Note: the bytes floor])
+        row["floor_ratio"] = row["floor"] / moved["fill"] if moved["fill"] else None
         row["loss_rel_vs_zero3"] = max(abs(a - b) / abs(b) for a, b in zip(row["time"]["losses"], zero3))
         row["loss_rel_time_vs_fill"] = max(abs(a - b) / abs(b) for a, b in zip(row["time"]["losses"],
                                                                                row["fill"]["losses"]))
@@ -112,8 +116,10 @@ def sweep(steps: int, warmup: int, ga: int = 1) -> dict:
 
 
 def print_row(row: dict) -> None:
+    floor = f"{row['floor_ratio']:.2f}" if row.get("floor_ratio") is not None else "-"
     print(f"budget {row['budget']:,} B (mirrors {row['mirrors_gib']} GiB): time/fill bytes moved "
-          f"{row['moved_ratio']:.2f}; losses: time vs fill max rel {row['loss_rel_time_vs_fill']:.1e}, "
+          f"{row['moved_ratio']:.2f} (the floor of any placement: {row['floor']:,.0f} B, {floor} of fill); "
+          f"losses: time vs fill max rel {row['loss_rel_time_vs_fill']:.1e}, "
           f"vs ZeRO-3 {row['loss_rel_vs_zero3']:.1e}")
     for rule in ("fill", "time"):
         r = row[rule]

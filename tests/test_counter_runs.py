@@ -36,7 +36,7 @@ def test_counters_and_losses_as_golden(name, golden):
 def test_the_move_model_predicts_the_bytes_measured(name):
     """At steady state (after the traced step) the planner's model of the driver (see [Note: predicted moves])
     predicts the bytes each way that the strict twin moved, exactly; with gradient accumulation the accumulators'
-    too."""
+    too; and never fewer than the bytes floor."""
     ours = run_case(name)[0]
     assert ours["steps"][0]["counters"]["predicted_bytes_to_device"] == 0  # the traced iteration: no trace yet
     for step in ours["steps"][2:]:
@@ -46,6 +46,8 @@ def test_the_move_model_predicts_the_bytes_measured(name):
             assert measured > 0 and predicted == measured, (name, way, predicted, measured)
             measured, predicted = counters[f"accumulator_bytes_{way}"], counters[f"predicted_accumulator_bytes_{way}"]
             assert predicted == measured and (measured > 0) == (CASES[name]["ga"] > 1), (name, way, predicted)
+        # no placement of the trace moves fewer payload bytes (see [Note: the bytes floor])
+        assert 0 < counters["bytes_floor"] <= counters["bytes_to_device"] + counters["bytes_to_host"], name
 
 
 def test_no_move_model_at_several_ranks():

@@ -38,9 +38,10 @@ from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from ..memory.reductions import InFlightReductions
 from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
+from ..placement.chunk_costs import ChunkCosts
 from ..placement.chunk_needs import chunk_needs
 from ..placement.interface import NullPlacement, Placement
-from ..placement.move_model import ChunkCosts, MovePredictor
+from ..placement.move_model import MovePredictor
 from ..placement.moves import ChunkMoves
 from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime

@@ -32,22 +32,10 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from .bytes_floor import bytes_floor
+from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder, EvictionQueue
 from .tracer import Trace
-
-
-@dataclass(frozen=True)
-class ChunkCosts:
-    """What the models need of the owned chunks: bytes on the accelerator (movable chunks), elements Adam
-    updates and elements its states take (trainable chunks), the chunks whose eviction copies nothing (a disk
-    record is their home)."""
-
-    sizes: Mapping[int, int]
-    elements: Mapping[int, int]
-    capacities: Mapping[int, int]
-    uncopied: AbstractSet[int] = frozenset()
-    clean_copies: bool = False  # chunks keep the host buffer they came from (see [Note: clean evictions])
-    accumulators: Mapping[int, int] | None = None  # with gradient accumulation: chunk -> accumulator bytes
 
 
 @dataclass(frozen=True)
@@ -64,6 +52,7 @@ class MovePlan:
     ahead: list[list[tuple[int, int]]] | None = None
     acc_to_device: list[int] | None = None
     acc_to_host: list[int] | None = None
+    over_budget: bool = False  # some moment's chunks did not fit beside the tide: the driver would refuse or give way
 
     def evicted(self, moment: int) -> int:
         """Bytes sent to the host at ``moment``, accumulators included."""
@@ -139,6 +128,7 @@ class _Replay:
         self.demand = [0] * len(trace)
         self.ahead: list[list[tuple[int, int]]] = [[] for _ in range(len(trace))]
         self.at = 0
+        self.over_budget = False
         free = order is EvictionOrder.FREE_FIRST  # see [Note: eviction order] in eviction_queue.py
         self.queue = EvictionQueue(self.free if free else None)
         for chunk in resident:
@@ -230,7 +220,7 @@ class _Replay:
             return
         victims = self.queue.take_below(over, self._size_unless(keep), ANY_PRIORITY)
         if victims is None:  # the model goes over the budget here: every chunk that can go goes
-            victims = sorted(self.resident - keep)
+            victims, self.over_budget = sorted(self.resident - keep), True
         for victim in victims:
             self.evict(victim)
 
@@ -317,8 +307,15 @@ def simulate_moves(
             for chunk in sorted(moment.acc_gone):
                 replay.shrink(chunk)
             replay.late = False
-    accs = (replay.acc_to_device, replay.acc_to_host) if accumulators else (None, None)
-    return MovePlan(replay.to_device, replay.to_host, replay.demand, replay.ahead, *accs)
+    return MovePlan(
+        replay.to_device,
+        replay.to_host,
+        replay.demand,
+        replay.ahead,
+        replay.acc_to_device if accumulators else None,
+        replay.acc_to_host if accumulators else None,
+        replay.over_budget,
+    )
 
 
 def steady_moves(
@@ -362,6 +359,7 @@ class MovePredictor:
         self._budget, self._costs = budget, costs
         self._key: tuple[int, int, frozenset[int], int, EvictionOrder] | None = None
         self.plan: MovePlan | None = None
+        self.floor = 0  # the fewest bytes any placement of the trace moves (see [Note: the bytes floor])
 
     def update(
         self,
@@ -376,6 +374,8 @@ class MovePredictor:
         states on the accelerator, the distance or the order change."""
         key = (id(trace), trace.revision, frozenset(on_device), distance, order)
         if self.plan is None or key != self._key:
+            if self._key is None or key[:2] != self._key[:2]:
+                self.floor = bytes_floor(trace, self._budget, self._costs)
             self._key = key
             self.plan = steady_moves(trace, self._budget, self._costs, fixed, resident, on_device, distance, order)
         return self.plan

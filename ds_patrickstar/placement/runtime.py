@@ -285,8 +285,9 @@ class PlacementRuntime:
         self.moves.store.step_ends()
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
         predicted = self.predictor.plan if self.predictor is not None else None
-        if predicted is not None:
+        if predicted is not None and self.predictor is not None:
             note_prediction(self.counters, predicted, self.placer, chosen=self.chooser is not None)
+            self.counters.bytes_floor = self.predictor.floor
         trace = self.tracer.last_iteration()
         if self.timer is not None and predicted is not None and trace is not None:
             step = self.timer.end_step(trace, predicted, self._on_device)

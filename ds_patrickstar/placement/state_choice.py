@@ -49,8 +49,10 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
+from .bytes_floor import bytes_floor
+from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder
-from .move_model import ChunkCosts, MovePlan, steady_moves
+from .move_model import MovePlan, steady_moves
 from .step_time import DeviceProfile, StepTime, predict_step
 from .tracer import Moment, Trace
 
@@ -246,6 +248,7 @@ class StateChooser:
 
     def __init__(self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: bool) -> None:
         self.budget, self.costs, self.profile, self.overlap = budget, costs, profile, overlap
+        self.floor = 0  # the fewest bytes any placement of the last trace moves (see [Note: the bytes floor])
 
     def __call__(
         self, trace: Trace, fill: set[int], resident: AbstractSet[int], compute_s: Sequence[float]
@@ -260,14 +263,16 @@ class StateChooser:
             ]
         )
         choice = choose_moves(trace, *args, placed, resident, compute_s, self.profile, self.overlap)
+        self.floor = bytes_floor(trace, self.budget, self.costs)
         logger.info(
             "ds_patrickstar: prefetch %d moment(s) ahead, %s eviction order, by the step-time model: predicted "
-            "step %.4f s, %d B moved (one moment ahead, Belady: %.4f s, %d B)",
+            "step %.4f s, %d B moved (one moment ahead, Belady: %.4f s, %d B; no placement moves under %d B)",
             choice.distance,
             choice.order.label,
             choice.step.total_s,
             choice.moved,
             placed.step.total_s,
             placed.moved,
+            self.floor,
         )
         return choice

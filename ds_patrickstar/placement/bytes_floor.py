@@ -1,0 +1,83 @@
+"""The fewest bytes any placement of a trace can move in a steady iteration: the floor the planner's choice is
+measured against.
+
+[Note: the bytes floor]
+Where the optimizer states do not all fit beside the tide, some chunks are updated on the host, and each of
+those makes a round trip every iteration whatever the plan: its payload comes to the accelerator for its first
+use, and its gradient (in the payload's slot, see [Note: gradient in the param slot]) goes back for the host
+update; 2 + 2 B per element (the way out only for a chunk a gradient was written into, where clean evictions
+keep the copy it came from). Keeping a chunk's states on the accelerator spares that round trip and takes
+12 B per element of room for the whole iteration. At every moment the accelerator holds the tide, the states
+kept there and the payloads resident; a payload the moment does not hold costs at least its bytes once more to
+bring back before its next use, unless it is a host-updated chunk outside the span from its first use to its
+last (its round trip already brings it). So at moment ``m``, with ``base(m)`` the tide plus every frozen
+chunk's payload plus the payloads of the trainable chunks whose span contains ``m``, a set ``S`` of chunks
+with states kept on the accelerator moves at least::
+
+    2 * payload(host-updated chunks)  +  max(0, base(m) + 12 * elements(S) - budget)
+
+bytes. :func:`bytes_floor` takes the highest ``base(m)`` and minimises over ``S`` in the fractional relaxation
+(a knapsack of the room the tide leaves, filled by the chunks that spare the most round-trip bytes per byte
+of state): a lower bound for every plan that keeps states where they are for the iteration, at any prefetch
+distance and eviction order. Moving states out and back within the iteration only adds bytes (12 B per
+element each way against the round trip's 4), and so does moving activations to make room (their bytes out
+and back for a third of them saved); recomputing activations instead (checkpointing) moves no bytes and is
+outside it: it is the user's choice of model, not placement's. The bound leaves out what a plan also needs
+(the chunks in flight, the accumulators of gradient accumulation, room at the step), so it can sit below
+every plan. The planner logs it with its choice; the counter ``bytes_floor`` exports it where the move model
+holds (one rank), beside the bytes measured; ``benchmarks/twin_pressure.py`` reports it per budget.
+"""
+
+from __future__ import annotations
+
+from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
+from .chunk_costs import ChunkCosts
+from .tracer import Trace
+
+
+def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts) -> int:
+    """The fewest bytes a steady iteration of ``trace`` can move under ``budget`` (see [Note: the bytes floor]):
+    ``costs`` of the owned chunks; a trainable chunk the trace never uses makes no round trip. O(moments + chunks
+    used)."""
+    spans = _spans(trace)
+    trainable = [c for c in costs.elements if c in spans]
+    frozen = sum(size for c, size in costs.sizes.items() if c not in costs.elements and c in spans)
+    change = [0] * (len(trace) + 1)  # the payloads whose span begins (+) or has ended (-) at each moment
+    for chunk in trainable:
+        first, last = spans[chunk]
+        change[first] += costs.sizes[chunk]
+        change[last + 1] -= costs.sizes[chunk]
+    base, live = 0, 0
+    for index, moment in enumerate(trace.moments):
+        live += change[index]
+        if moment.label != "step":
+            base = max(base, moment.non_model + frozen + live)
+    written = set().union(*(m.written for m in trace.moments)) if trace.moments else set()
+    trip = {c: costs.sizes[c] * (1 + int(not costs.clean_copies or c in written)) for c in trainable}
+    room = budget - base
+    spared = _knapsack(trip, {c: OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in trainable}, max(room, 0))
+    return sum(trip.values()) - spared + max(0, -room)
+
+
+def _spans(trace: Trace) -> dict[int, tuple[int, int]]:
+    """Chunk -> (first, last) moment of the iteration using it, the step left out."""
+    spans: dict[int, tuple[int, int]] = {}
+    for index, moment in enumerate(trace.moments):
+        if moment.label == "step":
+            continue
+        for chunk in moment.chunks:
+            first, _ = spans.get(chunk, (index, index))
+            spans[chunk] = (first, index)
+    return spans
+
+
+def _knapsack(value: dict[int, int], weight: dict[int, int], room: int) -> int:
+    """The most ``value`` items of ``weight`` fit in ``room``, items taken in part (a bound on taking them whole)."""
+    gained = 0.0
+    for item in sorted(value, key=lambda i: (-value[i] / max(weight[i], 1), i)):
+        take = min(1.0, room / weight[item]) if weight[item] else 1.0
+        gained += take * value[item]
+        room -= int(take * weight[item])
+        if room <= 0:
+            break
+    return int(gained)
