@@ -1,6 +1,7 @@
 """The bytes floor (see [Note: the bytes floor]): never above what a plan that fits moves, on small random traces
 at every state subset, prefetch distance and eviction order; reached where the room holds every payload and a
-whole number of states; the round trip's way out left out for a chunk no gradient went into."""
+whole number of states; the round trip's way out left out for a chunk no gradient went into; with gradient
+accumulation, the accumulators held between their first gradient and the boundary."""
 
 import itertools
 import random
@@ -85,3 +86,50 @@ def test_a_chunk_no_gradient_went_into_goes_back_for_nothing_with_clean_eviction
     assert bytes_floor(trace, budget, copies) == layers * 2 * E
     plain = ChunkCosts({c: 2 * E for c in elements}, elements, elements)
     assert bytes_floor(trace, budget, plain) == layers * 4 * E
+
+
+def _trace_ga(layers: int, tides: list[int]) -> Trace:
+    """Two micro-steps of :func:`_trace`'s shape: each chunk's accumulator comes into being at its first backward
+    moment and goes at its boundary backward moment (as the traced iteration records them at one rank)."""
+    trace = Trace()
+    for micro in range(2):
+        for i in range(layers):
+            trace.add(Moment(f"fwd:{i}", (i,), tides[i]))
+        for i in reversed(range(layers)):
+            born = frozenset({i}) if micro == 0 else frozenset()
+            gone = frozenset({i}) if micro == 1 else frozenset()
+            trace.add(Moment(f"bwd:{i}", (i,), tides[i], written=gone, acc_born=born, acc_gone=gone))
+    trace.add(Moment("step", (), 0))
+    return trace
+
+
+def test_with_accumulation_no_plan_that_fits_moves_fewer_bytes_than_the_floor():
+    rng, compared, raised = random.Random(1), 0, 0
+    for _ in range(25):
+        _, costs, budget = _random_case(rng)
+        layers = len(costs.sizes)
+        tides, tide = [], 0
+        for _ in range(layers):
+            tide += rng.randint(0, 6 * E)
+            tides.append(tide)
+        trace = _trace_ga(layers, tides)
+        accumulated = ChunkCosts(
+            costs.sizes,
+            costs.elements,
+            costs.capacities,
+            clean_copies=costs.clean_copies,
+            accumulators={c: 2 * n for c, n in costs.sizes.items() if c in costs.elements},
+        )
+        floor = bytes_floor(trace, budget, accumulated)
+        raised += floor > bytes_floor(trace, budget, costs)
+        needs = [max(costs.sizes.values()) * 3] * len(trace)
+        fill = sorted(states_on_device(trace, budget, "auto", needs, max(costs.sizes.values()), costs.capacities))
+        for k in range(len(fill) + 1):
+            for on_device in itertools.combinations(fill, k):
+                fixed = sum(12 * costs.capacities[c] for c in on_device)
+                for distance in (1, 2):
+                    plan = steady_moves(trace, budget, accumulated, fixed, set(), set(on_device), distance)
+                    if not plan.over_budget:
+                        assert plan.moved >= floor, (sorted(on_device), distance, plan.moved, floor)
+                        compared += 1
+    assert compared >= 100 and raised >= 5

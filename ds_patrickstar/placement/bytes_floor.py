@@ -10,9 +10,11 @@ keep the copy it came from). Keeping a chunk's states on the accelerator spares 
 12 B per element of room for the whole iteration. At every moment the accelerator holds the tide, the states
 kept there and the payloads resident; a payload the moment does not hold costs at least its bytes once more to
 bring back before its next use, unless it is a host-updated chunk outside the span from its first use to its
-last (its round trip already brings it). So at moment ``m``, with ``base(m)`` the tide plus every frozen
-chunk's payload plus the payloads of the trainable chunks whose span contains ``m``, a set ``S`` of chunks
-with states kept on the accelerator moves at least::
+last (its round trip already brings it). With gradient accumulation a chunk's fp32 accumulator moves with it
+from its first gradient to the boundary's sum (see [Note: predicted moves] in move_model.py): one not held
+then costs its bytes back alike. So at moment ``m``, with ``base(m)`` the tide plus every frozen chunk's
+payload plus the payloads of the trainable chunks whose span contains ``m`` and the accumulators that exist
+at ``m``, a set ``S`` of chunks with states kept on the accelerator moves at least::
 
     2 * payload(host-updated chunks)  +  max(0, base(m) + 12 * elements(S) - budget)
 
@@ -22,13 +24,16 @@ of state): a lower bound for every plan that keeps states where they are for the
 distance and eviction order. Moving states out and back within the iteration only adds bytes (12 B per
 element each way against the round trip's 4), and so does moving activations to make room (their bytes out
 and back for a third of them saved); recomputing activations instead (checkpointing) moves no bytes and is
-outside it: it is the user's choice of model, not placement's. The bound leaves out what a plan also needs
-(the chunks in flight, the accumulators of gradient accumulation, room at the step), so it can sit below
-every plan. The planner logs it with its choice; the counter ``bytes_floor`` exports it where the move model
-holds (one rank), beside the bytes measured; ``benchmarks/twin_pressure.py`` reports it per budget.
+outside it: it is the user's choice of model, not placement's. The bound counts the busiest moment's shortfall
+once and leaves out what a plan also needs (the chunks in flight, room at the step), so it can sit below every
+plan. The planner logs it with its choice; the counter ``bytes_floor`` exports it where the move model holds
+(one rank), beside the bytes measured (accumulators included); ``benchmarks/twin_pressure.py`` reports it per
+budget.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from .chunk_costs import ChunkCosts
@@ -47,6 +52,10 @@ def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts) -> int:
         first, last = spans[chunk]
         change[first] += costs.sizes[chunk]
         change[last + 1] -= costs.sizes[chunk]
+    accumulators = costs.accumulators or {}
+    for chunk, (born, gone) in _accumulator_spans(trace, accumulators).items():
+        change[born] += accumulators[chunk]
+        change[gone + 1] -= accumulators[chunk]
     base, live = 0, 0
     for index, moment in enumerate(trace.moments):
         live += change[index]
@@ -68,6 +77,21 @@ def _spans(trace: Trace) -> dict[int, tuple[int, int]]:
         for chunk in moment.chunks:
             first, _ = spans.get(chunk, (index, index))
             spans[chunk] = (first, index)
+    return spans
+
+
+def _accumulator_spans(trace: Trace, accumulators: Mapping[int, int]) -> dict[int, tuple[int, int]]:
+    """With gradient accumulation, chunk -> (first, last) moment whose hook finds its accumulator there: from the
+    moment after the one it came into being in, to the one it went in (or the last)."""
+    spans: dict[int, tuple[int, int]] = {}
+    last = len(trace) - 1
+    for index, moment in enumerate(trace.moments):
+        for chunk in moment.acc_born & accumulators.keys():
+            if chunk not in spans and index < last:
+                spans[chunk] = (index + 1, last)
+        for chunk in moment.acc_gone:
+            if chunk in spans and spans[chunk][1] == last and spans[chunk][0] <= index:
+                spans[chunk] = (spans[chunk][0], index)
     return spans
 
 
