@@ -32,7 +32,10 @@ boundary instead of at the step: accumulator bytes to the host per steady step 3
 bytes lower; the losses unchanged. Written again when the move model took in gradient accumulation on one rank:
 ``twin_1rank_ga2`` now predicts (its payloads' and accumulators' bytes, equal to those measured), prefetches by
 the step-time model's choice, and sends its 9 host-updated chunks out during the boundary's backward (one
-eviction fewer; the same bytes; 61,952 more host bytes allocated); the losses unchanged.
+eviction fewer; the same bytes; 61,952 more host bytes allocated); the losses unchanged. Written again when "auto"
+activation offload's plan counted a block's activations at the moment they are brought back (before, they were
+counted neither in the traced tide, read before the copy back, nor as away): ``twin_1rank_ga1``'s second step no
+longer finds the tide above the plan (``tide_replans`` 1 -> 0); nothing else moved.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ The plan is made once per trace, at the optimizer step of the iteration that was
 [Note: moments and the trace]), from that iteration. That iteration offloads every block (so
 that it fits whenever any plan does), and the offloader records, for each block's segment in it
 (see [Note: activation offload]), the bytes it saved and the moments it spent off the
-accelerator (from the moment after its copies out were waited on to the moment before its copy
-back). The tide with no offload is then the traced tide plus, at every moment, the bytes of the
+accelerator (from the moment after its copies out were waited on to the moment whose compute
+issues its copy back: that moment's tide was read in its hook, before the copy, so it is away
+there as the trace counts it). The tide with no offload is then the traced tide plus, at every moment, the bytes of the
 segments away then; offloading block ``k`` takes its segments' bytes off again, over the same
 moments. A moment fits when the chunks in use then and the higher tide of the moment and the next
 one (what placement plans room from) are within the room placement works in
@@ -58,7 +59,7 @@ class SegmentRecord:
     block: int
     nbytes: int
     away_from: int  # first moment it is off the accelerator when offloaded
-    away_to: int  # first moment it is back (exclusive end)
+    away_to: int  # first moment whose tide (read in its hook) holds it back: the one after its copy back's
     offloaded: bool  # whether it was offloaded in the traced iteration
 
     def away(self, moments: int) -> range:

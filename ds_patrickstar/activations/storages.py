@@ -156,7 +156,8 @@ class Segment:
     previous: Segment | None = None
 
     def record(self) -> SegmentRecord:
-        return SegmentRecord(self.block, self.nbytes, self.drop_at + 1, self.restore_at, self.offload)
+        back = self.restore_at + 1 if self.restore_at >= 0 else -1
+        return SegmentRecord(self.block, self.nbytes, self.drop_at + 1, back, self.offload)
 
 
 class Handle:
