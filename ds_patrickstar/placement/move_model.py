@@ -370,8 +370,8 @@ class MovePredictor:
         distance: int = 1,
         order: EvictionOrder = EvictionOrder.BELADY,
     ) -> MovePlan:
-        """The prediction for ``trace`` (:func:`steady_moves`), made again when the trace, its readings, the
-        states on the accelerator, the distance or the order change."""
+        """The prediction for ``trace`` (:func:`steady_moves`), made again when the trace, its readings or planned
+        tide, the states on the accelerator, the distance or the order change."""
         key = (id(trace), trace.revision, frozenset(on_device), distance, order)
         if self.plan is None or key != self._key:
             if self._key is None or key[:2] != self._key[:2]:

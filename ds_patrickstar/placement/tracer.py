@@ -104,7 +104,7 @@ class Moment:
 class Trace:
     moments: list[Moment] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)
-    revision: int = 0  # moves when a moment's reading rises (see :meth:`note_read`)
+    revision: int = 0  # moves when a moment's reading or planned tide changes (what the move model reads)
 
     def add(self, moment: Moment) -> None:
         index = len(self.moments)
@@ -164,12 +164,14 @@ class Trace:
         [Note: auto activation offload])."""
         old = self.moments[index]
         self.moments[index] = replace(old, non_model=non_model, traced=old.measured)
+        self.revision += 1
 
     def raise_tide(self, index: int, non_model: int) -> None:
         """A batch's tide at moment ``index`` rose above the plan: plan for it from now on (see
         [Note: traces across input shapes])."""
         old = self.moments[index]
         self.moments[index] = replace(old, non_model=max(old.non_model, non_model), traced=max(old.measured, non_model))
+        self.revision += 1
 
     def cover(self, other: Trace) -> bool:
         """Where ``other`` has the same moments, the higher traced tide of the two at each; returns
@@ -179,6 +181,7 @@ class Trace:
         for index, (mine, theirs) in enumerate(zip(self.moments, other.moments)):
             tide = max(mine.measured, theirs.measured)
             self.moments[index] = replace(mine, non_model=tide, traced=tide)
+        self.revision += 1
         return True
 
     def truncate(self, length: int) -> None:
