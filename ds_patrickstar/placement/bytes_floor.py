@@ -61,7 +61,7 @@ def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts) -> int:
         live += change[index]
         if moment.label != "step":
             base = max(base, moment.non_model + frozen + live)
-    written = set().union(*(m.written for m in trace.moments)) if trace.moments else set()
+    written = set().union(*(m.written for m in trace.moments))
     trip = {c: costs.sizes[c] * (1 + int(not costs.clean_copies or c in written)) for c in trainable}
     room = budget - base
     spared = _knapsack(trip, {c: OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in trainable}, max(room, 0))
@@ -83,16 +83,16 @@ def _spans(trace: Trace) -> dict[int, tuple[int, int]]:
 def _accumulator_spans(trace: Trace, accumulators: Mapping[int, int]) -> dict[int, tuple[int, int]]:
     """With gradient accumulation, chunk -> (first, last) moment whose hook finds its accumulator there: from the
     moment after the one it came into being in, to the one it went in (or the last)."""
-    spans: dict[int, tuple[int, int]] = {}
-    last = len(trace) - 1
+    born: dict[int, int] = {}
+    gone: dict[int, int] = {}
     for index, moment in enumerate(trace.moments):
         for chunk in moment.acc_born & accumulators.keys():
-            if chunk not in spans and index < last:
-                spans[chunk] = (index + 1, last)
+            born.setdefault(chunk, index + 1)
         for chunk in moment.acc_gone:
-            if chunk in spans and spans[chunk][1] == last and spans[chunk][0] <= index:
-                spans[chunk] = (spans[chunk][0], index)
-    return spans
+            if chunk in born and chunk not in gone and born[chunk] <= index:
+                gone[chunk] = index
+    last = len(trace) - 1
+    return {chunk: (first, gone.get(chunk, last)) for chunk, first in born.items() if first <= last}
 
 
 def _knapsack(value: dict[int, int], weight: dict[int, int], room: int) -> int:

@@ -248,7 +248,6 @@ class StateChooser:
 
     def __init__(self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: bool) -> None:
         self.budget, self.costs, self.profile, self.overlap = budget, costs, profile, overlap
-        self.floor = 0  # the fewest bytes any placement of the last trace moves (see [Note: the bytes floor])
 
     def __call__(
         self, trace: Trace, fill: set[int], resident: AbstractSet[int], compute_s: Sequence[float]
@@ -263,7 +262,6 @@ class StateChooser:
             ]
         )
         choice = choose_moves(trace, *args, placed, resident, compute_s, self.profile, self.overlap)
-        self.floor = bytes_floor(trace, self.budget, self.costs)
         logger.info(
             "ds_patrickstar: prefetch %d moment(s) ahead, %s eviction order, by the step-time model: predicted "
             "step %.4f s, %d B moved (one moment ahead, Belady: %.4f s, %d B; no placement moves under %d B)",
@@ -273,6 +271,6 @@ class StateChooser:
             choice.moved,
             placed.step.total_s,
             placed.moved,
-            self.floor,
+            bytes_floor(trace, self.budget, self.costs),  # see [Note: the bytes floor]
         )
         return choice
