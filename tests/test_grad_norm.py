@@ -1,8 +1,8 @@
 """The gradient norm is taken chunk by chunk as each owned gradient slot becomes final, on the accelerator, during
 backward (see [Note: the norm as gradients become final]): never at the step from the host, where gradients of
-host-updated chunks have gone by then. Strict twin, 1 rank (gradients leave in backward) and 2 ranks (the
-reduce-scatter's completion); the norm the engine reports is that of the full gradients read through DeepSpeed's
-``safe_get_full_grad``."""
+host-updated chunks have gone by then. Strict twin, 1 rank and 2 ranks (the norm at the reduce-scatter's
+completion); at both, host-updated chunks' gradients leave during backward, after their norm. The norm the engine
+reports is that of the full gradients read through DeepSpeed's ``safe_get_full_grad``."""
 import math
 import sys
 from pathlib import Path
@@ -72,4 +72,7 @@ def test_one_rank_norms_are_taken_on_the_accelerator_before_gradients_leave():
 
 def test_two_ranks_norms_are_taken_when_the_reduce_scatter_completes():
     for result in run_ranks(_train, 2, 300_000, timeout=240.0):
+        # the first reduce-scatters complete before backward ends (at most two stay in flight): those chunks'
+        # gradients leave during backward, after their norm was taken on the accelerator
+        assert result["steps"][-1]["released"] > 0
         _check(result["steps"])

@@ -181,7 +181,7 @@ class GradientSink:
             if self.accumulate:  # the sum is in the slot: the accumulator goes now, not at the step
                 self._groups[group].drop_accumulators()
             if self._groups[group].owned.trainable:
-                self.norms.record(self._groups[group].owned)
+                self._final(self._groups[group].owned)
             return
         owned = self._groups[group].owned
         pending = self._groups[group].reduce_scatter(then=self._fold)
@@ -196,7 +196,13 @@ class GradientSink:
             self._scattered.fold(owned)
             self._groups[self._map.group_of(owned)].drop_accumulators()  # its sum is in the slot now
         if owned.trainable:
-            self.norms.record(owned)
+            self._final(owned)
+
+    def _final(self, owned: Chunk) -> None:
+        """``owned``'s slot holds its final gradient: its norm is taken (see [Note: the norm as gradients become
+        final]) and placement may send it to the host now (see [Note: gradients leave in backward])."""
+        self.norms.record(owned)
+        self._groups[self._map.group_of(owned)].gradient_final()
 
     @torch.no_grad()
     def end_backward(self, boundary: bool) -> None:

@@ -124,6 +124,10 @@ class ChunkGroup:
         """A gradient went into a member's payload (see [Note: clean evictions] in store/clean_copies.py)."""
         self._placement.written(chunk.chunk_id)
 
+    def gradient_final(self) -> None:
+        """The owned chunk's slot holds its final gradient (see [Note: gradients leave in backward])."""
+        self._placement.gradient_final(self.owned.chunk_id)
+
     def make_room(self, nbytes: int, keep: set[int]) -> None:
         """``nbytes`` more for this group (a buffer, an accumulator, a joined copy), keeping ``keep``."""
         self._placement.make_room(nbytes, keep)

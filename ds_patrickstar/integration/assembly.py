@@ -231,8 +231,8 @@ def _state_chooser(
 
 def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> set[int] | None:
     """The chunks whose gradients may leave during backward when updated on the host (see [Note: gradients leave
-    in backward] in placement/grad_release.py): one rank, tide-aware placement."""
-    if options.placement != "auto" or not _move_model_holds(chunk_map):
+    in backward] in placement/grad_release.py): tide-aware placement, any number of ranks."""
+    if options.placement != "auto":
         return None
     return {c.chunk_id for c in chunk_map.trainable_owned()}
 

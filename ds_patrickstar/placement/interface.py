@@ -101,6 +101,10 @@ class Placement(Protocol):
     def written(self, chunk_id: int) -> None:
         """A gradient went into the chunk's payload (see [Note: clean evictions] in store/clean_copies.py)."""
 
+    def gradient_final(self, chunk_id: int) -> None:
+        """The owned chunk's slot holds its final gradient of this iteration (its last gradient in; with several
+        ranks, its reduce-scatter completed): see [Note: gradients leave in backward]."""
+
     def accumulator(self, chunk_id: int, exists: bool) -> None:
         """The chunk's gradient accumulator came into being (``exists``) or went (see [Note: predicted moves])."""
 
@@ -179,6 +183,9 @@ class NullPlacement:
         pass
 
     def written(self, chunk_id: int) -> None:
+        pass
+
+    def gradient_final(self, chunk_id: int) -> None:
         pass
 
     def accumulator(self, chunk_id: int, exists: bool) -> None:

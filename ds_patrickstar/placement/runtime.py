@@ -7,8 +7,9 @@ is taken back, and the step is a moment too, after the planner placed the optimi
 (``step_plan.py``, see [Note: optimizer-state placement]). Which moments it records follows the run's phase (see
 [Note: run state]).
 
-The step-time model's collaborators (the moves predicted, the moments timed, the optimizer states chosen)
-and the gradients leaving in backward (``grad_release.py``) are the runtime's where the move model holds.
+The step-time model's collaborators (the moves predicted, the moments timed, the optimizer states chosen) are
+the runtime's where the move model holds; the gradients leaving in backward (``grad_release.py``) at any number
+of ranks.
 
 [Note: first steps]
 The iteration being traced is planned at its own step, from what it recorded (every moment but the step's
@@ -39,7 +40,7 @@ from .state_choice import StateChooser
 from .step_plan import StepPlan
 from .step_time import StepTimer
 from .tide_plot import plot_tide
-from .tracer import Trace
+from .tracer import MemoryTracer, Trace
 
 
 class PlacementRuntime:
@@ -136,6 +137,10 @@ class PlacementRuntime:
     def written(self, chunk_id: int) -> None:
         self.tracer.note_written(chunk_id)
 
+    def gradient_final(self, chunk_id: int) -> None:
+        if self.release is not None:
+            self.release.gradient_final(chunk_id)
+
     def accumulator(self, chunk_id: int, exists: bool) -> None:
         self.tracer.note_accumulator(chunk_id, exists)
 
@@ -191,12 +196,7 @@ class PlacementRuntime:
         """A PNG of the last iteration's tide (see :mod:`~ds_patrickstar.placement.tide_plot`)."""
         if not self.tide:
             raise RuntimeError(NO_TIDE)
-        trace, title = self.tracer.last_iteration(), f"ds_patrickstar tide ({self.placer.policy} placement)"
-        if self.tracer.retraced is not None:
-            title += f", re-traced: {self.tracer.retraced.value}"
-        recomputations = trace.recomputations() if trace is not None else None
-        caption = "\n".join(line for line in (self.tracer.log.caption(), caption) if line)
-        return plot_tide(self.tide, self.placer.budget, path, title, recomputations, caption)
+        return _plot_last_tide(self.tide, self.tracer, self.placer, path, caption)
 
     # ---- iterations and the step (see [Note: optimizer-state placement]) ----------------
     def start_iteration(self, inputs: object) -> bool:
@@ -292,6 +292,18 @@ class PlacementRuntime:
         if self.timer is not None and predicted is not None and trace is not None:
             step = self.timer.end_step(trace, predicted, self._on_device)
             self.counters.predicted_step_s = step.total_s if step is not None else 0.0
+
+
+def _plot_last_tide(
+    tide: list[tuple[int, int, int, int]], tracer: MemoryTracer, placer: Placer, path: str, caption: str
+) -> str:
+    """The tide of ``tracer``'s last iteration as a PNG, titled with the placement and why it re-traced."""
+    trace, title = tracer.last_iteration(), f"ds_patrickstar tide ({placer.policy} placement)"
+    if tracer.retraced is not None:
+        title += f", re-traced: {tracer.retraced.value}"
+    recomputations = trace.recomputations() if trace is not None else None
+    caption = "\n".join(line for line in (tracer.log.caption(), caption) if line)
+    return plot_tide(tide, placer.budget, path, title, recomputations, caption)
 
 
 def note_retrace(counters: StepCounters, reason: RetraceReason | None) -> None:
