@@ -1,7 +1,8 @@
 """The bytes floor (see [Note: the bytes floor]): never above what a plan that fits moves, on small random traces
 at every state subset, prefetch distance and eviction order; reached where the room holds every payload and a
 whole number of states; the round trip's way out left out for a chunk no gradient went into; with gradient
-accumulation, the accumulators held between their first gradient and the boundary."""
+accumulation, the accumulators held between their first gradient and the boundary, and one away counted out and
+back where the payloads a moment does not use are too few for its shortfall."""
 
 import itertools
 import random
@@ -133,3 +134,17 @@ def test_with_accumulation_no_plan_that_fits_moves_fewer_bytes_than_the_floor():
                         assert plan.moved >= floor, (sorted(on_device), distance, plan.moved, floor)
                         compared += 1
     assert compared >= 100 and raised >= 5
+
+
+def test_an_accumulator_away_counts_its_bytes_out_and_back():
+    layers, tide = 3, 10 * E
+    trace = _trace_ga(layers, [tide] * layers)
+    elements = dict.fromkeys(range(layers), E)
+    costs = ChunkCosts({c: 2 * E for c in elements}, elements, elements, accumulators=dict.fromkeys(elements, 4 * E))
+    # the second micro-step holds 6E of payloads and 12E of accumulators beside the tide: 10E must be away, of
+    # which the 4E of payloads its moment does not use come back once, the 6E of accumulators go out and back
+    budget = tide + 8 * E
+    floor = bytes_floor(trace, budget, costs)
+    assert floor == layers * 4 * E + 4 * E + 2 * 6 * E
+    plan = steady_moves(trace, budget, costs, 0, set(), set())
+    assert not plan.over_budget and plan.moved >= floor, (plan.moved, floor)

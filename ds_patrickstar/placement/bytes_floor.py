@@ -10,25 +10,30 @@ keep the copy it came from). Keeping a chunk's states on the accelerator spares 
 12 B per element of room for the whole iteration. At every moment the accelerator holds the tide, the states
 kept there and the payloads resident; a payload the moment does not hold costs at least its bytes once more to
 bring back before its next use, unless it is a host-updated chunk outside the span from its first use to its
-last (its round trip already brings it). With gradient accumulation a chunk's fp32 accumulator moves with it
-from its first gradient to the boundary's sum (see [Note: predicted moves] in move_model.py): one not held
-then costs its bytes back alike. So at moment ``m``, with ``base(m)`` the tide plus every frozen chunk's
+last (its round trip already brings it). With gradient accumulation a chunk's fp32 accumulator comes into being
+beside it at its first gradient and is needed there again at its gradients up to the boundary's sum (see
+[Note: predicted moves] in move_model.py); it keeps no copy on the host, so one not held at a moment went out
+and comes back: twice its bytes. So at moment ``m``, with ``base(m)`` the tide plus every frozen chunk's
 payload plus the payloads of the trainable chunks whose span contains ``m`` and the accumulators that exist
-at ``m``, a set ``S`` of chunks with states kept on the accelerator moves at least::
+at ``m``, and ``P(m)`` the payloads of ``base(m)`` the moment does not use, a set ``S`` of chunks with states
+kept on the accelerator moves at least::
 
-    2 * payload(host-updated chunks)  +  max(0, base(m) + 12 * elements(S) - budget)
+    2 * payload(host-updated chunks)  +  cost(base(m) + 12 * elements(S) - budget)
 
-bytes. :func:`bytes_floor` takes the highest ``base(m)`` and minimises over ``S`` in the fractional relaxation
-(a knapsack of the room the tide leaves, filled by the chunks that spare the most round-trip bytes per byte
-of state): a lower bound for every plan that keeps states where they are for the iteration, at any prefetch
-distance and eviction order. Moving states out and back within the iteration only adds bytes (12 B per
-element each way against the round trip's 4), and so does moving activations to make room (their bytes out
-and back for a third of them saved); recomputing activations instead (checkpointing) moves no bytes and is
-outside it: it is the user's choice of model, not placement's. The bound counts the busiest moment's shortfall
-once and leaves out what a plan also needs (the chunks in flight, room at the step), so it can sit below every
-plan. The planner logs it with its choice; the counter ``bytes_floor`` exports it where the move model holds
-(one rank), beside the bytes measured (accumulators included); ``benchmarks/twin_pressure.py`` reports it per
-budget.
+bytes, where ``cost(x)`` is 0 for ``x <= 0``, ``x`` up to ``P(m)`` (payloads away, each brought back once) and
+two bytes per byte beyond (accumulators away: out and back). A state spares at most 4 B of round trip per 12 B
+of room, less than the byte a shortfall costs, so ``S`` only fills room the busiest moment leaves:
+:func:`bytes_floor` takes the highest ``base(m)`` and minimises over ``S`` in the fractional relaxation (a
+knapsack of the room the tide leaves, filled by the chunks that spare the most round-trip bytes per byte of
+state), and adds the costliest moment's shortfall: a lower bound for every plan that keeps states where they
+are for the iteration, at any prefetch distance and eviction order. Moving states out and back within the
+iteration only adds bytes (12 B per element each way against the round trip's 4), and so does moving
+activations to make room (their bytes out and back for a third of them saved); recomputing activations instead
+(checkpointing) moves no bytes and is outside it: it is the user's choice of model, not placement's. The bound
+counts one moment's shortfall once and leaves out what a plan also needs (the chunks in flight, room at the
+step), so it can sit below every plan. The planner logs it with its choice; the counter ``bytes_floor`` exports
+it where the move model holds (one rank), beside the bytes measured (accumulators included);
+``benchmarks/twin_pressure.py`` reports it per budget.
 """
 
 from __future__ import annotations
@@ -47,25 +52,38 @@ def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts) -> int:
     spans = _spans(trace)
     trainable = [c for c in costs.elements if c in spans]
     frozen = sum(size for c, size in costs.sizes.items() if c not in costs.elements and c in spans)
-    change = [0] * (len(trace) + 1)  # the payloads whose span begins (+) or has ended (-) at each moment
+    payloads = [0] * (len(trace) + 1)  # the payloads whose span begins (+) or has ended (-) at each moment
     for chunk in trainable:
         first, last = spans[chunk]
-        change[first] += costs.sizes[chunk]
-        change[last + 1] -= costs.sizes[chunk]
+        payloads[first] += costs.sizes[chunk]
+        payloads[last + 1] -= costs.sizes[chunk]
     accumulators = costs.accumulators or {}
+    grown = [0] * (len(trace) + 1)  # the same for the accumulators
     for chunk, (born, gone) in _accumulator_spans(trace, accumulators).items():
-        change[born] += accumulators[chunk]
-        change[gone + 1] -= accumulators[chunk]
-    base, live = 0, 0
+        grown[born] += accumulators[chunk]
+        grown[gone + 1] -= accumulators[chunk]
+    base, short_cost, payload, accumulated = 0, 0, frozen, 0
     for index, moment in enumerate(trace.moments):
-        live += change[index]
+        payload += payloads[index]
+        accumulated += grown[index]
         if moment.label != "step":
-            base = max(base, moment.non_model + frozen + live)
+            held = moment.non_model + payload + accumulated
+            base = max(base, held)
+            in_use = sum(costs.sizes.get(c, 0) for c in set(moment.chunks))
+            short_cost = max(short_cost, _shortfall_cost(held - budget, payload - in_use))
     written = set().union(*(m.written for m in trace.moments))
     trip = {c: costs.sizes[c] * (1 + int(not costs.clean_copies or c in written)) for c in trainable}
     room = budget - base
     spared = _knapsack(trip, {c: OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in trainable}, max(room, 0))
-    return sum(trip.values()) - spared + max(0, -room)
+    return sum(trip.values()) - spared + short_cost
+
+
+def _shortfall_cost(short: int, payloads: int) -> int:
+    """The fewest bytes moved to have ``short`` bytes away at a moment with ``payloads`` bytes of payloads it does
+    not use: those first (each brought back), the rest accumulators (out and back)."""
+    if short <= 0:
+        return 0
+    return min(short, payloads) + 2 * max(0, short - payloads)
 
 
 def _spans(trace: Trace) -> dict[int, tuple[int, int]]:
