@@ -133,8 +133,9 @@ class StepCounters:
     """likewise, back to the host (``accumulator_bytes_to_host`` measured)"""
     bytes_floor: int = 0
     """the fewest bytes, both ways, any placement of the current trace moves in a steady iteration (see [Note: the
-    bytes floor]; 0: not computed, as the predicted bytes, or nothing need move): the bytes measured each way,
-    accumulators included, add up to at least this where the trace holds"""
+    bytes floor]; 0: not computed yet (the traced step), or nothing need move; with several ranks, of this rank's
+    chunks without their accumulators): the bytes measured each way, accumulators included, add up to at least
+    this where the trace holds"""
     predicted_step_s: float = 0.0
     """seconds the step-time model predicts for this step (see [Note: step-time model]): the moves predicted, priced
     with the device profile, beside the moments' measured times of the previous step (0: not predicted, as the

@@ -39,7 +39,9 @@ longer finds the tide above the plan (``tide_replans`` 1 -> 0); nothing else mov
 host-updated chunks' gradients left during backward at several ranks too (once their reduce-scatter completed):
 the same bytes, one eviction fewer per rank and step in ``twin_2rank_ga1`` (7 / 8 -> 6 / 7), 44,032 more host
 bytes allocated in ``twin_2rank_ga2`` (340,480 -> 384,512), and ``bytes_floor`` (0: not predicted at several
-ranks) added to those two cases; the losses unchanged.
+ranks) added to those two cases; the losses unchanged. Written again when the bytes floor was taken at several
+ranks too (each rank's own chunks, without accumulators): ``bytes_floor`` 155,755 in ``twin_2rank_ga1`` and
+75,755 in ``twin_2rank_ga2`` from the second step (0 before); nothing else moved.
 """
 from __future__ import annotations
 

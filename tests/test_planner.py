@@ -130,15 +130,17 @@ def test_the_move_model_makes_room_beside_what_the_driver_read_at_the_moment():
 def test_the_prediction_is_made_again_when_the_planned_tide_changes():
     """A tide raised above the plan (or re-planned by activation offload) moves the trace's revision, so the
     predictor replays it instead of keeping the moves predicted from the old tide (see [Note: predicted moves])."""
+    from ds_patrickstar.placement.bytes_floor import FloorMeter
     from ds_patrickstar.placement.chunk_costs import ChunkCosts
     from ds_patrickstar.placement.move_model import MovePredictor
 
     trace = _trace(("fwd:a", (0,), 0), ("fwd:b", (1,), 0), ("bwd:b", (1,), 0), ("bwd:a", (0,), 0), ("step", (), 0))
-    predictor = MovePredictor(200, ChunkCosts({0: 100, 1: 100}, {}, {}))
-    assert predictor.update(trace, 0, {0, 1}, set()).bytes_to_device == 0  # both stay
+    costs = ChunkCosts({0: 100, 1: 100}, {}, {})
+    predictor, floor = MovePredictor(200, costs), FloorMeter(200, costs)
+    assert predictor.update(trace, 0, {0, 1}, set()).bytes_to_device == 0 and floor.update(trace) == 0  # both stay
     trace.raise_tide(1, 60)  # one chunk beside the tide at moment 1 and the one before it
     raised = predictor.update(trace, 0, {0, 1}, set())
-    assert raised.bytes_to_device > 0 and predictor.floor > 0
+    assert raised.bytes_to_device > 0 and floor.update(trace) > 0
     before = trace.revision
     trace.set_non_model(1, 0)
     assert trace.revision > before and predictor.update(trace, 0, {0, 1}, set()).bytes_to_device == 0

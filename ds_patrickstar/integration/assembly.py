@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed import ProcessGroup
@@ -38,6 +38,7 @@ from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from ..memory.reductions import InFlightReductions
 from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
+from ..placement.bytes_floor import FloorMeter
 from ..placement.chunk_costs import ChunkCosts
 from ..placement.chunk_needs import chunk_needs
 from ..placement.interface import NullPlacement, Placement
@@ -146,6 +147,7 @@ def make_placement(
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
         chooser=_state_chooser(options, accel, chunk_map, costs, profile),
         trainable=_released_in_backward(options, chunk_map),
+        floor=_floor_meter(options, accel, chunk_map, costs),
     )
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
@@ -235,6 +237,16 @@ def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> se
     if options.placement != "auto":
         return None
     return {c.chunk_id for c in chunk_map.trainable_owned()}
+
+
+def _floor_meter(
+    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, costs: ChunkCosts
+) -> FloorMeter | None:
+    """The bytes floor of this rank's chunks under tide-aware placement; with several ranks without their
+    accumulators (see [Note: the bytes floor])."""
+    if options.placement != "auto":
+        return None
+    return FloorMeter(accel.ledger.budget, costs if _move_model_holds(chunk_map) else replace(costs, accumulators=None))
 
 
 def _move_model_holds(chunk_map: ChunkMap) -> bool:

@@ -32,7 +32,9 @@ activations to make room (their bytes out and back for a third of them saved); r
 (checkpointing) moves no bytes and is outside it: it is the user's choice of model, not placement's. The bound
 counts one moment's shortfall once and leaves out what a plan also needs (the chunks in flight, room at the
 step), so it can sit below every plan. The planner logs it with its choice; the counter ``bytes_floor`` exports
-it where the move model holds (one rank), beside the bytes measured (accumulators included);
+it beside the bytes measured (accumulators included) at one rank and, without the accumulators (a rank's may
+come into being on the host there), at several: there the gathered groups' storage is left out of ``base(m)``
+too, which only lowers the bound;
 ``benchmarks/twin_pressure.py`` reports it per budget.
 """
 
@@ -76,6 +78,22 @@ def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts) -> int:
     room = budget - base
     spared = _knapsack(trip, {c: OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in trainable}, max(room, 0))
     return sum(trip.values()) - spared + short_cost
+
+
+class FloorMeter:
+    """The bytes floor of the current trace (see [Note: the bytes floor]), taken again only when the trace or its
+    planned tide changed (its revision)."""
+
+    def __init__(self, budget: int, costs: ChunkCosts) -> None:
+        self._budget, self._costs = budget, costs
+        self._key: tuple[int, int] | None = None
+        self.value = 0
+
+    def update(self, trace: Trace) -> int:
+        key = (id(trace), trace.revision)
+        if key != self._key:
+            self._key, self.value = key, bytes_floor(trace, self._budget, self._costs)
+        return self.value
 
 
 def _shortfall_cost(short: int, payloads: int) -> int:

@@ -32,7 +32,6 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from .bytes_floor import bytes_floor
 from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder, EvictionQueue
 from .tracer import Trace
@@ -359,7 +358,6 @@ class MovePredictor:
         self._budget, self._costs = budget, costs
         self._key: tuple[int, int, frozenset[int], int, EvictionOrder] | None = None
         self.plan: MovePlan | None = None
-        self.floor = 0  # the fewest bytes any placement of the trace moves (see [Note: the bytes floor])
 
     def update(
         self,
@@ -374,8 +372,6 @@ class MovePredictor:
         tide, the states on the accelerator, the distance or the order change."""
         key = (id(trace), trace.revision, frozenset(on_device), distance, order)
         if self.plan is None or key != self._key:
-            if self._key is None or key[:2] != self._key[:2]:
-                self.floor = bytes_floor(trace, self._budget, self._costs)
             self._key = key
             self.plan = steady_moves(trace, self._budget, self._costs, fixed, resident, on_device, distance, order)
         return self.plan

@@ -27,6 +27,7 @@ from ..autograd_state import iter_tensors
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceLedger
+from .bytes_floor import FloorMeter
 from .grad_release import GradientRelease
 from .interface import NO_TIDE, ActivationPolicy
 from .move_model import MovePlan, MovePredictor
@@ -54,6 +55,7 @@ class PlacementRuntime:
         timer: StepTimer | None = None,
         chooser: StateChooser | None = None,
         trainable: set[int] | None = None,
+        floor: FloorMeter | None = None,
     ) -> None:
         self.moves = moves  # its collaborators are the driver's: placer, tracer, counters, run, ledger
         self.placer, self.tracer, self.counters, self.run = moves.placer, moves.tracer, moves.counters, moves.run
@@ -61,6 +63,7 @@ class PlacementRuntime:
         self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
         self.timer = timer if predictor is not None else None  # its time (see [Note: step-time model])
         self.chooser = chooser  # None: every state that fits (see [Note: optimizer states by step time])
+        self.floor = floor  # the fewest bytes any placement moves (see [Note: the bytes floor]); None: not taken
         # None: gradients leave at the step (see [Note: gradients leave in backward])
         self.release = GradientRelease(moves, self.counters, trainable) if trainable is not None else None
         self._on_device: set[int] = set()  # the chunks whose optimizer states live on the accelerator
@@ -263,8 +266,7 @@ class PlacementRuntime:
         return set(choice.on_device)
 
     def step_moment(self, on_device: set[int]) -> None:
-        """The optimizer step is a moment, using the chunks whose states live on the accelerator (the
-        trace's step moment names them after a new decision)."""
+        """The optimizer step is a moment, using the chunks whose states live on the accelerator."""
         trace = self.tracer.current_trace()
         self.moves.store.step_begins()  # see [Note: clean evictions] in store/clean_copies.py
         self.steps.settle(trace, on_device)
@@ -275,8 +277,7 @@ class PlacementRuntime:
         self.begin_moment("step", tuple(sorted(on_device)))
 
     def accumulation_begins(self, chunk_needs: Callable[[Trace], list[int]]) -> None:
-        """See [Note: accumulation begun by the caller] in groups/grads.py: needs that count accumulators, no move
-        model, and the next step plans anew."""
+        """Needs that count accumulators, no move model, a new plan (see [Note: accumulation begun by the caller])."""
         self._chunk_needs = self.steps.chunk_needs = chunk_needs
         self.predictor, self.timer, self.chooser, self.release = None, None, None, None
         self.steps.forget()
@@ -287,7 +288,8 @@ class PlacementRuntime:
         predicted = self.predictor.plan if self.predictor is not None else None
         if predicted is not None and self.predictor is not None:
             note_prediction(self.counters, predicted, self.placer, chosen=self.chooser is not None)
-            self.counters.bytes_floor = self.predictor.floor
+        if self.floor is not None and (planned := self.tracer.current_trace()) is not None:
+            self.counters.bytes_floor = self.floor.update(planned)
         trace = self.tracer.last_iteration()
         if self.timer is not None and predicted is not None and trace is not None:
             step = self.timer.end_step(trace, predicted, self._on_device)
