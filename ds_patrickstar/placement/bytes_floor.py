@@ -34,8 +34,7 @@ counts one moment's shortfall once and leaves out what a plan also needs (the ch
 step), so it can sit below every plan. The planner logs it with its choice; the counter ``bytes_floor`` exports
 it beside the bytes measured (accumulators included) at one rank and, without the accumulators (a rank's may
 come into being on the host there), at several: there the gathered groups' storage is left out of ``base(m)``
-too, which only lowers the bound;
-``benchmarks/twin_pressure.py`` reports it per budget.
+too, which only lowers the bound; ``benchmarks/twin_pressure.py`` reports it per budget.
 """
 
 from __future__ import annotations

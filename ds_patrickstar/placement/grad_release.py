@@ -12,10 +12,10 @@ eviction Belady would choose first anyway (next use: the next iteration), made e
 whose collective is still in flight waits for a later moment (it is never evicted through a wait on it): the
 reduce-scatter completes when the backend has run it (reaped at the next moment or gradient, at the latest two
 reduce-scatters later, see memory/reductions.py), so the moment it leaves can differ from run to run, never
-its bytes or its values. Only once a step
-has placed the optimizer states from this trace (before, any chunk may turn out to be updated on the
-accelerator); with gradient accumulation the last use is in the boundary micro-step. The move model models it
-at one rank (its scope); the counter ``grads_released_in_backward`` counts them.
+its bytes or its values. Only once a step has placed the optimizer states from this trace (before, any chunk
+may turn out to be updated on the accelerator); with gradient accumulation the last use is in the boundary
+micro-step. The move model models it at one rank (its scope); the counter ``grads_released_in_backward``
+counts them.
 """
 
 from __future__ import annotations
