@@ -8,8 +8,11 @@ STEPS = 6
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _model():
+def _model(depth=None):
     torch.manual_seed(0)
+    if depth is not None:  # ``depth`` more layers of 1056 params: about a chunk group of two ranks each
+        layers = [m for _ in range(depth) for m in (torch.nn.Linear(32, 32), torch.nn.GELU())]
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), *layers, torch.nn.Linear(32, 4))
     # 3 linear layers, 1732 params in 6 tensors: 3 chunks of at most 1024 elements, so the
     # chunk count is not a multiple of 2 and the chunk map gets padded.
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
@@ -29,14 +32,14 @@ def _config(stage, gas, dtype="fp32", budget=None):
     return cfg
 
 
-def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_step=None, budget=None):
+def _train(rank, world_size, stage, gas, dtype="fp32", poison_step=None, fail_step=None, budget=None, depth=None):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
     from harness import allow_fp16_on_cpu
 
     import ds_patrickstar  # noqa: F401
 
-    model = _model()
+    model = _model(depth)
     with allow_fp16_on_cpu():
         engine, *_ = deepspeed.initialize(model=model, config=_config(stage, gas, dtype, budget),
                                           model_parameters=model.parameters())
@@ -93,6 +96,20 @@ def test_matches_zero3_on_the_strict_emulated_accelerator(world_size, gas):
     for rank in range(world_size):
         _assert_same(ours[rank], ref[rank])
         assert ours[rank]["counters"]["bytes_all_gathered"] > 0
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_gradients_leaving_during_backward_match_zero3(gas):
+    """Two ranks, every optimizer state on the host of the strict twin: each host-updated chunk's gradient leaves
+    the accelerator during backward once its reduce-scatter completed (see [Note: gradients leave in backward]),
+    and the run matches stock ZeRO-3."""
+    budget = 20_480 + 12_288 * (gas > 1)  # a chunk group and its accumulators, not the optimizer states
+    ref = run_ranks(_train, 2, 3, gas, "fp32", None, None, None, 6, memo=True)
+    ours = run_ranks(_train, 2, "patrickstar", gas, "fp32", None, None, budget, 6)
+    for rank in range(2):
+        _assert_same(ours[rank], ref[rank])
+        counters = ours[rank]["counters"]
+        assert counters["adam_chunks_device"] == 0 and counters["grads_released_in_backward"] > 0, counters
 
 
 def test_optimizer_state_is_split_across_ranks():
