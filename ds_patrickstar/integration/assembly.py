@@ -140,14 +140,17 @@ def make_placement(
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
     store.copies.enabled = _keeps_copies(options)
     costs = _chunk_costs(chunk_map, accumulate, store.copies.enabled)
+    # the bytes floor, one per run (the chooser logs what the counter reads); several ranks: without accumulators
+    floor_costs = costs if _move_model_holds(chunk_map) else replace(costs, accumulators=None)
+    floor = FloorMeter(accel.ledger.budget, floor_costs) if options.placement == "auto" else None
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
         predictor=MovePredictor(accel.ledger.budget, costs) if _move_model_holds(chunk_map) else None,
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
-        chooser=_state_chooser(options, accel, chunk_map, costs, profile),
+        chooser=_state_chooser(options, accel, chunk_map, costs, profile, floor),
         trainable=_released_in_backward(options, chunk_map),
-        floor=_floor_meter(options, accel, chunk_map, costs),
+        floor=floor,
     )
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
@@ -216,11 +219,16 @@ def _chunk_costs(chunk_map: ChunkMap, accumulate: bool, clean: bool) -> ChunkCos
 
 
 def _state_chooser(
-    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, costs: ChunkCosts, profile: DeviceProfile
+    options: PatrickStarConfig,
+    accel: Accelerator,
+    chunk_map: ChunkMap,
+    costs: ChunkCosts,
+    profile: DeviceProfile,
+    floor: FloorMeter | None,
 ) -> StateChooser | None:
     """The step-time model's choice of the optimizer states on the accelerator, where the move model holds
     (see [Note: optimizer states by step time]); None: every state that fits."""
-    if options.placement != "auto" or options.optimizer_placement != "time":
+    if options.placement != "auto" or options.optimizer_placement != "time" or floor is None:
         return None
     if not _move_model_holds(chunk_map):
         if "optimizer_placement" in options.model_fields_set:
@@ -228,7 +236,7 @@ def _state_chooser(
                 'ds_patrickstar: optimizer_placement "time" needs one rank (the move model\'s scope): "fill" is used'
             )
         return None
-    return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam)
+    return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam, floor)
 
 
 def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> set[int] | None:
@@ -237,16 +245,6 @@ def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> se
     if options.placement != "auto":
         return None
     return {c.chunk_id for c in chunk_map.trainable_owned()}
-
-
-def _floor_meter(
-    options: PatrickStarConfig, accel: Accelerator, chunk_map: ChunkMap, costs: ChunkCosts
-) -> FloorMeter | None:
-    """The bytes floor of this rank's chunks under tide-aware placement; with several ranks without their
-    accumulators (see [Note: the bytes floor])."""
-    if options.placement != "auto":
-        return None
-    return FloorMeter(accel.ledger.budget, costs if _move_model_holds(chunk_map) else replace(costs, accumulators=None))
 
 
 def _move_model_holds(chunk_map: ChunkMap) -> bool:

@@ -49,7 +49,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
-from .bytes_floor import bytes_floor
+from .bytes_floor import FloorMeter
 from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder
 from .move_model import MovePlan, steady_moves
@@ -244,10 +244,12 @@ def with_step_chunks(trace: Trace, chunks: tuple[int, ...]) -> Trace:
 
 class StateChooser:
     """The rule of [Note: optimizer states by step time] for one run: its budget, chunks, profile and whether
-    the host Adam overlaps the forward."""
+    the host Adam overlaps the forward, and the run's bytes floor (logged beside the choice)."""
 
-    def __init__(self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: bool) -> None:
-        self.budget, self.costs, self.profile, self.overlap = budget, costs, profile, overlap
+    def __init__(
+        self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: bool, floor: FloorMeter
+    ) -> None:
+        self.budget, self.costs, self.profile, self.overlap, self.floor = budget, costs, profile, overlap, floor
 
     def __call__(
         self, trace: Trace, fill: set[int], resident: AbstractSet[int], compute_s: Sequence[float]
@@ -271,6 +273,6 @@ class StateChooser:
             choice.moved,
             placed.step.total_s,
             placed.moved,
-            bytes_floor(trace, self.budget, self.costs),  # see [Note: the bytes floor]
+            self.floor.update(trace),  # see [Note: the bytes floor]
         )
         return choice
