@@ -41,7 +41,12 @@ the same bytes, one eviction fewer per rank and step in ``twin_2rank_ga1`` (7 / 
 bytes allocated in ``twin_2rank_ga2`` (340,480 -> 384,512), and ``bytes_floor`` (0: not predicted at several
 ranks) added to those two cases; the losses unchanged. Written again when the bytes floor was taken at several
 ranks too (each rank's own chunks, without accumulators): ``bytes_floor`` 155,755 in ``twin_2rank_ga1`` and
-75,755 in ``twin_2rank_ga2`` from the second step (0 before); nothing else moved.
+75,755 in ``twin_2rank_ga2`` from the second step (0 before); nothing else moved. Written again when the planner
+could keep accumulators on the accelerator while their payloads go (see [Note: accumulators kept]):
+``twin_1rank_ga2`` now runs that order (``eviction_order`` 0 -> 2), which the step-time model prices within the tie
+and moves 896 B fewer per steady step (payloads 490,624 -> 555,264 B to the device, accumulators 212,992 ->
+180,224 B each way, as predicted; 20 -> 34 evictions, 27 -> 30 prefetches), and its ``bytes_floor`` (686,592)
+joins the file; the losses unchanged.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The bytes floor (see [Note: the bytes floor]): never above what a plan that fits moves, on small random traces
 at every state subset, prefetch distance and eviction order; reached where the room holds every payload and a
 whole number of states; the round trip's way out left out for a chunk no gradient went into; with gradient
-accumulation, the accumulators held between their first gradient and the boundary, and one away counted out and
-back where the payloads a moment does not use are too few for its shortfall."""
+accumulation, the accumulators held between their first gradient and the boundary (in every eviction order,
+accumulators kept or not), and one away counted out and back where the payloads a moment does not use are too few
+for its shortfall."""
 
 import itertools
 import random
@@ -12,6 +13,7 @@ from ds_patrickstar.placement.chunk_costs import ChunkCosts
 from ds_patrickstar.placement.eviction_queue import EvictionOrder
 from ds_patrickstar.placement.move_model import steady_moves
 from ds_patrickstar.placement.planner import states_on_device
+from ds_patrickstar.placement.state_choice import eviction_orders
 from ds_patrickstar.placement.tracer import Moment, Trace
 
 E = 1000
@@ -128,12 +130,12 @@ def test_with_accumulation_no_plan_that_fits_moves_fewer_bytes_than_the_floor():
         for k in range(len(fill) + 1):
             for on_device in itertools.combinations(fill, k):
                 fixed = sum(12 * costs.capacities[c] for c in on_device)
-                for distance in (1, 2):
-                    plan = steady_moves(trace, budget, accumulated, fixed, set(), set(on_device), distance)
+                for distance, order in itertools.product((1, 2), eviction_orders(accumulated)):
+                    plan = steady_moves(trace, budget, accumulated, fixed, set(), set(on_device), distance, order)
                     if not plan.over_budget:
-                        assert plan.moved >= floor, (sorted(on_device), distance, plan.moved, floor)
+                        assert plan.moved >= floor, (sorted(on_device), distance, order, plan.moved, floor)
                         compared += 1
-    assert compared >= 100 and raised >= 5
+    assert compared >= 200 and raised >= 5
 
 
 def test_an_accumulator_away_counts_its_bytes_out_and_back():

@@ -1,11 +1,14 @@
 """The eviction order (see [Note: eviction order]): the queue takes the chunks whose eviction copies nothing first
 and notices a write since; on small traces each order wins somewhere and the planner keeps the one the step-time
 model prices faster; on the strict twin the planner chooses free evictions first where they save copies, and the
-driver moves exactly the bytes the replay predicts, with the losses of Belady's order."""
+driver moves exactly the bytes the replay predicts, with the losses of Belady's order. With gradient accumulation
+the same for the orders that keep accumulators on the accelerator when their payloads go (see [Note: accumulators
+kept])."""
 from counter_runs import train_case
 from multiproc import run_ranks
+from test_bytes_floor import _trace_ga
 
-from ds_patrickstar.placement.eviction_queue import EvictionOrder, EvictionQueue
+from ds_patrickstar.placement.eviction_queue import EvictionOrder, EvictionQueue, accumulator_key
 from ds_patrickstar.placement.state_choice import ChunkCosts, choose_moves, price
 from ds_patrickstar.placement.step_time import DeviceProfile
 from ds_patrickstar.placement.tracer import Moment, Trace
@@ -29,6 +32,15 @@ def test_the_queue_takes_free_evictions_first_and_notices_a_write():
     queue.reorder(None)  # Belady's order alone
     queue.push(3, -1)
     assert queue.take(2, lambda c: 1) == [1, 3]
+
+
+def test_accumulators_whose_payload_is_away_go_after_every_payload():
+    queue = EvictionQueue()
+    queue.push(accumulator_key(0), -100)  # farthest next use of all, yet last
+    for chunk, next_use in ((1, 5), (2, 8)):
+        queue.push(chunk, -next_use)
+    assert accumulator_key(accumulator_key(0)) == 0
+    assert queue.take(3, lambda c: 1) == [2, 1, accumulator_key(0)]
 
 
 def _trace(uses: list[tuple[int, bool]]) -> Trace:
@@ -78,6 +90,23 @@ def test_without_free_evictions_only_belady_is_priced():
     assert choose_moves(FREE_WINS, 12, costs, belady, set(), [0.0] * 5, SLOW, False).order is EvictionOrder.BELADY
 
 
+def test_keeping_accumulators_wins_at_some_budgets_and_loses_at_others():
+    """Three layers, GA 2: 2 kB payloads that keep the copy they came from, 4 kB accumulators, no tide."""
+    trace, chunks = _trace_ga(3, [0, 0, 0]), range(3)
+    elements = dict.fromkeys(chunks, 1000)
+    costs = ChunkCosts(sizes=dict.fromkeys(chunks, 2000), elements=elements, capacities=elements, clean_copies=True,
+                       accumulators=dict.fromkeys(chunks, 4000))
+    for budget, wins in ((10_000, True), (12_000, False)):
+        priced = {order: price(trace, budget, costs, frozenset(), set(), [0.0] * len(trace), SLOW, False, 1, order)
+                  for order in (EvictionOrder.BELADY, EvictionOrder.BELADY_KEEPING_ACCUMULATORS)}
+        belady, kept = (priced[o].moved for o in priced)
+        # 10 kB: the second forward sends payloads out for free where Belady sends accumulators out and back
+        assert (belady, kept) == ((52_000, 38_000) if wins else (32_000, 34_000))
+        chosen = choose_moves(trace, budget, costs, priced[EvictionOrder.BELADY], set(), [0.0] * len(trace), SLOW,
+                              False)
+        assert chosen.order.keeps_accumulators is wins and chosen.moved == min(belady, kept)
+
+
 # the counter runs' GPT at a budget where free-first saves a copy out per step (8 of 10 chunks' states do not fit)
 CASE = {"world": 1, "ga": 1, "zero": {"device_budget": 460_000}}
 
@@ -111,3 +140,21 @@ def test_on_the_twin_free_first_is_chosen_where_it_saves_copies_and_moves_what_t
                 counters["bytes_to_device"], counters["bytes_to_host"])
         assert c["bytes_to_device"] == b["bytes_to_device"] and c["bytes_to_host"] < b["bytes_to_host"]
         assert c["clean_evictions"] > b["clean_evictions"]
+
+
+# the counter runs' GPT with gradient accumulation where keeping accumulators saves bytes
+GA_CASE = {"world": 1, "ga": 2, "zero": {"device_budget": 400_000}}
+
+
+def test_on_the_twin_accumulators_stay_where_that_saves_bytes_and_the_driver_moves_what_the_replay_predicts():
+    chosen = run_ranks(train_case, 1, GA_CASE, timeout=240.0)[0]["steps"]
+    belady = run_ranks(_order_forced, 1, GA_CASE, int(EvictionOrder.BELADY), timeout=240.0)[0]["steps"]
+    assert [s["losses"] for s in chosen] == [s["losses"] for s in belady]
+    ways = ("bytes_to_device", "bytes_to_host", "accumulator_bytes_to_device", "accumulator_bytes_to_host")
+    for ours, theirs in zip(chosen[1:], belady[1:]):
+        c, b = ours["counters"], theirs["counters"]
+        assert EvictionOrder(c["eviction_order"]).keeps_accumulators and b["eviction_order"] == 0
+        for counters in (c, b):
+            assert [counters[f"predicted_{way}"] for way in ways] == [counters[way] for way in ways]
+        assert c["accumulator_bytes_to_host"] < b["accumulator_bytes_to_host"]
+        assert sum(c[way] for way in ways) < sum(b[way] for way in ways)

@@ -150,7 +150,8 @@ class ChunkGroup:
         """Accelerator bytes gathering the group takes now: its storage (see [Note: gathered group
         storage]), the owned chunk and its joined buffers, where not there yet."""
         owned, nbytes = self.owned, self.nbytes
-        missing = nbytes.owned + owned.acc_nbytes if not owned.is_materialized or owned.on_host else 0
+        away = owned.acc_nbytes if owned.acc_host is not None else 0  # an accumulator may have stayed
+        missing = nbytes.owned + away if not owned.is_materialized or owned.on_host else 0
         if self._comm.world_size > 1 and not self._store.group_storage(self.members).untyped_storage().nbytes():
             missing += nbytes.storage
         return missing + self.joined.missing_bytes()

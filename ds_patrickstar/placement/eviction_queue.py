@@ -17,6 +17,21 @@ distance] in state_choice.py for the rest of the choice). The two orders differ 
 are free: with clean evictions off (a host budget) and no frozen chunk
 whose home is its disk record, every order is Belady's. Counter ``eviction_order`` (0: Belady, 1: free first).
 
+[Note: accumulators kept]
+With gradient accumulation a trainable chunk's fp32 accumulator (4 B per element, see [Note: gradient
+accumulation] in groups/grads.py) sits beside its payload from its first gradient to the boundary, and it keeps
+no copy on the host: evicting it copies it out and back, while the payload of a chunk unchanged since it came
+goes for free and comes back at 2 B per element. So the orders ``*_KEEPING_ACCUMULATORS`` evict the payload
+alone and leave the accumulator on the accelerator; an accumulator whose payload is away goes only after every
+payload that could go (in Belady's order among them, by its chunk's next use), and comes back with its payload.
+Where payloads are short of room, keeping accumulators can cost more (a payload evicted now is brought back
+before a far accumulator), so the planner prices these orders beside the others where there are accumulators
+(at one rank, where the move model replays them; see [Note: predicted moves] in move_model.py). Where the
+payloads and the accumulators already alone cannot make the room a moment needs, the payloads chosen take their
+accumulators along, as in the other orders (room the driver would otherwise not find). In the queue an
+accumulator whose payload is away is the entry :func:`accumulator_key` of its chunk: a negative key, in a class
+after the others.
+
 A chunk's priority is its next use (re-keyed at every use, see :class:`EvictionQueue`); whether its
 eviction is free changes without a use (a gradient written into it, the step giving its kept buffer back),
 so the free class is checked again when a chunk is popped from it: a chunk written since it was pushed moves
@@ -35,15 +50,33 @@ _Entry = tuple[int, int, int]  # (priority, chunk, stamp); smallest is evicted f
 
 
 class EvictionOrder(enum.IntEnum):
-    """The order resident chunks are evicted in (see [Note: eviction order]); the value is the counter's."""
+    """The order resident chunks are evicted in (see [Note: eviction order]) and whether an evicted payload leaves
+    its accumulator on the accelerator (see [Note: accumulators kept]); the value is the counter's."""
 
     BELADY = 0
     FREE_FIRST = 1
+    BELADY_KEEPING_ACCUMULATORS = 2
+    FREE_FIRST_KEEPING_ACCUMULATORS = 3
+
+    @property
+    def free_first(self) -> bool:
+        return self in (EvictionOrder.FREE_FIRST, EvictionOrder.FREE_FIRST_KEEPING_ACCUMULATORS)
+
+    @property
+    def keeps_accumulators(self) -> bool:
+        return self >= EvictionOrder.BELADY_KEEPING_ACCUMULATORS
 
     @property
     def label(self) -> str:
         """The order in a log line."""
-        return "Belady's" if self is EvictionOrder.BELADY else "free-first"
+        label = "free-first" if self.free_first else "Belady's"
+        return f"{label}, accumulators kept" if self.keeps_accumulators else label
+
+
+def accumulator_key(chunk: int) -> int:
+    """The queue's entry for ``chunk``'s accumulator while its payload is away (see [Note: accumulators kept]);
+    its own inverse."""
+    return -1 - chunk
 
 
 class EvictionQueue:
@@ -54,18 +87,20 @@ class EvictionQueue:
     it is used, and every use re-keys it, so keys stay exact between uses. Moments are counted
     on an absolute clock across iterations (the trace wraps), so keys from two iterations compare.
     Entries superseded by a newer key or by an eviction are skipped when popped. With ``free`` (whether
-    a chunk's eviction copies nothing now), those chunks come first (see [Note: eviction order]).
+    a chunk's eviction copies nothing now), those chunks come first (see [Note: eviction order]); accumulators
+    whose payload is away (negative keys) come last (see [Note: accumulators kept]).
     """
 
     def __init__(self, free: Callable[[int], bool] | None = None) -> None:
         self.free = free
-        self._heaps: tuple[list[_Entry], list[_Entry]] = ([], [])  # free evictions (with ``free``), the others
+        # free evictions (with ``free``), the others, accumulators whose payload is away
+        self._heaps: tuple[list[_Entry], list[_Entry], list[_Entry]] = ([], [], [])
         self._stamp: dict[int, int] = {}
 
     @property
     def entries(self) -> int:
         """Entries held, superseded ones included (compacted now and then)."""
-        return len(self._heaps[0]) + len(self._heaps[1])
+        return sum(len(heap) for heap in self._heaps)
 
     def push(self, chunk: int, priority: int) -> None:
         stamp = self._stamp.get(chunk, 0) + 1
@@ -86,6 +121,9 @@ class EvictionQueue:
             self._put(entry)
 
     def _put(self, entry: _Entry) -> None:
+        if entry[1] < 0:
+            heapq.heappush(self._heaps[2], entry)
+            return
         free = self.free is not None and self.free(entry[1])
         heapq.heappush(self._heaps[0 if free else 1], entry)
 

@@ -21,7 +21,9 @@ per-step counters ``predicted_bytes_to_device``/``_to_host`` put it beside the b
 accumulation a trainable chunk's fp32 accumulator comes into being and goes at the moments the traced iteration
 recorded (``Moment.acc_born``, ``acc_gone``: its first gradient, and the boundary's sum in its slot), during
 the moment, after its hook (room made beside what the driver read then, ``Moment.read_late``); from then on it
-takes room beside its chunk and moves with it (``predicted_accumulator_bytes_to_device``/``_to_host``). It
+takes room beside its chunk and moves with it (``predicted_accumulator_bytes_to_device``/``_to_host``), or, in
+the orders that keep accumulators, stays when its payload goes, goes after every payload that could go and comes
+back with its payload (see [Note: accumulators kept] in eviction_queue.py). It
 models one rank: gathered groups and copies still in flight are not in it (at several ranks the counters say 0:
 not predicted).
 """
@@ -30,66 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 
 from .chunk_costs import ChunkCosts
-from .eviction_queue import EvictionOrder, EvictionQueue
+from .eviction_queue import EvictionOrder, EvictionQueue, accumulator_key
+from .move_plan import MovePlan
 from .tracer import Trace
-
-
-@dataclass(frozen=True)
-class MovePlan:
-    """Bytes to the accelerator and back at each moment of one iteration: chunk payloads (``to_device``,
-    ``to_host``) and, with gradient accumulation, the fp32 accumulators that move with them (``acc_to_device``,
-    ``acc_to_host``; None: none); ``demand``: of both, the bytes brought for the moment's own use (not ahead of
-    it); ``ahead``: the rest, per moment as ``(target moment, bytes)`` in the order they were brought (None: all
-    of it for the next moment)."""
-
-    to_device: list[int]
-    to_host: list[int]
-    demand: list[int]
-    ahead: list[list[tuple[int, int]]] | None = None
-    acc_to_device: list[int] | None = None
-    acc_to_host: list[int] | None = None
-    over_budget: bool = False  # some moment's chunks did not fit beside the tide: the driver would refuse or give way
-
-    def evicted(self, moment: int) -> int:
-        """Bytes sent to the host at ``moment``, accumulators included."""
-        return self.to_host[moment] + (self.acc_to_host[moment] if self.acc_to_host is not None else 0)
-
-    @property
-    def accumulator_bytes_to_device(self) -> int:
-        return sum(self.acc_to_device) if self.acc_to_device is not None else 0
-
-    @property
-    def accumulator_bytes_to_host(self) -> int:
-        return sum(self.acc_to_host) if self.acc_to_host is not None else 0
-
-    @property
-    def moved(self) -> int:
-        """Every byte copied each way, accumulators included."""
-        return (
-            self.bytes_to_device
-            + self.bytes_to_host
-            + self.accumulator_bytes_to_device
-            + self.accumulator_bytes_to_host
-        )
-
-    def brought_ahead(self, moment: int) -> list[tuple[int, int]]:
-        """``(target moment, bytes)`` brought ahead at ``moment``."""
-        if self.ahead is not None:
-            return self.ahead[moment]
-        early = self.to_device[moment] - self.demand[moment]
-        return [(moment + 1, early)] if early else []
-
-    @property
-    def bytes_to_device(self) -> int:
-        return sum(self.to_device)
-
-    @property
-    def bytes_to_host(self) -> int:
-        return sum(self.to_host)
-
 
 ANY_PRIORITY = 1
 """Above every queue priority (minus a next use, never above 0): :meth:`EvictionQueue.take_below` below it
@@ -115,6 +62,8 @@ class _Replay:
         self.trace, self.budget, self.sizes, self.resident = trace, budget, sizes, resident
         self.acc_sizes = accumulators or {}  # chunk -> its accumulator's bytes (gradient accumulation)
         self.acc: set[int] = set()  # chunks whose accumulator exists now
+        self.keeps_accumulators = order.keeps_accumulators  # see [Note: accumulators kept] in eviction_queue.py
+        self.orphans: set[int] = set()  # chunks whose accumulator is on the accelerator and payload away
         self.late = False  # after the moment's hook: a gradient's room (see [Note: predicted moves])
         self.uncopied = uncopied
         self.keeps_copies = False  # brought chunks keep their host buffer (see [Note: clean evictions])
@@ -128,17 +77,22 @@ class _Replay:
         self.ahead: list[list[tuple[int, int]]] = [[] for _ in range(len(trace))]
         self.at = 0
         self.over_budget = False
-        free = order is EvictionOrder.FREE_FIRST  # see [Note: eviction order] in eviction_queue.py
-        self.queue = EvictionQueue(self.free if free else None)
+        self.queue = EvictionQueue(self.free if order.free_first else None)  # see [Note: eviction order]
         for chunk in resident:
             self.queue.push(chunk, -trace.next_use(chunk, -1))
 
     def total(self) -> int:
         return self.held
 
-    def size(self, chunk: int) -> int:
-        """What ``chunk`` takes on the accelerator now: payload and accumulator."""
-        return self.sizes[chunk] + (self.acc_sizes[chunk] if chunk in self.acc else 0)
+    def size(self, chunk: int, whole: bool = False) -> int:
+        """What evicting resident ``chunk`` frees: its payload, and its accumulator unless that stays."""
+        stays = (self.keeps_accumulators and not whole) or chunk not in self.acc
+        return self.sizes[chunk] + (0 if stays else self.acc_sizes[chunk])
+
+    def incoming(self, chunk: int) -> int:
+        """What bringing ``chunk`` copies to the accelerator: its payload, and its accumulator where that is away."""
+        away = chunk in self.acc and chunk not in self.orphans
+        return self.sizes[chunk] + (self.acc_sizes[chunk] if away else 0)
 
     def free(self, chunk: int) -> bool:
         """Whether evicting ``chunk`` now copies nothing."""
@@ -163,7 +117,10 @@ class _Replay:
         if self.keeps_copies:
             self.clean.add(chunk)
         self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
-        nbytes = self.size(chunk)
+        nbytes = self.incoming(chunk)
+        if chunk in self.orphans:  # its accumulator stayed: the payload joins it
+            self.orphans.discard(chunk)
+            self.queue.drop(accumulator_key(chunk))
         self.held += nbytes
         self.to_device[self.at] += self.sizes[chunk]
         self.acc_to_device[self.at] += nbytes - self.sizes[chunk]
@@ -172,11 +129,23 @@ class _Replay:
         else:
             self.ahead[self.at].append((target, nbytes))
 
-    def evict(self, chunk: int) -> None:
+    def evict(self, chunk: int, whole: bool = False) -> None:
+        """A queue entry goes: a resident chunk's payload (with its accumulator unless that stays; ``whole``: with
+        it) or, for :func:`accumulator_key`, an accumulator whose payload is away."""
+        if chunk < 0:
+            chunk = accumulator_key(chunk)
+            self.orphans.discard(chunk)
+            self.queue.drop(accumulator_key(chunk))
+            self.held -= self.acc_sizes[chunk]
+            self.acc_to_host[self.at] += self.acc_sizes[chunk]
+            return
         self.resident.discard(chunk)
         self.queue.drop(chunk)
-        self.held -= self.size(chunk)
-        self.acc_to_host[self.at] += self.size(chunk) - self.sizes[chunk]
+        self.held -= self.size(chunk, whole)
+        self.acc_to_host[self.at] += self.size(chunk, whole) - self.sizes[chunk]
+        if chunk in self.acc and self.keeps_accumulators and not whole:
+            self.orphans.add(chunk)
+            self.queue.push(accumulator_key(chunk), -self.trace.next_use(chunk, self.at))
         if chunk in self.clean:
             self.clean.discard(chunk)
         elif chunk not in self.uncopied:
@@ -192,8 +161,13 @@ class _Replay:
             if self.trace.next_use(chunk, before) >= end:
                 self.evict(chunk)
 
-    def _size_unless(self, keep: AbstractSet[int]) -> Callable[[int], int | None]:
-        return lambda chunk: None if chunk in keep else self.size(chunk)
+    def _size_unless(self, keep: AbstractSet[int], whole: bool = False) -> Callable[[int], int | None]:
+        def size(key: int) -> int | None:
+            if key < 0:
+                return None if accumulator_key(key) in keep else self.acc_sizes[accumulator_key(key)]
+            return None if key in keep else self.size(key, whole)
+
+        return size
 
     def grow(self, chunk: int, in_use: set[int]) -> None:
         """``chunk``'s first gradient this iteration: its accumulator comes into being beside it, room made after
@@ -209,7 +183,11 @@ class _Replay:
         """The boundary put ``chunk``'s sum into its slot: its accumulator goes, wherever it is."""
         if chunk in self.acc:
             self.acc.discard(chunk)
-            if chunk in self.resident:
+            if chunk in self.orphans:
+                self.orphans.discard(chunk)
+                self.queue.drop(accumulator_key(chunk))
+                self.held -= self.acc_sizes[chunk]
+            elif chunk in self.resident:
                 self.held -= self.acc_sizes[chunk]
 
     def make_room(self, need: int, keep: set[int]) -> None:
@@ -217,11 +195,14 @@ class _Replay:
         over = self.total() + need - self.headroom(self.at)
         if over <= 0:
             return
-        victims = self.queue.take_below(over, self._size_unless(keep), ANY_PRIORITY)
-        if victims is None:  # the model goes over the budget here: every chunk that can go goes
-            victims, self.over_budget = sorted(self.resident - keep), True
+        victims, whole = self.queue.take_below(over, self._size_unless(keep), ANY_PRIORITY), False
+        if victims is None and self.keeps_accumulators:  # the payloads take their accumulators along after all
+            victims, whole = self.queue.take_below(over, self._size_unless(keep, True), ANY_PRIORITY), True
+        if victims is None:  # the model goes over the budget here: every chunk (and accumulator) that can go goes
+            orphans = [accumulator_key(c) for c in sorted(self.orphans - keep)]
+            victims, self.over_budget = sorted(self.resident - keep) + orphans, True
         for victim in victims:
-            self.evict(victim)
+            self.evict(victim, whole)
 
     def prefetch(self, in_use: set[int], distance: int) -> None:
         """The next ``distance`` moments' chunks ahead, nearest first, where they fit up to their moment after
@@ -235,7 +216,7 @@ class _Replay:
             for chunk in ahead:
                 if chunk in self.resident or chunk not in self.sizes:
                     continue
-                short = self.total() + self.size(chunk) - room
+                short = self.total() + self.incoming(chunk) - room
                 if short > 0:
                     chosen = self.queue.take_below(short, self._size_unless(keep), -target)
                     if chosen is None:
@@ -285,7 +266,7 @@ def simulate_moves(
         replay.used(used)
         for chunk in moment.chunks if moment.label != "step" else ():
             if chunk in sizes and chunk not in resident:
-                replay.make_room(sizes[chunk], used)
+                replay.make_room(replay.incoming(chunk), used)
                 replay.bring(chunk)
         if moment.label == "step":  # Adam in chunk order, each chunk where its states live
             for chunk in sorted(used | host_updated):

@@ -51,6 +51,7 @@ from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.reductions import InFlightReductions
 from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
+from .eviction_queue import accumulator_key
 from .policy import Placer
 from .remedies import budget_remedies
 from .tracer import MemoryTracer, Trace
@@ -82,19 +83,8 @@ class ChunkMoves:
         self._hook = False  # inside a moment's hook (see [Note: one reading per hook])
         self._reading: tuple[int, int] | None = None  # (tide, stranded bytes) read in this hook
 
-    @staticmethod
-    def nbytes(chunk: Chunk) -> int:
-        """What the chunk occupies on the accelerator when it is there (payload + accumulator)."""
-        return chunk.nbytes + chunk.acc_nbytes
-
-    def _evictable(self, keep: set[int]) -> Callable[[int], int | None]:
-        chunks = self.chunks
-
-        def size(chunk_id: int) -> int | None:
-            chunk = chunks[chunk_id]
-            return None if chunk_id in keep or not chunk.movable else self.nbytes(chunk)
-
-        return size
+    def _evictable(self, keep: set[int], whole: bool = False) -> Callable[[int], int | None]:
+        return evictable_sizes(self.chunks, keep, self.placer.order.keeps_accumulators and not whole)
 
     def evicts_free(self, chunk_id: int) -> bool:
         """Whether evicting the chunk now copies nothing (see [Note: eviction order] in eviction_queue.py)."""
@@ -106,10 +96,24 @@ class ChunkMoves:
         self.placer.arrived(chunk.chunk_id)
 
     def evict(self, chunk: Chunk) -> None:
-        """``chunk`` to the host (an asynchronous copy; see [Note: chunk locations])."""
+        """``chunk`` to the host with its accumulator (an asynchronous copy; see [Note: chunk locations])."""
         if not chunk.on_host:
             self.store.to_host(chunk)
             self.placer.left(chunk.chunk_id)
+        elif chunk.acc is not None:  # its accumulator stayed (see [Note: accumulators kept] in eviction_queue.py)
+            self.store.to_host(chunk)
+            self.placer.accumulator_left(chunk.chunk_id)
+
+    def _evict_victim(self, key: int, whole: bool) -> None:
+        """A queue entry goes: an accumulator whose payload is away (a negative key), or a resident chunk's
+        payload, with its accumulator unless the order keeps accumulators (``whole``: with it)."""
+        if key < 0:
+            self.evict(self.chunks[accumulator_key(key)])
+            return
+        chunk = self.chunks[key]
+        stays = self.placer.order.keeps_accumulators and not whole and chunk.acc is not None
+        self.store.to_host(chunk, keep_accumulator=stays)
+        self.placer.left(key, accumulator_stays=stays)
 
     def _headroom(self, trace: Trace | None, moment: int, span: int = 1) -> int:
         """Bytes model data may take from ``moment`` over ``span`` moments: the budget less the higher of the
@@ -167,7 +171,7 @@ class ChunkMoves:
         short = over - accel.in_flight_bytes()
         if short > 0:
             try:
-                self._evict_all(self.placer.victims(short, self._evictable(keep)))
+                self._evict_all(*self._victims(short, keep))
             except DeviceBudgetExceeded as err:
                 if self.release_stranded():  # see [Note: stranded bytes released]
                     self.make_room(need, keep)
@@ -177,7 +181,7 @@ class ChunkMoves:
                     self.make_room(need, keep)
                     return
                 non_model = self.placer.budget - headroom
-                held = sum(self.nbytes(self.chunks[c]) for c in keep if not self.chunks[c].on_host) + need
+                held = sum(on_device(self.chunks[c]) for c in keep) + need
                 short = self.ledger.total + need + non_model - self.placer.budget
                 stranded = self.store.accel.fragmentation()
                 remedies = budget_remedies(short, self.placer.budget, non_model, held, self.offloading, stranded)
@@ -222,15 +226,26 @@ class ChunkMoves:
             )
         return non_model
 
-    def _evict_all(self, victims: list[int]) -> None:
+    def _victims(self, need: int, keep: set[int]) -> tuple[list[int], bool]:
+        """Queue entries to evict for ``need`` bytes and whether their payloads take their accumulators along: in
+        an order that keeps accumulators, only where payloads and accumulators alone cannot make the room (see
+        [Note: accumulators kept] in eviction_queue.py)."""
+        try:
+            return self.placer.victims(need, self._evictable(keep)), False
+        except DeviceBudgetExceeded:
+            if not self.placer.order.keeps_accumulators:
+                raise
+            return self.placer.victims(need, self._evictable(keep, whole=True)), True
+
+    def _evict_all(self, victims: list[int], whole: bool = False) -> None:
         for victim in victims:
-            self.evict(self.chunks[victim])
+            self._evict_victim(victim, whole)
             self.counters.evictions += 1
 
     def bring(self, chunk: Chunk, keep: set[int]) -> None:
         """``chunk`` on the accelerator (room made for it), its copy waited on."""
         if chunk.on_host:
-            self.make_room(self.nbytes(chunk), keep | {chunk.chunk_id})
+            self.make_room(incoming(chunk), keep | {chunk.chunk_id})
             self.to_device(chunk)
         chunk.wait_pending()
 
@@ -281,7 +296,7 @@ class ChunkMoves:
                 chunk = self.chunks[chunk_id]
                 if not chunk.on_host:
                     continue
-                if not self._room_for_prefetch(self.nbytes(chunk), trace, keep, target):
+                if not self._room_for_prefetch(incoming(chunk), trace, keep, target):
                     complete = False
                     continue
                 self.to_device(chunk)
@@ -290,3 +305,30 @@ class ChunkMoves:
                 chunk.prefetched = True
             if not complete:
                 return
+
+
+def on_device(chunk: Chunk) -> int:
+    """What the chunk takes on the accelerator now: its payload where there, and its accumulator where there."""
+    return (0 if chunk.on_host else chunk.nbytes) + (chunk.acc_nbytes if chunk.acc is not None else 0)
+
+
+def incoming(chunk: Chunk) -> int:
+    """What bringing the chunk copies to the accelerator: its payload, and its accumulator unless that stayed (see
+    [Note: accumulators kept] in eviction_queue.py)."""
+    return chunk.nbytes + (chunk.acc_nbytes if chunk.acc_host is not None else 0)
+
+
+def evictable_sizes(chunks: list[Chunk], keep: set[int], keeps_accumulators: bool) -> Callable[[int], int | None]:
+    """What evicting a queue entry frees (None: it cannot go now): a resident chunk's payload, with its accumulator
+    unless ``keeps_accumulators``, or an accumulator whose payload is away (see [Note: accumulators kept])."""
+
+    def size(key: int) -> int | None:
+        if key < 0:
+            chunk = chunks[accumulator_key(key)]
+            return None if chunk.chunk_id in keep else chunk.acc_nbytes
+        chunk = chunks[key]
+        if key in keep or not chunk.movable:
+            return None
+        return chunk.nbytes + (0 if keeps_accumulators else chunk.acc_nbytes)
+
+    return size

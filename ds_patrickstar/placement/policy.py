@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from .eviction_queue import EvictionOrder, EvictionQueue
+from .eviction_queue import EvictionOrder, EvictionQueue, accumulator_key
 from .planner import headroom, prefetch_for
 from .tracer import Trace
 
@@ -58,6 +58,7 @@ class Placer:
         self._queue = EvictionQueue()
         self._trace: Trace | None = None  # the trace the queue's priorities come from
         self._resident: set[int] = set()
+        self._orphans: set[int] = set()  # accumulators on the accelerator whose payload is away
         self._base = 0  # absolute clock of this iteration's moment 0 (Belady priorities)
         self._moment = -1
         self.distance = 1  # moments prefetched ahead (see [Note: prefetch distance] in state_choice.py)
@@ -70,14 +71,25 @@ class Placer:
         return set(self._resident)
 
     def arrived(self, chunk: int) -> None:
-        """``chunk`` is now backed on the accelerator."""
+        """``chunk`` is now backed on the accelerator (with its accumulator)."""
         self._resident.add(chunk)
         self._queue.push(chunk, self._priority(chunk))
+        self.accumulator_left(chunk)  # an accumulator that stayed is the chunk's again
 
-    def left(self, chunk: int) -> None:
-        """``chunk`` went to the host."""
+    def left(self, chunk: int, accumulator_stays: bool = False) -> None:
+        """``chunk`` went to the host; its accumulator stays on the accelerator where ``accumulator_stays`` (see
+        [Note: accumulators kept] in eviction_queue.py)."""
         self._resident.discard(chunk)
         self._queue.drop(chunk)
+        if accumulator_stays:
+            self._orphans.add(chunk)
+            self._queue.push(accumulator_key(chunk), self._priority(chunk))
+
+    def accumulator_left(self, chunk: int) -> None:
+        """The accumulator that stayed when ``chunk``'s payload went is no longer an entry of its own."""
+        if chunk in self._orphans:
+            self._orphans.discard(chunk)
+            self._queue.drop(accumulator_key(chunk))
 
     def touch(self, chunks: Iterable[int], trace: Trace | None, moment: int, new_iteration: bool) -> None:
         """A moment uses ``chunks``: their priorities move on."""
@@ -103,6 +115,8 @@ class Placer:
         self._queue.clear()
         for chunk in self._resident:
             self._queue.push(chunk, self._priority(chunk))
+        for chunk in self._orphans:
+            self._queue.push(accumulator_key(chunk), self._priority(chunk))
 
     def _priority(self, chunk: int) -> int:
         if self._trace is None or self.policy == "static":
@@ -113,7 +127,7 @@ class Placer:
         """Evict in ``order`` from now on; ``free``: whether a chunk's eviction copies nothing now (see [Note:
         eviction order] in eviction_queue.py)."""
         self.order = order
-        self._queue.reorder(free if order is EvictionOrder.FREE_FIRST else None)
+        self._queue.reorder(free if order.free_first else None)
 
     def headroom(self, trace: Trace | None, moment: int, non_model_now: int, span: int = 1) -> int:
         """Bytes model data may use on the accelerator from ``moment`` over ``span`` moments

@@ -76,8 +76,7 @@ class PlacementRuntime:
         self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self.positions = TracePositions(self.placer.budget // 64)  # see [Note: evaluation moments]
 
-    # ---- accounting (running totals: O(1) per moment, see [Note: placement]) -----------
-    def model_bytes_on_device(self) -> int:
+    def model_bytes_on_device(self) -> int:  # a running total: O(1) per moment, see [Note: placement]
         return self.ledger.total
 
     # ---- moments ------------------------------------------------------------------
@@ -146,6 +145,7 @@ class PlacementRuntime:
 
     def accumulator(self, chunk_id: int, exists: bool) -> None:
         self.tracer.note_accumulator(chunk_id, exists)
+        self.placer.accumulator_left(chunk_id) if not exists else None
 
     def after_use(self, chunk: Chunk) -> None:
         self.moves.after_use(chunk)

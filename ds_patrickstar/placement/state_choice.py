@@ -136,10 +136,14 @@ def choose_moves(
 
 def eviction_orders(costs: ChunkCosts) -> list[EvictionOrder]:
     """The eviction orders worth pricing: free evictions first only where some can be free (see [Note: eviction
-    order] in eviction_queue.py)."""
+    order] in eviction_queue.py), accumulators kept only where there are accumulators (see [Note: accumulators
+    kept] there)."""
+    orders = [EvictionOrder.BELADY]
     if costs.clean_copies or costs.uncopied:
-        return [EvictionOrder.BELADY, EvictionOrder.FREE_FIRST]
-    return [EvictionOrder.BELADY]
+        orders.append(EvictionOrder.FREE_FIRST)
+    if costs.accumulators:
+        orders += [EvictionOrder(order + EvictionOrder.BELADY_KEEPING_ACCUMULATORS) for order in orders]
+    return orders
 
 
 def choose_states(
@@ -220,7 +224,9 @@ def _improve(best: StateChoice, fill: Sequence[int], of: Callable[[frozenset[int
 def best_of(choices: Sequence[StateChoice]) -> StateChoice:
     """The fastest of ``choices``, where predicted steps within :data:`TIE` of the fastest are a tie (the model
     is not that exact): of those, the fewest bytes moved, then the most states on the accelerator, then the
-    shortest prefetch distance, then Belady's eviction order."""
+    shortest prefetch distance, then Belady's eviction order. A choice whose moves go over the budget somewhere
+    only where every one does."""
+    choices = [c for c in choices if not c.plan.over_budget] or choices
     fastest = min(c.step.total_s for c in choices)
     tied = [c for c in choices if c.step.total_s <= fastest * (1 + TIE)]
     return min(tied, key=lambda c: (c.moved, -len(c.on_device), c.distance, c.order))

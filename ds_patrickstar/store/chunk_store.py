@@ -18,7 +18,8 @@ brings them in when used. A chunk owned by another rank exists only while its gr
 gathered: with ``W`` ranks the other ranks' chunks of a group are views of one flat storage
 of the whole group (see [Note: gathered group storage]). With gradient accumulation a chunk's
 fp32 accumulator follows the payload: on the accelerator while the chunk is there, on the host
-otherwise.
+otherwise; placement may leave it on the accelerator when the payload goes (it then goes alone, or comes
+back with the payload; see [Note: accumulators kept] in placement/eviction_queue.py).
 
 [Note: gathered group storage]
 A collective on a list of tensors is not what the process group runs: NCCL and gloo flatten
@@ -190,8 +191,11 @@ class ChunkStore:
             pending.wait()
         chunk.pending = [p for p in chunk.pending if not p.collective]
 
-    def to_host(self, chunk: Chunk) -> None:
+    def to_host(self, chunk: Chunk, keep_accumulator: bool = False) -> None:
+        """The chunk's values to the host, and its accumulator unless ``keep_accumulator``."""
         if chunk.on_host:
+            if not keep_accumulator:
+                self._acc_to_host(chunk)
             return
         self._wait_collectives(chunk)
         if chunk.on_disk:  # its values are on disk already: nothing is copied
@@ -200,7 +204,8 @@ class ChunkStore:
             chunk.home, chunk.prefetched = Home.DISK, False
             return
         if self.copies.evict(chunk):  # unchanged since it came: nothing is copied
-            self._acc_to_host(chunk)
+            if not keep_accumulator:
+                self._acc_to_host(chunk)
             return
         kept = self.copies.take(chunk)  # written since it came: its kept buffer goes (the copy in may read it still)
         if kept is not None:
@@ -210,7 +215,8 @@ class ChunkStore:
         pending = self.accel.copy(host, chunk.payload)  # ordered after every earlier copy of the chunk
         self.accel.free(chunk.payload, "chunk", after=pending)
         chunk.host, chunk.home, chunk.pending = host, Home.HOST, [pending]
-        self._acc_to_host(chunk)
+        if not keep_accumulator:
+            self._acc_to_host(chunk)
         chunk.prefetched = False
         self.counters.bytes_to_host += chunk.nbytes
 
