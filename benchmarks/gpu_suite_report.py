@@ -197,7 +197,8 @@ def _sweep(result: dict) -> list[str]:
         moved = (counters["bytes_to_device"] + counters["bytes_to_host"]) if "bytes_to_device" in counters else None
         phases = t["phases_s"]
         ahead = f" ({counters['prefetch_distance']} ahead)" if counters.get("prefetch_distance") else ""
-        ahead += ", free first" if counters.get("eviction_order") else ""
+        order = counters.get("eviction_order", 0)  # see EvictionOrder: 1 and 3 free first, 2 and 3 accumulators kept
+        ahead += (", free first" if order in (1, 3) else "") + (", accumulators kept" if order in (2, 3) else "")
         rows.append(head + ["measured", f"{t['tokens_per_s']:.1f}",
                             _f(ratio.get((t["point"], t.get("rule"))), "{:.2f}x"),
                             _f(moved, "{:.1f}", MB) + _floor(counters),
@@ -211,8 +212,9 @@ def _sweep(result: dict) -> list[str]:
             "`--sweep-absolute`; B in GiB; MB moved: ours' counters, bytes_to_device + "
             "bytes_to_host of the last step (floor: the fewest any placement of the trace moves, `bytes_floor`); "
             "predicted: the engine's `predicted_step_s` counter, n/a without it, "
-            "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md) and \"free first\" "
-            "where it evicts unchanged chunks first (`eviction_order`); "
+            "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md), \"free first\" "
+            "where it evicts unchanged chunks first and \"accumulators kept\" where evicted payloads leave their "
+            "gradient accumulators on the GPU (`eviction_order`); "
             "ours: `optimizer_placement` \"time\" (the default), ours (fill): \"fill\", the rule before the "
             "step-time model).",
             "", *_table(["point", "backend", "B (GiB)", "status", "tokens/s", "ours / ZeRO-3 offload",

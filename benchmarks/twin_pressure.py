@@ -34,6 +34,7 @@ import bench_utils as bu
 from bench_harness import lm_steps
 
 bu.add_repo_to_path()
+from ds_patrickstar.placement.eviction_queue import EvictionOrder
 
 VOCAB = 256
 MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=64, vocab_size=VOCAB)
@@ -130,7 +131,7 @@ def print_row(row: dict) -> None:
               f"{r['adam_chunks_host']:.0f}  predicted step {r['predicted_step_s']:.4f} s"
               f"  activations {r['peak_activation_bytes_device']:,.0f} B"
               f"  prefetch distance {r['prefetch_distance']:.0f} ({r['prefetches_beyond_next']:.1f} beyond the next)"
-              f"  eviction order {'free first' if r['eviction_order'] else 'Belady'}"
+              f"  eviction order {EvictionOrder(round(r['eviction_order'])).label}"
               f"  accumulators to device {r['accumulator_bytes_to_device']:,.0f}"
               f" (predicted {r['predicted_accumulator_bytes_to_device']:,.0f})"
               f" to host {r['accumulator_bytes_to_host']:,.0f}"
