@@ -36,6 +36,8 @@ A chunk's priority is its next use (re-keyed at every use, see :class:`EvictionQ
 eviction is free changes without a use (a gradient written into it, the step giving its kept buffer back),
 so the free class is checked again when a chunk is popped from it: a chunk written since it was pushed moves
 to the other class, keeping its priority (only a chunk's arrival makes it free again, and arriving pushes it).
+With gradient accumulation an eviction that takes an accumulator along copies it (see [Note: accumulators
+kept]): a chunk whose accumulator came into being since it was pushed moves to the other class the same way.
 """
 
 from __future__ import annotations

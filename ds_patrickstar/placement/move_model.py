@@ -95,8 +95,9 @@ class _Replay:
         return self.sizes[chunk] + (self.acc_sizes[chunk] if away else 0)
 
     def free(self, chunk: int) -> bool:
-        """Whether evicting ``chunk`` now copies nothing."""
-        return chunk in self.clean or chunk in self.uncopied
+        """Whether evicting ``chunk`` now copies nothing (an accumulator that would go with it copies)."""
+        payload = chunk in self.clean or chunk in self.uncopied
+        return payload and (self.keeps_accumulators or chunk not in self.acc)
 
     def headroom(self, moment: int, span: int = 1) -> int:
         """The budget less the tide planned from ``moment`` over ``span`` moments and the one after, and the

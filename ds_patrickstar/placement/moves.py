@@ -87,9 +87,11 @@ class ChunkMoves:
         return evictable_sizes(self.chunks, keep, self.placer.order.keeps_accumulators and not whole)
 
     def evicts_free(self, chunk_id: int) -> bool:
-        """Whether evicting the chunk now copies nothing (see [Note: eviction order] in eviction_queue.py)."""
+        """Whether evicting the chunk now copies nothing (see [Note: eviction order] in eviction_queue.py): its payload
+        goes without a copy, and its accumulator stays or there is none."""
         chunk = self.chunks[chunk_id]
-        return chunk.on_disk or self.store.copies.unchanged(chunk)
+        payload = chunk.on_disk or self.store.copies.unchanged(chunk)
+        return payload and (self.placer.order.keeps_accumulators or chunk.acc is None)
 
     def to_device(self, chunk: Chunk) -> None:
         self.store.to_device(chunk)
