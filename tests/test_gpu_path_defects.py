@@ -321,7 +321,7 @@ def test_12_stranded_pieces_are_released_before_states_give_way(monkeypatch):
     import harness
 
     from ds_patrickstar.memory.emulated import EmulatedAccelerator
-    from ds_patrickstar.placement.remedies import budget_remedies
+    from ds_patrickstar.placement.remedies import Shortfall, budget_remedies
 
     budget = 3_000_000
     _, ref, _ = _run(_config(3), steps=5)
@@ -352,9 +352,9 @@ def test_12_stranded_pieces_are_released_before_states_give_way(monkeypatch):
     assert [c["stranded_bytes_released"] for c in counters] == [0, 0, 0, pieces, 0] and pieces > 0
     assert [c["states_gave_way"] for c in counters] == [0] * 5
     assert losses == ref
-    text = budget_remedies(1000, budget, 5000, 4000, True, stranded=777)
+    text = budget_remedies(Shortfall(1000, budget, 5000, 4000, stranded=777, offloading=True))
     assert "expandable_segments" in text and "777 B stranded" in text
-    assert "expandable_segments" not in budget_remedies(1000, budget, 5000, 4000, True)
+    assert "expandable_segments" not in budget_remedies(Shortfall(1000, budget, 5000, 4000, offloading=True))
 
 
 def test_13_steady_steps_pin_no_host_memory_anew():

@@ -4,6 +4,8 @@ import re
 import harness
 import pytest
 import torch
+from counter_runs import CASES, train_case
+from multiproc import WorkerError, run_ranks
 
 from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
 from ds_patrickstar.placement.planner import belady_victims, optimizer_chunks_on_device
@@ -366,3 +368,19 @@ def test_a_budget_below_the_activations_names_what_would_fit():
     assert short is not None and int(short.group(2).replace(",", "")) > 0, text
     for remedy in ('offload_activations "auto"', "activation checkpointing", "train_micro_batch_size_per_gpu"):
         assert remedy in text, (remedy, text)
+
+
+def test_a_refusal_with_accumulation_names_the_accumulators_and_the_checkpointing_already_on():
+    """The counter runs' checkpointed GPT with GA 2 at its GA 1 budget: the blocks a recomputation holds in use and
+    their fp32 accumulators do not fit. The error says how much of what the chunks in use take is accumulators,
+    and asks for more of the blocks checkpointed (some are already), not for checkpointing."""
+    case = {**CASES["twin_checkpointed_offload"], "ga": 2}
+    with pytest.raises(WorkerError) as err:
+        run_ranks(train_case, 1, case, timeout=240.0)
+    text = str(err.value)
+    pattern = r"the chunks in use here take ([\d,]+) B, ([\d,]+) B of them their fp32 gradient accumulators"
+    held = re.search(pattern, text)
+    assert held is not None, text
+    in_use, accumulators = (int(group.replace(",", "")) for group in held.groups())
+    assert 0 < accumulators < in_use, text
+    assert "activation checkpointing of more of the model's blocks" in text, text

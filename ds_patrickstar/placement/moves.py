@@ -53,7 +53,7 @@ from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
 from .eviction_queue import accumulator_key
 from .policy import Placer
-from .remedies import budget_remedies
+from .remedies import Shortfall, budget_remedies
 from .tracer import MemoryTracer, Trace
 
 logger = logging.getLogger(__name__)
@@ -182,17 +182,13 @@ class ChunkMoves:
                     self.counters.states_gave_way += 1  # see [Note: states give way]
                     self.make_room(need, keep)
                     return
-                non_model = self.placer.budget - headroom
-                held = sum(on_device(self.chunks[c]) for c in keep) + need
-                short = self.ledger.total + need + non_model - self.placer.budget
-                stranded = self.store.accel.fragmentation()
-                remedies = budget_remedies(short, self.placer.budget, non_model, held, self.offloading, stranded)
-                raise DeviceBudgetExceeded(
-                    f"the accelerator budget of {self.placer.budget:,} B cannot hold the chunks needed at moment "
-                    f"{self.moment}: the backend holds {self.ledger.total:,} B and needs {need:,} B more, next to "
-                    f"{non_model:,} B of non-model memory ({err}; needed now: {sorted(keep)}). {remedies}"
-                ) from None
+                raise _refusal(self, need, keep, self.placer.budget - headroom, err) from None
         accel.reclaim(need_below=headroom - need)
+
+    def recomputes(self) -> bool:
+        """Whether this iteration, or the trace, recomputes checkpointed blocks (for the remedies)."""
+        trace = self.tracer.current_trace()
+        return self.counters.recompute_moments > 0 or (trace is not None and bool(trace.recomputations()))
 
     def release_stranded(self) -> bool:
         """Whether giving back what the allocator caches freed stranded pieces (see [Note: stranded bytes
@@ -221,7 +217,8 @@ class ChunkMoves:
             over = self.ledger.total + self.ledger.non_model - self.placer.budget
         if over > 0:
             model, stranded = self.ledger.total, self.ledger.non_model - non_model
-            remedies = budget_remedies(over, self.placer.budget, non_model, model, self.offloading, stranded)
+            at = Shortfall(over, self.placer.budget, non_model, model, 0, stranded, self.offloading, self.recomputes())
+            remedies = budget_remedies(at)
             raise DeviceBudgetExceeded(
                 f"model data {model:,} B + non-model {non_model:,} B + stranded allocator pieces {stranded:,} B "
                 f"exceed the accelerator budget of {self.placer.budget:,} B at moment {self.moment}. {remedies}"
@@ -312,6 +309,36 @@ class ChunkMoves:
 def on_device(chunk: Chunk) -> int:
     """What the chunk takes on the accelerator now: its payload where there, and its accumulator where there."""
     return (0 if chunk.on_host else chunk.nbytes) + (chunk.acc_nbytes if chunk.acc is not None else 0)
+
+
+def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: Exception) -> DeviceBudgetExceeded:
+    """The error when ``need`` more bytes for the chunks ``keep`` cannot fit beside ``non_model`` bytes, with the
+    remedies (see ``remedies.py``)."""
+    budget, total = moves.placer.budget, moves.ledger.total
+    held, accumulators = in_use(moves.chunks, keep)
+    stranded = moves.store.accel.fragmentation()
+    at = Shortfall(
+        total + need + non_model - budget,
+        budget,
+        non_model,
+        held + need,
+        accumulators,
+        stranded,
+        moves.offloading,
+        moves.recomputes(),
+    )
+    return DeviceBudgetExceeded(
+        f"the accelerator budget of {budget:,} B cannot hold the chunks needed at moment {moves.moment}: the backend "
+        f"holds {total:,} B and needs {need:,} B more, next to {non_model:,} B of non-model memory ({err}; needed "
+        f"now: {sorted(keep)}). {budget_remedies(at)}"
+    )
+
+
+def in_use(chunks: list[Chunk], keep: set[int]) -> tuple[int, int]:
+    """What the chunks that cannot move now (needed now, or in use) take on the accelerator, and of that their
+    gradient accumulators."""
+    fixed = [chunk for chunk in chunks if chunk.chunk_id in keep or not chunk.movable]
+    return sum(on_device(chunk) for chunk in fixed), sum(chunk.acc_nbytes for chunk in fixed if chunk.acc is not None)
 
 
 def incoming(chunk: Chunk) -> int:

@@ -4,26 +4,41 @@ activations learns which setting makes the run train, not only that it does not.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def budget_remedies(short: int, budget: int, non_model: int, held: int, offloading: bool, stranded: int = 0) -> str:
-    """The remedies, one clause each: ``short`` bytes over the ``budget``, ``non_model`` bytes of activations
-    and temporaries then, ``held`` bytes of the chunks in use then; ``offloading``: activation offload is on;
-    ``stranded``: free bytes stranded in the allocator's partly used blocks then (see [Note: stranded bytes
-    released] in moves.py)."""
-    remedies = [f"zero_optimization.device_budget of at least {budget + short:,} B ({short:,} B more)"]
-    if not offloading and non_model:
+
+@dataclass(frozen=True)
+class Shortfall:
+    """Where the budget ran out, in bytes at that moment."""
+
+    short: int  # over the budget
+    budget: int
+    non_model: int  # activations and temporaries
+    held: int = 0  # the chunks in use
+    accumulators: int = 0  # of ``held``, their fp32 gradient accumulators
+    stranded: int = 0  # free bytes stranded in the allocator's partly used blocks (see [Note: stranded bytes released])
+    offloading: bool = False  # activation offload is on
+    recomputes: bool = False  # some blocks are checkpointed (recomputed in backward) already
+
+
+def budget_remedies(at: Shortfall) -> str:
+    """The remedies for ``at``, one clause each."""
+    remedies = [f"zero_optimization.device_budget of at least {at.budget + at.short:,} B ({at.short:,} B more)"]
+    if not at.offloading and at.non_model:
         remedies.append(
             f'zero_optimization.offload_activations "auto" (moves the blocks\' saved activations, of the '
-            f"{non_model:,} B of non-model memory here, to the host between their forward and backward)"
+            f"{at.non_model:,} B of non-model memory here, to the host between their forward and backward)"
         )
-    if non_model:
-        remedies.append(f"activation checkpointing of the model's blocks (of the {non_model:,} B here)")
-        remedies.append(f"a smaller train_micro_batch_size_per_gpu (the {non_model:,} B here grow with it)")
-    if held:
-        remedies.append(f"a smaller zero_optimization.chunk_size (the chunks in use here take {held:,} B)")
-    if stranded:
+    if at.non_model:
+        more = "more of " if at.recomputes else ""
+        remedies.append(f"activation checkpointing of {more}the model's blocks (of the {at.non_model:,} B here)")
+        remedies.append(f"a smaller train_micro_batch_size_per_gpu (the {at.non_model:,} B here grow with it)")
+    if at.held:
+        of_them = f", {at.accumulators:,} B of them their fp32 gradient accumulators" if at.accumulators else ""
+        remedies.append(f"a smaller zero_optimization.chunk_size (the chunks in use here take {at.held:,} B{of_them})")
+    if at.stranded:
         remedies.append(
             f"PyTorch's expandable_segments allocator (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set "
-            f"before CUDA starts), which can return the {stranded:,} B stranded here in partly used blocks"
+            f"before CUDA starts), which can return the {at.stranded:,} B stranded here in partly used blocks"
         )
     return "Any of these fits more: " + "; ".join(remedies) + "."
