@@ -35,10 +35,11 @@ class StepCounters:
     """chunk bytes copied accelerator -> host (placement)"""
     accumulator_bytes_to_device: int = 0
     """fp32 gradient-accumulator bytes that moved host -> accelerator with their chunk (gradient accumulation; not in
-    ``bytes_to_device``)"""
+    ``bytes_to_device``; an accumulator may also go alone, see [Note: accumulators kept])"""
     accumulator_bytes_to_host: int = 0
     """likewise accelerator -> host (not in ``bytes_to_host``)"""
     evictions: int = 0
+    """chunks placement sent to the host to make room (and accumulators sent alone, see [Note: accumulators kept])"""
     clean_evictions: int = 0
     """of the evictions, those that copied nothing: the payload was as it came, its host buffer kept (see
     [Note: clean evictions])"""
@@ -71,8 +72,9 @@ class StepCounters:
     prefetch_distance: int = 0
     """moments prefetched ahead, as the step-time model chose at the last plan (0: not chosen, one moment)"""
     eviction_order: int = 0
-    """0: farthest next use first (Belady); 1: chunks whose eviction copies nothing first, as the step-time model
-    chose at the last plan (see [Note: eviction order])"""
+    """0: farthest next use first (Belady); 1: chunks whose eviction copies nothing first; 2 and 3: the same, evicted
+    payloads leaving their gradient accumulators on the accelerator; as the step-time model chose at the last plan
+    (see [Note: eviction order] and [Note: accumulators kept])"""
     adam_chunks_device: int = 0
     """chunks whose Adam update ran on the accelerator"""
     adam_chunks_host: int = 0
