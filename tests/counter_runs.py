@@ -46,7 +46,9 @@ could keep accumulators on the accelerator while their payloads go (see [Note: a
 ``twin_1rank_ga2`` now runs that order (``eviction_order`` 0 -> 2), which the step-time model prices within the tie
 and moves 896 B fewer per steady step (payloads 490,624 -> 555,264 B to the device, accumulators 212,992 ->
 180,224 B each way, as predicted; 20 -> 34 evictions, 27 -> 30 prefetches), and its ``bytes_floor`` (686,592)
-joins the file; the losses unchanged.
+joins the file; the losses unchanged. Written again when the bytes floor at several ranks took in the storage of
+the groups each moment uses: ``bytes_floor`` 155,755 -> 179,808 in ``twin_2rank_ga1`` and 75,755 -> 94,187 in
+``twin_2rank_ga2``; nothing else moved.
 """
 from __future__ import annotations
 

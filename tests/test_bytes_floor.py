@@ -3,7 +3,7 @@ at every state subset, prefetch distance and eviction order; reached where the r
 whole number of states; the round trip's way out left out for a chunk no gradient went into; with gradient
 accumulation, the accumulators held between their first gradient and the boundary (in every eviction order,
 accumulators kept or not), and one away counted out and back where the payloads a moment does not use are too few
-for its shortfall."""
+for its shortfall; at several ranks, the storage the groups a moment uses are gathered into."""
 
 import itertools
 import random
@@ -78,6 +78,19 @@ def test_the_floor_is_reached_where_payloads_and_whole_states_fit():
     assert bytes_floor(trace, budget + 6 * E, costs) == floor - 2 * E
     # no room for the payloads beside the tide: every byte short is brought back once more, at the least
     assert bytes_floor(trace, tide + 6 * E, costs) == layers * 4 * E + 2 * E
+
+
+def test_at_several_ranks_the_storage_a_moment_gathers_takes_its_room():
+    """The gathered storage of the groups a moment uses stands beside the tide (not the step's, which gathers
+    nothing): less room for states, so a higher floor, by at most the round trips the lost room spared."""
+    layers, tide = 4, 10 * E
+    trace = _trace(layers, [tide] * layers)
+    elements = dict.fromkeys(range(layers), E)
+    costs = ChunkCosts({c: 2 * E for c in elements}, elements, elements)
+    budget = tide + layers * 2 * E + 12 * E  # every payload and one chunk's states
+    alone = bytes_floor(trace, budget, costs)
+    gathered = bytes_floor(trace, budget, costs, lambda moment: 2 * E if moment.label != "step" else 10**9)
+    assert alone < gathered <= alone + 4 * E * 2 * E // (12 * E) + 1, (alone, gathered)
 
 
 def test_a_chunk_no_gradient_went_into_goes_back_for_nothing_with_clean_evictions():

@@ -40,7 +40,7 @@ from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
 from ..placement.bytes_floor import FloorMeter
 from ..placement.chunk_costs import ChunkCosts
-from ..placement.chunk_needs import chunk_needs
+from ..placement.chunk_needs import chunk_needs, gathered_storage
 from ..placement.interface import NullPlacement, Placement
 from ..placement.move_model import MovePredictor
 from ..placement.moves import ChunkMoves
@@ -142,7 +142,8 @@ def make_placement(
     costs = _chunk_costs(chunk_map, accumulate, store.copies.enabled)
     # the bytes floor, one per run (the chooser logs what the counter reads); several ranks: without accumulators
     floor_costs = costs if _move_model_holds(chunk_map) else replace(costs, accumulators=None)
-    floor = FloorMeter(accel.ledger.budget, floor_costs) if options.placement == "auto" else None
+    gathered = None if _move_model_holds(chunk_map) else gathered_storage(chunk_map)
+    floor = FloorMeter(accel.ledger.budget, floor_costs, gathered) if options.placement == "auto" else None
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),

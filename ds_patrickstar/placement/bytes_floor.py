@@ -33,23 +33,28 @@ activations to make room (their bytes out and back for a third of them saved); r
 counts one moment's shortfall once and leaves out what a plan also needs (the chunks in flight, room at the
 step), so it can sit below every plan. The planner logs it with its choice; the counter ``bytes_floor`` exports
 it beside the bytes measured (accumulators included) at one rank and, without the accumulators (a rank's may
-come into being on the host there), at several: there the gathered groups' storage is left out of ``base(m)``
-too, which only lowers the bound; ``benchmarks/twin_pressure.py`` reports it per budget.
+come into being on the host there), at several: there ``base(m)`` also holds the gathered storage of the chunk
+groups the moment uses (each used group is all-gathered at its use, see [Note: gathered group storage] in
+store/chunk_store.py), not that of groups kept or gathered ahead, which a plan may do without; leaving those
+out only lowers the bound. ``benchmarks/twin_pressure.py`` reports it per budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from .chunk_costs import ChunkCosts
-from .tracer import Trace
+from .tracer import Moment, Trace
+
+Gathered = Callable[[Moment], int]
+"""With several ranks, the bytes of gathered group storage a moment's use needs (see [Note: the bytes floor])."""
 
 
-def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts) -> int:
+def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts, gathered: Gathered | None = None) -> int:
     """The fewest bytes a steady iteration of ``trace`` can move under ``budget`` (see [Note: the bytes floor]):
-    ``costs`` of the owned chunks; a trainable chunk the trace never uses makes no round trip. O(moments + chunks
-    used)."""
+    ``costs`` of the owned chunks, ``gathered`` with several ranks; a trainable chunk the trace never uses makes no
+    round trip. O(moments + chunks used)."""
     spans = _spans(trace)
     trainable = [c for c in costs.elements if c in spans]
     frozen = sum(size for c, size in costs.sizes.items() if c not in costs.elements and c in spans)
@@ -68,7 +73,7 @@ def bytes_floor(trace: Trace, budget: int, costs: ChunkCosts) -> int:
         payload += payloads[index]
         accumulated += grown[index]
         if moment.label != "step":
-            held = moment.non_model + payload + accumulated
+            held = moment.non_model + payload + accumulated + (gathered(moment) if gathered is not None else 0)
             base = max(base, held)
             in_use = sum(costs.sizes.get(c, 0) for c in set(moment.chunks))
             short_cost = max(short_cost, _shortfall_cost(held - budget, payload - in_use))
@@ -83,15 +88,15 @@ class FloorMeter:
     """The bytes floor of the current trace (see [Note: the bytes floor]), taken again only when the trace or its
     planned tide changed (its revision)."""
 
-    def __init__(self, budget: int, costs: ChunkCosts) -> None:
-        self._budget, self._costs = budget, costs
+    def __init__(self, budget: int, costs: ChunkCosts, gathered: Gathered | None = None) -> None:
+        self._budget, self._costs, self._gathered = budget, costs, gathered
         self._key: tuple[int, int] | None = None
         self.value = 0
 
     def update(self, trace: Trace) -> int:
         key = (id(trace), trace.revision)
         if key != self._key:
-            self._key, self.value = key, bytes_floor(trace, self._budget, self._costs)
+            self._key, self.value = key, bytes_floor(trace, self._budget, self._costs, self._gathered)
         return self.value
 
 

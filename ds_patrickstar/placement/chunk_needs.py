@@ -26,10 +26,20 @@ might:
 
 from __future__ import annotations
 
-from ..chunks.chunk_map import ChunkMap
-from .tracer import BACKWARD, Trace
+from collections.abc import Callable
 
-__all__ = ["chunk_needs"]
+from ..chunks.chunk_map import ChunkMap
+from .tracer import BACKWARD, Moment, Trace
+
+__all__ = ["chunk_needs", "gathered_storage"]
+
+
+def gathered_storage(chunk_map: ChunkMap) -> Callable[[Moment], int]:
+    """With several ranks, the gathered storage of the chunk groups a moment uses (each is all-gathered at its use):
+    what the bytes floor holds beside the tide (see [Note: the bytes floor] in bytes_floor.py)."""
+    world = chunk_map.world_size
+    storage = [chunk_map.group_bytes(g, False).storage for g in range(chunk_map.num_groups)]
+    return lambda moment: sum(storage[g] for g in {chunk_id // world for chunk_id in moment.chunks})
 
 
 def chunk_needs(trace: Trace, chunk_map: ChunkMap, accumulate: bool) -> list[int]:
