@@ -64,12 +64,16 @@ def test_no_plan_that_fits_moves_fewer_bytes_than_the_floor():
     assert compared >= 300
 
 
-def test_the_floor_is_reached_where_payloads_and_whole_states_fit():
+def _four_layers() -> tuple[int, int, Trace, ChunkCosts, int]:
+    """Four 1,000-element layers beside a flat 10 kB tide, with a budget for every payload and one chunk's states."""
     layers, tide = 4, 10 * E
-    trace = _trace(layers, [tide] * layers)
     elements = dict.fromkeys(range(layers), E)
     costs = ChunkCosts({c: 2 * E for c in elements}, elements, elements)
-    budget = tide + layers * 2 * E + 12 * E  # every payload and one chunk's states
+    return layers, tide, _trace(layers, [tide] * layers), costs, tide + layers * 2 * E + 12 * E
+
+
+def test_the_floor_is_reached_where_payloads_and_whole_states_fit():
+    layers, tide, trace, costs, budget = _four_layers()
     floor = bytes_floor(trace, budget, costs)
     assert floor == (layers - 1) * 4 * E  # three chunks' round trips
     plan = steady_moves(trace, budget, costs, 12 * E, set(), {0})
@@ -83,11 +87,7 @@ def test_the_floor_is_reached_where_payloads_and_whole_states_fit():
 def test_at_several_ranks_the_storage_a_moment_gathers_takes_its_room():
     """The gathered storage of the groups a moment uses stands beside the tide (not the step's, which gathers
     nothing): less room for states, so a higher floor, by at most the round trips the lost room spared."""
-    layers, tide = 4, 10 * E
-    trace = _trace(layers, [tide] * layers)
-    elements = dict.fromkeys(range(layers), E)
-    costs = ChunkCosts({c: 2 * E for c in elements}, elements, elements)
-    budget = tide + layers * 2 * E + 12 * E  # every payload and one chunk's states
+    _, _, trace, costs, budget = _four_layers()
     alone = bytes_floor(trace, budget, costs)
     gathered = bytes_floor(trace, budget, costs, lambda moment: 2 * E if moment.label != "step" else 10**9)
     assert alone < gathered <= alone + 4 * E * 2 * E // (12 * E) + 1, (alone, gathered)
