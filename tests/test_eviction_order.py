@@ -4,7 +4,7 @@ model prices faster; on the strict twin the planner chooses free evictions first
 driver moves exactly the bytes the replay predicts, with the losses of Belady's order. With gradient accumulation
 the same for the orders that keep accumulators on the accelerator when their payloads go (see [Note: accumulators
 kept])."""
-from counter_runs import train_case
+from counter_runs import CASES, train_case
 from multiproc import run_ranks
 from test_bytes_floor import _trace_ga
 
@@ -169,3 +169,18 @@ def test_on_the_twin_accumulators_stay_where_that_saves_bytes_and_the_driver_mov
             assert [counters[f"predicted_{way}"] for way in ways] == [counters[way] for way in ways]
         assert c["accumulator_bytes_to_host"] < b["accumulator_bytes_to_host"]
         assert sum(c[way] for way in ways) < sum(b[way] for way in ways)
+
+
+def test_with_frozen_chunks_on_disk_the_orders_keeping_accumulators_move_what_the_replay_predicts():
+    """Frozen chunks whose home is their disk record (evictions that copy nothing) beside trainable ones with
+    accumulators: each order that keeps accumulators moves the replay's bytes from the third step (the second brings
+    one chunk less at its first moment: the traced step left it on the accelerator), with Belady's losses."""
+    case = {**CASES["frozen_on_disk_twin"], "ga": 2}
+    belady = run_ranks(_order_forced, 1, case, int(EvictionOrder.BELADY), timeout=240.0, fresh=True)[0]["steps"]
+    ways = ("bytes_to_device", "bytes_to_host", "accumulator_bytes_to_device", "accumulator_bytes_to_host")
+    for order in (EvictionOrder.BELADY_KEEPING_ACCUMULATORS, EvictionOrder.FREE_FIRST_KEEPING_ACCUMULATORS):
+        steps = run_ranks(_order_forced, 1, case, int(order), timeout=240.0, fresh=True)[0]["steps"]
+        assert [s["losses"] for s in steps] == [s["losses"] for s in belady]
+        counters = steps[2]["counters"]
+        assert counters["eviction_order"] == order
+        assert [counters[f"predicted_{way}"] for way in ways] == [counters[way] for way in ways], order
