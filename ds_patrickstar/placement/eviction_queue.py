@@ -15,7 +15,8 @@ steady-state iteration in each order, see [Note: predicted moves] in move_model.
 within the tie of [Note: optimizer states by step time] the fewer bytes, then Belady (see [Note: prefetch
 distance] in state_choice.py for the rest of the choice). The two orders differ only where some evictions
 are free: with clean evictions off (a host budget) and no frozen chunk
-whose home is its disk record, every order is Belady's. Counter ``eviction_order`` (0: Belady, 1: free first).
+whose home is its disk record, every order is Belady's. Counter ``eviction_order`` (0: Belady, 1: free first; 2
+and 3: the same keeping accumulators, see [Note: accumulators kept]).
 
 [Note: accumulators kept]
 With gradient accumulation a trainable chunk's fp32 accumulator (4 B per element, see [Note: gradient

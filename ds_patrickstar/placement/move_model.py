@@ -119,9 +119,7 @@ class _Replay:
             self.clean.add(chunk)
         self.queue.push(chunk, -self.trace.next_use(chunk, self.at))
         nbytes = self.incoming(chunk)
-        if chunk in self.orphans:  # its accumulator stayed: the payload joins it
-            self.orphans.discard(chunk)
-            self.queue.drop(accumulator_key(chunk))
+        self._rejoin(chunk)  # an accumulator that stayed is the chunk's again
         self.held += nbytes
         self.to_device[self.at] += self.sizes[chunk]
         self.acc_to_device[self.at] += nbytes - self.sizes[chunk]
@@ -135,15 +133,15 @@ class _Replay:
         it) or, for :func:`accumulator_key`, an accumulator whose payload is away."""
         if chunk < 0:
             chunk = accumulator_key(chunk)
-            self.orphans.discard(chunk)
-            self.queue.drop(accumulator_key(chunk))
+            self._rejoin(chunk)
             self.held -= self.acc_sizes[chunk]
             self.acc_to_host[self.at] += self.acc_sizes[chunk]
             return
         self.resident.discard(chunk)
         self.queue.drop(chunk)
-        self.held -= self.size(chunk, whole)
-        self.acc_to_host[self.at] += self.size(chunk, whole) - self.sizes[chunk]
+        freed = self.size(chunk, whole)
+        self.held -= freed
+        self.acc_to_host[self.at] += freed - self.sizes[chunk]
         if chunk in self.acc and self.keeps_accumulators and not whole:
             self.orphans.add(chunk)
             self.queue.push(accumulator_key(chunk), -self.trace.next_use(chunk, self.at))
@@ -161,6 +159,13 @@ class _Replay:
         for chunk in sorted(set(self.trace.moments[before].chunks) & self.resident & host_updated):
             if self.trace.next_use(chunk, before) >= end:
                 self.evict(chunk)
+
+    def _rejoin(self, chunk: int) -> None:
+        """``chunk``'s accumulator is no longer one that stayed while its payload was away: it went, or the payload
+        came back."""
+        if chunk in self.orphans:
+            self.orphans.discard(chunk)
+            self.queue.drop(accumulator_key(chunk))
 
     def _size_unless(self, keep: AbstractSet[int], whole: bool = False) -> Callable[[int], int | None]:
         def size(key: int) -> int | None:
@@ -184,12 +189,9 @@ class _Replay:
         """The boundary put ``chunk``'s sum into its slot: its accumulator goes, wherever it is."""
         if chunk in self.acc:
             self.acc.discard(chunk)
-            if chunk in self.orphans:
-                self.orphans.discard(chunk)
-                self.queue.drop(accumulator_key(chunk))
+            if chunk in self.orphans or chunk in self.resident:
                 self.held -= self.acc_sizes[chunk]
-            elif chunk in self.resident:
-                self.held -= self.acc_sizes[chunk]
+            self._rejoin(chunk)
 
     def make_room(self, need: int, keep: set[int]) -> None:
         """Farthest next use first, until ``need`` more bytes fit (or nothing else can go)."""

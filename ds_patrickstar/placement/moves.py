@@ -103,7 +103,7 @@ class ChunkMoves:
             self.store.to_host(chunk)
             self.placer.left(chunk.chunk_id)
         elif chunk.acc is not None:  # its accumulator stayed (see [Note: accumulators kept] in eviction_queue.py)
-            self.store.to_host(chunk)
+            self.store.accumulator_to_host(chunk)
             self.placer.accumulator_left(chunk.chunk_id)
 
     def _evict_victim(self, key: int, whole: bool) -> None:

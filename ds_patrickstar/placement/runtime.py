@@ -145,7 +145,8 @@ class PlacementRuntime:
 
     def accumulator(self, chunk_id: int, exists: bool) -> None:
         self.tracer.note_accumulator(chunk_id, exists)
-        self.placer.accumulator_left(chunk_id) if not exists else None
+        if not exists:
+            self.placer.accumulator_left(chunk_id)
 
     def after_use(self, chunk: Chunk) -> None:
         self.moves.after_use(chunk)
@@ -223,8 +224,7 @@ class PlacementRuntime:
         self.positions.forward_mark = self.moment
 
     def drop_forward(self) -> None:
-        """The last training forward had no backward: its moments leave the iteration (see
-        [Note: moments and the trace])."""
+        """The last training forward had no backward: its moments go (see [Note: moments and the trace])."""
         mark = self.positions.forward_mark
         self.tracer.rewind(mark)
         self.moment = self.moves.at = mark

@@ -194,8 +194,6 @@ class ChunkStore:
     def to_host(self, chunk: Chunk, keep_accumulator: bool = False) -> None:
         """The chunk's values to the host, and its accumulator unless ``keep_accumulator``."""
         if chunk.on_host:
-            if not keep_accumulator:
-                self._acc_to_host(chunk)
             return
         self._wait_collectives(chunk)
         if chunk.on_disk:  # its values are on disk already: nothing is copied
@@ -271,6 +269,11 @@ class ChunkStore:
         if chunk.acc_host is not None:
             self._drop_host(chunk.acc_host)
             chunk.acc_host = None
+
+    def accumulator_to_host(self, chunk: Chunk) -> None:
+        """An accumulator left on the accelerator when its payload went follows it (see [Note: accumulators kept]
+        in placement/eviction_queue.py)."""
+        self._acc_to_host(chunk)
 
     def _acc_to_host(self, chunk: Chunk) -> None:
         if chunk.acc is None:
