@@ -48,7 +48,9 @@ and moves 896 B fewer per steady step (payloads 490,624 -> 555,264 B to the devi
 180,224 B each way, as predicted; 20 -> 34 evictions, 27 -> 30 prefetches), and its ``bytes_floor`` (686,592)
 joins the file; the losses unchanged. Written again when the bytes floor at several ranks took in the storage of
 the groups each moment uses: ``bytes_floor`` 155,755 -> 179,808 in ``twin_2rank_ga1`` and 75,755 -> 94,187 in
-``twin_2rank_ga2``; nothing else moved.
+``twin_2rank_ga2``; nothing else moved. Written again when offloaded activations took their pinned host memory
+from one stack kept across steps (see [Note: activation host stack]): ``host_bytes_allocated`` only (the stack's
+slab held between steps, sized to the planned offload), the losses unchanged.
 """
 from __future__ import annotations
 

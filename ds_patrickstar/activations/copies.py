@@ -13,6 +13,7 @@ import torch
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
 from ..placement.saved_meter import SavedTensorMeter
+from .host_stack import HostStack
 from .storages import Entry, Segment, State
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class StorageCopies:
         self.accel, self.meter, self.counters = accel, meter, counters
         self._clock = clock  # the current moment of the iteration
         self._by_storage: dict[int, Entry] = {}  # accelerator storage -> its entry, while held
+        self.host_stack = HostStack(accel)  # the host buffers (see [Note: activation host stack])
         self.host_bytes = 0  # bytes of offloaded activations off the accelerator now
 
     def entry_of(self, storage: torch.UntypedStorage) -> Entry | None:
@@ -50,7 +52,8 @@ class StorageCopies:
         entry.device = entry.kept()  # the copy's source, alive until the copy has run
         assert entry.device is not None
         entry.move(State.TO_HOST)
-        entry.host, entry.pending = self.accel.bytes_to_host(entry.device)
+        entry.host = self.host_stack.take(entry.nbytes)
+        entry.pending = self.accel.bytes_to_host(entry.device, entry.host)
         self.counters.activation_bytes_offloaded += entry.nbytes
 
     def leave(self, entry: Entry) -> None:
@@ -79,7 +82,7 @@ class StorageCopies:
         if entry.refs:
             entry.device = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         assert entry.host is not None
-        self.accel.host_free(entry.host)
+        self.host_stack.give(entry.host)
         entry.host = None
         self.counters.activation_bytes_offloaded -= entry.nbytes
         entry.segment.nbytes -= entry.nbytes
@@ -104,7 +107,7 @@ class StorageCopies:
         if entry.state in (State.ON_DEVICE, State.TO_HOST):  # never left: keep the accelerator storage
             if entry.state is State.TO_HOST:
                 assert entry.host is not None
-                self.accel.host_free(entry.host, after=entry.pending)
+                self.host_stack.give(entry.host, after=entry.pending)
                 entry.host, entry.pending = None, None
             entry.move(State.BACK)
             if not entry.refs and entry.held is not None:
@@ -130,7 +133,7 @@ class StorageCopies:
         """The copy back of ``entry`` has been waited on: its host buffer goes back to the pool."""
         entry.move(State.BACK)
         assert entry.host is not None
-        self.accel.host_free(entry.host, after=entry.pending)
+        self.host_stack.give(entry.host, after=entry.pending)
         self.host_bytes -= entry.nbytes
         entry.host, entry.pending = None, None  # the copy keeps its buffers until it is dropped
         if not entry.refs and entry.held is not None:
@@ -164,7 +167,7 @@ class StorageCopies:
             assert entry.pending is not None
             entry.pending.wait_host()  # the source (resp. destination) must outlive its copy
         if entry.host is not None:
-            self.accel.host_free(entry.host, after=entry.pending)
+            self.host_stack.give(entry.host, after=entry.pending)
             self.host_bytes -= entry.nbytes if state in (State.ON_HOST, State.TO_DEVICE) else 0
         if state is not State.ON_HOST:
             self._charge(entry, -entry.nbytes)

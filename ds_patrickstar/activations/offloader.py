@@ -19,8 +19,9 @@ forward (see [Note: moments and the trace]).
   saved), or a held input's, unless it is a chunk payload (the meter's model-storage test): model
   data has its own placement. Parameters never move here.
 * **When.** At block ``k + 1``'s pre-forward the storages of segment ``k`` are copied to pinned
-  host buffers of the host pool (:meth:`Accelerator.bytes_to_host`: a side stream and an event on
-  CUDA, the poisoned asynchronous copy on the emulated accelerator); at block ``k + 2``'s
+  host buffers kept across steps (see [Note: activation host stack] in ``host_stack.py``;
+  :meth:`Accelerator.bytes_to_host`: a side stream and an event on CUDA, the poisoned asynchronous
+  copy on the emulated accelerator); at block ``k + 2``'s
   (one block of overlap) the copies are waited on and the accelerator storages dropped. At the
   end of the root forward every copy is waited on. In backward, the first unpack of segment
   ``k``, or the hook before block ``k``'s backward (see [Note: held inputs]), issues the copies
@@ -30,8 +31,9 @@ forward (see [Note: moments and the trace]).
   emulated accelerator returns NaN where a wait is missing.
 * **Accounting.** While on the accelerator a storage counts in the meter (the tide); once its
   copy out completed and the storage was freed it does not, and its bytes count on the host (the
-  host pool's pinned buffers, :meth:`Accelerator.host_bytes_allocated`). The counters add the bytes
-  that left the accelerator and came back per step.
+  stack's pinned slabs, buffers of the host pool held across steps,
+  :meth:`Accelerator.host_bytes_allocated`). The counters add the bytes that left the accelerator and
+  came back per step.
 * **Which blocks.** "all": every block, every iteration. "auto": see [Note: auto activation
   offload] in ``plan.py``; the iteration that is traced runs as "all". Once "auto" has
   planned, the allocator's free segments go back to the device
@@ -130,10 +132,11 @@ class ActivationOffloader:
             trace.set_non_model(index, non_model)
         self._planned = trace
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
+        total = sum(s.nbytes for s in self._records if self.chosen and s.block in self.chosen)
+        self.copies.host_stack.reset(total)  # see [Note: activation host stack]
         if not self.chosen:
             logger.info("ds_patrickstar: the activations fit beside the chunks: none is offloaded from now on")
             return
-        total = sum(s.nbytes for s in self._records if s.block in self.chosen)
         logger.info(
             "ds_patrickstar: offloading the activations of blocks %s (%d B per step of %d B saved in blocks)",
             sorted(self.chosen),

@@ -192,12 +192,11 @@ class Accelerator:
         using ``dst``, and do not touch ``src`` until then."""
         raise NotImplementedError
 
-    def bytes_to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+    def bytes_to_host(self, src: torch.Tensor, host: torch.Tensor) -> Pending:
         """An asynchronous copy of the accelerator bytes ``src`` (1-d uint8, not charged to the ledger:
-        a saved activation) into a pinned host buffer of the pool; keep ``src`` alive and give the
-        buffer back with :meth:`host_free` (see [Note: activation offload] in activations/offloader.py)."""
-        host = self.host_empty(src.numel(), torch.uint8)
-        return host, self._copy_activation(host, src, src)
+        a saved activation) into ``host``, pinned host bytes of the pool's (see [Note: activation host
+        stack] in activations/host_stack.py); keep both alive until it has completed."""
+        return self._copy_activation(host, src, src)
 
     def bytes_to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """An asynchronous copy of host bytes into a new (uncharged) accelerator buffer; wait on the
