@@ -47,6 +47,7 @@ class _Block:
     slab: int  # index into the stack's slabs
     start: int  # byte offset in the slab
     nbytes: int
+    tensor: torch.Tensor  # what was handed out (its storage may be emptied once the pool has closed)
     free: bool = False
     after: Pending | None = None  # the copy that must complete before the bytes can be reused
 
@@ -63,7 +64,7 @@ class HostStack:
         self.accel = accel
         self._slabs: list[torch.Tensor] = []
         self._blocks: list[_Block] = []  # bottom to top
-        self._by_ptr: dict[int, _Block] = {}  # data_ptr of a handed-out block -> the block
+        self._handed: dict[int, _Block] = {}  # id of a handed-out tensor -> its block
         self.extent = 0  # bytes the stack spans now, across its slabs (their skipped tails included)
         self.peak_extent = 0  # the highest extent since the slabs were last laid out
         self.slabs_taken = 0  # slabs taken from the pool so far (each pinned once)
@@ -82,22 +83,25 @@ class HostStack:
             slab, start = slab + 1, 0
         if slab == len(self._slabs):
             self._add_slab(max(size, 2 * self.slab_bytes))
-        block = _Block(slab, start, nbytes)
-        self._blocks.append(block)
-        self.extent += block.end - start
-        self.peak_extent = max(self.peak_extent, self.extent)
         base = self._slabs[slab]
         offset = base.storage_offset() + start
         tensor = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage(), offset, (nbytes,), (1,))
-        self._by_ptr[tensor.data_ptr()] = block
+        block = _Block(slab, start, nbytes, tensor)
+        self._blocks.append(block)
+        self.extent += block.end - start
+        self.peak_extent = max(self.peak_extent, self.extent)
+        self._handed[id(tensor)] = block
         return tensor
 
     def give(self, tensor: torch.Tensor, after: Pending | None = None) -> None:
         """Give back a buffer of :meth:`take`; its bytes are reused once ``after`` (a copy reading or writing
         them) has completed."""
-        block = self._by_ptr.pop(tensor.data_ptr(), None)
-        if block is None:
+        if self.accel.host_pool.closed:
+            return  # the pool let go of every slab (a saved activation dying after its run)
+        block = self._handed.get(id(tensor))
+        if block is None or block.tensor is not tensor:
             raise RuntimeError(f"activation host stack: giving back a buffer ({tensor.numel()} B) it did not hand out")
+        del self._handed[id(tensor)]
         block.free, block.after = True, after
         self._pop(wait=False)
         if not self._blocks and len(self._slabs) > 1:
@@ -106,7 +110,7 @@ class HostStack:
     def reset(self, expected: int) -> None:
         """Every block given back: the slabs go back to the pool, and one of ``expected`` bytes is taken
         (none for 0), what the next steps are planned to offload. With blocks still handed out, nothing."""
-        if self._by_ptr:
+        if self._handed:
             return  # a forward without backward still holds some (its graph alive): growth lays them out later
         self._pop(wait=True)
         self._lay_out(expected)
