@@ -164,6 +164,11 @@ def test_8_the_tracer_never_resets_cuda_peak_statistics(monkeypatch):
     assert accel.memory_in_use() == (200, 900)  # the peak grew in between: that is the highest
     assert accel.memory_in_use() == (200, 200)
     assert accel.fragmentation() == 7
+    reads = []
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: reads.append(1) or stats)
+    stats["allocated_bytes"]["all"].update(current=300, peak=950)
+    assert accel.memory_reading() == (300, 950, 7) and len(reads) == 1  # the tide and the pieces: one read
+    stats["allocated_bytes"]["all"].update(current=200)
     monkeypatch.undo()
     monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda device=None: stats)
     flat = torch.cuda.memory.memory_stats()
@@ -289,6 +294,9 @@ def test_12_states_give_way_where_the_tide_stands_above_the_plan(monkeypatch):
     extra = {"bytes": 0}
     measured = MemoryTracer.non_model_now
     monkeypatch.setattr(MemoryTracer, "non_model_now", lambda self, ledger: measured(self, ledger) + extra["bytes"])
+    read = MemoryTracer.reading
+    monkeypatch.setattr(MemoryTracer, "reading",
+                        lambda self, ledger: (lambda r: (r[0] + extra["bytes"], r[1]))(read(self, ledger)))
     harness.ensure_distributed()
     model = _mlp()
     config = _config("patrickstar", emulate_accelerator=True, device_budget=budget)

@@ -232,6 +232,11 @@ class Accelerator:
         no allocator; see [Note: stranded allocator bytes] in cuda.py)."""
         return 0
 
+    def memory_reading(self) -> tuple[int, int, int]:
+        """:meth:`memory_in_use` and :meth:`fragmentation` at once (CUDA: from one read of the allocator's
+        statistics, see [Note: one reading per hook] in placement/moves.py)."""
+        return (*self.memory_in_use(), self.fragmentation())
+
     def release_cached(self) -> None:
         """Give the allocator's segments with no block in use back to the device (nothing where there is
         no allocator), so that the activations made next lay out segments of their own."""

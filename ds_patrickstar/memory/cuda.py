@@ -66,7 +66,7 @@ class CudaAccelerator(Accelerator):
         # as FSDP2's: the collectives of the next groups are not queued behind the copies, nor
         # all-gathers behind reduce-scatters (see [Note: collective buffers] in groups/comm.py)
         self.collective_streams = {kind: torch.cuda.Stream(device, priority=-1) for kind in COLLECTIVE_KINDS}
-        self._peak_seen = self._allocator_stats("allocated_bytes").get("peak", 0)
+        self._peak_seen = self._allocator_stats().get("allocated_bytes", {}).get("all", {}).get("peak", 0)
 
     def clock(self) -> torch.cuda.Event:
         mark = torch.cuda.Event(enable_timing=True)
@@ -112,7 +112,14 @@ class CudaAccelerator(Accelerator):
         """Peak since the previous call from deltas of the process-wide peak: never resets torch's
         statistics (the user's, and ZeRO-3's "max allocated", stay intact). When the process-wide
         peak did not grow, the highest value in between is unknown and ``allocated now`` stands in."""
-        allocated = self._allocator_stats("allocated_bytes")
+        return self._in_use(self._allocator_stats())
+
+    def memory_reading(self) -> tuple[int, int, int]:
+        stats = self._allocator_stats()
+        return (*self._in_use(stats), self._stranded(stats))
+
+    def _in_use(self, stats: dict) -> tuple[int, int]:
+        allocated = stats.get("allocated_bytes", {}).get("all", {})
         now, peak = allocated.get("current", 0), allocated.get("peak", 0)
         highest = peak if peak > self._peak_seen else now
         self._peak_seen = peak
@@ -122,14 +129,17 @@ class CudaAccelerator(Accelerator):
         """Free bytes stranded inside partly used allocator blocks (``inactive_split_bytes``): reserved
         memory only requests that fit them can use (see [Note: stranded allocator bytes]). Whole
         cached blocks are not counted: the allocator returns them when it needs room."""
-        return self._allocator_stats("inactive_split_bytes").get("current", 0)
+        return self._stranded(self._allocator_stats())
 
-    def _allocator_stats(self, name: str) -> dict:
-        """The caching allocator's ``name`` statistic over all its pools (``current``, ``peak``, ...), read from
-        the nested statistics as torch keeps them: placement reads them at every moment, and
-        ``torch.cuda.memory_stats`` flattens and sorts all ~120 of them on each call (~0.1-0.2 ms of host
+    @staticmethod
+    def _stranded(stats: dict) -> int:
+        return stats.get("inactive_split_bytes", {}).get("all", {}).get("current", 0)
+
+    def _allocator_stats(self) -> dict:
+        """The caching allocator's statistics, nested as torch keeps them: placement reads them at every moment,
+        and ``torch.cuda.memory_stats`` flattens and sorts all ~120 of them on each call (~0.1-0.2 ms of host
         time, a thousand times a step on a large model, in the step's host time)."""
-        return torch.cuda.memory_stats_as_nested_dict(self.device).get(name, {}).get("all", {})
+        return torch.cuda.memory_stats_as_nested_dict(self.device)
 
     def release_cached(self) -> None:
         torch.cuda.empty_cache()

@@ -255,6 +255,14 @@ class MemoryTracer:
         now, highest = self.accel.memory_in_use()
         return max(0, now - ledger.total, highest - ledger.interval_peak())
 
+    def reading(self, ledger: DeviceLedger) -> tuple[int, int]:
+        """``(non_model_now(ledger), the allocator's stranded bytes)`` from one read of the allocator (see
+        [Note: one reading per hook] in moves.py)."""
+        if self.meter is not None:
+            return self.meter.bytes, self.accel.fragmentation()
+        now, highest, stranded = self.accel.memory_reading()
+        return max(0, now - ledger.total, highest - ledger.interval_peak()), stranded
+
     def note_written(self, chunk: int) -> None:
         """While tracing, a gradient went into ``chunk``'s payload at the current moment (see [Note: clean
         evictions] in store/clean_copies.py)."""
