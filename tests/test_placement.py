@@ -296,7 +296,7 @@ def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
     runtime = ChunkMoves.__new__(ChunkMoves)
     runtime.placer = Placer(1000, "auto", 0.5, [])
     runtime.ledger = SimpleNamespace(non_model=0)
-    runtime.tracer = SimpleNamespace(non_model_now=lambda ledger: 100, note_read=lambda nbytes, late: None)
+    runtime.tracer = SimpleNamespace(reading=lambda ledger: (100, stranded[0]), note_read=lambda nbytes, late: None)
     runtime.store = SimpleNamespace(accel=SimpleNamespace(fragmentation=lambda: stranded[0]))
     runtime.run, runtime.stranded_peak = SimpleNamespace(records=lambda: True), 0
     runtime.hook_ends()
