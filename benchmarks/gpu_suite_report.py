@@ -245,12 +245,22 @@ def _dynamic_padding(result: dict) -> list[str]:
     if not trials:
         return []
     rows = [[t["size"], t["backend"], t.get("padding", "fixed, dynamic"), *(["measured", f"{t['tokens_per_s']:.1f}",
+                                                       *_padding_phases(t),
                                                        _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB)]
-                                                      if t["status"] == "measured" else _not_measured(t, 3))]
+                                                      if t["status"] == "measured" else _not_measured(t, 6))]
             for t in trials]
     return ["**Dynamic padding** (each step's batch padded to its own longest sequence, tokens/s of the tokens "
-            "run, against a fixed length).", "",
-            *_table(["model", "backend", "padding", "status", "tokens/s", "GPU max (GiB)"], rows), ""]
+            "run, against a fixed length; forward and backward: medians of the timed steps; pinnings: host buffers "
+            "ours' host pool pinned in the timed steps, counter `host_pinnings`).", "",
+            *_table(["model", "backend", "padding", "status", "tokens/s", "forward (ms)", "backward (ms)",
+                     "pinnings / timed steps", "GPU max (GiB)"], rows), ""]
+
+
+def _padding_phases(trial: dict) -> list[str]:
+    phases = trial.get("phases_s", {})
+    pinnings = [r.get("counters", {}).get("host_pinnings") for r in trial.get("records", [])]
+    pinned = f"{sum(pinnings)} / {len(pinnings)}" if pinnings and None not in pinnings else ""
+    return [_f(phases.get("forward"), "{:.1f}", 1e-3), _f(phases.get("backward"), "{:.1f}", 1e-3), pinned]
 
 
 def _breakdown(result: dict) -> list[str]:

@@ -103,7 +103,12 @@ class StepCounters:
     chunks on disk]); their reads count in ``disk_bytes_read``"""
     host_bytes_allocated: int = 0
     """host bytes the host pool holds at the end of the step: ``model_bytes_host`` as allocated
-    (pinned on a GPU) plus at most one chunk's cached buffers (see [Note: pinned host memory])"""
+    (pinned on a GPU) plus at most one chunk's cached buffers, and the offloaded activations' slab (see [Note:
+    pinned host memory], [Note: activation host stack])"""
+    host_pinnings: int = 0
+    """host buffers the host pool pinned since the previous step closed (the first step: since initialize made the
+    accounts), each a ``cudaHostRegister`` on a GPU, a host cost in the step: 0 in a steady state, also with batches
+    padded per step no longer than the longest seen (see [Note: activation host stack])"""
 
     disk_bytes_read: int = 0
     """bytes the disk tier read (spilled optimizer states, see [Note: disk tier], and frozen chunks, see

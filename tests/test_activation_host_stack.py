@@ -93,7 +93,7 @@ def test_padded_batches_pin_nothing_after_the_first_step_and_train_as_without_of
                   "zero_optimization": zero}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         pool = engine.optimizer.accel.host_pool
-        losses, pinnings = [], []
+        losses, pinnings, counted = [], [], []
         for step, length in enumerate(lengths):
             tok, target = batch(step)
             loss = engine(tok[:, :length], target[:, :length])
@@ -101,7 +101,9 @@ def test_padded_batches_pin_nothing_after_the_first_step_and_train_as_without_of
             engine.step()
             losses.append(loss.item())
             pinnings.append(pool.pinnings)
+            counted.append(engine.get_patrickstar_counters()["host_pinnings"])
         runs[mode] = losses, pinnings
+        assert counted[1:] == [0] * (len(lengths) - 1) and (counted[0] > 0) == (mode == "all"), counted  # the counter
         engine.destroy()
     losses, pinnings = runs["all"]
     assert losses == runs["none"][0]

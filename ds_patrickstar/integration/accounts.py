@@ -13,6 +13,7 @@ class StepAccounts:
     def __init__(self, parts: ChunkedModel) -> None:
         self.parts = parts
         self.counters, self.accel = parts.counters, parts.accel
+        self._pinnings = self.accel.host_pool.pinnings  # the pool's count when the step began
 
     def close_step(self) -> dict[str, int | float]:
         """Write the holdings and the disk tier's counts into the counters, return them and start again."""
@@ -20,6 +21,8 @@ class StepAccounts:
         counters.model_bytes_device, counters.model_bytes_host = self.model_data_bytes_split()
         counters.frozen_bytes_device, counters.frozen_bytes_host, counters.frozen_bytes_disk = self.frozen_bytes_split()
         counters.host_bytes_allocated = self.accel.host_pool.allocated
+        pinnings = self.accel.host_pool.pinnings
+        counters.host_pinnings, self._pinnings = pinnings - self._pinnings, pinnings
         self._disk_counts()
         closed = counters.as_dict()
         counters.reset()
