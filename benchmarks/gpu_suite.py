@@ -147,7 +147,7 @@ def run_builds(ctx, deadline: float) -> dict:
         return skipped("no CUDA: the CPU ops load from the cache as the trials need them")
     procs = {name: subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ctx.child_env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for name, code in BUILDS.items()}
+             for name, code in BUILDS.items() if name in needed_builds(ctx.args.backends, ctx.args.parts)}
     start, ops = time.monotonic(), {}
     for name, proc in procs.items():
         code, out = wait_process(proc, deadline - time.monotonic(), lock_cleaner(ctx.child_env, ctx.cuda))
@@ -156,6 +156,14 @@ def run_builds(ctx, deadline: float) -> dict:
                                               else f"exit {code}: {tail(out, 4)}"})}
     cut = any(op.get("error", "").startswith("timed out") for op in ops.values())
     return {"status": "cut" if cut else "measured", "ops": ops}
+
+
+def needed_builds(backends, parts) -> list[str]:
+    """The ops this run loads: ours' where ours trains, DeepSpeed's where stock ZeRO-3 does, both for ``pytest -m
+    gpu`` (a build the run does not need only takes the cores and the deadline from those it does)."""
+    ours = "ours" in backends or "gpu_tests" in parts
+    stock = any(b.startswith("zero3") for b in backends) or "gpu_tests" in parts
+    return [name for name in BUILDS if (ours if name.startswith("ours") else stock)]
 
 
 def gpu_test_files() -> list[str]:

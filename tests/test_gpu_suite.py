@@ -286,6 +286,15 @@ def test_the_builds_name_what_exists():
         assert hasattr(importlib.import_module(module), name), op
 
 
+def test_the_builds_are_those_the_run_loads():
+    """A run of ours alone does not build DeepSpeed's ops (on an H200 their build took the deadline of ours'),
+    one of ZeRO-3 offload alone not ours'; ``pytest -m gpu`` loads both."""
+    assert gpu_suite.needed_builds(["ours"], ["builds", "sweep"]) == ["ours cuda", "ours cpu"]
+    assert gpu_suite.needed_builds(["zero3-offload"], ["builds", "sweep"]) == ["deepspeed cpu_adam",
+                                                                             "deepspeed fused_adam"]
+    assert gpu_suite.needed_builds(["ours"], ["builds", "gpu_tests"]) == list(gpu_suite.BUILDS)
+
+
 def test_search_brackets_the_largest_depth_and_stops_at_its_deadline():
     def fits_seven(depth, timeout):
         return {"depth": depth, "ok": depth <= 7}
