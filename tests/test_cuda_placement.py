@@ -192,7 +192,7 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def _train_blocks(mode, steps=4, tokens=4096):
+def _train_blocks(mode, steps=4, tokens=4096, pinnings=None):
     import gc
 
     import deepspeed
@@ -210,12 +210,15 @@ def _train_blocks(mode, steps=4, tokens=4096):
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     gen = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(steps):
-        x = torch.randn(tokens, 1024, generator=gen).cuda()
+    lengths = tokens if isinstance(tokens, list) else [tokens] * steps
+    for length in lengths:
+        x = torch.randn(length, 1024, generator=gen).cuda()
         loss = (engine(x) ** 2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if pinnings is not None:
+            pinnings.append(engine.get_patrickstar_counters()["host_pinnings"])
     counters = engine.get_patrickstar_counters()
     counters["peak_non_model_bytes_device"] -= before  # this run's, not what earlier ones left allocated
     engine.destroy()
@@ -234,6 +237,18 @@ def test_activation_offload_on_cuda_moves_bytes_and_keeps_the_numbers():
     assert kept_counters["activation_bytes_offloaded"] == 0
     # On CUDA the allocator's tide (everything allocated that is not model data) shows the saving.
     assert counters["peak_non_model_bytes_device"] < kept_counters["peak_non_model_bytes_device"] - 4 * 4096 * 1024 * 4
+
+
+@pytest.mark.gpu
+def test_offloaded_activations_of_changing_lengths_pin_nothing_after_the_first_step():
+    """[Note: activation host stack] on CUDA (``cudaHostRegister`` of the slabs): batches of changing lengths, none
+    longer than the first, register no host memory after the first step, and train as keeping them does."""
+    lengths, pinned = [4096, 3072, 4096, 2048, 3584], []
+    kept, _ = _train_blocks("none", tokens=lengths)
+    moved, counters = _train_blocks("all", tokens=lengths, pinnings=pinned)
+    torch.testing.assert_close(torch.tensor(moved), torch.tensor(kept), rtol=1e-5, atol=0)
+    assert pinned[0] > 0 and pinned[1:] == [0] * (len(lengths) - 1), pinned
+    assert counters["activation_bytes_offloaded"] > 0
 
 
 @pytest.mark.gpu
