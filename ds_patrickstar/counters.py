@@ -143,6 +143,10 @@ class StepCounters:
     bytes floor]; 0: not computed yet (the traced step), or nothing need move; with several ranks, of this rank's
     chunks without their accumulators): the bytes measured each way, accumulators included, add up to at least
     this where the trace holds"""
+    plan_seconds: float = 0.0
+    """host seconds this step spent placing the optimizer states from a trace (the fill rule, and the step-time
+    model's search where it chooses, see [Note: optimizer states by step time]): a one-time cost of the traced
+    step and of each re-trace or re-plan, 0 in a steady step"""
     predicted_step_s: float = 0.0
     """seconds the step-time model predicts for this step (see [Note: step-time model]): the moves predicted, priced
     with the device profile, beside the moments' measured times of the previous step (0: not predicted, as the

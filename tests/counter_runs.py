@@ -67,7 +67,7 @@ STEPS = 3
 # timings and what the host pool happens to cache are not behaviour
 NOT_COMPARED = {"disk_io_seconds", "disk_wait_seconds", "agreement_seconds"}
 # priced with the moments' measured times: kept in the results, left out of the golden file
-TIMED = {"predicted_step_s"}
+TIMED = {"predicted_step_s", "plan_seconds"}
 # with several ranks, when gloo completes a reduce-scatter decides when its buffer goes (reaped at the next
 # moment or gradient, see memory/reductions.py) and whether a host-updated chunk's gradient leaves during backward
 # or at the step (the same bytes): the peaks and that count differ from run to run, nothing moved does

@@ -39,6 +39,8 @@ def test_the_move_model_predicts_the_bytes_measured(name):
     too; and never fewer than the bytes floor."""
     ours = run_case(name)[0]
     assert ours["steps"][0]["counters"]["predicted_bytes_to_device"] == 0  # the traced iteration: no trace yet
+    planned = [step["counters"]["plan_seconds"] for step in ours["steps"]]
+    assert planned[0] > 0 and planned[1:] == [0] * (len(planned) - 1), planned  # the traced step plans, once
     for step in ours["steps"][2:]:
         counters = step["counters"]
         for way in ("to_device", "to_host"):

@@ -10,6 +10,7 @@ evictions and prefetches.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from ..counters import StepCounters
@@ -59,10 +60,15 @@ class StepPlan:
         if not self._replanned:
             return None
         self.planned_from = trace
+        started = time.perf_counter()
         fill = states_on_device(
             trace, self.budget, self.policy, self.chunk_needs(trace), self._largest_chunk, capacities
         )
-        return choose(trace, fill) if choose is not None else fill
+        chosen = choose(trace, fill) if choose is not None else fill
+        took = time.perf_counter() - started
+        self._counters.plan_seconds += took
+        logger.info("ds_patrickstar: optimizer states planned in %.2f s", took)
+        return chosen
 
     def settle(self, trace: Trace | None, on_device: set[int]) -> None:
         """The states were placed: after a new decision the traced step moment uses the chunks updated on
