@@ -176,8 +176,19 @@ def _first_steps(result: dict) -> list[str]:
             if t["status"] == "measured" and "first_steps_extra_s" in t:
                 who = " ".join(str(t[k]) for k in ("size", "point", "backend", "padding") if t.get(k))
                 cells.append(f"{name} {who}: {t['warmup_steps']} warm-up steps, "
-                             f"{t['first_steps_extra_s']:+.2f} s over steady")
-    return ["**First steps** (their extra time over the steady median): " + "; ".join(cells) + "."] if cells else []
+                             f"{t['first_steps_extra_s']:+.2f} s over steady{_warmup_phases(t)}")
+    return ["**First steps** (their extra time over the steady median; per warm-up step: seconds, forward / backward "
+            "/ `engine.step()` in ms, and ours' planning, counter `plan_seconds`): " + "; ".join(cells) + "."] \
+        if cells else []
+
+
+def _warmup_phases(trial: dict) -> str:
+    steps = []
+    for r in trial.get("warmup_records", []):
+        planned = (r.get("counters") or {}).get("plan_seconds")
+        phases = " / ".join(f"{r[k] * 1e3:.0f}" for k in ("forward", "backward", "step") if k in r)
+        steps.append(f"{r['wall_s']:.2f} s ({phases}{f', planned {planned:.2f} s' if planned else ''})")
+    return f" ({', '.join(steps)})" if steps else ""
 
 
 def _sweep(result: dict) -> list[str]:

@@ -307,11 +307,12 @@ def run(args) -> dict:
         for padding in ("fixed", "dynamic"):
             args.dynamic_padding = padding == "dynamic"
             warm, records = train(args, engine, device, timer, adam, cfg.vocab_size)
-            runs[padding] = {**summarize(args, cfg, n_params, warm, records), "records": records}
+            runs[padding] = {**summarize(args, cfg, n_params, warm, records), "records": records,
+                             "warmup_records": warm}
         figures = {"paddings": runs, "records": records}
     else:
         warm, records = train(args, engine, device, timer, adam, cfg.vocab_size)
-        figures = {**summarize(args, cfg, n_params, warm, records), "records": records}
+        figures = {**summarize(args, cfg, n_params, warm, records), "records": records, "warmup_records": warm}
         if args.profile_step:
             figures["host_profile"] = profile_step(args, engine, device, cfg.vocab_size)
     host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
