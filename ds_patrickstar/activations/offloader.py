@@ -54,10 +54,11 @@ import torch
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
 from ..placement.saved_meter import SavedTensorMeter
+from ..placement.step_time import NO_ACTIVATION_MOVES
 from ..placement.tracer import MemoryTracer, Trace
 from .copies import StorageCopies
 from .held import HeldInputs
-from .plan import plan_offload
+from .plan import SegmentRecord, plan_offload, planned_copies
 from .storages import Handle, Segment, State
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ActivationOffloader:
         self._clock = clock  # the current moment of the iteration
         self.chosen: set[int] | None = None  # None: every block
         self._planned: Trace | None = None
+        self.priced = NO_ACTIVATION_MOVES  # the planned iteration's copies, as the step-time model prices them
         self._records: list[Segment] = []  # this iteration's segments
         self._forward: list[Segment] = []  # this forward's segments
         self._current: Segment | None = None
@@ -120,17 +122,23 @@ class ActivationOffloader:
         from now on, from this iteration's records; ``trace``'s tide becomes the planned one.
         ``stranded``: the most allocator bytes that iteration stranded at a moment, room an offload
         keeps for the pieces it strands (see [Note: auto activation offload])."""
-        if self.mode != "auto" or trace is self._planned:
+        if trace is self._planned:
             return
-        tide = [m.non_model for m in trace.moments]
-        need = chunk_needs(trace)
         records = [s.record() for s in self._records]
+        if self.mode == "auto":
+            self._plan_auto(trace, budget, chunk_needs(trace), stranded, records)
+        self._planned = trace
+        self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
+
+    def _plan_auto(
+        self, trace: Trace, budget: int, need: list[int], stranded: int, records: list[SegmentRecord]
+    ) -> None:
+        tide = [m.non_model for m in trace.moments]
         self.chosen, planned = plan_offload(tide, need, budget, records)
         if self.chosen and stranded:
             self.chosen, planned = plan_offload(tide, need, budget - stranded, records)
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
-        self._planned = trace
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
         total = sum(s.nbytes for s in self._records if self.chosen and s.block in self.chosen)
         self.copies.host_stack.reset(total)  # see [Note: activation host stack]

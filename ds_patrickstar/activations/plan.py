@@ -47,9 +47,12 @@ train can fail. Where checkpointing alone fits the plan offloads nothing and kee
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["SegmentRecord", "plan_offload"]
+from ..placement.step_time import ActivationMoves
+
+__all__ = ["SegmentRecord", "plan_offload", "planned_copies"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +112,43 @@ def plan_offload(
             for m in segment.away(moments):
                 planned[m] -= segment.nbytes
     return chosen, planned
+
+
+def planned_copies(records: list[SegmentRecord], blocks: set[int] | None) -> ActivationMoves:
+    """The copies of the segments of ``blocks`` (None: every block) in an iteration like the one ``records`` come
+    from, as the step-time model prices them (see [Note: step-time model] in placement/step_time.py). A
+    segment's copy out is issued at the pre-forward of the block after it: where the block before it was
+    dropped (its ``away_from`` less one; the first block's, one moment before its own drop); its copy back
+    where the traced iteration issued it (``away_to`` less one), for the moment that issued the copy back of
+    the block before it (that block's backward begins there and prefetches it: see [Note: activation
+    offload]); the first block's for as many moments after its issue as the second block's was before it,
+    the last block's for its own moment (nothing prefetched it)."""
+    out: dict[int, int] = defaultdict(int)
+    demand: dict[int, int] = defaultdict(int)
+    ahead: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for index, record in enumerate(records):
+        if (blocks is not None and record.block not in blocks) or record.away_to < 0:
+            continue
+        before = _neighbour(records, index, -1)
+        after = _neighbour(records, index, 1)
+        out[max((before.away_from if before is not None else record.away_from) - 1, 0)] += record.nbytes
+        issued = record.away_to - 1
+        if before is not None and before.away_to > record.away_to:
+            needed = before.away_to - 1
+        elif before is None and after is not None and after.away_to < record.away_to:
+            needed = issued + (record.away_to - after.away_to)
+        else:
+            needed = issued
+        if needed > issued:
+            ahead[issued].append((needed, record.nbytes))
+        else:
+            demand[issued] += record.nbytes
+    return ActivationMoves(dict(out), dict(demand), {k: tuple(v) for k, v in ahead.items()})
+
+
+def _neighbour(records: list[SegmentRecord], index: int, step: int) -> SegmentRecord | None:
+    """The segment of the block ``step`` after ``records[index]``'s in the same forward, if it is the next record."""
+    at = index + step
+    if 0 <= at < len(records) and records[at].block == records[index].block + step:
+        return records[at]
+    return None

@@ -21,6 +21,7 @@ import torch
 
 from ..chunks.chunk import Chunk
 from .saved_meter import SavedTensorMeter
+from .step_time import ActivationMoves
 from .tracer import MemoryTracer, Trace
 
 NO_TIDE = (
@@ -34,6 +35,7 @@ class ActivationPolicy(Protocol):
     [Note: activation offload]."""
 
     host_bytes: int  # bytes of offloaded activations off the accelerator now
+    priced: ActivationMoves  # the planned iteration's copies (see [Note: step-time model] in step_time.py)
 
     def start_iteration(self, tracer: MemoryTracer) -> None: ...
 

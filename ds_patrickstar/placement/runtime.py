@@ -39,7 +39,7 @@ from .saved_meter import SavedTensorMeter
 from .shapes import RetraceReason
 from .state_choice import StateChooser
 from .step_plan import StepPlan
-from .step_time import StepTimer
+from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, StepTimer
 from .tide_plot import plot_tide
 from .tracer import MemoryTracer, Trace
 
@@ -71,8 +71,7 @@ class PlacementRuntime:
         largest = max((c.nbytes for c in moves.chunks), default=0)
         self.steps = StepPlan(self.placer.budget, self.placer.policy, chunk_needs, largest, self.counters)
         self.label = ""  # the label of the current moment
-        # (moment, model bytes, non-model bytes, offloaded activation bytes) this iteration
-        self.tide: list[tuple[int, int, int, int]] = []
+        self.tide: list[tuple[int, int, int, int]] = []  # (moment, model, non-model, offloaded activation bytes)
         self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self.positions = TracePositions(self.placer.budget // 64)  # see [Note: evaluation moments]
 
@@ -260,7 +259,8 @@ class PlacementRuntime:
         """Of ``fill``, the states the step-time model places (all without a chooser), and the moves' choices."""
         if self.chooser is None or self.timer is None:
             return fill
-        choice = self.chooser(trace, fill, self.placer.resident, self.timer.traced_times(len(trace)))
+        times, copies = self.timer.traced_times(len(trace)), priced_copies(self.activations)
+        choice = self.chooser(trace, fill, self.placer.resident, times, copies)
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
         self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
         return set(choice.on_device)
@@ -292,7 +292,7 @@ class PlacementRuntime:
             self.counters.bytes_floor = self.floor.update(planned)
         trace = self.tracer.last_iteration()
         if self.timer is not None and predicted is not None and trace is not None:
-            step = self.timer.end_step(trace, predicted, self._on_device)
+            step = self.timer.end_step(trace, predicted, self._on_device, priced_copies(self.activations))
             self.counters.predicted_step_s = step.total_s if step is not None else 0.0
 
 
@@ -306,6 +306,11 @@ def _plot_last_tide(
     recomputations = trace.recomputations() if trace is not None else None
     caption = "\n".join(line for line in (tracer.log.caption(), caption) if line)
     return plot_tide(tide, placer.budget, path, title, recomputations, caption)
+
+
+def priced_copies(activations: ActivationPolicy | None) -> ActivationMoves:
+    """The copies of the planned activation offload, as the step-time model prices them (none without it)."""
+    return activations.priced if activations is not None else NO_ACTIVATION_MOVES
 
 
 def note_retrace(counters: StepCounters, reason: RetraceReason | None) -> None:

@@ -53,7 +53,7 @@ from .bytes_floor import FloorMeter
 from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder
 from .move_model import MovePlan, steady_moves
-from .step_time import DeviceProfile, StepTime, predict_step
+from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, DeviceProfile, StepTime, predict_step
 from .tracer import Moment, Trace
 
 logger = logging.getLogger(__name__)
@@ -99,16 +99,17 @@ def price(
     overlap: bool,
     distance: int = 1,
     order: EvictionOrder = EvictionOrder.BELADY,
+    activations: ActivationMoves = NO_ACTIVATION_MOVES,
 ) -> StateChoice:
     """The steady-state step with the states of ``on_device`` on the accelerator, prefetching ``distance``
-    moments ahead, evicting in ``order`` (see [Note: optimizer states by step time]): two iterations of the
-    moves from ``resident``, the second priced."""
+    moments ahead, evicting in ``order``, beside the offloaded ``activations``' copies (see [Note: optimizer
+    states by step time]): two iterations of the moves from ``resident``, the second priced."""
     trace = with_step_chunks(trace, tuple(sorted(on_device)))
     fixed = sum(OPTIM_BYTES_PER_ELEMENT * costs.capacities[c] for c in on_device)
     host = {c: n for c, n in costs.elements.items() if c not in on_device}
     plan = steady_moves(trace, budget, costs, fixed, resident, on_device, distance, order)
     device = sum(costs.elements[c] for c in on_device)
-    step = predict_step(trace, plan, compute_s, host, device, profile, overlap)
+    step = predict_step(trace, plan, compute_s, host, device, profile, overlap, activations)
     return StateChoice(frozenset(on_device), step, plan, distance, order)
 
 
@@ -121,12 +122,14 @@ def choose_moves(
     compute_s: Sequence[float],
     profile: DeviceProfile,
     overlap: bool,
+    activations: ActivationMoves = NO_ACTIVATION_MOVES,
 ) -> StateChoice:
     """``placed`` (priced one moment ahead, in the order its states were searched in) at the prefetch distance
     and in the eviction order the step-time model prefers: see [Note: prefetch distance] and [Note: eviction
     order] in eviction_queue.py (free evictions first only where some eviction can be free)."""
+    rates = (profile, overlap)
     candidates = [
-        price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap, distance, order)
+        price(trace, budget, costs, placed.on_device, resident, compute_s, *rates, distance, order, activations)
         for distance in range(1, MAX_DISTANCE + 1)
         for order in eviction_orders(costs)
         if (distance, order) != (placed.distance, placed.order)
@@ -156,6 +159,7 @@ def choose_states(
     profile: DeviceProfile,
     overlap: bool,
     order: EvictionOrder = EvictionOrder.BELADY,
+    activations: ActivationMoves = NO_ACTIVATION_MOVES,
 ) -> StateChoice:
     """Of ``fill`` (the chunks the fill rule places, in its order), the states placed by the predicted step with
     evictions in ``order``: the best prefix, then local moves from it (where the trace is small enough); see
@@ -164,7 +168,9 @@ def choose_states(
 
     def of(chunks: frozenset[int]) -> StateChoice:
         if chunks not in priced:
-            priced[chunks] = price(trace, budget, costs, chunks, resident, compute_s, profile, overlap, 1, order)
+            priced[chunks] = price(
+                trace, budget, costs, chunks, resident, compute_s, profile, overlap, 1, order, activations
+            )
         return priced[chunks]
 
     best = _search(len(fill), lambda k: of(frozenset(fill[:k])))
@@ -258,18 +264,24 @@ class StateChooser:
         self.budget, self.costs, self.profile, self.overlap, self.floor = budget, costs, profile, overlap, floor
 
     def __call__(
-        self, trace: Trace, fill: set[int], resident: AbstractSet[int], compute_s: Sequence[float]
+        self,
+        trace: Trace,
+        fill: set[int],
+        resident: AbstractSet[int],
+        compute_s: Sequence[float],
+        activations: ActivationMoves = NO_ACTIVATION_MOVES,
     ) -> StateChoice:
         """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator, the
-        prefetch distance and the eviction order (see [Note: prefetch distance], [Note: eviction order])."""
-        args = (self.budget, self.costs)
+        prefetch distance and the eviction order (see [Note: prefetch distance], [Note: eviction order]), beside
+        the offloaded ``activations``' copies."""
+        args, rates = (self.budget, self.costs), (self.profile, self.overlap)
         placed = best_of(
             [
-                choose_states(trace, *args, sorted(fill), resident, compute_s, self.profile, self.overlap, order)
+                choose_states(trace, *args, sorted(fill), resident, compute_s, *rates, order, activations)
                 for order in eviction_orders(self.costs)
             ]
         )
-        choice = choose_moves(trace, *args, placed, resident, compute_s, self.profile, self.overlap)
+        choice = choose_moves(trace, *args, placed, resident, compute_s, *rates, activations)
         logger.info(
             "ds_patrickstar: prefetch %d moment(s) ahead, %s eviction order, by the step-time model: predicted "
             "step %.4f s, %d B moved (one moment ahead, Belady: %.4f s, %d B; no placement moves under %d B)",

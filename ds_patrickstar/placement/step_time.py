@@ -28,13 +28,19 @@ integration/device_profile.py); :data:`H100_PROFILE` holds the figures this proj
 the strict twin prices its moves with them.
 What the model leaves out: gathered groups (one rank, as the
 move model), two copy directions running at once, and host Adam slowing the host's compute.
+
+Offloaded activations (see [Note: activation offload]) share the copy stream with the chunks: their copies
+(:class:`ActivationMoves`, from the plan's blocks, see :func:`~ds_patrickstar.activations.plan.planned_copies`)
+go on it at the moments the offloader issues them, a copy out beside the moment's evictions, a copy back for the
+moment that issues it beside its on-demand bytes and one for a later moment (the prefetch of the block before)
+beside the bytes brought ahead for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .move_model import MovePlan
@@ -61,6 +67,24 @@ H100_PROFILE = DeviceProfile(
 
 
 @dataclass(frozen=True)
+class ActivationMoves:
+    """Activation offload's copies in an iteration, per moment that issues them (see [Note: step-time model])."""
+
+    out: Mapping[int, int] = field(default_factory=dict)  # bytes to the host
+    demand: Mapping[int, int] = field(default_factory=dict)  # bytes back, for this moment
+    ahead: Mapping[int, Sequence[tuple[int, int]]] = field(default_factory=dict)  # (later moment, bytes back)
+
+    @property
+    def moved(self) -> int:
+        """Bytes both ways."""
+        back = sum(self.demand.values()) + sum(n for copies in self.ahead.values() for _, n in copies)
+        return sum(self.out.values()) + back
+
+
+NO_ACTIVATION_MOVES = ActivationMoves()
+
+
+@dataclass(frozen=True)
 class StepTime:
     """A predicted step, in seconds: the total and what it is made of."""
 
@@ -81,10 +105,11 @@ def predict_step(
     device_updated: int,
     profile: DeviceProfile,
     overlap: bool,
+    activations: ActivationMoves = NO_ACTIVATION_MOVES,
 ) -> StepTime:
-    """One iteration of ``trace`` with the moves of ``plan`` and moment times ``compute_s`` (one per moment);
-    ``host_updated``: elements of each chunk Adam updates on the host, ``device_updated``: elements updated
-    on the accelerator (see [Note: step-time model])."""
+    """One iteration of ``trace`` with the moves of ``plan`` and of ``activations``, and moment times ``compute_s``
+    (one per moment); ``host_updated``: elements of each chunk Adam updates on the host, ``device_updated``:
+    elements updated on the accelerator (see [Note: step-time model])."""
     device_adam = device_updated / profile.device_adam_elements_per_s
     host_adam = sum(host_updated.values()) / profile.host_adam_elements_per_s
     priced_adam = device_adam + (0.0 if overlap else host_adam)  # what the step moment's own time already holds
@@ -96,7 +121,8 @@ def predict_step(
             step_at, work = k, max(0.0, work - priced_adam)
             streams.serial(plan.to_device[k], plan.evicted(k), work)
         else:
-            streams.moment(k, plan.demand[k], plan.evicted(k), plan.brought_ahead(k), work)
+            demand, out = plan.demand[k] + activations.demand.get(k, 0), plan.evicted(k) + activations.out.get(k, 0)
+            streams.moment(k, demand, out, [*plan.brought_ahead(k), *activations.ahead.get(k, ())], work)
         compute += work
     exposed = streams.done - compute
     if not overlap or step_at < 0:
@@ -191,17 +217,24 @@ class StepTimer:
         if index == len(self._marks):
             self._marks.append(self._clock())
 
-    def end_step(self, trace: Trace, plan: MovePlan, on_device: AbstractSet[int]) -> StepTime | None:
+    def end_step(
+        self,
+        trace: Trace,
+        plan: MovePlan,
+        on_device: AbstractSet[int],
+        activations: ActivationMoves = NO_ACTIVATION_MOVES,
+    ) -> StepTime | None:
         """The prediction for ``trace`` priced with the moment times of the previous iteration (None before two
         iterations of the same length were timed)."""
         times = self._times(len(trace))
         self._closed = [*self._marks, self._clock()]
         if times is None:
             return None
-        compute = [max(0.0, t - plan.demand[k] / self.profile.to_device_bytes_per_s) for k, t in enumerate(times)]
+        rate = self.profile.to_device_bytes_per_s
+        compute = [max(0.0, t - (plan.demand[k] + activations.demand.get(k, 0)) / rate) for k, t in enumerate(times)]
         host = {c: n for c, n in self._elements.items() if c not in on_device}
         device = sum(n for c, n in self._elements.items() if c in on_device)
-        self.last = predict_step(trace, plan, compute, host, device, self.profile, self.overlap)
+        self.last = predict_step(trace, plan, compute, host, device, self.profile, self.overlap, activations)
         return self.last
 
     def traced_times(self, moments: int) -> list[float]:

@@ -1,0 +1,75 @@
+"""Offloaded activations in the step-time model (see [Note: step-time model] in placement/step_time.py): their
+copies share the copy stream with the chunks', at the moments the offloader issues them, and the bytes priced are
+the bytes the offloader moves."""
+from __future__ import annotations
+
+from ds_patrickstar.activations.plan import SegmentRecord, planned_copies
+from ds_patrickstar.placement.move_model import steady_moves
+from ds_patrickstar.placement.step_time import H100_PROFILE, ActivationMoves, predict_step
+from ds_patrickstar.placement.tracer import Moment, Trace
+
+
+def _records() -> list[SegmentRecord]:
+    """Three blocks of a forward over moments 0-5 and a backward over 6-11: block k is dropped from moment 2 + k;
+    block 2's backward begins at 8 and brings it back with block 1 (the prefetch), block 1's at 9 brings back
+    block 0 (``away_to``: the moment after the copy back's)."""
+    return [SegmentRecord(0, 100, 2, 10, True), SegmentRecord(1, 200, 3, 9, True), SegmentRecord(2, 300, 4, 9, True)]
+
+
+def test_copies_go_out_after_the_next_block_and_come_back_one_block_ahead():
+    copies = planned_copies(_records(), None)
+    # out: block k at the pre-forward of block k + 1, where block k - 1 was dropped (block 1 at 1, block 2 at 2);
+    # block 0 one moment before its own drop (1)
+    assert copies.out == {1: 100 + 200, 2: 300}
+    assert copies.demand == {8: 300}  # the last block: brought back for its own backward, nothing prefetched it
+    # block 1, issued at 8, needed at 9 (where its backward brings back block 0); block 0, issued at 9, needed one
+    # block's moments later (10)
+    assert copies.ahead == {8: ((9, 200),), 9: ((10, 100),)}
+    assert copies.moved == 2 * 600
+    assert planned_copies(_records(), {1}).moved == 2 * 200  # only the blocks offloaded
+
+
+def _trace(compute_moments: int) -> Trace:
+    trace = Trace()
+    for k in range(compute_moments):
+        trace.add(Moment(f"m{k}", (), 0))
+    return trace
+
+
+def test_copies_behind_compute_cost_nothing_and_exposed_ones_cost_their_transfer():
+    from ds_patrickstar.placement.chunk_costs import ChunkCosts
+
+    trace = _trace(12)
+    costs = ChunkCosts({}, {}, {})
+    plan = steady_moves(trace, 10**9, costs, 0, set(), set())
+    big = 54_000_000  # 1 ms each way at the H100 profile's 54 GB/s
+    copies = ActivationMoves(out={1: big}, demand={8: big}, ahead={9: ((10, big),)})
+    slow = [0.01] * 12  # 10 ms a moment: every copy hides, but the one the moment waits for (demand)
+    alone = predict_step(trace, plan, slow, {}, 0, H100_PROFILE, True).total_s
+    hidden = predict_step(trace, plan, slow, {}, 0, H100_PROFILE, True, copies).total_s
+    assert abs(hidden - alone - 0.001) < 1e-9  # the demand copy, 1 ms
+    fast = [0.0] * 12  # no compute to hide behind: the three copies in a row
+    assert abs(predict_step(trace, plan, fast, {}, 0, H100_PROFILE, True, copies).total_s - 0.003) < 1e-9
+
+
+def test_the_bytes_priced_are_the_bytes_moved(dist):
+    """Offload "all" on the strict twin: the copies the planner prices for a steady step are the bytes the
+    offloader counted out and back in it."""
+    import deepspeed
+    from test_activation_offload import BATCH, SEED, build_checkpointed, two_steps_then_eval
+
+    import ds_patrickstar  # noqa: F401
+
+    model, batch = build_checkpointed(SEED)
+    zero = {"stage": "patrickstar", "chunk_size": 2048, "emulate_accelerator": True, "device_budget": 10**6,
+            "offload_activations": "all"}
+    config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zero}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    two_steps_then_eval(engine, batch)
+    counters = engine.get_patrickstar_counters()  # the second step's
+    priced = engine.optimizer.placement.activations.priced
+    engine.destroy()
+    back = sum(priced.demand.values()) + sum(n for copies in priced.ahead.values() for _, n in copies)
+    assert sum(priced.out.values()) == counters["activation_bytes_offloaded"] > 0
+    assert back == counters["activation_bytes_restored"]
