@@ -128,9 +128,9 @@ def _order_forced(rank, world_size, case, order):
 
     real = state_choice.choose_moves
 
-    def forced(trace, budget, costs, placed, resident, compute_s, profile, overlap):
+    def forced(trace, budget, costs, placed, resident, compute_s, profile, overlap, activations):
         return state_choice.price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap,
-                                  placed.distance, EvictionOrder(order))
+                                  placed.distance, EvictionOrder(order), activations)
 
     state_choice.choose_moves = forced
     try:

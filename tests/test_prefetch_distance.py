@@ -64,9 +64,9 @@ def _distance_forced(rank, world_size, case, distance):
 
     real = state_choice.choose_moves
 
-    def forced(trace, budget, costs, placed, resident, compute_s, profile, overlap):
+    def forced(trace, budget, costs, placed, resident, compute_s, profile, overlap, activations):
         return state_choice.price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap,
-                                  distance)
+                                  distance, activations=activations)
 
     state_choice.choose_moves = forced
     try:
