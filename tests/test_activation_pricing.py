@@ -73,3 +73,90 @@ def test_the_bytes_priced_are_the_bytes_moved(dist):
     back = sum(priced.demand.values()) + sum(n for copies in priced.ahead.values() for _, n in copies)
     assert sum(priced.out.values()) == counters["activation_bytes_offloaded"] > 0
     assert back == counters["activation_bytes_restored"]
+
+
+# ---- activations offloaded for optimizer states (see [Note: activations offloaded for optimizer states]) ----
+class _Room:
+    """A stand-in for :class:`StatesRoom`: one cap (the tide's peak that lets more states in), and a price that
+    makes each block offloaded worth ``gain`` seconds."""
+
+    def __init__(self, cap: int, gain: float) -> None:
+        self.cap, self.gain = cap, gain
+        self.priced: list[int] = []
+
+    def caps(self, trace):
+        return [self.cap]
+
+    def price(self, trace, copies, blocks):
+        from ds_patrickstar.placement.states_room import PricedTide
+
+        self.priced.append(max(m.non_model for m in trace.moments))
+        return PricedTide(1.0 - self.gain * blocks, copies.moved, blocks)
+
+
+def _plan(gain: float):
+    from ds_patrickstar.activations.plan import plan_for_states, plan_offload
+
+    trace = Trace()
+    tide = [100, 400, 700, 700, 400, 100]  # blocks 0 and 1 away at 2-3 (300 B each) bring the peak to 100
+    for k, non_model in enumerate(tide):
+        trace.add(Moment(f"m{k}", (), non_model))
+    records = [SegmentRecord(b, 300, 2, 4, True) for b in (0, 1)]
+    traced = [t - 600 if 2 <= k < 4 else t for k, t in enumerate(tide)]  # as traced: every block away
+    for k, non_model in enumerate(traced):
+        trace.set_non_model(k, non_model)
+    need = [0] * 6
+    base = plan_offload(traced, need, 1000, records)  # everything fits: nothing offloaded
+    room = _Room(cap=400, gain=gain)
+    return base, plan_for_states(trace, need, 1000, records, base, room), room
+
+
+def test_more_blocks_go_where_the_model_prices_the_room_for_states_faster():
+    base, (blocks, planned), room = _plan(gain=0.1)
+    assert base[0] == set() and max(base[1]) == 700
+    assert len(blocks) == 1 and max(planned) == 400  # one block lowers the peak to the cap
+    assert room.priced == [700, 400]  # the first plan and the one with more blocks, on their tides
+
+
+def test_a_tie_keeps_the_first_plan():
+    base, (blocks, planned), _ = _plan(gain=0.001)  # within the 2% tie: the fewer bytes moved win
+    assert blocks == base[0] == set() and planned == base[1]
+
+
+def test_on_the_twin_a_slow_host_adam_makes_room_for_states_by_offloading_activations(dist, monkeypatch):
+    """A checkpointed GPT whose chunks and block inputs fit a 260 kB budget beside half of the optimizer states: with
+    an H100's host Adam every plan hides behind the twin's compute and the first plan (nothing offloaded) is kept;
+    with a host Adam a million times slower the traced step offloads blocks so that the fill rule places more
+    states, and the losses are the same bit for bit (the same arithmetic in other places)."""
+    import dataclasses
+
+    from test_activation_offload import BATCH, SEED, build_checkpointed, two_steps_then_eval
+
+    from ds_patrickstar.integration import device_profile
+    from ds_patrickstar.placement import step_time
+
+    runs = {}
+    for name, host_adam in (("h100", step_time.H100_PROFILE.host_adam_elements_per_s), ("slow", 5.4e3)):
+        profile = dataclasses.replace(step_time.H100_PROFILE, host_adam_elements_per_s=host_adam)
+        monkeypatch.setattr(device_profile, "H100_PROFILE", profile)
+        runs[name] = _twin_run(build_checkpointed, SEED, BATCH, two_steps_then_eval)
+    (h100_losses, h100), (slow_losses, slow) = runs["h100"], runs["slow"]
+    assert h100["activation_bytes_offloaded"] == 0 < slow["activation_bytes_offloaded"]
+    assert slow["adam_chunks_device"] > h100["adam_chunks_device"]
+    assert slow_losses == h100_losses
+
+
+def _twin_run(build, seed, batch_size, steps):
+    import deepspeed
+
+    import ds_patrickstar  # noqa: F401
+
+    model, batch = build(seed)
+    zero = {"stage": "patrickstar", "chunk_size": 2048, "emulate_accelerator": True, "device_budget": 260_000}
+    config = {"train_micro_batch_size_per_gpu": batch_size, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zero}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    losses = steps(engine, batch)
+    counters = engine.get_patrickstar_counters()  # the second step's
+    engine.destroy()
+    return losses, counters

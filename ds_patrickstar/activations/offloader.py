@@ -54,11 +54,12 @@ import torch
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
 from ..placement.saved_meter import SavedTensorMeter
+from ..placement.states_room import StatesRoom
 from ..placement.step_time import NO_ACTIVATION_MOVES
 from ..placement.tracer import MemoryTracer, Trace
 from .copies import StorageCopies
 from .held import HeldInputs
-from .plan import SegmentRecord, plan_offload, planned_copies
+from .plan import SegmentRecord, plan_for_states, plan_offload, planned_copies
 from .storages import Handle, Segment, State
 
 logger = logging.getLogger(__name__)
@@ -117,26 +118,44 @@ class ActivationOffloader:
             self.chosen = None
         self._records = []
 
-    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]], stranded: int = 0) -> None:
+    def plan(
+        self,
+        trace: Trace,
+        budget: int,
+        chunk_needs: Callable[[Trace], list[int]],
+        stranded: int = 0,
+        states: StatesRoom | None = None,
+    ) -> None:
         """With "auto", at the step of the iteration that made ``trace``: which blocks to offload
         from now on, from this iteration's records; ``trace``'s tide becomes the planned one.
         ``stranded``: the most allocator bytes that iteration stranded at a moment, room an offload
-        keeps for the pieces it strands (see [Note: auto activation offload])."""
+        keeps for the pieces it strands (see [Note: auto activation offload]); with ``states``, more blocks
+        where that makes room for optimizer states and the step-time model predicts a faster step (see
+        [Note: activations offloaded for optimizer states] in placement/states_room.py)."""
         if trace is self._planned:
             return
         records = [s.record() for s in self._records]
         if self.mode == "auto":
-            self._plan_auto(trace, budget, chunk_needs(trace), stranded, records)
+            self._plan_auto(trace, budget, chunk_needs(trace), stranded, records, states)
         self._planned = trace
         self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
 
     def _plan_auto(
-        self, trace: Trace, budget: int, need: list[int], stranded: int, records: list[SegmentRecord]
+        self,
+        trace: Trace,
+        budget: int,
+        need: list[int],
+        stranded: int,
+        records: list[SegmentRecord],
+        states: StatesRoom | None,
     ) -> None:
         tide = [m.non_model for m in trace.moments]
-        self.chosen, planned = plan_offload(tide, need, budget, records)
-        if self.chosen and stranded:
-            self.chosen, planned = plan_offload(tide, need, budget - stranded, records)
+        chosen, planned = plan_offload(tide, need, budget, records)
+        if chosen and stranded:
+            chosen, planned = plan_offload(tide, need, budget - stranded, records)
+        if states is not None:
+            chosen, planned = plan_for_states(trace, need, budget - stranded, records, (chosen, planned), states)
+        self.chosen = chosen
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"

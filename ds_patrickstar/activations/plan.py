@@ -47,12 +47,17 @@ train can fail. Where checkpointing alone fits the plan offloads nothing and kee
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..placement.states_room import StatesRoom, best_tide, with_tide
 from ..placement.step_time import ActivationMoves
+from ..placement.tracer import Trace
 
-__all__ = ["SegmentRecord", "plan_offload", "planned_copies"]
+__all__ = ["SegmentRecord", "plan_for_states", "plan_offload", "planned_copies"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -152,3 +157,37 @@ def _neighbour(records: list[SegmentRecord], index: int, step: int) -> SegmentRe
     if 0 <= at < len(records) and records[at].block == records[index].block + step:
         return records[at]
     return None
+
+
+def plan_for_states(
+    trace: Trace,
+    need: list[int],
+    room: int,
+    records: list[SegmentRecord],
+    base: tuple[set[int], list[int]],
+    states: StatesRoom,
+) -> tuple[set[int], list[int]]:
+    """Of ``base`` (the blocks :func:`plan_offload` chose for the traced ``trace`` and the tide planned with them)
+    and plans offloading more blocks so that the fill rule places more optimizer states, the one the step-time
+    model prices fastest (see [Note: activations offloaded for optimizer states] in placement/states_room.py).
+    ``room``: what the chunks and the tide share at a moment."""
+    tide = [m.non_model for m in trace.moments]
+    options = [base]
+    for cap in states.caps(with_tide(trace, base[1])):
+        blocks, planned = plan_offload(tide, [max(n, room - cap) for n in need], room, records)
+        if all(blocks != known for known, _ in options):
+            options.append((blocks, planned))
+    if len(options) == 1:
+        return base
+    priced = [states.price(with_tide(trace, planned), planned_copies(records, blocks), len(blocks))
+              for blocks, planned in options]
+    best = best_tide(priced)
+    logger.info(
+        "ds_patrickstar: activation offload for optimizer states: %d plan(s) priced (blocks offloaded: %s; predicted "
+        "steps: %s s); blocks %s kept",
+        len(options),
+        [len(blocks) for blocks, _ in options],
+        [round(p.step_s, 4) for p in priced],
+        sorted(options[best][0]),
+    )
+    return options[best]

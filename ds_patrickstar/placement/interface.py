@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..chunks.chunk import Chunk
 from .saved_meter import SavedTensorMeter
 from .step_time import ActivationMoves
+
+if TYPE_CHECKING:
+    from .states_room import StatesRoom
 from .tracer import MemoryTracer, Trace
 
 NO_TIDE = (
@@ -39,7 +42,14 @@ class ActivationPolicy(Protocol):
 
     def start_iteration(self, tracer: MemoryTracer) -> None: ...
 
-    def plan(self, trace: Trace, budget: int, chunk_needs: Callable[[Trace], list[int]], stranded: int = 0) -> None: ...
+    def plan(
+        self,
+        trace: Trace,
+        budget: int,
+        chunk_needs: Callable[[Trace], list[int]],
+        stranded: int = 0,
+        states: StatesRoom | None = None,
+    ) -> None: ...
 
     def start_forward(self) -> None: ...
 

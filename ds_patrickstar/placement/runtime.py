@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..autograd_state import iter_tensors
-from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from ..memory.ledger import DeviceLedger
 from .bytes_floor import FloorMeter
@@ -38,6 +37,7 @@ from .positions import TracePositions
 from .saved_meter import SavedTensorMeter
 from .shapes import RetraceReason
 from .state_choice import StateChooser
+from .states_room import StatesRoom
 from .step_plan import StepPlan
 from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, StepTimer
 from .tide_plot import plot_tide
@@ -59,7 +59,9 @@ class PlacementRuntime:
     ) -> None:
         self.moves = moves  # its collaborators are the driver's: placer, tracer, counters, run, ledger
         self.placer, self.tracer, self.counters, self.run = moves.placer, moves.tracer, moves.counters, moves.run
-        self.ledger = moves.ledger
+        self.ledger, self.make_room, self.bring, self.evict = moves.ledger, moves.make_room, moves.bring, moves.evict
+        self.after_use, self.movable_room = moves.after_use, moves.movable_room
+        self.place_for_update = moves.place_for_update
         self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
         self.timer = timer if predictor is not None else None  # its time (see [Note: step-time model])
         self.chooser = chooser  # None: every state that fits (see [Note: optimizer states by step time])
@@ -125,16 +127,8 @@ class PlacementRuntime:
     def moment(self, value: int) -> None:
         self.moves.moment = value
 
-    # ---- moves (``moves.py``) -----------------------------------------------------------
-    def make_room(self, need: int, keep: set[int]) -> None:
-        self.moves.make_room(need, keep)
-
-    def bring(self, chunk: Chunk, keep: set[int]) -> None:
-        self.moves.bring(chunk, keep)
-
-    def evict(self, chunk: Chunk) -> None:
-        self.moves.evict(chunk)
-
+    # ---- moves (``moves.py``; ``make_room``, ``bring``, ``evict``, ``after_use``, ``place_for_update`` and
+    # ``movable_room`` are the driver's own, bound in ``__init__``) ------------------------------------------
     def written(self, chunk_id: int) -> None:
         self.tracer.note_written(chunk_id)
 
@@ -146,15 +140,6 @@ class PlacementRuntime:
         self.tracer.note_accumulator(chunk_id, exists)
         if not exists:
             self.placer.accumulator_left(chunk_id)
-
-    def after_use(self, chunk: Chunk) -> None:
-        self.moves.after_use(chunk)
-
-    def place_for_update(self, chunk: Chunk, on_device: bool) -> None:
-        self.moves.place_for_update(chunk, on_device)
-
-    def movable_room(self) -> int:
-        return self.moves.movable_room()
 
     def end_moment(self, in_use: set[int]) -> None:
         """Check the budget (the tide may have risen), record peaks, prefetch the next moment."""
@@ -251,7 +236,8 @@ class PlacementRuntime:
             if traced is None:
                 return None
             if self.activations is not None:
-                self.activations.plan(traced, self.movable_room(), self._chunk_needs, self.moves.stranded_peak)
+                room = self.movable_room(), self._chunk_needs, self.moves.stranded_peak
+                self.activations.plan(traced, *room, self._states_room(traced, capacities))
             return self.steps.decide(traced, {}, capacities, self._choose_states)
         return self.steps.decide(trace, over, capacities, self._choose_states)
 
@@ -264,6 +250,13 @@ class PlacementRuntime:
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
         self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
         return set(choice.on_device)
+
+    def _states_room(self, trace: Trace, capacities: dict[int, int]) -> StatesRoom | None:
+        """Where the step-time model chooses the states: the room activation offload may make for them."""
+        if self.chooser is None or self.timer is None:
+            return None
+        chooser, resident, times = self.chooser, self.placer.resident, self.timer.traced_times(len(trace))
+        return StatesRoom(self.steps, capacities, lambda t, fill, copies: chooser(t, fill, resident, times, copies))
 
     def step_moment(self, on_device: set[int]) -> None:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from ..counters import StepCounters
-from .planner import states_on_device
+from .planner import IN_FLIGHT_CHUNKS, states_on_device
 from .tracer import Trace
 
 logger = logging.getLogger(__name__)
@@ -61,14 +61,26 @@ class StepPlan:
             return None
         self.planned_from = trace
         started = time.perf_counter()
-        fill = states_on_device(
-            trace, self.budget, self.policy, self.chunk_needs(trace), self._largest_chunk, capacities
-        )
+        fill = self.fill(trace, capacities)
         chosen = choose(trace, fill) if choose is not None else fill
         took = time.perf_counter() - started
-        self._counters.plan_seconds += took
+        self.note_planning(took)
         logger.info("ds_patrickstar: optimizer states planned in %.2f s", took)
         return chosen
+
+    def note_planning(self, seconds: float) -> None:
+        """Host time spent planning from a trace (counter ``plan_seconds``)."""
+        self._counters.plan_seconds += seconds
+
+    def fill(self, trace: Trace, capacities: Mapping[int, int]) -> set[int]:
+        """The chunks whose states fit beside ``trace``'s planned tide (the fill rule, see
+        :func:`~ds_patrickstar.placement.planner.states_on_device`)."""
+        needs = self.chunk_needs(trace)
+        return states_on_device(trace, self.budget, self.policy, needs, self._largest_chunk, capacities)
+
+    def tide_cap(self, trace: Trace, states: int) -> int:
+        """The highest planned tide beside which the fill rule places ``states`` bytes of optimizer states."""
+        return self.budget - max(self.chunk_needs(trace), default=0) - IN_FLIGHT_CHUNKS * self._largest_chunk - states
 
     def settle(self, trace: Trace | None, on_device: set[int]) -> None:
         """The states were placed: after a new decision the traced step moment uses the chunks updated on
