@@ -179,8 +179,10 @@ def plan_for_states(
             options.append((blocks, planned))
     if len(options) == 1:
         return base
-    priced = [states.price(with_tide(trace, planned), planned_copies(records, blocks), len(blocks))
-              for blocks, planned in options]
+    priced = [
+        states.price(with_tide(trace, planned), planned_copies(records, blocks), len(blocks))
+        for blocks, planned in options
+    ]
     best = best_tide(priced)
     logger.info(
         "ds_patrickstar: activation offload for optimizer states: %d plan(s) priced (blocks offloaded: %s; predicted "
