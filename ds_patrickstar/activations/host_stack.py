@@ -65,13 +65,21 @@ class HostStack:
         self._slabs: list[torch.Tensor] = []
         self._blocks: list[_Block] = []  # bottom to top
         self._handed: dict[int, _Block] = {}  # id of a handed-out tensor -> its block
-        self.extent = 0  # bytes the stack spans now, across its slabs (their skipped tails included)
-        self.peak_extent = 0  # the highest extent since the slabs were last laid out
+        self.peak_extent = 0  # the highest :attr:`extent` since the slabs were last laid out
         self.slabs_taken = 0  # slabs taken from the pool so far (each pinned once)
 
     @property
     def slab_bytes(self) -> int:
         return sum(slab.numel() for slab in self._slabs)
+
+    @property
+    def extent(self) -> int:
+        """Bytes the stack spans now: the slabs below its newest block's in full (their skipped tails included),
+        and that block's own up to its end."""
+        if not self._blocks:
+            return 0
+        top = self._blocks[-1]
+        return sum(slab.numel() for slab in self._slabs[: top.slab]) + top.end
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A pinned host buffer of ``nbytes`` (uint8; contents undefined); give it back with :meth:`give`."""
@@ -79,8 +87,7 @@ class HostStack:
         slab, start = self._top()
         size = -(-max(nbytes, 1) // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT
         while slab < len(self._slabs) and start + size > self._slabs[slab].numel():
-            self.extent += self._slabs[slab].numel() - start  # the tail this slab leaves unused
-            slab, start = slab + 1, 0
+            slab, start = slab + 1, 0  # the tail of this slab stays unused
         if slab == len(self._slabs):
             self._add_slab(max(size, 2 * self.slab_bytes))
         base = self._slabs[slab]
@@ -88,7 +95,6 @@ class HostStack:
         tensor = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage(), offset, (nbytes,), (1,))
         block = _Block(slab, start, nbytes, tensor)
         self._blocks.append(block)
-        self.extent += block.end - start
         self.peak_extent = max(self.peak_extent, self.extent)
         self._handed[id(tensor)] = block
         return tensor
@@ -131,12 +137,6 @@ class HostStack:
                     return
                 top.after.wait_host()
             self._blocks.pop()
-            below = self._blocks[-1] if self._blocks else None
-            self.extent = 0 if below is None else self._extent_to(below)
-
-    def _extent_to(self, top: _Block) -> int:
-        """The stack's extent with ``top`` its newest block: the slabs below it in full, and its own up to it."""
-        return sum(slab.numel() for slab in self._slabs[: top.slab]) + top.end
 
     def _add_slab(self, nbytes: int) -> None:
         self._slabs.append(self.accel.host_empty(nbytes, torch.uint8))
@@ -144,12 +144,11 @@ class HostStack:
 
     def _lay_out(self, nbytes: int) -> None:
         """The (empty) stack's slabs become one of ``nbytes`` (none for 0), unless it is that already."""
+        self.peak_extent = 0
         if len(self._slabs) == 1 and self._slabs[0].numel() == nbytes:
-            self.peak_extent = 0
             return
         for slab in self._slabs:
             self.accel.host_free(slab)
         self._slabs = []
         if nbytes:
             self._add_slab(nbytes)
-        self.extent = self.peak_extent = 0

@@ -22,10 +22,10 @@ import torch
 from ..chunks.chunk import Chunk
 from .saved_meter import SavedTensorMeter
 from .step_time import ActivationMoves
+from .tracer import MemoryTracer, Trace
 
 if TYPE_CHECKING:
     from .states_room import StatesRoom
-from .tracer import MemoryTracer, Trace
 
 NO_TIDE = (
     "no placement trace to plot: placement runs on CUDA or with "
