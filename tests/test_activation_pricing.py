@@ -133,17 +133,23 @@ def test_on_the_twin_a_slow_host_adam_makes_room_for_states_by_offloading_activa
     from test_activation_offload import BATCH, SEED, build_checkpointed, two_steps_then_eval
 
     from ds_patrickstar.integration import device_profile
-    from ds_patrickstar.placement import step_time
+    from ds_patrickstar.placement import state_choice, step_time
 
+    asked, made = [], []  # calls of the chooser, and the searches they ran
+    call, moves = state_choice.StateChooser.__call__, state_choice.choose_moves
+    monkeypatch.setattr(state_choice.StateChooser, "__call__", lambda *a, **k: asked.append(1) or call(*a, **k))
+    monkeypatch.setattr(state_choice, "choose_moves", lambda *a, **k: made.append(1) or moves(*a, **k))
     runs = {}
     for name, host_adam in (("h100", step_time.H100_PROFILE.host_adam_elements_per_s), ("slow", 5.4e3)):
         profile = dataclasses.replace(step_time.H100_PROFILE, host_adam_elements_per_s=host_adam)
         monkeypatch.setattr(device_profile, "H100_PROFILE", profile)
+        asked.clear(), made.clear()
         runs[name] = _twin_run(build_checkpointed, SEED, BATCH, two_steps_then_eval)
     (h100_losses, h100), (slow_losses, slow) = runs["h100"], runs["slow"]
     assert h100["activation_bytes_offloaded"] == 0 < slow["activation_bytes_offloaded"]
     assert slow["adam_chunks_device"] > h100["adam_chunks_device"]
     assert slow_losses == h100_losses
+    assert len(made) == len(asked) - 1  # the states on the tide kept: the choice its pricing made, not searched again
 
 
 def _twin_run(build, seed, batch_size, steps):

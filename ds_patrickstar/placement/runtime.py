@@ -235,27 +235,29 @@ class PlacementRuntime:
             traced = self.tracer.last_iteration()
             if traced is None:
                 return None
+            times = self.timer.traced_times(len(traced)) if self.timer is not None else []  # one reading a plan
             if self.activations is not None:
                 room = self.movable_room(), self._chunk_needs, self.moves.stranded_peak
-                self.activations.plan(traced, *room, self._states_room(traced, capacities))
-            return self.steps.decide(traced, {}, capacities, self._choose_states)
+                self.activations.plan(traced, *room, self._states_room(capacities, times))
+            return self.steps.decide(traced, {}, capacities, lambda t, fill: self._choose_states(t, fill, times))
         return self.steps.decide(trace, over, capacities, self._choose_states)
 
-    def _choose_states(self, trace: Trace, fill: set[int]) -> set[int]:
-        """Of ``fill``, the states the step-time model places (all without a chooser), and the moves' choices."""
+    def _choose_states(self, trace: Trace, fill: set[int], times: list[float] | None = None) -> set[int]:
+        """Of ``fill``, the states the step-time model places (all without a chooser), and the moves' choices;
+        ``times``: the moments' times the plan prices (None: the iteration's up to now)."""
         if self.chooser is None or self.timer is None:
             return fill
-        times, copies = self.timer.traced_times(len(trace)), priced_copies(self.activations)
-        choice = self.chooser(trace, fill, self.placer.resident, times, copies)
+        times = times if times is not None else self.timer.traced_times(len(trace))
+        choice = self.chooser(trace, fill, self.placer.resident, times, priced_copies(self.activations))
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
         self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
         return set(choice.on_device)
 
-    def _states_room(self, trace: Trace, capacities: dict[int, int]) -> StatesRoom | None:
+    def _states_room(self, capacities: dict[int, int], times: list[float]) -> StatesRoom | None:
         """Where the step-time model chooses the states: the room activation offload may make for them."""
         if self.chooser is None or self.timer is None:
             return None
-        chooser, resident, times = self.chooser, self.placer.resident, self.timer.traced_times(len(trace))
+        chooser, resident = self.chooser, self.placer.resident
         return StatesRoom(self.steps, capacities, lambda t, fill, copies: chooser(t, fill, resident, times, copies))
 
     def step_moment(self, on_device: set[int]) -> None:

@@ -70,6 +70,8 @@ TIE = 0.02
 """Predicted steps within this fraction of the fastest are a tie, settled by the bytes moved."""
 MAX_DISTANCE = 4
 """The most moments prefetched ahead (see [Note: prefetch distance])."""
+MADE = 8
+"""Choices a :class:`StateChooser` keeps for a call with the same arguments (those of one plan)."""
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,7 @@ def with_step_chunks(trace: Trace, chunks: tuple[int, ...]) -> Trace:
     index = next((i for i, m in enumerate(trace.moments) if m.label == "step"), None)
     if index is not None and trace.moments[index].chunks == chunks:
         return trace
-    copy = Trace()
-    for moment in trace.moments:
-        copy.add(moment)
+    copy = trace.copy()
     if index is None:
         copy.add(Moment("step", chunks, 0))
     else:
@@ -262,6 +262,7 @@ class StateChooser:
         self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: bool, floor: FloorMeter
     ) -> None:
         self.budget, self.costs, self.profile, self.overlap, self.floor = budget, costs, profile, overlap, floor
+        self._made: dict[tuple, StateChoice] = {}  # the latest calls' choices, by their arguments
 
     def __call__(
         self,
@@ -273,7 +274,12 @@ class StateChooser:
     ) -> StateChoice:
         """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator, the
         prefetch distance and the eviction order (see [Note: prefetch distance], [Note: eviction order]), beside
-        the offloaded ``activations``' copies."""
+        the offloaded ``activations``' copies. A call with an earlier call's arguments returns its choice: the
+        traced step prices the states on the tide it keeps before placing them (see [Note: activations offloaded
+        for optimizer states] in states_room.py)."""
+        key = (tuple(trace.moments), frozenset(fill), frozenset(resident), tuple(compute_s), activations.key)
+        if key in self._made:
+            return self._made[key]
         args, rates = (self.budget, self.costs), (self.profile, self.overlap)
         placed = best_of(
             [
@@ -293,4 +299,7 @@ class StateChooser:
             placed.moved,
             self.floor.update(trace),  # see [Note: the bytes floor]
         )
+        if len(self._made) >= MADE:
+            self._made.clear()
+        self._made[key] = choice
         return choice

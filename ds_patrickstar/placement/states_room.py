@@ -49,9 +49,7 @@ class PricedTide:
 
 def with_tide(trace: Trace, tide: list[int]) -> Trace:
     """A copy of ``trace`` whose planned tide is ``tide``."""
-    copy = Trace()
-    for moment in trace.moments:
-        copy.add(moment)
+    copy = trace.copy()
     for index, non_model in enumerate(tide):
         copy.set_non_model(index, non_model)
     return copy

@@ -75,6 +75,12 @@ class ActivationMoves:
     ahead: Mapping[int, Sequence[tuple[int, int]]] = field(default_factory=dict)  # (later moment, bytes back)
 
     @property
+    def key(self) -> tuple:
+        """The copies as a hashable value."""
+        ahead = tuple(sorted((k, tuple(copies)) for k, copies in self.ahead.items()))
+        return tuple(sorted(self.out.items())), tuple(sorted(self.demand.items())), ahead
+
+    @property
     def moved(self) -> int:
         """Bytes both ways."""
         back = sum(self.demand.values()) + sum(n for copies in self.ahead.values() for _, n in copies)

@@ -112,6 +112,13 @@ class Trace:
         for chunk in moment.chunks:
             self._uses.setdefault(chunk, []).append(index)
 
+    def copy(self) -> Trace:
+        """A trace of the same moments, changed apart from this one (its moments are values)."""
+        copy = Trace()
+        for moment in self.moments:
+            copy.add(moment)
+        return copy
+
     def next_use(self, chunk: int, after: int) -> int:
         """First moment > ``after`` using ``chunk`` (this iteration), else the first use next
         iteration (moments wrap around), else :data:`NEVER`."""
