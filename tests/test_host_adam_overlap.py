@@ -4,6 +4,7 @@ read between ``step()`` and the next forward are the updated ones; a chunk store
 job fails; the host worker runs its jobs in order and hands back their errors."""
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from harness import allow_fp16_on_cpu, ensure_distributed
 from multiproc import run_ranks
 
 from ds_patrickstar.chunks.chunk import Chunk
-from ds_patrickstar.memory.host_work import HostWorker
+from ds_patrickstar.memory.host_work import HostWaits, HostWorker
 from ds_patrickstar.memory.pending import CopyHazard
 from ds_patrickstar.placement.planner import update_order
 from ds_patrickstar.placement.tracer import Moment, Trace
@@ -116,7 +117,8 @@ def test_a_store_that_does_not_wait_for_the_host_job_fails(monkeypatch):
 
 
 def test_the_host_worker_runs_jobs_in_order_and_hands_back_errors():
-    worker, ran = HostWorker(), []
+    waits = HostWaits()
+    worker, ran = HostWorker(waits), []
     threads = set()
 
     def job(i: int):
@@ -129,6 +131,12 @@ def test_the_host_worker_runs_jobs_in_order_and_hands_back_errors():
         pending.wait()
     with pytest.raises(ZeroDivisionError):
         failing.wait()
+    slow = worker.submit(lambda: time.sleep(0.05), after=[])
+    before = waits.seconds
+    slow.wait()  # the driving thread blocked: counted (see [Note: host waits])
+    assert waits.seconds - before >= 0.04
+    slow.wait()  # done: nothing more
+    assert waits.seconds - before < 0.2
     worker.close()
     assert ran == list(range(5)) and len(threads) == 1 and not worker.running
     assert not [t for t in threading.enumerate() if t.name.startswith("ds_patrickstar-host-adam")]

@@ -81,6 +81,26 @@ def test_the_timer_predicts_from_the_previous_iterations_times():
     assert step.optimizer_s == pytest.approx(1 / 10 + 1.0)  # chunk 0 on the device, chunk 1 on the host
 
 
+def test_the_timer_takes_the_hosts_waits_for_host_jobs_out_of_the_moments():
+    """[Note: host waits]: a moment that blocked on a host update is not that long in compute; the model prices
+    the wait (here: the serial host Adam, 1 s) instead of finding it in the moment's time too."""
+    ticks, waited = iter(range(0, 100, 2)), [0.0]
+    timer = StepTimer(lambda: float(next(ticks)), lambda a, b: b - a, {0: 1, 1: 1}, PROFILE, overlap=False,
+                      waited=lambda: waited[0])
+    trace = _trace(("fwd:a", (0,)), ("fwd:b", (1,)), ("step", ()))
+    plan = _plan([0] * 3, [0] * 3, [0] * 3)
+    for _ in range(2):
+        for index in range(3):
+            timer.begin_moment(index)
+            waited[0] += 1.5 if index == 1 else 0.0  # moment 1 waits 1.5 s of its 2
+        step = timer.end_step(trace, plan, {0})
+    assert step is not None and step.compute_s == pytest.approx(2.0 + 0.5 + (2.0 - 1.1))  # step: less its Adam
+    for index in range(2):  # a third iteration, up to its second moment
+        timer.begin_moment(index)
+        waited[0] += 1.5 if index == 1 else 0.0
+    assert timer.traced_times(3) == pytest.approx([2.0, 0.5, 0.0])  # the moment under way up to now, then 0
+
+
 def test_a_twin_run_exports_its_predicted_step_once_two_steps_were_timed():
     steps = run_case("twin_1rank_ga1")[0]["steps"]
     assert [s["counters"]["predicted_step_s"] > 0 for s in steps] == [False, False, True]

@@ -256,7 +256,8 @@ def _move_model_holds(chunk_map: ChunkMap) -> bool:
 def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile: DeviceProfile) -> StepTimer:
     """The step-time model's clock and figures (see [Note: step-time model] and [Note: device profile])."""
     elements = {c.chunk_id: c.used for c in chunk_map.trainable_owned()}
-    return StepTimer(accel.clock, accel.seconds_between, elements, profile, overlap)
+    waits = accel.host_waits  # see [Note: host waits] in memory/host_work.py
+    return StepTimer(accel.clock, accel.seconds_between, elements, profile, overlap, lambda: waits.seconds)
 
 
 def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str | None) -> list[torch.nn.Module]:

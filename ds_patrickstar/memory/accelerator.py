@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .host_pool import HostPool
-from .host_work import HostWorker
+from .host_work import HostWaits, HostWorker
 from .ledger import DeviceLedger
 from .pending import Pending
 from .released_views import ReleasedViews
@@ -54,7 +54,8 @@ class Accelerator:
         self._deferred: list[tuple[Pending, torch.Tensor, int, str]] = []  # frees waiting on a copy
         self._backed: dict[int, tuple[torch.Tensor, int, str]] = {}  # storage data_ptr -> (tensor, bytes, kind)
         self.host_pool = HostPool(self._pin_host, self._unpin_host, self.host_alignment)
-        self.host_worker = HostWorker()
+        self.host_waits = HostWaits()  # see [Note: host waits] in host_work.py
+        self.host_worker = HostWorker(self.host_waits)
         self.released_views = ReleasedViews()  # see [Note: released parameters read as empty]
 
     # ---- memory -------------------------------------------------------------------

@@ -202,7 +202,7 @@ class EmulatedAccelerator(Accelerator):
         """Deferred until waited on, its buffers poisoned until then (see [Note: overlapped host Adam])."""
         for pending in after:
             pending.wait_host()
-        job = DeferredHostJob(work, writes)
+        job = DeferredHostJob(work, writes, self.host_waits)
         self._host_jobs = [j for j in self._host_jobs if not j.done()] + [job]
         return job
 

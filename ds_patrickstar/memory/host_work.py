@@ -26,11 +26,18 @@ On the strict twin the worker's job runs when it is waited on, as the twin's cop
 buffers it writes are poisoned (NaN) until then: a reader that does not wait sees NaN, and a copy
 enqueued from them before the wait raises :class:`~ds_patrickstar.memory.pending.CopyHazard` when
 it runs (see [Note: strict emulated accelerator]).
+
+[Note: host waits]
+The seconds the thread that drives the accelerator spends blocked on host jobs (on the twin: running them)
+add up in :class:`HostWaits`, read at every moment by the step-time model's clock, which takes them out of
+the moment's time: a moment that waited for a host update is not that long in compute, and the model prices
+the wait itself (see [Note: step-time model] in placement/step_time.py).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,16 +46,34 @@ import torch
 from .pending import Pending
 
 
+class HostWaits:
+    """Seconds the driving thread spent waiting for host jobs, a running total (see [Note: host waits])."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, wait: Callable[[], None]) -> None:
+        """Run ``wait`` (a blocking wait for a host job), adding its time."""
+        started = time.perf_counter()
+        try:
+            wait()
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 class HostJob(Pending):
     """A function handed to the host worker; :meth:`wait` blocks until it has run (and raises its error)."""
 
     host_work = True
 
-    def __init__(self, future: Future[None]) -> None:
-        self._future = future
+    def __init__(self, future: Future[None], waits: HostWaits) -> None:
+        self._future, self._waits = future, waits
 
     def wait(self) -> None:
-        self._future.result()
+        if self._future.done():
+            self._future.result()
+        else:
+            self._waits.timed(self._future.result)
 
     def done(self) -> bool:
         return self._future.done()
@@ -58,9 +83,10 @@ class HostWorker:
     """One thread that runs host jobs in the order they were handed over, started at the first job
     and joined by :meth:`close` (see [Note: overlapped host Adam])."""
 
-    def __init__(self) -> None:
+    def __init__(self, waits: HostWaits) -> None:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.waits = waits
 
     def submit(self, work: Callable[[], None], after: list[Pending]) -> HostJob:
         """Run ``work`` once the copies in ``after`` have completed (waited on by the worker)."""
@@ -74,7 +100,7 @@ class HostWorker:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_patrickstar-host-adam")
-            return HostJob(self._executor.submit(job))
+            return HostJob(self._executor.submit(job), self.waits)
 
     @property
     def running(self) -> bool:
@@ -94,9 +120,9 @@ class DeferredHostJob(Pending):
 
     host_work = True
 
-    def __init__(self, work: Callable[[], None], writes: list[torch.Tensor]) -> None:
+    def __init__(self, work: Callable[[], None], writes: list[torch.Tensor], waits: HostWaits) -> None:
         self._work: Callable[[], None] | None = work
-        self._writes = writes
+        self._writes, self._waits = writes, waits
         self._saved = [tensor.clone() for tensor in writes]
         with torch.no_grad():
             for tensor in writes:
@@ -110,7 +136,7 @@ class DeferredHostJob(Pending):
             for tensor, saved in zip(self._writes, self._saved):
                 tensor.copy_(saved)
             self._saved = []
-            work()
+            self._waits.timed(work)
 
     def done(self) -> bool:
         return self._work is None

@@ -97,6 +97,7 @@ class StepTime:
     compute_s: float
     exposed_transfers_s: float
     optimizer_s: float  # the step's Adam on the critical path (with overlap, the host jobs the forward waits for)
+    step_s: float = 0.0  # of ``compute_s``, the step moment's own time beyond the Adam priced (norm, bookkeeping)
 
     @property
     def total_s(self) -> float:
@@ -131,10 +132,11 @@ def predict_step(
             streams.moment(k, demand, out, [*plan.brought_ahead(k), *activations.ahead.get(k, ())], work)
         compute += work
     exposed = streams.done - compute
+    own = streams.moment_s[step_at] - streams.step_moves if step_at >= 0 else 0.0
     if not overlap or step_at < 0:
-        return StepTime(compute, exposed, device_adam + host_adam)
+        return StepTime(compute, exposed, device_adam + host_adam, own)
     waited = _host_adam_waited(trace, streams.moment_s, step_at, device_adam, host_updated, profile)
-    return StepTime(compute, exposed, device_adam + waited)
+    return StepTime(compute, exposed, device_adam + waited, own)
 
 
 class _Streams:
@@ -147,6 +149,7 @@ class _Streams:
         self.copied = 0.0  # the copy stream has run the moves issued so far
         self.ready: dict[int, float] = {}  # moment -> its chunks brought ahead have arrived
         self.moment_s: list[float] = []
+        self.step_moves = 0.0  # the step moment's own moves
 
     def moment(self, k: int, demand: int, evicted: int, ahead: list[tuple[int, int]], work: float) -> None:
         before = self.done
@@ -166,6 +169,7 @@ class _Streams:
         if self.moment_s:
             self.moment_s[-1] += waited
         moves = to_device / self.profile.to_device_bytes_per_s + to_host / self.profile.to_host_bytes_per_s
+        self.step_moves = moves
         self.done += waited + moves + work
         self.copied = self.done
         self.moment_s.append(moves + work)
@@ -198,9 +202,10 @@ def _host_adam_waited(
 
 
 class StepTimer:
-    """The moments' times on the accelerator's clock and, at the end of each steady-state step, the
-    prediction of the step just taken (see [Note: step-time model]). The times of an iteration are read
-    one step later, when the accelerator has run its marks (no synchronization)."""
+    """The moments' times on the accelerator's clock, less the host's waits for host jobs in them (see [Note:
+    host waits] in memory/host_work.py), and, at the end of each steady-state step, the prediction of the step
+    just taken (see [Note: step-time model]). The times of an iteration are read one step later, when the
+    accelerator has run its marks (no synchronization)."""
 
     def __init__(
         self,
@@ -209,19 +214,23 @@ class StepTimer:
         elements: Mapping[int, int],
         profile: DeviceProfile,
         overlap: bool,
+        waited: Callable[[], float] = lambda: 0.0,
     ) -> None:
-        self._clock, self._seconds = clock, seconds
+        self._clock, self._seconds, self._waited = clock, seconds, waited
         self._elements = dict(elements)  # trainable owned chunk -> elements Adam updates
         self.profile, self.overlap = profile, overlap
-        self._marks: list[Any] = []
-        self._closed: list[Any] | None = None  # the marks of the previous iteration and its end
+        self._marks: list[tuple[Any, float]] = []  # per moment begun: (the clock's mark, the host's waits so far)
+        self._closed: list[tuple[Any, float]] | None = None  # the marks of the previous iteration and its end
         self.last: StepTime | None = None
 
     def begin_moment(self, index: int) -> None:
         if index == 0:
             self._marks = []
         if index == len(self._marks):
-            self._marks.append(self._clock())
+            self._marks.append(self._mark())
+
+    def _mark(self) -> tuple[Any, float]:
+        return self._clock(), self._waited()
 
     def end_step(
         self,
@@ -232,27 +241,42 @@ class StepTimer:
     ) -> StepTime | None:
         """The prediction for ``trace`` priced with the moment times of the previous iteration (None before two
         iterations of the same length were timed)."""
-        times = self._times(len(trace))
-        self._closed = [*self._marks, self._clock()]
-        if times is None:
+        closed, self._closed = self._closed, [*self._marks, self._mark()]
+        if closed is None or len(closed) != len(trace) + 1:
             return None
-        rate = self.profile.to_device_bytes_per_s
-        compute = [max(0.0, t - (plan.demand[k] + activations.demand.get(k, 0)) / rate) for k, t in enumerate(times)]
+        compute = self.compute(self._between(closed), plan, activations)
+        self.last = self.price(trace, plan, compute, on_device, activations)
+        return self.last
+
+    def price(
+        self,
+        trace: Trace,
+        plan: MovePlan,
+        compute: Sequence[float],
+        on_device: AbstractSet[int],
+        activations: ActivationMoves = NO_ACTIVATION_MOVES,
+    ) -> StepTime:
+        """``trace``'s step with ``plan``'s moves and the states of ``on_device`` on the accelerator."""
         host = {c: n for c, n in self._elements.items() if c not in on_device}
         device = sum(n for c, n in self._elements.items() if c in on_device)
-        self.last = predict_step(trace, plan, compute, host, device, self.profile, self.overlap, activations)
-        return self.last
+        return predict_step(trace, plan, compute, host, device, self.profile, self.overlap, activations)
+
+    def compute(self, times: Sequence[float], plan: MovePlan, activations: ActivationMoves) -> list[float]:
+        """The moments' compute: ``times`` less the bytes ``plan`` and ``activations`` bring on demand there, at
+        the profile's rate (the model prices them apart)."""
+        rate = self.profile.to_device_bytes_per_s
+        return [max(0.0, t - (plan.demand[k] + activations.demand.get(k, 0)) / rate) for k, t in enumerate(times)]
 
     def traced_times(self, moments: int) -> list[float]:
         """The moment times of the iteration under way, the last one up to now, 0 where the accelerator has
         not reached a mark yet, and for the moments still to come (the step's): the compute a plan made at
         the step prices (see [Note: optimizer states by step time] in state_choice.py)."""
-        marks = [*self._marks, self._clock()]
-        times = [self._seconds(a, b) for a, b in zip(marks, marks[1:])]
-        times = [t if t == t else 0.0 for t in times]  # NaN: not reached
-        return (times + [0.0] * moments)[:moments]
+        return (self._between([*self._marks, self._mark()]) + [0.0] * moments)[:moments]
 
-    def _times(self, moments: int) -> list[float] | None:
-        if self._closed is None or len(self._closed) != moments + 1:
-            return None
-        return [self._seconds(a, b) for a, b in zip(self._closed, self._closed[1:])]
+    def _between(self, marks: list[tuple[Any, float]]) -> list[float]:
+        """Seconds between consecutive marks (0 where not reached) less the host's waits between them."""
+        times = []
+        for (start, waited), (end, waited_then) in zip(marks, marks[1:]):
+            seconds = self._seconds(start, end)
+            times.append(max(0.0, seconds - (waited_then - waited)) if seconds == seconds else 0.0)  # NaN: not reached
+        return times
