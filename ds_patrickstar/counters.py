@@ -149,8 +149,11 @@ class StepCounters:
     step and of each re-trace or re-plan, 0 in a steady step"""
     predicted_step_s: float = 0.0
     """seconds the step-time model predicts for this step (see [Note: step-time model]): the moves predicted, priced
-    with the device profile, beside the moments' measured times of the previous step (0: not predicted, as the
-    predicted bytes, or before two steps were timed)"""
+    with the device profile, beside the moments' measured times of the previous step less the host's waits for host
+    updates (0: not predicted, as the predicted bytes, or before two steps were timed)"""
+    planned_step_s: float = 0.0
+    """seconds the plan placement runs with predicted for a step when the step-time model chose it, plus the step's
+    own time as last measured (see [Note: the plan checked on steady times]; 0: no plan chosen by the model)"""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:

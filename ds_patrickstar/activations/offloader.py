@@ -54,7 +54,7 @@ import torch
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
 from ..placement.saved_meter import SavedTensorMeter
-from ..placement.states_room import StatesRoom
+from ..placement.states_room import StatesRoom, with_tide
 from ..placement.step_time import NO_ACTIVATION_MOVES
 from ..placement.tracer import MemoryTracer, Trace
 from .copies import StorageCopies
@@ -95,6 +95,7 @@ class ActivationOffloader:
         self._clock = clock  # the current moment of the iteration
         self.chosen: set[int] | None = None  # None: every block
         self._planned: Trace | None = None
+        self._inputs: tuple[int, list[int], int, list[SegmentRecord]] | None = None  # the traced plan's inputs
         self.priced = NO_ACTIVATION_MOVES  # the planned iteration's copies, as the step-time model prices them
         self._records: list[Segment] = []  # this iteration's segments
         self._forward: list[Segment] = []  # this forward's segments
@@ -135,31 +136,52 @@ class ActivationOffloader:
         if trace is self._planned:
             return
         records = [s.record() for s in self._records]
+        self._inputs = (budget, chunk_needs(trace), stranded, records)
         if self.mode == "auto":
-            self._plan_auto(trace, budget, chunk_needs(trace), stranded, records, states)
+            self._apply(trace, *self._choose(trace, *self._inputs, states))
         self._planned = trace
         self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
 
-    def _plan_auto(
-        self,
+    def replan(self, trace: Trace, states: StatesRoom) -> None:
+        """The plan of ``trace``'s traced step made again from the same tide and segments, ``states`` priced on
+        other moment times (see [Note: the plan checked on steady times] in placement/step_planner.py); nothing
+        changes where it keeps the same blocks."""
+        if self.mode != "auto" or trace is not self._planned or self._inputs is None:
+            return
+        moments = len(self._inputs[1])  # those the traced step planned from: the step's own came after
+        traced = with_tide(trace, [m.measured for m in trace.moments[:moments]])
+        traced.truncate(moments)
+        chosen, planned = self._choose(traced, *self._inputs, states)
+        if chosen != self.chosen:
+            self._apply(trace, chosen, planned)
+            self.priced = planned_copies(self._inputs[3], self.chosen)
+
+    @staticmethod
+    def _choose(
         trace: Trace,
         budget: int,
         need: list[int],
         stranded: int,
         records: list[SegmentRecord],
         states: StatesRoom | None,
-    ) -> None:
+    ) -> tuple[set[int], list[int]]:
+        """The blocks "auto" offloads and the tide planned with them, from ``trace``'s traced tide."""
         tide = [m.non_model for m in trace.moments]
         chosen, planned = plan_offload(tide, need, budget, records)
         if chosen and stranded:
             chosen, planned = plan_offload(tide, need, budget - stranded, records)
         if states is not None:
             chosen, planned = plan_for_states(trace, need, budget - stranded, records, (chosen, planned), states)
+        return chosen, planned
+
+    def _apply(self, trace: Trace, chosen: set[int], planned: list[int]) -> None:
+        """Offload ``chosen`` from now on; ``trace`` plans with the tide ``planned``."""
         self.chosen = chosen
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
-        total = sum(s.nbytes for s in self._records if self.chosen and s.block in self.chosen)
+        records = self._inputs[3] if self._inputs is not None else []
+        total = sum(r.nbytes for r in records if r.block in chosen)
         self.copies.host_stack.reset(total)  # see [Note: activation host stack]
         if not self.chosen:
             logger.info("ds_patrickstar: the activations fit beside the chunks: none is offloaded from now on")
@@ -168,7 +190,7 @@ class ActivationOffloader:
             "ds_patrickstar: offloading the activations of blocks %s (%d B per step of %d B saved in blocks)",
             sorted(self.chosen),
             total,
-            sum(s.nbytes for s in self._records),
+            sum(r.nbytes for r in records),
         )
 
     def drop_forward(self) -> None:

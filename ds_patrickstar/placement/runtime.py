@@ -37,8 +37,8 @@ from .positions import TracePositions
 from .saved_meter import SavedTensorMeter
 from .shapes import RetraceReason
 from .state_choice import StateChooser
-from .states_room import StatesRoom
 from .step_plan import StepPlan
+from .step_planner import StepPlanner
 from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, StepTimer
 from .tide_plot import plot_tide
 from .tracer import MemoryTracer, Trace
@@ -62,16 +62,14 @@ class PlacementRuntime:
         self.ledger, self.make_room, self.bring, self.evict = moves.ledger, moves.make_room, moves.bring, moves.evict
         self.after_use, self.movable_room = moves.after_use, moves.movable_room
         self.place_for_update = moves.place_for_update
-        self.predictor = predictor  # the bytes an iteration moves (see [Note: predicted moves]); None: not predicted
-        self.timer = timer if predictor is not None else None  # its time (see [Note: step-time model])
-        self.chooser = chooser  # None: every state that fits (see [Note: optimizer states by step time])
         self.floor = floor  # the fewest bytes any placement moves (see [Note: the bytes floor]); None: not taken
         # None: gradients leave at the step (see [Note: gradients leave in backward])
         self.release = GradientRelease(moves, self.counters, trainable) if trainable is not None else None
         self._on_device: set[int] = set()  # the chunks whose optimizer states live on the accelerator
-        self._chunk_needs = chunk_needs  # per traced moment, what its chunks take (see [Note: chunk bytes per moment])
         largest = max((c.nbytes for c in moves.chunks), default=0)
         self.steps = StepPlan(self.placer.budget, self.placer.policy, chunk_needs, largest, self.counters)
+        # the plans made at a step, their times and forecast (see [Note: the plan checked on steady times])
+        self.planning = StepPlanner(self.steps, moves, chunk_needs, predictor, timer, chooser)
         self.label = ""  # the label of the current moment
         self.tide: list[tuple[int, int, int, int]] = []  # (moment, model, non-model, offloaded activation bytes)
         self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
@@ -91,8 +89,8 @@ class PlacementRuntime:
             self.positions.training_moment()
             self.moment = self.moves.at = self.tracer.record(label, chunk_ids, self.ledger)
             self.label, trace = label, self.tracer.current_trace()
-            if self.timer is not None:
-                self.timer.begin_moment(self.moment)
+            if self.planning.timer is not None:
+                self.planning.timer.begin_moment(self.moment)
             if self.moment == 0:
                 self.tide = []
                 self.moves.stranded_peak = 0
@@ -115,7 +113,7 @@ class PlacementRuntime:
 
     @activations.setter
     def activations(self, policy: ActivationPolicy | None) -> None:
-        self._activations = policy
+        self._activations = self.planning.activations = policy
         self.moves.offloading = policy is not None
 
     @property
@@ -226,69 +224,46 @@ class PlacementRuntime:
     def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
         """The step begins: the planner's decision of where the optimizer states of the chunks
         (``capacities``: id -> elements) live from now on, after a (re-)trace or a re-plan; None: where
-        they are (see [Note: placement planner]; the traced iteration's own step plans: [Note: first steps])."""
+        they are (see [Note: placement planner]; the traced iteration's own step plans: [Note: first steps];
+        the next step checks that plan: [Note: the plan checked on steady times])."""
         self.tracer.cover_previous()  # before any plan is made from a trace for larger inputs
         note_retrace(self.counters, self.tracer.retraced)
         over = self.positions.take_over()
-        trace = self.tracer.current_trace()
-        if trace is None:  # the step of the iteration being traced plans from it (see [Note: first steps])
-            traced = self.tracer.last_iteration()
-            if traced is None:
-                return None
-            times = self.timer.traced_times(len(traced)) if self.timer is not None else []  # one reading a plan
-            if self.activations is not None:
-                room = self.movable_room(), self._chunk_needs, self.moves.stranded_peak
-                self.activations.plan(traced, *room, self._states_room(capacities, times))
-            return self.steps.decide(traced, {}, capacities, lambda t, fill: self._choose_states(t, fill, times))
-        return self.steps.decide(trace, over, capacities, self._choose_states)
-
-    def _choose_states(self, trace: Trace, fill: set[int], times: list[float] | None = None) -> set[int]:
-        """Of ``fill``, the states the step-time model places (all without a chooser), and the moves' choices;
-        ``times``: the moments' times the plan prices (None: the iteration's up to now)."""
-        if self.chooser is None or self.timer is None:
-            return fill
-        times = times if times is not None else self.timer.traced_times(len(trace))
-        choice = self.chooser(trace, fill, self.placer.resident, times, priced_copies(self.activations))
-        self.placer.distance = choice.distance  # see [Note: prefetch distance]
-        self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
-        return set(choice.on_device)
-
-    def _states_room(self, capacities: dict[int, int], times: list[float]) -> StatesRoom | None:
-        """Where the step-time model chooses the states: the room activation offload may make for them."""
-        if self.chooser is None or self.timer is None:
-            return None
-        chooser, resident = self.chooser, self.placer.resident
-        return StatesRoom(self.steps, capacities, lambda t, fill, copies: chooser(t, fill, resident, times, copies))
+        return self.planning.plan(self.tracer.current_trace(), self.tracer.last_iteration(), over, capacities)
 
     def step_moment(self, on_device: set[int]) -> None:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator."""
         trace = self.tracer.current_trace()
         self.moves.store.step_begins()  # see [Note: clean evictions] in store/clean_copies.py
         self.steps.settle(trace, on_device)
-        if self.predictor is not None and trace is not None:
+        predictor = self.planning.predictor
+        if predictor is not None and trace is not None:
             placer, fixed = self.placer, self.ledger.by_kind.get("optim", 0)
-            self.predictor.update(trace, fixed, placer.resident, on_device, placer.distance, placer.order)
+            predictor.update(trace, fixed, placer.resident, on_device, placer.distance, placer.order)
         self._on_device = set(on_device)
         self.begin_moment("step", tuple(sorted(on_device)))
 
     def accumulation_begins(self, chunk_needs: Callable[[Trace], list[int]]) -> None:
         """Needs that count accumulators, no move model, a new plan (see [Note: accumulation begun by the caller])."""
-        self._chunk_needs = self.steps.chunk_needs = chunk_needs
-        self.predictor, self.timer, self.chooser, self.release = None, None, None, None
+        self.steps.chunk_needs = self.planning.chunk_needs = chunk_needs
+        self.planning.stop()
+        self.release = None
         self.steps.forget()
 
     def end_step(self) -> None:
         self.moves.store.step_ends()
         note_peaks(self.counters, self.ledger, self.tracer.non_model_now(self.ledger), self.tracer.meter)
-        predicted = self.predictor.plan if self.predictor is not None else None
-        if predicted is not None and self.predictor is not None:
-            note_prediction(self.counters, predicted, self.placer, chosen=self.chooser is not None)
+        planning = self.planning
+        predicted = planning.predictor.plan if planning.predictor is not None else None
+        if predicted is not None:
+            note_prediction(self.counters, predicted, self.placer, chosen=planning.chooser is not None)
         if self.floor is not None and (planned := self.tracer.current_trace()) is not None:
             self.counters.bytes_floor = self.floor.update(planned)
         trace = self.tracer.last_iteration()
-        if self.timer is not None and predicted is not None and trace is not None:
-            step = self.timer.end_step(trace, predicted, self._on_device, priced_copies(self.activations))
+        if planning.timer is not None and predicted is not None and trace is not None:
+            step = planning.timer.end_step(trace, predicted, self._on_device, priced_copies(self.activations))
             self.counters.predicted_step_s = step.total_s if step is not None else 0.0
+        planning.note(self.counters)
 
 
 def _plot_last_tide(

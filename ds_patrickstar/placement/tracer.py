@@ -105,6 +105,7 @@ class Trace:
     moments: list[Moment] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)
     revision: int = 0  # moves when a moment's reading or planned tide changes (what the move model reads)
+    _stale: set[tuple[int, bool]] = field(default_factory=set)  # readings the next one replaces (restart_readings)
 
     def add(self, moment: Moment) -> None:
         index = len(self.moments)
@@ -162,9 +163,18 @@ class Trace:
         moment ``index``, in its hook or ``late`` (after it): the most of the readings is kept, and
         :attr:`revision` moves when it rises."""
         old = self.moments[index]
-        if nbytes > (old.read_late if late else old.read):
+        stale = (index, late) in self._stale
+        self._stale.discard((index, late))
+        if nbytes > (old.read_late if late else old.read) or (
+            stale and nbytes != (old.read_late if late else old.read)
+        ):
             self.moments[index] = replace(old, read_late=nbytes) if late else replace(old, read=nbytes)
             self.revision += 1
+
+    def restart_readings(self) -> None:
+        """The plan changed: each moment's next reading replaces the most read so far, which another plan's
+        allocations left (see [Note: the plan checked on steady times] in step_planner.py)."""
+        self._stale = {(index, late) for index in range(len(self.moments)) for late in (False, True)}
 
     def set_non_model(self, index: int, non_model: int) -> None:
         """The tide planned at moment ``index`` (activation offload re-plans it, see
