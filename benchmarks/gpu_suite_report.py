@@ -215,14 +215,17 @@ def _sweep(result: dict) -> list[str]:
                             _f(moved, "{:.1f}", MB) + _floor(counters),
                             *(f"{phases[k] * 1e3:.1f}" for k in ("forward", "backward", "step")),
                             _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB),
-                            f"{t['step_s']:.3f} / {_f(t.get('predicted_step_s'), '{:.3f}') or 'n/a'}{ahead}"])
+                            f"{t['step_s']:.3f} / {_f(t.get('predicted_step_s'), '{:.3f}') or 'n/a'}"
+                            f" / {_f(t.get('planned_step_s'), '{:.3f}') or 'n/a'}{ahead}"])
     size = part["trials"][0]
     return [f"**Equal memory** ({size['size']}, {_f(size.get('params'), '{:.4g} M', 1e6)} params: ours at "
             "`device_budget` B, ZeRO-3 offload held to B by `torch.cuda.set_per_process_memory_fraction`; a point's "
             "GiB are an 80 GB GPU's, scaled by this GPU's memory, or this GPU's where the command has "
             "`--sweep-absolute`; B in GiB; MB moved: ours' counters, bytes_to_device + "
             "bytes_to_host of the last step (floor: the fewest any placement of the trace moves, `bytes_floor`); "
-            "predicted: the engine's `predicted_step_s` counter, n/a without it, "
+            "predicted: the engine's `predicted_step_s` counter (the step's moves priced with the previous "
+            "iteration's times), planned: its `planned_step_s` (the plan's forecast when it was chosen), n/a "
+            "without them, "
             "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md), \"free first\" "
             "where it evicts unchanged chunks first and \"accumulators kept\" where evicted payloads leave their "
             "gradient accumulators on the GPU (`eviction_order`); "
@@ -230,7 +233,7 @@ def _sweep(result: dict) -> list[str]:
             "step-time model).",
             "", *_table(["point", "backend", "B (GiB)", "status", "tokens/s", "ours / ZeRO-3 offload",
                          "MB moved / step", "forward (ms)", "backward (ms)", "engine.step() (ms)", "GPU max (GiB)",
-                         "step measured / predicted (s)"], rows), ""]
+                         "step measured / predicted / planned (s)"], rows), ""]
 
 
 def _lora(result: dict) -> list[str]:

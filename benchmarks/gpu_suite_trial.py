@@ -17,7 +17,7 @@ Backends: ``ours`` (stage "patrickstar"; ``--emulate-budget B`` runs it on the s
 ``device_budget`` B, the dry run), ``zero3-offload`` (stock ZeRO-3, ``offload_param`` + ``offload_optimizer``
 to the CPU; on a machine without CUDA plain ZeRO-3 on the CPU stands in for it; ``--memory-fraction F`` holds
 it to that share of the GPU, ``torch.cuda.set_per_process_memory_fraction``) and ``zero3`` (no offload).
-``predicted_step_s`` is the engine's counter of that name where it has one (else None).
+``predicted_step_s`` and ``planned_step_s`` are the engine's counters of those names where it has them (else None).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from bench_harness import backend_config, build_under_init, changing_lengths, st
 
 BACKENDS = ("ours", "zero3-offload", "zero3")
 PHASES = ("forward", "backward", "step")
-COUNTER_KEYS = ("predicted_step_s", "prefetches", "retraces_shape", "tide_replans",
+COUNTER_KEYS = ("predicted_step_s", "planned_step_s", "prefetches", "retraces_shape", "tide_replans",
                 "bytes_to_device", "bytes_to_host", "evictions", "adam_chunks_host", "adam_chunks_device",
                 "host_bytes_allocated", "model_bytes_host", "model_bytes_device", "peak_device_bytes",
                 "frozen_bytes_device", "frozen_bytes_host", "prefetch_hits", "grads_released_in_backward",
@@ -271,12 +271,13 @@ def summarize(args, cfg, n_params: int, warm: list[dict], records: list[dict]) -
         tokens = sum(r["tokens"] for r in records) / len(records)
     flops = gpt_model.flops_per_token(cfg, n_params, args.seq_len) * tokens
     predicted = (records[-1].get("counters") or {}).get("predicted_step_s")
+    planned = (records[-1].get("counters") or {}).get("planned_step_s")
     return {**steady, "step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
             "tflops": flops / step_s / 1e12, "tflops_6n": 6 * n_params * tokens / step_s / 1e12,
             "phases_s": {k: statistics.median(r[k] for r in records) for k in (*PHASES, "other")},
             "adam_s": {k: statistics.median(r[k] for r in records) for k in ("adam_s", "adam_host_s")
                        if k in records[0]},
-            "predicted_step_s": predicted, "final_loss": records[-1]["loss"]}
+            "predicted_step_s": predicted, "planned_step_s": planned, "final_loss": records[-1]["loss"]}
 
 
 def run(args) -> dict:
