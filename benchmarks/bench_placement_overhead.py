@@ -33,8 +33,8 @@ Two tables
 
 How to read it
     ``us/moment`` is the bookkeeping per moment (access + after_forward or take_grad), split into
-    ``victims``, the time choosing what to evict (``Placer.victims``, the eviction queue, timed by
-    wrapping it on the instance), and ``rest``. If a column is
+    ``victims``, the time choosing what to evict (``Placer.victims`` and ``Placer.victims_used_after``, the
+    eviction queue, timed by wrapping them on the instance), and ``rest``. If a column is
     O(1) per moment it stays flat as the chunk count grows while ``ms/iter`` grows linearly (more
     moments). Under each table the ratio of the largest to the smallest chunk count is printed
     per column: ~1 means flat. ``epilogue ms`` is O(chunks) per iteration by nature (every tensor
@@ -119,10 +119,11 @@ class Setup:
         infos = [self.manager.map.info(p) for p in self.params]  # chunk i holds parameter i
         self.moments = [infos[i:i + per_moment] for i in range(0, n, per_moment)]
         self.grad = torch.zeros(elems)
-        # Time spent choosing eviction victims (the resident scan and the Belady sort), by wrapping
-        # the two calls on these instances (the library is not modified).
+        # Time spent choosing eviction victims (the eviction queue), by wrapping the two calls on this
+        # instance (the library is not modified): for a moment's room, and for a prefetch's (most here).
         self.choose_s = 0.0
         self._time(self.runtime.placer, "victims")
+        self._time(self.runtime.placer, "victims_used_after")
 
     def _time(self, obj, name: str) -> None:
         fn = getattr(obj, name)
@@ -293,7 +294,7 @@ def main() -> None:
                                 lambda n: max(2 * args.per_moment, int(n * args.budget_fraction)), args))
     print("\nms/iter: forward + backward moments + epilogue (end_backward, finish_step), median; us/moment: the "
           "moments only, per moment, split into victims (choosing what to evict: "
-          "Placer.victims, the O(log resident chunks) eviction queue) and rest; "
+          "Placer.victims and victims_used_after, the O(log resident chunks) eviction queue) and rest; "
           "resident: the budget in chunks; evict/prefetch/hits: StepCounters of one iteration; setup s: "
           "building the objects.")
     if not any(r["prefetches"] for t in tables for r in t["results"]):
