@@ -50,13 +50,7 @@ joins the file; the losses unchanged. Written again when the bytes floor at seve
 the groups each moment uses: ``bytes_floor`` 155,755 -> 179,808 in ``twin_2rank_ga1`` and 75,755 -> 94,187 in
 ``twin_2rank_ga2``; nothing else moved. Written again when offloaded activations took their pinned host memory
 from one stack kept across steps (see [Note: activation host stack]): ``host_bytes_allocated`` only (the stack's
-slab held between steps, sized to the planned offload), the losses unchanged. Written again for
-``twin_1rank_device_adam`` when the step after the traced one planned once more (see [Note: the plan checked on
-steady times]): from the trace with its step moment, whose 7 chunks updated on the accelerator count among the
-busiest moment's, the fill rule places 7 states instead of 8, and among those the step-time model keeps the same 7
-with free evictions first (``eviction_order`` 0 -> 1; Belady's order moves 131,072 B there, free first 114,688);
-the second step moves 16,384 B more each way while the order changes at its step, the steady steps the same
-65,536 / 49,152 B; ``bytes_floor`` and ``host_pinnings`` joined this case's entries; the losses unchanged.
+slab held between steps, sized to the planned offload), the losses unchanged.
 """
 from __future__ import annotations
 

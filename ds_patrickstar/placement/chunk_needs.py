@@ -22,6 +22,11 @@ might:
   [Note: flat group buffers] in groups/flat.py) from the group's first backward moment of the
   micro-step to its last, whether or not the group is held then (a recomputation may run between
   two of its gradients); the boundary reduce-scatters in the group's own storage.
+
+The step moment's chunks (those updated on the accelerator) are brought one at a time, each after room is made
+for it alone, and no group is gathered for the update: the step needs its largest owned chunk, not all of them
+(counting all of them, every plan made after the traced step's, which has no step moment yet, placed fewer
+states than the traced step's on the same tide).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ def chunk_needs(trace: Trace, chunk_map: ChunkMap, accumulate: bool) -> list[int
     sizes = [chunk_map.group_bytes(g, accumulate) for g in range(chunk_map.num_groups)]
     groups = [{chunk_id // world for chunk_id in chunks} for chunks in trace.held_chunks()]
     needs = [sum(sizes[g].storage + sizes[g].owned + sizes[g].joined for g in held) for held in groups]
+    for index, moment in enumerate(trace.moments):
+        if moment.label == "step":  # one owned chunk at a time, nothing gathered
+            needs[index] = max((sizes[g].owned for g in groups[index]), default=0)
     if not accumulate:
         return needs
     micro = trace.micro_steps()
