@@ -4,6 +4,7 @@ without any other test noticing; the LoRA benchmark drives ``max_model.py``'s tr
 helpers with a model of its own; and every script at least imports."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,14 +12,28 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_placement_overhead_benchmark_runs_at_a_tiny_size():
+def test_placement_overhead_benchmark_runs_at_a_tiny_size(tmp_path):
+    out = tmp_path / "overhead.json"
     done = subprocess.run(
         [sys.executable, "benchmarks/bench_placement_overhead.py", "--chunks", "64", "--fraction-chunks", "64",
-         "--iters", "1"],
+         "--iters", "1", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "us/moment" in done.stdout and "evict/it" in done.stdout, done.stdout[-2000:]
+    rows = [row for table in json.loads(out.read_text())["tables"] for row in table["results"]]
+    assert rows and all(row["us_choose_per_moment"] > 0 for row in rows)  # the victims chosen are timed
+
+
+def test_host_contention_benchmark_runs_at_a_tiny_size():
+    """``bench_host_contention.py`` (its CUDA half needs a GPU): the host Adam beside the main thread's operations."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_host_contention.py", "--adam-elements", "65536", "--launches", "50",
+         "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("small ops on") >= 2, done.stdout[-2000:]  # alone, beside (all threads, one fewer)
 
 
 def test_lora_max_benchmark_trains_a_tiny_lora_gpt(tmp_path):
