@@ -161,6 +161,36 @@ def test_offload_device_not_none_cpu_or_nvme_is_an_error():
         _init(_config(offload_param={"device": "gpu"}))
 
 
+@pytest.mark.parametrize("figures,said", [
+    ({"to_device_bytes_per_s": 0}, r"device_profile\.to_device_bytes_per_s=0 is invalid: Input should be greater "
+                                    r"than 0; use a number > 0 \(device_profile\.to_device_bytes_per_s: Copies"),
+    ({"host_adam_elements_per_s": "fast"}, r"device_profile\.host_adam_elements_per_s='fast' is invalid: expected"),
+    ({"host_adam_elements_per_s": True}, r"device_profile\.host_adam_elements_per_s=True is invalid: expected"),
+    ({"to_device_GBps": 55}, r"device_profile\.to_device_GBps=55 is not an option of zero_optimization\."
+                             r"device_profile; the options are: device_adam_elements_per_s, host_adam_elements_per_s"),
+])
+def test_device_profile_figures_are_positive_numbers_under_their_names(figures, said):
+    from ds_patrickstar.integration.config import parse_patrickstar_options
+
+    with pytest.raises(ValueError, match=rf"zero_optimization\.{said}"):
+        parse_patrickstar_options({"stage": "patrickstar", "device_profile": figures})
+
+
+def test_device_profile_figures_given_replace_those_measured():
+    """[Note: device profile]: on the emulated accelerator the H100's figures, each one given in its place."""
+    from ds_patrickstar.integration.config import ProfileFigures
+    from ds_patrickstar.integration.device_profile import device_profile
+    from ds_patrickstar.memory.emulated import EmulatedAccelerator
+    from ds_patrickstar.placement.step_time import H100_PROFILE, DeviceProfile
+
+    accel = EmulatedAccelerator(1 << 20)
+    given = device_profile(accel, ProfileFigures(host_adam_elements_per_s=1e9))
+    assert given.host_adam_elements_per_s == 1e9 and given.to_device_bytes_per_s == H100_PROFILE.to_device_bytes_per_s
+    every = {"to_device_bytes_per_s": 1.0, "to_host_bytes_per_s": 2.0, "host_adam_elements_per_s": 3.0,
+             "device_adam_elements_per_s": 4.0}
+    assert device_profile(accel, ProfileFigures(**every)) == DeviceProfile(**every)
+
+
 @pytest.mark.parametrize("key,value", [("device_budget", "4GB"), ("device_budget", "4GiB"), ("keep_gathered", "1 MiB")])
 def test_sizes_accept_units(key, value):
     from ds_patrickstar.integration.config import parse_patrickstar_options

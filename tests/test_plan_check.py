@@ -3,23 +3,18 @@ plan checked on steady times] in placement/step_planner.py): the traced iteratio
 block offloaded, the one-time costs) hide every transfer and host update, so the plans it prices tie."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from counter_runs import CASES, train_case
 
 
 @pytest.fixture
 def clocked(monkeypatch):
-    """A slow host Adam and the accelerator's clock made virtual: each moment of the traced iteration takes 100 ms,
-    each one after its plan 1 ms; the host's waits for host jobs are not counted (what the twin's host jobs
-    take is not the clock's)."""
-    from ds_patrickstar.integration import device_profile
+    """The accelerator's clock made virtual: each moment of the traced iteration takes 100 ms, each one after its
+    plan 1 ms; the host's waits for host jobs are not counted (what the twin's host jobs take is not the
+    clock's)."""
     from ds_patrickstar.memory import emulated, host_work
-    from ds_patrickstar.placement import step_planner, step_time
+    from ds_patrickstar.placement import step_planner
 
-    profile = dataclasses.replace(step_time.H100_PROFILE, host_adam_elements_per_s=4e5)
-    monkeypatch.setattr(device_profile, "H100_PROFILE", profile)
     now = {"t": 0.0, "dt": 0.1}
 
     def clock(self):
@@ -39,10 +34,13 @@ def clocked(monkeypatch):
 
 
 def test_the_next_step_places_the_states_the_steady_times_pay_for(clocked):
-    """Priced beside 100 ms moments, the host Adam of three chunks (30 ms) hides and 7 states go on the
-    accelerator (the fewest bytes); beside 1 ms moments it does not, and the check places 9, moving the bytes
-    predicted from then on; the losses are the same (placement never changes a value)."""
-    steps = train_case(0, 1, CASES["twin_1rank_device_adam"])["steps"]
+    """With a host Adam of 4e5 elements/s (``device_profile``): priced beside 100 ms moments, the host Adam of
+    three chunks (30 ms) hides and 7 states go on the accelerator (the fewest bytes); beside 1 ms moments it does
+    not, and the check places 9, moving the bytes predicted from then on; the losses are the same (placement
+    never changes a value)."""
+    case = CASES["twin_1rank_device_adam"]
+    slow = {**case, "zero": {**case["zero"], "device_profile": {"host_adam_elements_per_s": 4e5}}}
+    steps = train_case(0, 1, slow)["steps"]
     counters = [step["counters"] for step in steps]
     assert [(c["adam_chunks_device"], c["adam_chunks_host"]) for c in counters] == [(7, 3), (9, 1), (9, 1)]
     steady = counters[2]

@@ -37,6 +37,9 @@ def test_default_cuda_budget_is_free_memory_less_the_reserve(monkeypatch):
         ({"optimizer_placement": "fill"}, True, []),
         ({"optimizer_placement": "fill", "placement": "static"}, True, ["optimizer_placement"]),
         ({"optimizer_placement": "time"}, False, ["optimizer_placement"]),
+        ({"device_profile": {"host_adam_elements_per_s": 1e9}}, False, ["device_profile"]),
+        ({"device_profile": {"host_adam_elements_per_s": 1e9}, "placement": "static"}, True, ["device_profile"]),
+        ({"device_profile": {"host_adam_elements_per_s": 1e9}}, True, []),
     ],
 )
 def test_ineffective_keys(keys, placement_runs, idle):

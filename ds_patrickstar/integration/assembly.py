@@ -135,7 +135,7 @@ def make_placement(
     if isinstance(accel, EmulatedAccelerator):
         meter = SavedTensorMeter(lambda s: s._cdata in model_storages, accel.activation_memory)
     owned = {c.chunk_id for c in chunk_map.owned_chunks()}
-    profile = device_profile(accel) if options.placement == "auto" else H100_PROFILE
+    profile = device_profile(accel, options.device_profile) if options.placement == "auto" else H100_PROFILE
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
     store.copies.enabled = _keeps_copies(options)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from ..disk.config import NvmeOffload, check_same_folder, means_nvme, parse_nvme, tier_settings
@@ -37,6 +38,30 @@ _STOCK_ALIASES = {
     "param_persistence_threshold": "stage3_param_persistence_threshold",
     "model_persistence_threshold": "stage3_model_persistence_threshold",
 }
+
+
+class ProfileFigures(BaseModel):
+    """``device_profile``: figures the step-time model prices a step with in place of those measured at
+    initialize (see [Note: device profile]); each one left out is measured (on a GPU) or the H100's (on the
+    emulated accelerator)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    to_device_bytes_per_s: float | None = Field(default=None, gt=0)
+    """Copies from pinned host memory to the accelerator, bytes per second (an H100 measured 5.4e10)."""
+    to_host_bytes_per_s: float | None = Field(default=None, gt=0)
+    """Copies from the accelerator to pinned host memory, bytes per second."""
+    host_adam_elements_per_s: float | None = Field(default=None, gt=0)
+    """The host Adam kernel, elements per second on this host's cores (an H100 machine's 16: 5.4e9)."""
+    device_adam_elements_per_s: float | None = Field(default=None, gt=0)
+    """The accelerator's Adam kernel, elements per second."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        if isinstance(value, (bool, str)):
+            raise ValueError(f"expected a positive number (such as 5.4e10), not {value!r}")
+        return value
 
 
 class PatrickStarConfig(BaseModel):
@@ -163,6 +188,12 @@ class PatrickStarConfig(BaseModel):
     ZeRO-3), and no gloo side group is made (with NCCL, no gloo networking). Its cost is the
     ``lockstep_checks`` and ``agreement_seconds`` counters (see [Note: lockstep modes])."""
 
+    device_profile: ProfileFigures | None = None
+    """With placement: the step-time model's figures (bandwidth each way, the host and the accelerator Adam's
+    rates) given instead of measured at initialize, any of them (see [Note: device profile]): for a machine
+    whose probe misreads, or to price the emulated accelerator as another GPU would be. Left out: measured on
+    a GPU (about 0.1 s at initialize), an H100's on the emulated accelerator."""
+
     emulate_accelerator: bool = False
     """On a CPU-only machine, run the placement machinery against an emulated accelerator of
     device_budget bytes: separate buffers, real copies, an enforced budget. For testing."""
@@ -193,10 +224,17 @@ class PatrickStarConfig(BaseModel):
 
     def _idle_placement_keys(self, placement_runs: bool, set_keys: set[str]) -> list[str]:
         if not placement_runs:
-            keys = ("placement", "static_fraction", "device_budget", "offload_activations", "overlap_host_adam")
+            keys = (
+                "placement",
+                "static_fraction",
+                "device_budget",
+                "offload_activations",
+                "overlap_host_adam",
+                "device_profile",
+            )
             return [k for k in (*keys, "optimizer_placement") if k in set_keys]
-        idle = "static_fraction" if self.placement == "auto" else "optimizer_placement"
-        return [idle] if idle in set_keys else []
+        idle = ("static_fraction",) if self.placement == "auto" else ("optimizer_placement", "device_profile")
+        return [key for key in idle if key in set_keys]
 
     @field_validator("leaf_module", mode="before")
     @classmethod
@@ -253,20 +291,37 @@ class PatrickStarConfig(BaseModel):
         return value
 
 
+def _field_at(loc: list[str]) -> tuple[type[BaseModel], FieldInfo | None]:
+    """The model holding the last key of ``loc`` (a block such as ``device_profile`` has its own) and its field."""
+    model: type[BaseModel] = PatrickStarConfig
+    for depth, part in enumerate(loc):
+        field = model.model_fields.get(part)
+        if field is None or depth == len(loc) - 1:
+            return model, field
+        nested = [t for t in get_args(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not nested:
+            return model, field
+        model = nested[0]
+    return model, None
+
+
 def _describe(error: ErrorDetails) -> str:
     loc = [str(p) for p in error["loc"] if p not in ("int", "float")]  # int | float: the key, not the member
     key = ".".join(loc) or "zero_optimization"
     value = error.get("input")
+    model, field = _field_at(loc)
     if error["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(PatrickStarConfig.model_fields))
-        return f"zero_optimization.{key}={value!r} is not an option of stage 'patrickstar'; the options are: {allowed}"
-    field = PatrickStarConfig.model_fields.get(str(error["loc"][0])) if error["loc"] else None
+        allowed = ", ".join(sorted(model.model_fields))
+        where = "stage 'patrickstar'" if model is PatrickStarConfig else f"zero_optimization.{'.'.join(loc[:-1])}"
+        return f"zero_optimization.{key}={value!r} is not an option of {where}; the options are: {allowed}"
     if field is None:
         return f"zero_optimization.{key}={value!r}: {error['msg']}"
     low = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
     high = next((m.le for m in field.metadata if hasattr(m, "le")), None)
     kind = "an integer" if field.annotation is int else "a number"
     use = f"; use {kind} {f'>= {low}' if high is None else f'from {low} to {high}'}" if low is not None else ""
+    above = next((m.gt for m in field.metadata if hasattr(m, "gt")), None)
+    use = use or (f"; use a number > {above}" if above is not None else "")
     doc = " ".join((field.description or "").split()).split(". ")[0].rstrip(".")
     msg = error["msg"].removeprefix("Value error, ")
     return f"zero_optimization.{key}={value!r} is invalid: {msg}{use} ({key}: {doc})"

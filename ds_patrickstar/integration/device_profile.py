@@ -11,7 +11,8 @@ to the device and 53 GB/s back, where the figures this project measured on an H1
 host Adam ran 1.5x slower than that H100 machine's: priced with another machine's figures, placement picks
 for the wrong machine. On the strict emulated accelerator there is nothing to measure: it prices with the
 H100's figures (:data:`~ds_patrickstar.placement.step_time.H100_PROFILE`), so that the twin's choices are
-those the H100 would make. The profile is logged once at initialize.
+those the H100 would make. ``zero_optimization.device_profile`` gives any of the four figures instead (all
+four: nothing is measured). The profile is logged once at initialize.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import fields, replace
 
 import torch
 
@@ -27,6 +29,7 @@ from ..memory.cuda import CudaAccelerator
 from ..optim.adam_math import AdamHyper
 from ..optim.chunk_adam import adam_backend
 from ..placement.step_time import H100_PROFILE, DeviceProfile
+from .config import ProfileFigures
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +39,21 @@ REPEATS = 3
 _HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
 
 
-def device_profile(accel: Accelerator) -> DeviceProfile:
-    """The accelerator's own figures on CUDA, the H100's elsewhere (see [Note: device profile])."""
+def device_profile(accel: Accelerator, given: ProfileFigures | None = None) -> DeviceProfile:
+    """The accelerator's own figures on CUDA, the H100's elsewhere, each one ``given`` in its place (see [Note:
+    device profile])."""
+    figures = given.model_dump(exclude_none=True) if given is not None else {}
+    if len(figures) == len(fields(DeviceProfile)):
+        profile = DeviceProfile(**figures)
+    else:
+        profile = replace(measured_profile(accel), **figures)
+    if figures:
+        logger.info("ds_patrickstar: device profile %s (given: %s)", profile, ", ".join(sorted(figures)))
+    return profile
+
+
+def measured_profile(accel: Accelerator) -> DeviceProfile:
+    """The accelerator's own figures on CUDA, the H100's elsewhere."""
     if not isinstance(accel, CudaAccelerator):
         return H100_PROFILE
     device = accel.device
