@@ -16,7 +16,9 @@ The iteration being traced is planned at its own step, from what it recorded (ev
 own): "auto" activation offload first (from the traced tide, with no optimizer state on the accelerator, see
 [Note: auto activation offload]), then where the optimizer states live, which the step moves there now. So
 the next iteration already runs the plan (prefetch, Belady, the states in place, gradients leaving in
-backward): one-time costs are paid by the traced step, and the steady state begins with the second step.
+backward): one-time costs are paid by the traced step, and the steady state begins with the second step. That
+step makes the plan again on its own iteration's moment times (see [Note: the plan checked on steady times] in
+step_planner.py); where that changes the plan, the steady state begins with the third.
 """
 
 from __future__ import annotations
