@@ -71,3 +71,43 @@ def test_the_step_needs_its_largest_chunk_not_all_of_them():
     for label, chunks in [("fwd:a", (0, 1, 2, 3)), ("bwd:a", (0, 1, 2, 3)), ("step", (0, 2))]:
         trace.add(Moment(label, chunks, 0))
     assert chunk_needs(trace, chunk_map, accumulate=False) == [900, 900, 200]
+
+
+def test_the_check_offloads_more_activations_where_the_steady_times_pay_for_the_states(clocked, dist):
+    """A checkpointed GPT at 260 kB with a host Adam of 1e5 elements/s: beside the traced iteration's 100 ms
+    moments every activation plan ties and none is offloaded; beside 1 ms moments, offloading three blocks so that
+    the fill rule places two more states is priced faster (0.12 s against 0.14 s), so the check offloads them from
+    the third step on; the moves are those predicted, and the losses those of the run that offloads nothing."""
+    slow, slow_counters = _checkpointed_run({"host_adam_elements_per_s": 1e5})
+    plain, _ = _checkpointed_run(None)
+    assert slow == plain
+    assert [c["activation_bytes_offloaded"] > 0 for c in slow_counters] == [True, False, True, True]
+    assert slow_counters[1]["adam_chunks_device"] == slow_counters[0]["adam_chunks_device"] + 1 == 5
+    for counters in slow_counters[2:]:
+        assert counters["activation_bytes_offloaded"] == counters["activation_bytes_restored"] == 49_152
+        assert counters["bytes_to_device"] == counters["predicted_bytes_to_device"] > 0
+        assert counters["bytes_to_host"] == counters["predicted_bytes_to_host"] > 0
+
+
+def _checkpointed_run(profile: dict | None) -> tuple[list[float], list[dict]]:
+    import deepspeed
+    from test_activation_offload import BATCH, SEED, build_checkpointed
+
+    import ds_patrickstar  # noqa: F401
+
+    model, batch = build_checkpointed(SEED)
+    zero = {"stage": "patrickstar", "chunk_size": 2048, "emulate_accelerator": True, "device_budget": 260_000}
+    if profile is not None:
+        zero["device_profile"] = profile
+    config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zero}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    losses, counters = [], []
+    for step in range(4):
+        loss = engine(*batch(step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        counters.append(engine.get_patrickstar_counters())
+    engine.destroy()
+    return losses, counters
