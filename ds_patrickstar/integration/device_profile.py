@@ -43,12 +43,13 @@ def device_profile(accel: Accelerator, given: ProfileFigures | None = None) -> D
     """The accelerator's own figures on CUDA, the H100's elsewhere, each one ``given`` in its place (see [Note:
     device profile])."""
     figures = given.model_dump(exclude_none=True) if given is not None else {}
+    if not figures:
+        return measured_profile(accel)
     if len(figures) == len(fields(DeviceProfile)):
         profile = DeviceProfile(**figures)
     else:
         profile = replace(measured_profile(accel), **figures)
-    if figures:
-        logger.info("ds_patrickstar: device profile %s (given: %s)", profile, ", ".join(sorted(figures)))
+    logger.info("ds_patrickstar: device profile %s (given: %s)", profile, ", ".join(sorted(figures)))
     return profile
 
 
