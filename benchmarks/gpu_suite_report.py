@@ -178,16 +178,23 @@ def _first_steps(result: dict) -> list[str]:
                 cells.append(f"{name} {who}: {t['warmup_steps']} warm-up steps, "
                              f"{t['first_steps_extra_s']:+.2f} s over steady{_warmup_phases(t)}")
     return ["**First steps** (their extra time over the steady median; per warm-up step: seconds, forward / backward "
-            "/ `engine.step()` in ms, and ours' planning, counter `plan_seconds`): " + "; ".join(cells) + "."] \
-        if cells else []
+            "/ `engine.step()` in ms, and ours' planning, counter `plan_seconds`, with the plan it made: the "
+            "optimizer states its Adam updated on the GPU / on the host, the plan's forecast `planned_step_s`): "
+            + "; ".join(cells) + "."] if cells else []
 
 
 def _warmup_phases(trial: dict) -> str:
     steps = []
     for r in trial.get("warmup_records", []):
-        planned = (r.get("counters") or {}).get("plan_seconds")
+        counters = r.get("counters") or {}
+        planned = counters.get("plan_seconds")
         phases = " / ".join(f"{r[k] * 1e3:.0f}" for k in ("forward", "backward", "step") if k in r)
-        steps.append(f"{r['wall_s']:.2f} s ({phases}{f', planned {planned:.2f} s' if planned else ''})")
+        plan = ""
+        if planned:
+            plan = (f", planned {planned:.2f} s: {counters.get('adam_chunks_device', '?')} / "
+                    f"{counters.get('adam_chunks_host', '?')} states, "
+                    f"forecast {_f(counters.get('planned_step_s'), '{:.3f} s') or 'n/a'}")
+        steps.append(f"{r['wall_s']:.2f} s ({phases}{plan})")
     return f" ({', '.join(steps)})" if steps else ""
 
 
