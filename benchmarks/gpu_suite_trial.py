@@ -11,7 +11,8 @@ timed steps on random tokens (``bench_harness.timed_steps``) and writes one JSON
 time (synchronized) and the forward / backward / ``engine.step()`` times (CUDA events on the current stream on
 CUDA, ``time.perf_counter`` on the CPU), ours' counters of the step (bytes moved, Adam chunks on host/device,
 host bytes), the host's RSS (now and peak), ``torch.cuda.host_memory_stats()`` where torch has it, the GPU's
-peak allocation and, on CUDA, the pinned copy bandwidth both ways (to turn ours' bytes moved into seconds).
+peak allocation and, on CUDA, the pinned copy bandwidth both ways (to turn ours' bytes moved into seconds), after
+the run (``pinned``) and right after initialize (``pinned_at_start``: no step's host Adam can be running beside it).
 
 Backends: ``ours`` (stage "patrickstar"; ``--emulate-budget B`` runs it on the strict emulated accelerator with
 ``device_budget`` B, the dry run), ``zero3-offload`` (stock ZeRO-3, ``offload_param`` + ``offload_optimizer``
@@ -302,6 +303,7 @@ def run(args) -> dict:
     start = time.perf_counter()
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)
     init_s = time.perf_counter() - start
+    pinned_at_start = pinned_bandwidth()  # before any step: no host Adam beside the probe (see "pinned" below)
     device, timer, adam = get_accelerator().current_device_name(), PhaseTimer(cuda), AdamClock(engine, args.backend)
     if args.paddings:  # the fixed length first, then dynamic padding on the same engine
         runs = {}
@@ -327,7 +329,7 @@ def run(args) -> dict:
             "activation_checkpointing": cfg.activation_checkpointing,
             "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in trainable),
             "losses": [r["loss"] for r in records], **figures, "host": host, "gpu_max_allocated_bytes": gpu_max,
-            "pinned": pinned_bandwidth()}
+            "pinned": pinned_bandwidth(), "pinned_at_start": pinned_at_start}
 
 
 def main(argv=None):
