@@ -2,7 +2,9 @@
 
 [Note: auto activation offload]
 The plan is made once per trace, at the optimizer step of the iteration that was traced (see
-[Note: moments and the trace]), from that iteration. That iteration offloads every block (so
+[Note: moments and the trace]), from that iteration (and made again from the same records at the next step,
+where the step-time model prices the plans, see [Note: the plan checked on steady times] in
+placement/step_planner.py). That iteration offloads every block (so
 that it fits whenever any plan does), and the offloader records, for each block's segment in it
 (see [Note: activation offload]), the bytes it saved and the moments it spent off the
 accelerator (from the moment after its copies out were waited on to the moment whose compute

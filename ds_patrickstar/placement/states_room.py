@@ -18,7 +18,9 @@ step-time model] in step_time.py). The fastest plan is kept; predicted steps wit
 :data:`~ds_patrickstar.placement.state_choice.TIE` of it are a tie, which goes to the fewest bytes moved
 (chunks and activations), then to the fewest blocks offloaded. Logged; counters ``activation_bytes_offloaded``
 and ``adam_chunks_device`` show the outcome, ``plan_seconds`` the search's host time beside the states' plan (each
-plan priced is a search of the states, see [Note: optimizer states by step time]). On the strict twin the
+plan priced is a search of the states, see [Note: optimizer states by step time]). The traced step prices them
+beside its own iteration's moment times, beside which everything hides; the next step prices them again on its
+iteration's times (see [Note: the plan checked on steady times] in step_planner.py). On the strict twin the
 H100 profile's transfers hide behind the CPU's compute, every plan ties and the first is kept.
 """
 

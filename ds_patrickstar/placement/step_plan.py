@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 class StepPlan:
-    """The planner's step decisions, made once per trace (or re-plan); see the module docstring."""
+    """The planner's step decisions, made once per trace (then checked, or re-planned); see the module docstring."""
 
     def __init__(
         self,
