@@ -149,7 +149,9 @@ def test_on_the_twin_a_slow_host_adam_makes_room_for_states_by_offloading_activa
     assert h100["activation_bytes_offloaded"] == 0 < slow["activation_bytes_offloaded"]
     assert slow["adam_chunks_device"] > h100["adam_chunks_device"]
     assert slow_losses == h100_losses
-    assert len(made) == len(asked) - 1  # the states on the tide kept: the choice its pricing made, not searched again
+    # the states on the tide kept: the choice its pricing made, not searched again (at the traced step, and at the
+    # next, which prices the plans again on its own times: see [Note: the plan checked on steady times])
+    assert len(made) == len(asked) - 2
 
 
 def _twin_run(build, seed, batch_size, steps):

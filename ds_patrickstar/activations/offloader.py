@@ -149,8 +149,7 @@ class ActivationOffloader:
         if self.mode != "auto" or trace is not self._planned or self._inputs is None:
             return
         moments = len(self._inputs[1])  # those the traced step planned from: the step's own came after
-        traced = with_tide(trace, [m.measured for m in trace.moments[:moments]])
-        traced.truncate(moments)
+        traced = with_tide(trace, [m.measured for m in trace.moments[:moments]])  # its step moment as it stands
         chosen, planned = self._choose(traced, *self._inputs, states)
         if chosen != self.chosen:
             self._apply(trace, chosen, planned)
@@ -165,8 +164,9 @@ class ActivationOffloader:
         records: list[SegmentRecord],
         states: StatesRoom | None,
     ) -> tuple[set[int], list[int]]:
-        """The blocks "auto" offloads and the tide planned with them, from ``trace``'s traced tide."""
-        tide = [m.non_model for m in trace.moments]
+        """The blocks "auto" offloads and the tide planned with them, from ``trace``'s traced tide (its moments
+        ``need`` covers)."""
+        tide = [m.non_model for m in trace.moments[: len(need)]]
         chosen, planned = plan_offload(tide, need, budget, records)
         if chosen and stranded:
             chosen, planned = plan_offload(tide, need, budget - stranded, records)

@@ -172,8 +172,9 @@ def plan_for_states(
     """Of ``base`` (the blocks :func:`plan_offload` chose for the traced ``trace`` and the tide planned with them)
     and plans offloading more blocks so that the fill rule places more optimizer states, the one the step-time
     model prices fastest (see [Note: activations offloaded for optimizer states] in placement/states_room.py).
-    ``room``: what the chunks and the tide share at a moment."""
-    tide = [m.non_model for m in trace.moments]
+    ``room``: what the chunks and the tide share at a moment; ``need``, per moment planned (``trace`` may hold a step
+    moment after them, priced as it stands)."""
+    tide = [m.non_model for m in trace.moments[: len(need)]]
     options = [base]
     for cap in states.caps(with_tide(trace, base[1])):
         blocks, planned = plan_offload(tide, [max(n, room - cap) for n in need], room, records)
