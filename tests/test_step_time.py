@@ -101,6 +101,18 @@ def test_the_timer_takes_the_hosts_waits_for_host_jobs_out_of_the_moments():
     assert timer.traced_times(3) == pytest.approx([2.0, 0.5, 0.0])  # the moment under way up to now, then 0
 
 
+def test_a_plan_waits_for_the_accelerator_to_reach_now_before_reading_the_moments():
+    """On CUDA a mark the accelerator has not run reads NaN (0 in the times): the backward's last moments would be
+    priced as free; the timer waits for the mark of now first."""
+    ticks, reached = iter(range(100)), set()
+    seconds = lambda a, b: float(b - a) if b in reached else float("nan")  # noqa: E731
+    timer = StepTimer(lambda: next(ticks), seconds, {0: 1}, PROFILE, overlap=False, reach=reached.add)
+    for index in range(3):
+        timer.begin_moment(index)
+        reached.add(index)  # the marks of the moments begun so far have run
+    assert timer.traced_times(3) == [1.0, 1.0, 1.0]  # the last moment up to now: read once now was reached
+
+
 def test_a_twin_run_exports_its_predicted_step_once_two_steps_were_timed():
     steps = run_case("twin_1rank_ga1")[0]["steps"]
     assert [s["counters"]["predicted_step_s"] > 0 for s in steps] == [False, False, True]

@@ -257,7 +257,7 @@ def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile:
     """The step-time model's clock and figures (see [Note: step-time model] and [Note: device profile])."""
     elements = {c.chunk_id: c.used for c in chunk_map.trainable_owned()}
     waits = accel.host_waits  # see [Note: host waits] in memory/host_work.py
-    return StepTimer(accel.clock, accel.seconds_between, elements, profile, overlap, lambda: waits.seconds)
+    return StepTimer(accel.clock, accel.seconds_between, elements, profile, overlap, lambda: waits.seconds, accel.reach)
 
 
 def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str | None) -> list[torch.nn.Module]:

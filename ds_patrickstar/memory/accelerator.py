@@ -181,6 +181,9 @@ class Accelerator:
         """Seconds between two marks of :meth:`clock` (NaN where the accelerator has not reached them)."""
         return float(end - start)
 
+    def reach(self, mark: Any) -> None:
+        """Wait until the accelerator has run up to ``mark`` (the host's clock is always there)."""
+
     # ---- host work (see [Note: overlapped host Adam] in host_work.py) ---------------
     def host_work(self, work: Callable[[], None], writes: list[torch.Tensor], after: list[Pending]) -> Pending:
         """Run ``work``, which reads and writes the host tensors ``writes``, on the host worker once the

@@ -76,6 +76,9 @@ class CudaAccelerator(Accelerator):
     def seconds_between(self, start: Any, end: Any) -> float:
         return start.elapsed_time(end) / 1000.0 if end.query() else float("nan")
 
+    def reach(self, mark: Any) -> None:
+        mark.synchronize()
+
     def _drain(self) -> None:
         """Copies and collectives still queued on our streams complete before their buffers are freed."""
         self.copy_stream.synchronize()

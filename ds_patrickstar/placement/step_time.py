@@ -215,8 +215,9 @@ class StepTimer:
         profile: DeviceProfile,
         overlap: bool,
         waited: Callable[[], float] = lambda: 0.0,
+        reach: Callable[[Any], None] = lambda mark: None,
     ) -> None:
-        self._clock, self._seconds, self._waited = clock, seconds, waited
+        self._clock, self._seconds, self._waited, self._reach = clock, seconds, waited, reach
         self._elements = dict(elements)  # trainable owned chunk -> elements Adam updates
         self.profile, self.overlap = profile, overlap
         self._marks: list[tuple[Any, float]] = []  # per moment begun: (the clock's mark, the host's waits so far)
@@ -268,10 +269,13 @@ class StepTimer:
         return [max(0.0, t - (plan.demand[k] + activations.demand.get(k, 0)) / rate) for k, t in enumerate(times)]
 
     def traced_times(self, moments: int) -> list[float]:
-        """The moment times of the iteration under way, the last one up to now, 0 where the accelerator has
-        not reached a mark yet, and for the moments still to come (the step's): the compute a plan made at
-        the step prices (see [Note: optimizer states by step time] in state_choice.py)."""
-        return (self._between([*self._marks, self._mark()]) + [0.0] * moments)[:moments]
+        """The moment times of the iteration under way, the last one up to now, and 0 for the moments still to
+        come (the step's): the compute a plan made at the step prices (see [Note: optimizer states by step time]
+        in state_choice.py). The accelerator is waited for up to now first (the backward it still runs would
+        read 0; the step's gradient norm waits for it a moment later anyway)."""
+        now = self._mark()
+        self._reach(now[0])
+        return (self._between([*self._marks, now]) + [0.0] * moments)[:moments]
 
     def _between(self, marks: list[tuple[Any, float]]) -> list[float]:
         """Seconds between consecutive marks (0 where not reached) less the host's waits between them."""
