@@ -105,7 +105,7 @@ def test_a_plan_waits_for_the_accelerator_to_reach_now_before_reading_the_moment
     """On CUDA a mark the accelerator has not run reads NaN (0 in the times): the backward's last moments would be
     priced as free; the timer waits for the mark of now first."""
     ticks, reached = iter(range(100)), set()
-    seconds = lambda a, b: float(b - a) if b in reached else float("nan")  # noqa: E731
+    seconds = lambda a, b: float(b - a) if b in reached else float("nan")
     timer = StepTimer(lambda: next(ticks), seconds, {0: 1}, PROFILE, overlap=False, reach=reached.add)
     for index in range(3):
         timer.begin_moment(index)
