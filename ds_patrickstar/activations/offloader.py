@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -77,6 +77,15 @@ def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return best
 
 
+class _PlanInputs(NamedTuple):
+    """What the ``"auto"`` plan of a traced step was made from (see [Note: auto activation offload])."""
+
+    budget: int
+    need: list[int]  # per moment planned, the chunks' bytes
+    stranded: int
+    records: list[SegmentRecord]
+
+
 class ActivationOffloader:
     """The offload of the chosen blocks' activations over an iteration: its segments, which blocks
     move, and the saved-tensor hooks; see [Note: activation offload]."""
@@ -95,7 +104,7 @@ class ActivationOffloader:
         self._clock = clock  # the current moment of the iteration
         self.chosen: set[int] | None = None  # None: every block
         self._planned: Trace | None = None
-        self._inputs: tuple[int, list[int], int, list[SegmentRecord]] | None = None  # the traced plan's inputs
+        self._inputs: _PlanInputs | None = None  # the traced step's plan's, made again at the check
         self.priced = NO_ACTIVATION_MOVES  # the planned iteration's copies, as the step-time model prices them
         self._records: list[Segment] = []  # this iteration's segments
         self._forward: list[Segment] = []  # this forward's segments
@@ -136,7 +145,7 @@ class ActivationOffloader:
         if trace is self._planned:
             return
         records = [s.record() for s in self._records]
-        self._inputs = (budget, chunk_needs(trace), stranded, records)
+        self._inputs = _PlanInputs(budget, chunk_needs(trace), stranded, records)
         if self.mode == "auto":
             self._apply(trace, *self._choose(trace, *self._inputs, states))
         self._planned = trace
@@ -148,12 +157,12 @@ class ActivationOffloader:
         changes where it keeps the same blocks."""
         if self.mode != "auto" or trace is not self._planned or self._inputs is None:
             return
-        moments = len(self._inputs[1])  # those the traced step planned from: the step's own came after
+        moments = len(self._inputs.need)  # those the traced step planned from: the step's own came after
         traced = with_tide(trace, [m.measured for m in trace.moments[:moments]])  # its step moment as it stands
         chosen, planned = self._choose(traced, *self._inputs, states)
         if chosen != self.chosen:
             self._apply(trace, chosen, planned)
-            self.priced = planned_copies(self._inputs[3], self.chosen)
+            self.priced = planned_copies(self._inputs.records, self.chosen)
 
     @staticmethod
     def _choose(
@@ -180,7 +189,7 @@ class ActivationOffloader:
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
-        records = self._inputs[3] if self._inputs is not None else []
+        records = self._inputs.records if self._inputs is not None else []
         total = sum(r.nbytes for r in records if r.block in chosen)
         self.copies.host_stack.reset(total)  # see [Note: activation host stack]
         if not self.chosen:

@@ -246,21 +246,10 @@ class StepTimer:
         if closed is None or len(closed) != len(trace) + 1:
             return None
         compute = self.compute(self._between(closed), plan, activations)
-        self.last = self.price(trace, plan, compute, on_device, activations)
-        return self.last
-
-    def price(
-        self,
-        trace: Trace,
-        plan: MovePlan,
-        compute: Sequence[float],
-        on_device: AbstractSet[int],
-        activations: ActivationMoves = NO_ACTIVATION_MOVES,
-    ) -> StepTime:
-        """``trace``'s step with ``plan``'s moves and the states of ``on_device`` on the accelerator."""
         host = {c: n for c, n in self._elements.items() if c not in on_device}
         device = sum(n for c, n in self._elements.items() if c in on_device)
-        return predict_step(trace, plan, compute, host, device, self.profile, self.overlap, activations)
+        self.last = predict_step(trace, plan, compute, host, device, self.profile, self.overlap, activations)
+        return self.last
 
     def compute(self, times: Sequence[float], plan: MovePlan, activations: ActivationMoves) -> list[float]:
         """The moments' compute: ``times`` less the bytes ``plan`` and ``activations`` bring on demand there, at

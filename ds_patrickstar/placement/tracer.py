@@ -163,11 +163,10 @@ class Trace:
         moment ``index``, in its hook or ``late`` (after it): the most of the readings is kept, and
         :attr:`revision` moves when it rises."""
         old = self.moments[index]
+        kept = old.read_late if late else old.read
         stale = (index, late) in self._stale
         self._stale.discard((index, late))
-        if nbytes > (old.read_late if late else old.read) or (
-            stale and nbytes != (old.read_late if late else old.read)
-        ):
+        if nbytes > kept or (stale and nbytes != kept):
             self.moments[index] = replace(old, read_late=nbytes) if late else replace(old, read=nbytes)
             self.revision += 1
 
