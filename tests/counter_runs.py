@@ -50,7 +50,13 @@ joins the file; the losses unchanged. Written again when the bytes floor at seve
 the groups each moment uses: ``bytes_floor`` 155,755 -> 179,808 in ``twin_2rank_ga1`` and 75,755 -> 94,187 in
 ``twin_2rank_ga2``; nothing else moved. Written again when offloaded activations took their pinned host memory
 from one stack kept across steps (see [Note: activation host stack]): ``host_bytes_allocated`` only (the stack's
-slab held between steps, sized to the planned offload), the losses unchanged.
+slab held between steps, sized to the planned offload), the losses unchanged. Written again when the traced step
+planned quickly and the next step thoroughly (see [Note: the planner's cost]): ``twin_1rank_device_adam``'s second
+step moves 81,920 B to the device and 65,536 B to the host instead of 65,536 and 49,152 (the check moves one
+chunk's states for another's, 7 on the accelerator either way: a local move the traced step's quick search does
+not make; the steady third step as before), and ``bytes_floor`` and
+``host_pinnings``, counted since, joined every case (the values of ``TIMING_DEPENDENT`` at two ranks kept as they
+were: not compared); the losses unchanged.
 """
 from __future__ import annotations
 

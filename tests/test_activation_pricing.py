@@ -67,7 +67,7 @@ def test_the_bytes_priced_are_the_bytes_moved(dist):
               "zero_optimization": zero}
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     two_steps_then_eval(engine, batch)
-    counters = engine.get_patrickstar_counters()  # the second step's
+    counters = engine.get_patrickstar_counters()  # the last step's
     priced = engine.optimizer.placement.activations.priced
     engine.destroy()
     back = sum(priced.demand.values()) + sum(n for copies in priced.ahead.values() for _, n in copies)
@@ -126,32 +126,49 @@ def test_a_tie_keeps_the_first_plan():
 def test_on_the_twin_a_slow_host_adam_makes_room_for_states_by_offloading_activations(dist, monkeypatch):
     """A checkpointed GPT whose chunks and block inputs fit a 260 kB budget beside half of the optimizer states: with
     an H100's host Adam every plan hides behind the twin's compute and the first plan (nothing offloaded) is kept;
-    with a host Adam a million times slower the traced step offloads blocks so that the fill rule places more
-    states, and the losses are the same bit for bit (the same arithmetic in other places)."""
+    with a host Adam a million times slower the check at the second step offloads blocks so that the fill rule
+    places more states (the third step's counters), and the losses are the same bit for bit (the same arithmetic
+    in other places). No plan prices a candidate twice (see [Note: the planner's cost])."""
     import dataclasses
 
-    from test_activation_offload import BATCH, SEED, build_checkpointed, two_steps_then_eval
+    from test_activation_offload import BATCH, SEED, build_checkpointed
 
     from ds_patrickstar.integration import device_profile
     from ds_patrickstar.placement import state_choice, step_time
 
-    asked, made = [], []  # calls of the chooser, and the searches they ran
-    call, moves = state_choice.StateChooser.__call__, state_choice.choose_moves
-    monkeypatch.setattr(state_choice.StateChooser, "__call__", lambda *a, **k: asked.append(1) or call(*a, **k))
-    monkeypatch.setattr(state_choice, "choose_moves", lambda *a, **k: made.append(1) or moves(*a, **k))
+    priced = []  # what each price depends on: the trace, resident chunks, times, copies, candidate, distance, order
+    real = state_choice.price
+
+    def counted(trace, budget, costs, on_device, resident, compute_s, profile, overlap, *rest):
+        activations = rest[2].key if len(rest) > 2 else None
+        priced.append((tuple(trace.moments), frozenset(resident), tuple(compute_s), activations, frozenset(on_device),
+                       *rest[:2]))
+        return real(trace, budget, costs, on_device, resident, compute_s, profile, overlap, *rest)
+
+    monkeypatch.setattr(state_choice, "price", counted)
     runs = {}
     for name, host_adam in (("h100", step_time.H100_PROFILE.host_adam_elements_per_s), ("slow", 5.4e3)):
         profile = dataclasses.replace(step_time.H100_PROFILE, host_adam_elements_per_s=host_adam)
         monkeypatch.setattr(device_profile, "H100_PROFILE", profile)
-        asked.clear(), made.clear()
-        runs[name] = _twin_run(build_checkpointed, SEED, BATCH, two_steps_then_eval)
+        priced.clear()
+        runs[name] = _twin_run(build_checkpointed, SEED, BATCH, _three_steps_then_eval)
+        assert priced and len(set(priced)) == len(priced)
     (h100_losses, h100), (slow_losses, slow) = runs["h100"], runs["slow"]
     assert h100["activation_bytes_offloaded"] == 0 < slow["activation_bytes_offloaded"]
     assert slow["adam_chunks_device"] > h100["adam_chunks_device"]
     assert slow_losses == h100_losses
-    # the states on the tide kept: the choice its pricing made, not searched again (at the traced step, and at the
-    # next, which prices the plans again on its own times: see [Note: the plan checked on steady times])
-    assert len(made) == len(asked) - 2
+
+
+def _three_steps_then_eval(engine, batch) -> list[float]:
+    """The losses of three training steps and of a forward after them (batches 0 to 3)."""
+    losses = []
+    for step in range(3):
+        loss = engine(*batch(step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    losses.append(engine(*batch(3)).item())
+    return losses
 
 
 def _twin_run(build, seed, batch_size, steps):
@@ -165,6 +182,6 @@ def _twin_run(build, seed, batch_size, steps):
               "zero_optimization": zero}
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     losses = steps(engine, batch)
-    counters = engine.get_patrickstar_counters()  # the second step's
+    counters = engine.get_patrickstar_counters()  # the last step's
     engine.destroy()
     return losses, counters

@@ -82,7 +82,7 @@ def test_the_check_offloads_more_activations_where_the_steady_times_pay_for_the_
     plain, _ = _checkpointed_run(None)
     assert slow == plain
     assert [c["activation_bytes_offloaded"] > 0 for c in slow_counters] == [True, False, True, True]
-    assert slow_counters[1]["adam_chunks_device"] == slow_counters[0]["adam_chunks_device"] + 1 == 5
+    assert slow_counters[0]["adam_chunks_device"] < slow_counters[1]["adam_chunks_device"] == 5
     for counters in slow_counters[2:]:
         assert counters["activation_bytes_offloaded"] == counters["activation_bytes_restored"] == 49_152
         assert counters["bytes_to_device"] == counters["predicted_bytes_to_device"] > 0

@@ -64,7 +64,7 @@ def _distance_forced(rank, world_size, case, distance):
 
     real = state_choice.choose_moves
 
-    def forced(trace, budget, costs, placed, resident, compute_s, profile, overlap, activations):
+    def forced(trace, budget, costs, placed, resident, compute_s, profile, overlap, activations, pricer=None):
         return state_choice.price(trace, budget, costs, placed.on_device, resident, compute_s, profile, overlap,
                                   distance, activations=activations)
 

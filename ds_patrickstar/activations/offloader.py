@@ -134,20 +134,19 @@ class ActivationOffloader:
         budget: int,
         chunk_needs: Callable[[Trace], list[int]],
         stranded: int = 0,
-        states: StatesRoom | None = None,
     ) -> None:
         """With "auto", at the step of the iteration that made ``trace``: which blocks to offload
         from now on, from this iteration's records; ``trace``'s tide becomes the planned one.
         ``stranded``: the most allocator bytes that iteration stranded at a moment, room an offload
-        keeps for the pieces it strands (see [Note: auto activation offload]); with ``states``, more blocks
-        where that makes room for optimizer states and the step-time model predicts a faster step (see
-        [Note: activations offloaded for optimizer states] in placement/states_room.py)."""
+        keeps for the pieces it strands (see [Note: auto activation offload]). More blocks where that makes
+        room for optimizer states are the next step's to choose (:meth:`replan`, see [Note: activations
+        offloaded for optimizer states] in placement/states_room.py)."""
         if trace is self._planned:
             return
         records = [s.record() for s in self._records]
         self._inputs = _PlanInputs(budget, chunk_needs(trace), stranded, records)
         if self.mode == "auto":
-            self._apply(trace, *self._choose(trace, *self._inputs, states))
+            self._apply(trace, *self._choose(trace, *self._inputs, None))
         self._planned = trace
         self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
 

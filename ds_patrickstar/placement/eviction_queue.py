@@ -99,6 +99,7 @@ class EvictionQueue:
         # free evictions (with ``free``), the others, accumulators whose payload is away
         self._heaps: tuple[list[_Entry], list[_Entry], list[_Entry]] = ([], [], [])
         self._stamp: dict[int, int] = {}
+        self._pushed = 0  # entries pushed since the heaps were last compacted
 
     @property
     def entries(self) -> int:
@@ -109,10 +110,13 @@ class EvictionQueue:
         stamp = self._stamp.get(chunk, 0) + 1
         self._stamp[chunk] = stamp
         self._put((priority, chunk, stamp))
-        if self.entries > 2 * len(self._stamp) + 1024:  # superseded entries: compact, O(n) now and then
-            for heap in self._heaps:
-                heap[:] = [e for e in heap if self._stamp.get(e[1]) == e[2]]
-                heapq.heapify(heap)
+        self._pushed += 1
+        if self._pushed > len(self._stamp) + 1024:  # superseded entries: compact, O(n) now and then
+            self._pushed = 0
+            if self.entries > 2 * len(self._stamp) + 1024:
+                for heap in self._heaps:
+                    heap[:] = [e for e in heap if self._stamp.get(e[1]) == e[2]]
+                    heapq.heapify(heap)
 
     def reorder(self, free: Callable[[int], bool] | None) -> None:
         """Free evictions first by ``free`` from now on (None: Belady alone); the priorities stay."""

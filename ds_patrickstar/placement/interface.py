@@ -48,7 +48,6 @@ class ActivationPolicy(Protocol):
         budget: int,
         chunk_needs: Callable[[Trace], list[int]],
         stranded: int = 0,
-        states: StatesRoom | None = None,
     ) -> None: ...
 
     def replan(self, trace: Trace, states: StatesRoom) -> None: ...

@@ -36,6 +36,7 @@ from collections.abc import Set as AbstractSet
 from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder, EvictionQueue, accumulator_key
 from .move_plan import MovePlan
+from .replay_arrays import ReplayArrays, replay_arrays
 from .tracer import Trace
 
 ANY_PRIORITY = 1
@@ -58,8 +59,10 @@ class _Replay:
         uncopied: set[int],
         order: EvictionOrder = EvictionOrder.BELADY,
         accumulators: Mapping[int, int] | None = None,
+        arrays: ReplayArrays | None = None,
     ) -> None:
         self.trace, self.budget, self.sizes, self.resident = trace, budget, sizes, resident
+        self.arrays = arrays if arrays is not None else replay_arrays(trace, sizes)
         self.acc_sizes = accumulators or {}  # chunk -> its accumulator's bytes (gradient accumulation)
         self.acc: set[int] = set()  # chunks whose accumulator exists now
         self.keeps_accumulators = order.keeps_accumulators  # see [Note: accumulators kept] in eviction_queue.py
@@ -103,9 +106,8 @@ class _Replay:
         """The budget less the tide planned from ``moment`` over ``span`` moments and the one after, and the
         memory beside model data now, the tide and the stranded pieces as read at the moment being replayed when
         it was traced (the planner's :func:`~.planner.headroom`)."""
-        at = self.trace.moments[self.at]
-        now = max(at.read, at.read_late) if at.label == "step" else at.read_late if self.late else at.read
-        return self.budget - max(self.trace.non_model_ahead(moment % len(self.trace), span + 1), now)
+        now = (self.arrays.read_late if self.late else self.arrays.read)[self.at]
+        return self.budget - max(self.arrays.tide_ahead(span + 1)[moment % len(self.trace)], now)
 
     def used(self, chunks: set[int]) -> None:
         """The moment used ``chunks``: their next uses move on."""
@@ -155,9 +157,8 @@ class _Replay:
         [Note: gradients leave in backward] in grad_release.py)."""
         if self.at < 1:
             return
-        before, end = self.at - 1, len(self.trace)
-        for chunk in sorted(set(self.trace.moments[before].chunks) & self.resident & host_updated):
-            if self.trace.next_use(chunk, before) >= end:
+        for chunk in self.arrays.last_uses[self.at - 1]:
+            if chunk in self.resident and chunk in host_updated:
                 self.evict(chunk)
 
     def _rejoin(self, chunk: int) -> None:
@@ -212,13 +213,13 @@ class _Replay:
         evicting chunks used only after it; none of a farther moment after one whose chunks did not all fit."""
         keep = set(in_use)
         for target in range(self.at + 1, min(self.at + distance, len(self.trace) - 1) + 1):
-            ahead = self.trace.moments[target].chunks
-            keep.update(ahead)
-            room = self.headroom(self.at + 1, target - self.at)
-            complete = True
-            for chunk in ahead:
-                if chunk in self.resident or chunk not in self.sizes:
+            keep.update(self.trace.moments[target].chunks)
+            room, complete = None, True
+            for chunk in self.arrays.movable[target]:
+                if chunk in self.resident:
                     continue
+                if room is None:
+                    room = self.headroom(self.at + 1, target - self.at)
                 short = self.total() + self.incoming(chunk) - room
                 if short > 0:
                     chosen = self.queue.take_below(short, self._size_unless(keep), -target)
@@ -245,6 +246,7 @@ def simulate_moves(
     frozen: AbstractSet[int] = frozenset(),
     order: EvictionOrder = EvictionOrder.BELADY,
     accumulators: Mapping[int, int] | None = None,
+    arrays: ReplayArrays | None = None,
 ) -> MovePlan:
     """Replay one iteration of ``trace`` (see [Note: predicted moves]): ``sizes``, the movable chunks' bytes
     on the accelerator; ``fixed``, bytes that do not move; ``resident``, the chunks on the accelerator at
@@ -255,8 +257,10 @@ def simulate_moves(
     nothing until a moment's gradients went into it (the trace's ``written``), and ``frozen``, the chunks that
     keep it across the step (see [Note: clean evictions] in store/clean_copies.py); ``order``, the eviction
     order (see [Note: eviction order] in eviction_queue.py); ``accumulators``, with gradient accumulation, each
-    trainable chunk's accumulator bytes."""
-    replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied), order, accumulators)
+    trainable chunk's accumulator bytes; ``arrays``, what the replay reads of ``trace`` (:func:`replay_arrays`,
+    built here where not given)."""
+    replay = _Replay(trace, budget, sizes, fixed, resident, set(uncopied), order, accumulators, arrays)
+    movable = replay.arrays.movable
     accumulating = set(accumulators or ())
     for index, moment in enumerate(trace.moments):
         replay.at = index
@@ -265,10 +269,10 @@ def simulate_moves(
             replay.clean &= set(frozen)
         else:
             replay.release_finished(host_updated)
-        used = {c for c in moment.chunks if c in sizes}
+        used = set(movable[index])
         replay.used(used)
-        for chunk in moment.chunks if moment.label != "step" else ():
-            if chunk in sizes and chunk not in resident:
+        for chunk in movable[index] if moment.label != "step" else ():
+            if chunk not in resident:
                 replay.make_room(replay.incoming(chunk), used)
                 replay.bring(chunk)
         if moment.label == "step":  # Adam in chunk order, each chunk where its states live
@@ -313,10 +317,12 @@ def steady_moves(
 ) -> MovePlan:
     """The moves of a steady-state iteration of ``trace`` with the optimizer states of ``on_device`` (``fixed``
     bytes that do not move) on the accelerator, prefetching ``distance`` moments ahead, evicting in ``order``:
-    the second of two replays from the chunks ``resident`` there now (see [Note: predicted moves])."""
+    the second of two replays from the chunks ``resident`` there now (see [Note: predicted moves]), or the first
+    where it ends with the chunks it began with (the second would be the same)."""
     replay, host_updated = set(resident), set(costs.elements) - set(on_device)
-    frozen = set(costs.sizes) - set(costs.elements)
+    frozen, arrays = set(costs.sizes) - set(costs.elements), replay_arrays(trace, costs.sizes)
     for _ in range(2):
+        start = set(replay)
         plan = simulate_moves(
             trace,
             budget,
@@ -330,7 +336,10 @@ def steady_moves(
             frozen,
             order,
             costs.accumulators,
+            arrays,
         )
+        if replay == start:
+            break
     return plan
 
 

@@ -21,11 +21,35 @@ the fewest bytes moved (a copy engine less busy, and less exposed where the comp
 then to more states on the accelerator. A candidate never needs more room than the fill rule's, so no
 budget the fill rule met is refused.
 
-The moments' compute times are those the traced iteration measured on the accelerator's clock, where it
-has reached them (else 0: the transfers priced as exposed); the profile's rates price the rest. With many
-candidates the search takes a grid of :data:`GRID` points, then halves the interval around the best until
-neighbours are compared: a few dozen replays of the trace, once per (re-)trace. ``tests/test_state_choice.py``
-checks the choice against every subset of the candidates on small traces.
+The moments' compute times are those an iteration measured on the accelerator's clock, where it has reached
+them (else 0: the transfers priced as exposed); the profile's rates price the rest. With many candidates the
+search takes a grid of :data:`GRID` points, then halves the interval around the best until neighbours are
+compared. ``tests/test_state_choice.py`` checks the choice against every subset of the candidates on small
+traces.
+
+[Note: the planner's cost]
+Every candidate priced is two replays of an iteration (see [Note: predicted moves] in move_model.py), and a
+replay's work grows with moments x chunks: at gpt-1.3b's trace size (24 blocks, some 300 moments, 85-100
+chunks) a replay took about 2 ms of host time on a 2-core EPYC, and the plans of the first two steps priced some
+900 candidates there (prefixes and local moves in every eviction order, for each tide the activation offload
+priced, at the traced step and again at its check): 2-6 s of planning while the steady step took 0.2 s. So:
+
+* the traced step plans quickly: the best prefix in Belady's order, then the distance and the order, with no
+  local moves and no extra activation offload for states: its own moment times cannot steer (see [Note: the
+  plan checked on steady times] in step_planner.py), and the next step plans again;
+* the check prices each tide the activation offload weighs the same quick way, then searches the tide kept
+  thoroughly: the best prefix in every eviction order, local moves from each (where :data:`LOCAL_WORK` allows);
+* one :class:`Pricer` per trace, resident set, times and activation copies prices each candidate once: the
+  thorough search reuses the quick one's prices, the moves' choices the searches';
+* the prefix search is exhaustive up to ``2 * GRID`` chunks (18), a grid with halving beyond;
+* a replay reads what it needs of the trace from lists built once per trace (``replay_arrays.py``), and the
+  eviction queue counts its entries instead of summing its heaps at every push;
+* the search's host time is not the step's compute: the step-time model's clock sets it aside
+  (:meth:`~.step_time.StepTimer.set_aside`), as it does the host's waits.
+
+On the twin at that trace size the first two steps' planning went from 2-6 s to 0.3-1.8 s (``benchmarks/
+bench_planning.py``, table in docs/benchmarks.md); counter ``plan_seconds``. Where the traced step's quick plan
+and the check differ, the states move at the second step and the steady state starts at the third.
 
 [Note: prefetch distance]
 After a moment the driver brings ahead the chunks of the next ``distance`` moments, nearest first, each
@@ -58,14 +82,17 @@ from .tracer import Moment, Trace
 
 logger = logging.getLogger(__name__)
 
-GRID = 17
-"""Candidates priced in the first pass of a search over more than ``2 * GRID`` of them."""
+GRID = 9
+"""Candidates priced in the first pass of a search over more than ``2 * GRID`` of them (see [Note: the planner's
+cost])."""
 ROUNDS = 2
 """Rounds of local moves (one chunk's states off, on, or swapped) after the search over prefixes."""
 NEIGHBOURS = 64
 """The most candidates a round of local moves prices."""
-LOCAL_WORK = 200_000
-"""Local moves only where chunks x moments (a replay's work) is at most this: about a second in all."""
+LOCAL_WORK = 40_000
+"""Local moves only where chunks x moments (a replay's work) is at most this: at 85 chunks x 300 moments they
+took about a second of a thorough search on a 2-core EPYC (see [Note: the planner's cost]); beyond, the prefix
+search alone."""
 TIE = 0.02
 """Predicted steps within this fraction of the fastest are a tie, settled by the bytes moved."""
 MAX_DISTANCE = 4
@@ -125,13 +152,15 @@ def choose_moves(
     profile: DeviceProfile,
     overlap: bool,
     activations: ActivationMoves = NO_ACTIVATION_MOVES,
+    pricer: Pricer | None = None,
 ) -> StateChoice:
     """``placed`` (priced one moment ahead, in the order its states were searched in) at the prefetch distance
     and in the eviction order the step-time model prefers: see [Note: prefetch distance] and [Note: eviction
-    order] in eviction_queue.py (free evictions first only where some eviction can be free)."""
-    rates = (profile, overlap)
+    order] in eviction_queue.py (free evictions first only where some eviction can be free). ``pricer``: the
+    prices made so far for these arguments (None: none)."""
+    of = pricer or Pricer(trace, budget, costs, resident, compute_s, profile, overlap, activations)
     candidates = [
-        price(trace, budget, costs, placed.on_device, resident, compute_s, *rates, distance, order, activations)
+        of(placed.on_device, distance, order)
         for distance in range(1, MAX_DISTANCE + 1)
         for order in eviction_orders(costs)
         if (distance, order) != (placed.distance, placed.order)
@@ -151,6 +180,39 @@ def eviction_orders(costs: ChunkCosts) -> list[EvictionOrder]:
     return orders
 
 
+class Pricer:
+    """:func:`price` for one trace, resident set, moment times and activation copies, each candidate priced once
+    (a search, its local moves and the moves' choices share it; see [Note: the planner's cost])."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        budget: int,
+        costs: ChunkCosts,
+        resident: AbstractSet[int],
+        compute_s: Sequence[float],
+        profile: DeviceProfile,
+        overlap: bool,
+        activations: ActivationMoves = NO_ACTIVATION_MOVES,
+    ) -> None:
+        self.trace, self.budget, self.costs, self.resident = trace, budget, costs, resident
+        self.compute_s, self.profile, self.overlap, self.activations = compute_s, profile, overlap, activations
+        self.priced: dict[tuple[frozenset[int], int, EvictionOrder], StateChoice] = {}
+
+    def __call__(
+        self, on_device: AbstractSet[int], distance: int = 1, order: EvictionOrder = EvictionOrder.BELADY
+    ) -> StateChoice:
+        key = (frozenset(on_device), distance, order)
+        if key not in self.priced:
+            args = (self.trace, self.budget, self.costs, key[0], self.resident, self.compute_s, self.profile)
+            self.priced[key] = price(*args, self.overlap, distance, order, self.activations)
+        return self.priced[key]
+
+    def in_order(self, order: EvictionOrder) -> Callable[[frozenset[int]], StateChoice]:
+        """Candidates priced one moment ahead in ``order``."""
+        return lambda chunks: self(chunks, 1, order)
+
+
 def choose_states(
     trace: Trace,
     budget: int,
@@ -166,34 +228,19 @@ def choose_states(
     """Of ``fill`` (the chunks the fill rule places, in its order), the states placed by the predicted step with
     evictions in ``order``: the best prefix, then local moves from it (where the trace is small enough); see
     [Note: optimizer states by step time]."""
-    priced: dict[frozenset[int], StateChoice] = {}
+    of = Pricer(trace, budget, costs, resident, compute_s, profile, overlap, activations).in_order(order)
+    return search_states(fill, of, local_moves_fit(costs, trace))
 
-    def of(chunks: frozenset[int]) -> StateChoice:
-        if chunks not in priced:
-            priced[chunks] = price(
-                trace, budget, costs, chunks, resident, compute_s, profile, overlap, 1, order, activations
-            )
-        return priced[chunks]
 
+def search_states(fill: Sequence[int], of: Callable[[frozenset[int]], StateChoice], local: bool) -> StateChoice:
+    """The best of ``fill``'s prefixes (see :func:`_search`), then, with ``local``, local moves from it."""
     best = _search(len(fill), lambda k: of(frozenset(fill[:k])))
-    if len(costs.sizes) * len(trace) <= LOCAL_WORK:
-        best = _improve(best, fill, of)
-    if logger.isEnabledFor(logging.DEBUG):
-        for chunks, c in sorted(priced.items(), key=lambda item: sorted(item[0])):
-            logger.debug("ds_patrickstar: states of %s: %.6f s, %d B moved", sorted(chunks), c.step.total_s, c.moved)
-    logger.info(
-        "ds_patrickstar: optimizer states of %d of %d chunk(s) on the accelerator by the step-time model (%s "
-        "eviction order): predicted step %.4f s, %d B moved (all %d that fit: %.4f s, %d B)",
-        len(best.on_device),
-        len(costs.elements),
-        order.label,
-        best.step.total_s,
-        best.moved,
-        len(fill),
-        of(frozenset(fill)).step.total_s,
-        of(frozenset(fill)).moved,
-    )
-    return best
+    return _improve(best, fill, of) if local else best
+
+
+def local_moves_fit(costs: ChunkCosts, trace: Trace) -> bool:
+    """Whether a search's local moves are worth their replays here (see :data:`LOCAL_WORK`)."""
+    return len(costs.sizes) * len(trace) <= LOCAL_WORK
 
 
 def _search(most: int, at: Callable[[int], StateChoice]) -> StateChoice:
@@ -263,6 +310,7 @@ class StateChooser:
     ) -> None:
         self.budget, self.costs, self.profile, self.overlap, self.floor = budget, costs, profile, overlap, floor
         self._made: dict[tuple, StateChoice] = {}  # the latest calls' choices, by their arguments
+        self._pricers: dict[tuple, Pricer] = {}  # the latest calls' prices, by what prices depend on
 
     def __call__(
         self,
@@ -271,30 +319,38 @@ class StateChooser:
         resident: AbstractSet[int],
         compute_s: Sequence[float],
         activations: ActivationMoves = NO_ACTIVATION_MOVES,
+        thorough: bool = True,
     ) -> StateChoice:
         """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator, the
         prefetch distance and the eviction order (see [Note: prefetch distance], [Note: eviction order]), beside
-        the offloaded ``activations``' copies. A call with an earlier call's arguments returns its choice: the
-        traced step prices the states on the tide it keeps before placing them (see [Note: activations offloaded
-        for optimizer states] in states_room.py)."""
-        key = (tuple(trace.moments), frozenset(fill), frozenset(resident), tuple(compute_s), activations.key)
+        the offloaded ``activations``' copies. ``thorough``: the best prefix in every eviction order, then local
+        moves from the best; else the best prefix in Belady's order (see [Note: the planner's cost]). A call with
+        an earlier call's arguments returns its choice, and one with the same trace, resident chunks, times and
+        copies reuses its prices: a plan prices the states on the tide it keeps before placing them (see [Note:
+        activations offloaded for optimizer states] in states_room.py)."""
+        context = (tuple(trace.moments), frozenset(resident), tuple(compute_s), activations.key)
+        key = (context, frozenset(fill), thorough)
         if key in self._made:
             return self._made[key]
-        args, rates = (self.budget, self.costs), (self.profile, self.overlap)
+        of = self._pricer(context, trace, activations)
+        fill_order, local = sorted(fill), thorough and local_moves_fit(self.costs, trace)
         placed = best_of(
             [
-                choose_states(trace, *args, sorted(fill), resident, compute_s, *rates, order, activations)
-                for order in eviction_orders(self.costs)
+                search_states(fill_order, of.in_order(order), local)
+                for order in (eviction_orders(self.costs) if thorough else [EvictionOrder.BELADY])
             ]
         )
-        choice = choose_moves(trace, *args, placed, resident, compute_s, *rates, activations)
+        self._log_states(of, placed, fill_order)
+        args, rates = (self.budget, self.costs), (self.profile, self.overlap)
+        choice = choose_moves(trace, *args, placed, resident, compute_s, *rates, activations, pricer=of)
         logger.info(
             "ds_patrickstar: prefetch %d moment(s) ahead, %s eviction order, by the step-time model: predicted "
-            "step %.4f s, %d B moved (one moment ahead, Belady: %.4f s, %d B; no placement moves under %d B)",
+            "step %.4f s, %d B moved (one moment ahead, %s: %.4f s, %d B; no placement moves under %d B)",
             choice.distance,
             choice.order.label,
             choice.step.total_s,
             choice.moved,
+            placed.order.label,
             placed.step.total_s,
             placed.moved,
             self.floor.update(trace),  # see [Note: the bytes floor]
@@ -303,3 +359,31 @@ class StateChooser:
             self._made.clear()
         self._made[key] = choice
         return choice
+
+    def _pricer(self, context: tuple, trace: Trace, activations: ActivationMoves) -> Pricer:
+        """The prices made so far for ``context``: the trace's moments, resident chunks, times, copies' key."""
+        if context not in self._pricers:
+            if len(self._pricers) >= MADE:
+                self._pricers.clear()
+            resident, compute_s, rates = context[1], context[2], (self.profile, self.overlap)
+            self._pricers[context] = Pricer(trace, self.budget, self.costs, resident, compute_s, *rates, activations)
+        return self._pricers[context]
+
+    def _log_states(self, of: Pricer, placed: StateChoice, fill: list[int]) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            for (chunks, distance, order), c in sorted(of.priced.items(), key=lambda item: sorted(item[0][0])):
+                args = (sorted(chunks), distance, order.label, c.step.total_s, c.moved)
+                logger.debug("ds_patrickstar: states of %s (%d ahead, %s): %.6f s, %d B moved", *args)
+        every = of(frozenset(fill), 1, placed.order)
+        logger.info(
+            "ds_patrickstar: optimizer states of %d of %d chunk(s) on the accelerator by the step-time model (%s "
+            "eviction order): predicted step %.4f s, %d B moved (all %d that fit: %.4f s, %d B)",
+            len(placed.on_device),
+            len(self.costs.elements),
+            placed.order.label,
+            placed.step.total_s,
+            placed.moved,
+            len(fill),
+            every.step.total_s,
+            every.moved,
+        )

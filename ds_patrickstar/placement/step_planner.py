@@ -9,15 +9,17 @@ what a run pays once (on a GPU the libraries' handles, the kernels loaded, the a
 buffers' first allocations: the first steps took 4.2-7.1 s on an H200 where the steady ones took 0.19-0.50 s).
 Beside such compute every transfer and host update looks hidden, the plans priced tie, and the tie goes to the
 fewest bytes moved: the step-time model does not steer. On the strict twin's mirror of the 12 GiB point the
-traced iteration's moments took 2.4x the steady ones'.
+traced iteration's moments took 2.4x the steady ones'. So the traced step plans quickly (see [Note: the
+planner's cost] in state_choice.py): the states by the best prefix in Belady's order, then the distance and
+the order, and the activations offloaded only so that the chunks fit.
 
-So the step after the traced one plans once more, from the same trace and its traced tide and segments, with the
-moment times of the iteration just run, the first that ran the plan, less what the model prices apart: the
-host's waits for host updates (see [Note: host waits] in memory/host_work.py) and the bytes it brought on demand
-(at the profile's rate). The activation offload for optimizer states (see [Note: activations offloaded for
-optimizer states] in states_room.py), then the states, the distance and the order are chosen again. Where the
-choice is the same nothing moves; where it differs, the states move at this step and the steady state begins
-with the third step. Re-plans after a risen tide price with the times the same way.
+The step after the traced one plans once more, thoroughly, from the same trace and its traced tide and
+segments, with the moment times of the iteration just run, the first that ran the plan, less what the model
+prices apart: the host's waits for host updates (see [Note: host waits] in memory/host_work.py) and the bytes
+it brought on demand (at the profile's rate). The activation offload for optimizer states (see [Note: activations
+offloaded for optimizer states] in states_room.py), then the states, the distance and the order are chosen
+again. Where the choice is the same nothing moves; where it differs, the states move at this step and the steady
+state begins with the third step. Re-plans after a risen tide price with the times the same way.
 
 Counter ``planned_step_s``: the step the kept plan predicted when it was chosen, plus the step moment's own
 time (the norm, the bookkeeping) as last measured, which no plan sees before its step: the model's forecast to
@@ -27,6 +29,7 @@ which hold whatever the plan made the moments wait for on the accelerator (a cop
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from ..counters import StepCounters
@@ -70,7 +73,17 @@ class StepPlanner:
     ) -> set[int] | None:
         """Where the optimizer states live from this step on (None: where they are): ``trace``, the trace placement
         follows (None while an iteration is traced, ``traced`` then); ``over``: moments whose tide rose above the
-        plan; ``capacities``: the owned chunks' elements."""
+        plan; ``capacities``: the owned chunks' elements. The host time it takes is not the step's compute."""
+        started = time.perf_counter()
+        try:
+            return self._plan(trace, traced, over, capacities)
+        finally:
+            if self.timer is not None:
+                self.timer.set_aside(time.perf_counter() - started)
+
+    def _plan(
+        self, trace: Trace | None, traced: Trace | None, over: dict[int, int], capacities: dict[int, int]
+    ) -> set[int] | None:
         if trace is None:  # the step of the iteration being traced plans from it (see [Note: first steps])
             return self._traced(traced, capacities) if traced is not None else None
         check, self._check = self._check, None
@@ -79,12 +92,13 @@ class StepPlanner:
         return self.steps.decide(trace, over, capacities, lambda t, fill: self._choose(t, fill, self._times(t)))
 
     def _traced(self, traced: Trace, capacities: dict[int, int]) -> set[int] | None:
+        """The traced step's plan: a quick one where the next step checks it (see [Note: the planner's cost])."""
         times = self.timer.traced_times(len(traced)) if self.timer is not None else []  # one reading a plan
         if self.activations is not None:
             room = self.moves.movable_room(), self.chunk_needs, self.moves.stranded_peak
-            self.activations.plan(traced, *room, self._states_room(capacities, times))
+            self.activations.plan(traced, *room)
         self._check = traced if self.chooser is not None else None
-        return self.steps.decide(traced, {}, capacities, lambda t, fill: self._choose(t, fill, times))
+        return self.steps.decide(traced, {}, capacities, lambda t, fill: self._choose(t, fill, times, thorough=False))
 
     def _checked(self, trace: Trace, capacities: dict[int, int]) -> set[int] | None:
         """The traced step's plan made again with the steady times (see [Note: the plan checked on steady times])."""
@@ -109,11 +123,12 @@ class StepPlanner:
     def _copies(self) -> ActivationMoves:
         return self.activations.priced if self.activations is not None else NO_ACTIVATION_MOVES
 
-    def _choose(self, trace: Trace, fill: set[int], times: list[float]) -> set[int]:
-        """Of ``fill``, the states the step-time model places (all without a chooser), and the moves' choices."""
+    def _choose(self, trace: Trace, fill: set[int], times: list[float], thorough: bool = True) -> set[int]:
+        """Of ``fill``, the states the step-time model places (all without a chooser), and the moves' choices;
+        ``thorough``: the chooser's thorough search (see [Note: the planner's cost] in state_choice.py)."""
         if self.chooser is None or self.timer is None:
             return fill
-        choice = self.chooser(trace, fill, self.placer.resident, times, self._copies())
+        choice = self.chooser(trace, fill, self.placer.resident, times, self._copies(), thorough)
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
         self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
         self.forecast = choice.step
@@ -124,7 +139,9 @@ class StepPlanner:
         if self.chooser is None or self.timer is None:
             return None
         chooser, resident = self.chooser, self.placer.resident
-        return StatesRoom(self.steps, capacities, lambda t, fill, copies: chooser(t, fill, resident, times, copies))
+        return StatesRoom(
+            self.steps, capacities, lambda t, fill, copies: chooser(t, fill, resident, times, copies, thorough=False)
+        )
 
     def note(self, counters: StepCounters) -> None:
         """Counter ``planned_step_s`` (see [Note: the plan checked on steady times])."""

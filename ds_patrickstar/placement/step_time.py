@@ -203,9 +203,9 @@ def _host_adam_waited(
 
 class StepTimer:
     """The moments' times on the accelerator's clock, less the host's waits for host jobs in them (see [Note:
-    host waits] in memory/host_work.py), and, at the end of each steady-state step, the prediction of the step
-    just taken (see [Note: step-time model]). The times of an iteration are read one step later, when the
-    accelerator has run its marks (no synchronization)."""
+    host waits] in memory/host_work.py) and the plans' searches, and, at the end of each steady-state step, the
+    prediction of the step just taken (see [Note: step-time model]). The times of an iteration are read one step
+    later, when the accelerator has run its marks (no synchronization)."""
 
     def __init__(
         self,
@@ -222,6 +222,7 @@ class StepTimer:
         self.profile, self.overlap = profile, overlap
         self._marks: list[tuple[Any, float]] = []  # per moment begun: (the clock's mark, the host's waits so far)
         self._closed: list[tuple[Any, float]] | None = None  # the marks of the previous iteration and its end
+        self._aside = 0.0  # host time spent planning, a running total (see :meth:`set_aside`)
         self.last: StepTime | None = None
 
     def begin_moment(self, index: int) -> None:
@@ -231,7 +232,12 @@ class StepTimer:
             self._marks.append(self._mark())
 
     def _mark(self) -> tuple[Any, float]:
-        return self._clock(), self._waited()
+        return self._clock(), self._waited() + self._aside
+
+    def set_aside(self, seconds: float) -> None:
+        """``seconds`` of host time in the current moment that no step repeats (a plan's search, see [Note: the
+        planner's cost] in state_choice.py), taken out of its time as the host's waits are."""
+        self._aside += seconds
 
     def end_step(
         self,
