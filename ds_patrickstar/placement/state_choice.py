@@ -30,9 +30,9 @@ traces.
 [Note: the planner's cost]
 Every candidate priced is two replays of an iteration (see [Note: predicted moves] in move_model.py), and a
 replay's work grows with moments x chunks: at gpt-1.3b's trace size (24 blocks, some 300 moments, 85-100
-chunks) a replay took about 2 ms of host time on a 2-core EPYC, and the plans of the first two steps priced some
+chunks) a replay took a few ms of host time on a 2-core EPYC, and the plans of the first two steps priced some
 900 candidates there (prefixes and local moves in every eviction order, for each tide the activation offload
-priced, at the traced step and again at its check): 2-6 s of planning while the steady step took 0.2 s. So:
+priced, at the traced step and again at its check): 0.9-7.2 s of planning while the steady step took 0.2 s. So:
 
 * the traced step plans quickly: the best prefix in Belady's order, then the distance and the order, with no
   local moves and no extra activation offload for states: its own moment times cannot steer (see [Note: the
@@ -47,9 +47,10 @@ priced, at the traced step and again at its check): 2-6 s of planning while the 
 * the search's host time is not the step's compute: the step-time model's clock sets it aside
   (:meth:`~.step_time.StepTimer.set_aside`), as it does the host's waits.
 
-On the twin at that trace size the first two steps' planning went from 2-6 s to 0.3-1.8 s (``benchmarks/
-bench_planning.py``, table in docs/benchmarks.md); counter ``plan_seconds``. Where the traced step's quick plan
-and the check differ, the states move at the second step and the steady state starts at the third.
+On the twin at that trace size the first two steps' planning went from 0.9-7.2 s to 0.15-1.4 s
+(``benchmarks/bench_planning.py``, table in docs/benchmarks.md); counter ``plan_seconds``. Where the traced
+step's quick plan and the check differ, the states move at the second step and the steady state starts at the
+third.
 
 [Note: prefetch distance]
 After a moment the driver brings ahead the chunks of the next ``distance`` moments, nearest first, each
