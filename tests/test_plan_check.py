@@ -55,6 +55,33 @@ def test_the_next_step_places_the_states_the_steady_times_pay_for(clocked):
     assert [step["losses"] for step in steps] == golden
 
 
+def test_the_traced_step_plans_quickly_and_the_check_thoroughly(monkeypatch):
+    """[Note: the planner's cost]: the traced step's own times cannot steer, so it searches the prefixes in Belady's
+    order alone, without local moves; the check searches every eviction order with local moves on the activation
+    plan it keeps."""
+    from ds_patrickstar.placement import state_choice, step_planner
+
+    phase, searched = [""], []  # the plan under way; (plan, eviction order, with local moves) per search
+    for name in ("_traced", "_checked"):
+        real = getattr(step_planner.StepPlanner, name)
+        monkeypatch.setattr(step_planner.StepPlanner, name,
+                            lambda self, *a, real=real, name=name: phase.__setitem__(0, name) or real(self, *a))
+    search = state_choice.search_states
+
+    def recorded(fill, of, local):
+        chosen = search(fill, of, local)
+        searched.append((phase[0], chosen.order, local))
+        return chosen
+
+    monkeypatch.setattr(state_choice, "search_states", recorded)
+    train_case(0, 1, CASES["twin_1rank_device_adam"])
+    traced = {(order, local) for plan, order, local in searched if plan == "_traced"}
+    checked = {(order, local) for plan, order, local in searched if plan == "_checked"}
+    assert traced == {(0, False)}
+    # Belady's and free-first (clean evictions), local moves in each; the activation plans it weighs, the quick way
+    assert checked == {(0, True), (1, True), (0, False)}
+
+
 def test_the_step_needs_its_largest_chunk_not_all_of_them():
     """[Note: chunk bytes per moment]: the chunks updated on the accelerator come one at a time at the step, and no
     group is gathered for the update; a forward moment holds its groups gathered (at two ranks: storage too)."""

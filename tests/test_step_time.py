@@ -101,6 +101,22 @@ def test_the_timer_takes_the_hosts_waits_for_host_jobs_out_of_the_moments():
     assert timer.traced_times(3) == pytest.approx([2.0, 0.5, 0.0])  # the moment under way up to now, then 0
 
 
+def test_the_timer_sets_a_plans_host_time_aside():
+    """[Note: the planner's cost]: the search a step makes once is not the step moment's compute, which the next
+    iteration's prediction prices again (the twin's third step read the check's 0.6-1.5 s as step time)."""
+    ticks = iter(range(0, 100, 2))
+    timer = StepTimer(lambda: float(next(ticks)), lambda a, b: b - a, {0: 1}, PROFILE, overlap=False)
+    trace = _trace(("fwd:a", (0,)), ("step", ()))
+    plan = _plan([0] * 2, [0] * 2, [0] * 2)
+    for _ in range(2):
+        for index in range(2):
+            timer.begin_moment(index)
+            if index == 1:
+                timer.set_aside(1.5)  # the step planned for 1.5 s of its 2
+        step = timer.end_step(trace, plan, {0})
+    assert step is not None and step.compute_s == pytest.approx(2.0 + 0.5 - 0.1)  # step: less its Adam
+
+
 def test_a_plan_waits_for_the_accelerator_to_reach_now_before_reading_the_moments():
     """On CUDA a mark the accelerator has not run reads NaN (0 in the times): the backward's last moments would be
     priced as free; the timer waits for the mark of now first."""
