@@ -174,20 +174,20 @@ def _losses(mode: str, wait: bool) -> list[float]:
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     if not wait:
         engine.optimizer.placement.activations.copies.__class__ = NoWait
-    losses = two_steps_then_eval(engine, batch)
+    losses = steps_then_eval(engine, batch)
     engine.destroy()
     return losses
 
 
-def two_steps_then_eval(engine, batch) -> list[float]:
-    """The losses of two training steps and of a forward after them (batches 0, 1, 2)."""
+def steps_then_eval(engine, batch, steps: int = 2) -> list[float]:
+    """The losses of ``steps`` training steps and of a forward after them (batches 0 to ``steps``)."""
     losses = []
-    for step in range(2):
+    for step in range(steps):
         loss = engine(*batch(step))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    losses.append(engine(*batch(2)).item())
+    losses.append(engine(*batch(steps)).item())
     return losses
 
 

@@ -24,7 +24,7 @@ from test_activation_offload import (
     Layer,
     TinyGPT,
     _batches,
-    two_steps_then_eval,
+    steps_then_eval,
 )
 
 INPUT_BYTES = BATCH * SEQ * WIDTH * 4  # one block's input, fp32
@@ -160,7 +160,7 @@ def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]
         if not wait:
             engine.optimizer.placement.activations.copies.__class__ = NoWaitForHeld
         try:
-            return two_steps_then_eval(engine, batch)
+            return steps_then_eval(engine, batch)
         finally:
             engine.destroy()
 

@@ -56,7 +56,7 @@ def test_the_bytes_priced_are_the_bytes_moved(dist):
     """Offload "all" on the strict twin: the copies the planner prices for a steady step are the bytes the
     offloader counted out and back in it."""
     import deepspeed
-    from test_activation_offload import BATCH, SEED, build_checkpointed, two_steps_then_eval
+    from test_activation_offload import BATCH, SEED, build_checkpointed, steps_then_eval
 
     import ds_patrickstar  # noqa: F401
 
@@ -66,7 +66,7 @@ def test_the_bytes_priced_are_the_bytes_moved(dist):
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": zero}
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    two_steps_then_eval(engine, batch)
+    steps_then_eval(engine, batch)
     counters = engine.get_patrickstar_counters()  # the last step's
     priced = engine.optimizer.placement.activations.priced
     engine.destroy()
@@ -131,7 +131,7 @@ def test_on_the_twin_a_slow_host_adam_makes_room_for_states_by_offloading_activa
     in other places). No plan prices a candidate twice (see [Note: the planner's cost])."""
     import dataclasses
 
-    from test_activation_offload import BATCH, SEED, build_checkpointed
+    from test_activation_offload import BATCH, SEED, build_checkpointed, steps_then_eval
 
     from ds_patrickstar.integration import device_profile
     from ds_patrickstar.placement import state_choice, step_time
@@ -151,24 +151,12 @@ def test_on_the_twin_a_slow_host_adam_makes_room_for_states_by_offloading_activa
         profile = dataclasses.replace(step_time.H100_PROFILE, host_adam_elements_per_s=host_adam)
         monkeypatch.setattr(device_profile, "H100_PROFILE", profile)
         priced.clear()
-        runs[name] = _twin_run(build_checkpointed, SEED, BATCH, _three_steps_then_eval)
+        runs[name] = _twin_run(build_checkpointed, SEED, BATCH, lambda e, b: steps_then_eval(e, b, steps=3))
         assert priced and len(set(priced)) == len(priced)
     (h100_losses, h100), (slow_losses, slow) = runs["h100"], runs["slow"]
     assert h100["activation_bytes_offloaded"] == 0 < slow["activation_bytes_offloaded"]
     assert slow["adam_chunks_device"] > h100["adam_chunks_device"]
     assert slow_losses == h100_losses
-
-
-def _three_steps_then_eval(engine, batch) -> list[float]:
-    """The losses of three training steps and of a forward after them (batches 0 to 3)."""
-    losses = []
-    for step in range(3):
-        loss = engine(*batch(step))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    losses.append(engine(*batch(3)).item())
-    return losses
 
 
 def _twin_run(build, seed, batch_size, steps):
