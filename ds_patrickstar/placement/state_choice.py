@@ -34,11 +34,11 @@ chunks) a replay took a few ms of host time on a 2-core EPYC, and the plans of t
 900 candidates there (prefixes and local moves in every eviction order, for each tide the activation offload
 priced, at the traced step and again at its check): 0.9-7.2 s of planning while the steady step took 0.2 s. So:
 
-* the traced step plans quickly: the best prefix in Belady's order, then the distance and the order, with no
-  local moves and no extra activation offload for states: its own moment times cannot steer (see [Note: the
+* the traced step plans quickly: the best prefix in each eviction order, then the distance and the order, with
+  no local moves and no extra activation offload for states: its own moment times cannot steer (see [Note: the
   plan checked on steady times] in step_planner.py), and the next step plans again;
 * the check prices each tide the activation offload weighs the same quick way, then searches the tide kept
-  thoroughly: the best prefix in every eviction order, local moves from each (where :data:`LOCAL_WORK` allows);
+  thoroughly: local moves from each order's best prefix (where :data:`LOCAL_WORK` allows);
 * one :class:`Pricer` per trace, resident set, times and activation copies prices each candidate once: the
   thorough search reuses the quick one's prices, the moves' choices the searches';
 * the prefix search is exhaustive up to ``2 * GRID`` chunks (18), a grid with halving beyond;
@@ -324,8 +324,8 @@ class StateChooser:
     ) -> StateChoice:
         """Of ``fill`` (the chunks the fill rule places), those whose states live on the accelerator, the
         prefetch distance and the eviction order (see [Note: prefetch distance], [Note: eviction order]), beside
-        the offloaded ``activations``' copies. ``thorough``: the best prefix in every eviction order, then local
-        moves from the best; else the best prefix in Belady's order (see [Note: the planner's cost]). A call with
+        the offloaded ``activations``' copies: the best prefix in each eviction order, with ``thorough`` then local
+        moves from each (see [Note: the planner's cost]). A call with
         an earlier call's arguments returns its choice, and one with the same trace, resident chunks, times and
         copies reuses its prices: a plan prices the states on the tide it keeps before placing them (see [Note:
         activations offloaded for optimizer states] in states_room.py)."""
@@ -336,10 +336,7 @@ class StateChooser:
         of = self._pricer(context, trace, activations)
         fill_order, local = sorted(fill), thorough and local_moves_fit(self.costs, trace)
         placed = best_of(
-            [
-                search_states(fill_order, of.in_order(order), local)
-                for order in (eviction_orders(self.costs) if thorough else [EvictionOrder.BELADY])
-            ]
+            [search_states(fill_order, of.in_order(order), local) for order in eviction_orders(self.costs)]
         )
         self._log_states(of, placed, fill_order)
         args, rates = (self.budget, self.costs), (self.profile, self.overlap)

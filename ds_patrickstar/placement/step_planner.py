@@ -10,7 +10,7 @@ buffers' first allocations: the first steps took 4.2-7.1 s on an H200 where the 
 Beside such compute every transfer and host update looks hidden, the plans priced tie, and the tie goes to the
 fewest bytes moved: the step-time model does not steer. On the strict twin's mirror of the 12 GiB point the
 traced iteration's moments took 2.4x the steady ones'. So the traced step plans quickly (see [Note: the
-planner's cost] in state_choice.py): the states by the best prefix in Belady's order, then the distance and
+planner's cost] in state_choice.py): the states by the best prefix in each eviction order, then the distance and
 the order, and the activations offloaded only so that the chunks fit.
 
 The step after the traced one plans once more, thoroughly, from the same trace and its traced tide and
