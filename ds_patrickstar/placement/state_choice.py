@@ -47,7 +47,7 @@ priced, at the traced step and again at its check): 0.9-7.2 s of planning while 
 * the search's host time is not the step's compute: the step-time model's clock sets it aside
   (:meth:`~.step_time.StepTimer.set_aside`), as it does the host's waits.
 
-On the twin at that trace size the first two steps' planning went from 0.9-7.2 s to 0.15-1.4 s
+On the twin at that trace size the first two steps' planning went from 0.9-7.2 s to 0.2-1.2 s
 (``benchmarks/bench_planning.py``, table in docs/benchmarks.md); counter ``plan_seconds``. Where the traced
 step's quick plan and the check differ, the states move at the second step and the steady state starts at the
 third.
