@@ -108,6 +108,30 @@ def test_the_move_model_replays_belady_with_prefetch_by_hand():
     assert again.to_host == [0, 100, 100, 0, 100, 100, 0]
 
 
+def test_what_a_replay_reads_of_a_trace_is_what_the_trace_answers():
+    """[Note: the planner's cost]: the lists a replay reads (built once per trace) give, at every moment, the
+    trace's own tide over each window (wrapping, windows longer than the trace too), the chunks whose last use it
+    is, the step's readings as its most; only the chunks that move count as moving."""
+    import random
+
+    from ds_patrickstar.placement.replay_arrays import replay_arrays
+
+    rng, trace = random.Random(0), Trace()
+    for k in range(9):
+        chunks = tuple(rng.sample(range(6), rng.randint(0, 3)))
+        trace.add(Moment("step" if k == 8 else f"fwd:{k}", chunks, rng.randint(0, 100), read=rng.randint(0, 100),
+                         read_late=rng.randint(0, 100)))
+    arrays = replay_arrays(trace, {c: 1 for c in range(4)})
+    for window in range(1, 12):
+        assert arrays.tide_ahead(window) == [trace.non_model_ahead(k, window) for k in range(9)]
+    for k, moment in enumerate(trace.moments):
+        assert arrays.last_uses[k] == tuple(sorted(c for c in set(moment.chunks) if trace.next_use(c, k) >= 9))
+        assert arrays.movable[k] == tuple(c for c in moment.chunks if c < 4)
+    step = trace.moments[8]
+    assert arrays.read[8] == arrays.read_late[8] == max(step.read, step.read_late)
+    assert (arrays.read[0], arrays.read_late[0]) == (trace.moments[0].read, trace.moments[0].read_late)
+
+
 def test_the_move_model_makes_room_beside_what_the_driver_read_at_the_moment():
     """The driver makes room beside the higher of the tide planned ahead and what it reads at the moment (the
     tide then and the allocator's stranded pieces, kept per moment as ``Moment.read``): the replay too. Read 60 B
