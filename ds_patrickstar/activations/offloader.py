@@ -146,7 +146,7 @@ class ActivationOffloader:
         records = [s.record() for s in self._records]
         self._inputs = _PlanInputs(budget, chunk_needs(trace), stranded, records)
         if self.mode == "auto":
-            self._apply(trace, *self._choose(trace, *self._inputs, None))
+            self._apply(trace, *self._choose(trace, *self._inputs, None), records)
         self._planned = trace
         self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
 
@@ -160,7 +160,7 @@ class ActivationOffloader:
         traced = with_tide(trace, [m.measured for m in trace.moments[:moments]])  # its step moment as it stands
         chosen, planned = self._choose(traced, *self._inputs, states)
         if chosen != self.chosen:
-            self._apply(trace, chosen, planned)
+            self._apply(trace, chosen, planned, self._inputs.records)
             self.priced = planned_copies(self._inputs.records, self.chosen)
 
     @staticmethod
@@ -182,13 +182,13 @@ class ActivationOffloader:
             chosen, planned = plan_for_states(trace, need, budget - stranded, records, (chosen, planned), states)
         return chosen, planned
 
-    def _apply(self, trace: Trace, chosen: set[int], planned: list[int]) -> None:
-        """Offload ``chosen`` from now on; ``trace`` plans with the tide ``planned``."""
+    def _apply(self, trace: Trace, chosen: set[int], planned: list[int], records: list[SegmentRecord]) -> None:
+        """Offload ``chosen`` from now on (``records``: the traced iteration's segments); ``trace`` plans with the
+        tide ``planned``."""
         self.chosen = chosen
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
-        records = self._inputs.records if self._inputs is not None else []
         total = sum(r.nbytes for r in records if r.block in chosen)
         self.copies.host_stack.reset(total)  # see [Note: activation host stack]
         if not self.chosen:

@@ -19,8 +19,9 @@ from .tracer import Trace
 @dataclass
 class ReplayArrays:
     """Per moment of ``trace``: :attr:`read` (what the driver read beside model data in the hook) and
-    :attr:`read_late` (after it), the step's both; :attr:`last_uses`, the movable chunks whose last use this
-    iteration it is (ascending); :meth:`tide_ahead`, the planned tide's most over a window (built on first use)."""
+    :attr:`read_late` (after it), the step's both; :attr:`last_uses`, the chunks whose last use this iteration it
+    is (ascending); :attr:`movable`, its chunks that move, in its order; :meth:`tide_ahead`, the planned tide's
+    most over a window (built on first use)."""
 
     trace: Trace
     read: list[int]

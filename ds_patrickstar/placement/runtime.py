@@ -41,7 +41,7 @@ from .shapes import RetraceReason
 from .state_choice import StateChooser
 from .step_plan import StepPlan
 from .step_planner import StepPlanner
-from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, StepTimer
+from .step_time import StepTimer
 from .tide_plot import plot_tide
 from .tracer import MemoryTracer, Trace
 
@@ -263,7 +263,7 @@ class PlacementRuntime:
             self.counters.bytes_floor = self.floor.update(planned)
         trace = self.tracer.last_iteration()
         if planning.timer is not None and predicted is not None and trace is not None:
-            step = planning.timer.end_step(trace, predicted, self._on_device, priced_copies(self.activations))
+            step = planning.timer.end_step(trace, predicted, self._on_device, planning.copies())
             self.counters.predicted_step_s = step.total_s if step is not None else 0.0
         planning.note(self.counters)
 
@@ -278,11 +278,6 @@ def _plot_last_tide(
     recomputations = trace.recomputations() if trace is not None else None
     caption = "\n".join(line for line in (tracer.log.caption(), caption) if line)
     return plot_tide(tide, placer.budget, path, title, recomputations, caption)
-
-
-def priced_copies(activations: ActivationPolicy | None) -> ActivationMoves:
-    """The copies of the planned activation offload, as the step-time model prices them (none without it)."""
-    return activations.priced if activations is not None else NO_ACTIVATION_MOVES
 
 
 def note_retrace(counters: StepCounters, reason: RetraceReason | None) -> None:

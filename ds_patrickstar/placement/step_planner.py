@@ -118,9 +118,10 @@ class StepPlanner:
         plan = self.predictor.plan if self.predictor is not None else None
         if plan is None or len(plan.demand) != len(times):
             return times
-        return self.timer.compute(times, plan, self._copies())
+        return self.timer.compute(times, plan, self.copies())
 
-    def _copies(self) -> ActivationMoves:
+    def copies(self) -> ActivationMoves:
+        """The copies of the planned activation offload, as the step-time model prices them (none without it)."""
         return self.activations.priced if self.activations is not None else NO_ACTIVATION_MOVES
 
     def _choose(self, trace: Trace, fill: set[int], times: list[float], thorough: bool = True) -> set[int]:
@@ -128,7 +129,7 @@ class StepPlanner:
         ``thorough``: the chooser's thorough search (see [Note: the planner's cost] in state_choice.py)."""
         if self.chooser is None or self.timer is None:
             return fill
-        choice = self.chooser(trace, fill, self.placer.resident, times, self._copies(), thorough)
+        choice = self.chooser(trace, fill, self.placer.resident, times, self.copies(), thorough)
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
         self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
         self.forecast = choice.step
