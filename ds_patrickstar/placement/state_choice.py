@@ -32,7 +32,7 @@ Every candidate priced is two replays of an iteration (see [Note: predicted move
 replay's work grows with moments x chunks: at gpt-1.3b's trace size (24 blocks, some 300 moments, 85-100
 chunks) a replay took a few ms of host time on a 2-core EPYC, and the plans of the first two steps priced some
 900 candidates there (prefixes and local moves in every eviction order, for each tide the activation offload
-priced, at the traced step and again at its check): 0.9-7.2 s of planning while the steady step took 0.2 s. So:
+priced, at the traced step and again at its check): 0.7-8.7 s of planning while the steady step took 0.2 s. So:
 
 * the traced step plans quickly: the best prefix in each eviction order, then the distance and the order, with
   no local moves and no extra activation offload for states: its own moment times cannot steer (see [Note: the
@@ -47,7 +47,7 @@ priced, at the traced step and again at its check): 0.9-7.2 s of planning while 
 * the search's host time is not the step's compute: the step-time model's clock sets it aside
   (:meth:`~.step_time.StepTimer.set_aside`), as it does the host's waits.
 
-On the twin at that trace size the first two steps' planning went from 0.9-7.2 s to 0.2-1.2 s
+On the twin at that trace size the first two steps' planning went from 0.7-8.7 s to 0.2-1.5 s
 (``benchmarks/bench_planning.py``, table in docs/benchmarks.md); counter ``plan_seconds``. Where the traced
 step's quick plan and the check differ, the states move at the second step and the steady state starts at the
 third.
