@@ -8,7 +8,9 @@ does; this measures that host time (counter ``plan_seconds``: the traced step's 
 see [Note: the planner's cost] in ds_patrickstar/placement/state_choice.py) at device budgets that are the same
 fractions of its model data as 8 / 12 / 16 / 24 GiB are of gpt-1.3b's 18.4 GB (as ``twin_pressure.py`` does),
 and the wall time of the first steps beyond the steady step's. Host time on this machine's CPU, not a GPU's;
-the steps themselves are the twin's CPU compute.
+the steps themselves are the twin's CPU compute. Beside it, what the traced first step offloads of the
+activations and the host buffers it pins (see [Note: the traced iteration's offload] in
+ds_patrickstar/activations/traced_keep.py), and what a steady step offloads.
 
     python benchmarks/bench_planning.py [--steps 5] [--layers 24] [--chunks 100] [--json out.json]
 
@@ -56,7 +58,8 @@ def run(layers: int, chunks: int, gib: int, steps: int) -> dict:
         wall = time.perf_counter() - started
         counters = engine.get_patrickstar_counters()
         rows.append({"wall_s": wall, **{k: counters[k] for k in ("plan_seconds", "adam_chunks_device",
-                                                                 "adam_chunks_host", "prefetch_distance")}})
+                                                                 "adam_chunks_host", "prefetch_distance",
+                                                                 "activation_bytes_offloaded", "host_pinnings")}})
     steady = statistics.median(r["wall_s"] for r in rows[2:]) if steps > 2 else float("nan")
     owned = rows[-1]["adam_chunks_device"] + rows[-1]["adam_chunks_host"]
     engine.destroy()
@@ -89,6 +92,10 @@ def main() -> None:
         print(f"mirrors {gib:>2} GiB: {r['chunks']} chunks, plan_seconds step 1 / 2 {plans} s, first two steps "
               f"{r['first_two_extra_s']:.3f} s over two steady steps ({r['steady_s']:.3f} s), states on the "
               f"accelerator at steps 1 / 2 / 3: {states}")
+        first, last = r["steps"][0], r["steps"][-1]
+        print(f"  activations offloaded at step 1: {first['activation_bytes_offloaded']:,} B "
+              f"({first['host_pinnings']} host buffers pinned), at step {len(r['steps'])}: "
+              f"{last['activation_bytes_offloaded']:,} B")
         results.append(r)
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": bu.describe_cpu(), "code": commit(), "layers": args.layers,

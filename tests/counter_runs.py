@@ -56,7 +56,10 @@ step moves 81,920 B to the device and 65,536 B to the host instead of 65,536 and
 chunk's states for another's, 7 on the accelerator either way: a local move the traced step's quick search does
 not make; the steady third step as before), and ``bytes_floor`` and
 ``host_pinnings``, counted since, joined every case (the values of ``TIMING_DEPENDENT`` at two ranks kept as they
-were: not compared); the losses unchanged.
+were: not compared); the losses unchanged. Written again when the traced iteration kept the blocks whose
+activations surely fit (see [Note: the traced iteration's offload]): ``twin_1rank_device_adam``'s first step
+offloads nothing (215,556 B out and back before, 6 host buffers pinned for them), its activation peaks higher by
+those bytes kept; nothing else moved, the later steps and the losses unchanged.
 """
 from __future__ import annotations
 

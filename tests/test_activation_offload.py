@@ -265,3 +265,58 @@ def test_the_planned_tide_counts_a_block_at_the_moment_it_is_brought_back():
 
     over, peak = run_ranks(_tide_over_plan, 1)[0]
     assert max(over) < 0.05 * peak, (max(over), peak)
+
+
+def test_the_traced_iteration_keeps_the_blocks_that_surely_fit():
+    """[Note: the traced iteration's offload]: a segment stays when the tide now, the segment once more and the
+    blocks after it (each as the largest segment so far) fit in three quarters of the budget beside every
+    chunk; so the earliest blocks go where some must, and everything stays where a quarter stays free."""
+    from ds_patrickstar.activations.traced_keep import TracedKeep
+
+    tide = [0]
+    keep = TracedKeep(budget=400, model_bytes=100, tide_now=lambda: tide[0])  # room 200 for the tide
+    keep.blocks = 4
+    keep.start_forward()
+    decisions = []
+    for block in range(4):  # each block saves 40; an offloaded one leaves the tide
+        kept = keep.keeps(block, 40)
+        decisions.append(kept)
+        tide[0] += 40 if kept else 0
+    # 40 + 40 * 3 = 160 <= 200 at block 0: everything stays
+    assert decisions == [True] * 4
+    tide[0] = 0
+    keep = TracedKeep(budget=400, model_bytes=180, tide_now=lambda: tide[0])  # room 120
+    keep.blocks = 4
+    keep.start_forward()
+    decisions = []
+    for block in range(4):
+        kept = keep.keeps(block, 40)
+        decisions.append(kept)
+        tide[0] += 40 if kept else 0
+    # block 0: 40 + 120 > 120; block 1: 40 + 80 <= 120, kept (tide 40); block 2: 40 + 40 + 40 <= 120; block 3: 120
+    assert decisions == [False, True, True, True], decisions
+    keep.start_forward()  # the next forward starts over; a larger segment raises the estimate of those after it
+    tide[0] = 0
+    assert keep.keeps(2, 10) and not keep.keeps(2, 70)
+
+
+def _host_and_moves(mode, budget):
+    from multiproc import run_ranks
+
+    result = run_ranks(_train, 1, "patrickstar", "fp32", mode, budget, 1, build_plain)[0]
+    counters = result.counters
+    return result.losses, [c["activation_bytes_offloaded"] for c in counters], counters[0]["host_bytes_allocated"]
+
+
+def test_left_out_a_roomy_budget_moves_no_activation_even_in_the_traced_iteration():
+    """With the key left out and a quarter of the budget free beside every chunk and activation, the traced
+    iteration offloads nothing (it offloaded every block: 1.23 MB out and back and a pinned slab for them, at the
+    first step), and the run is "none"'s bit for bit, host memory included; at 1 MB, where the activations do not
+    fit beside the chunks, the traced iteration offloads some blocks, not all (1,013,760 B of 1,265,668)."""
+    roomy = 4_000_000
+    none = _host_and_moves("none", roomy)
+    assert _host_and_moves(None, roomy) == (none[0], [0] * STEPS, none[2])
+    everything = _host_and_moves("all", 1_000_000)
+    losses, moved, _ = _host_and_moves(None, 1_000_000)
+    assert losses == everything[0]
+    assert 0 < moved[0] < everything[1][0] and moved[1:] == [moved[1]] * (STEPS - 1), (moved, everything[1])

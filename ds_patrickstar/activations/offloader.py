@@ -35,10 +35,11 @@ forward (see [Note: moments and the trace]).
   :meth:`Accelerator.host_bytes_allocated`). The counters add the bytes that left the accelerator and
   came back per step.
 * **Which blocks.** "all": every block, every iteration. "auto": see [Note: auto activation
-  offload] in ``plan.py``; the iteration that is traced runs as "all". Once "auto" has
+  offload] in ``plan.py``; the iteration that is traced offloads a block unless it surely fits (see
+  [Note: the traced iteration's offload] in ``traced_keep.py``). Once "auto" has
   planned, the allocator's free segments go back to the device
   (:meth:`~ds_patrickstar.memory.accelerator.Accelerator.release_cached`): laid out by the traced
-  iteration, which offloaded every block, they would be split by the planned iteration's
+  iteration, which offloaded other blocks, they would be split by the planned iteration's
   activations, whose stranded pieces the plan does not count (see [Note: caching allocator model]).
 """
 
@@ -61,6 +62,7 @@ from .copies import StorageCopies
 from .held import HeldInputs
 from .plan import SegmentRecord, plan_for_states, plan_offload, planned_copies
 from .storages import Handle, Segment, State
+from .traced_keep import TracedKeep
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,11 @@ class ActivationOffloader:
         mode: OffloadMode,
         counters: StepCounters,
         clock: Callable[[], int],
+        keep: TracedKeep | None = None,
     ) -> None:
         self.accel, self.meter, self.mode = accel, meter, mode
+        self.keep = keep  # the traced iteration's choice with "auto" (see [Note: the traced iteration's offload])
+        self._tracing = False  # this iteration is traced with "auto"
         self.copies = StorageCopies(accel, meter, counters, clock)
         self.held = HeldInputs(meter, self.copies)
         self._clock = clock  # the current moment of the iteration
@@ -121,10 +126,16 @@ class ActivationOffloader:
         self.copies.host_bytes = value
 
     # ---- iterations -----------------------------------------------------------------
+    def blocks_found(self, count: int) -> None:
+        """The model has ``count`` blocks: the traced iteration's rule counts those after a segment."""
+        if self.keep is not None:
+            self.keep.blocks = count
+
     def start_iteration(self, tracer: MemoryTracer) -> None:
-        """At the first forward after a step: an iteration that is traced offloads every block
-        ("auto" too: see [Note: auto activation offload])."""
-        if self.mode == "auto" and tracer.current_trace() is None:
+        """At the first forward after a step: an iteration that is traced offloads every block that may not fit
+        (see [Note: the traced iteration's offload])."""
+        self._tracing = self.mode == "auto" and tracer.current_trace() is None
+        if self._tracing:
             self.chosen = None
         self._records = []
 
@@ -146,6 +157,14 @@ class ActivationOffloader:
         records = [s.record() for s in self._records]
         self._inputs = _PlanInputs(budget, chunk_needs(trace), stranded, records)
         if self.mode == "auto":
+            kept = [r for r in records if not r.offloaded]
+            logger.info(
+                "ds_patrickstar: the traced iteration kept %d of %d block segments' activations on the accelerator "
+                "(%d B)",
+                len(kept),
+                len(records),
+                sum(r.nbytes for r in kept),
+            )
             self._apply(trace, *self._choose(trace, *self._inputs, None), records)
         self._planned = trace
         self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
@@ -210,6 +229,8 @@ class ActivationOffloader:
     # ---- segments ---------------------------------------------------------------------
     def start_forward(self) -> None:
         self._forward, self._current = [], None
+        if self.keep is not None:
+            self.keep.start_forward()
 
     def enter_block(self, block: int, inputs: list[torch.Tensor]) -> None:
         """Block ``block``'s forward begins with ``inputs``: the previous segment learns when its
@@ -236,6 +257,8 @@ class ActivationOffloader:
         segment = self._current
         if segment is None:
             return
+        if segment.offload and self._tracing and self.keep is not None:
+            segment.offload = not self.keep.keeps(segment.block, segment.nbytes)
         for entry in segment.entries if segment.offload else ():
             if entry.state is not State.ON_DEVICE:
                 continue

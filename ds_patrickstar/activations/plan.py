@@ -4,13 +4,13 @@
 The plan is made once per trace, at the optimizer step of the iteration that was traced (see
 [Note: moments and the trace]), from that iteration (and made again from the same records at the next step,
 where the step-time model prices the plans, see [Note: the plan checked on steady times] in
-placement/step_planner.py). That iteration offloads every block (so
-that it fits whenever any plan does), and the offloader records, for each block's segment in it
-(see [Note: activation offload]), the bytes it saved and the moments it spent off the
-accelerator (from the moment after its copies out were waited on to the moment whose compute
+placement/step_planner.py). That iteration offloads the blocks that may not fit (see [Note: the traced
+iteration's offload] in traced_keep.py), and the offloader records, for each block's segment in it
+(see [Note: activation offload]), the bytes it saved, whether it was offloaded and the moments it spent (or, kept, would
+have spent) off the accelerator (from the moment after its copies out were waited on to the moment whose compute
 issues its copy back: that moment's tide was read in its hook, before the copy, so it is away
 there as the trace counts it). The tide with no offload is then the traced tide plus, at every moment, the bytes of the
-segments away then; offloading block ``k`` takes its segments' bytes off again, over the same
+offloaded segments away then; offloading block ``k`` takes its segments' bytes off again, over the same
 moments. A moment fits when the chunks in use then and the higher tide of the moment and the next
 one (what placement plans room from) are within the room placement works in
 (:meth:`~ds_patrickstar.placement.runtime.PlacementRuntime.movable_room`: the budget less the
@@ -42,7 +42,7 @@ that only a request fitting it reuses, and placement counts the pieces stranded 
 that moment's tide (see [Note: stranded allocator bytes] in memory/cuda.py), which the traced tide
 does not hold.
 So where the plan offloads anything, it is made again with the room less the most bytes the traced
-iteration (which offloaded every block) stranded at a moment: without it, the pieces the planned
+iteration (with the blocks it offloaded) stranded at a moment: without it, the pieces the planned
 iteration strands beside its tide take room the plan gave the chunks, and a budget between two that
 train can fail. Where checkpointing alone fits the plan offloads nothing and keeps no margin.
 """

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.distributed import ProcessGroup
 
-from ..activations.offloader import ActivationOffloader, OffloadMode, repeated_blocks
+from ..activations.offloader import ActivationOffloader
 from ..chunks.chunk_map import ChunkMap
 from ..chunks.state import TensorState
 from ..counters import StepCounters
@@ -34,7 +34,6 @@ from ..io.export import ChunkExport
 from ..io.init import DeferredModel
 from ..memory.accelerator import Accelerator
 from ..memory.emulated import EmulatedAccelerator
-from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from ..memory.reductions import InFlightReductions
 from ..optim.chunk_adam import ChunkAdam, build_kernels
 from ..optim.states import OptimizerStates
@@ -53,6 +52,7 @@ from ..placement.tracer import MemoryTracer
 from ..run_state import RunState
 from ..store.binding import build_chunk_map, check_bindable
 from ..store.chunk_store import ChunkStore
+from .activation_setup import activation_blocks, activation_mode, traced_keep
 from .config import PatrickStarConfig
 from .device_profile import device_profile
 from .hook_target import TrainingFlow
@@ -161,6 +161,7 @@ def make_placement(
             mode,
             counters,
             runtime.current_moment,
+            traced_keep(accel, chunk_map, accumulate) if mode == "auto" else None,
         )
     logger.info(
         "ds_patrickstar: %s placement, accelerator budget %.3f GiB%s",
@@ -169,35 +170,6 @@ def make_placement(
         " (emulated)" if meter is not None else "",
     )
     return runtime
-
-
-def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int) -> OffloadMode:
-    """``offload_activations`` as set, else "auto".
-
-    [Note: activations by default]
-    Left out, ``offload_activations`` is "auto": the traced iteration offloads every block, and the plan
-    made from it at that iteration's step offloads the fewest bytes that let the chunks fit beside the tide,
-    nothing where nothing is needed (see [Note: auto activation offload] in activations/plan.py). Whether the
-    tide fits beside the chunks a moment needs is known only from the trace: a model whose data fits the budget
-    can still have activations that do not fit beside it (measured on an H200: gpt2-medium, 4.97 GB of model
-    data under a 5.35 GB budget, 4.1 GB of activations), where "none" is refused and ZeRO-3 offload trains. The
-    price where nothing is needed is the traced iteration's: its activations go to pinned host memory and back
-    once. Set the key to choose; "none" refuses a budget below the tide with the remedies and the bytes each
-    saves.
-    """
-    if options.offload_activations is not None:
-        return options.offload_activations
-    chunks = sum(c.nbytes for c in chunk_map.chunks)
-    states = OPTIM_BYTES_PER_ELEMENT * sum(c.capacity for c in chunk_map.trainable_owned())
-    if chunks + states > budget:
-        logger.info(
-            "ds_patrickstar: model data (%d B of chunks and optimizer states) is larger than device_budget (%d B): "
-            "activations of the model's blocks move to the host where the chunks would not fit beside them "
-            '(offload_activations "auto"; set the key to choose)',
-            chunks + states,
-            budget,
-        )
-    return "auto"
 
 
 def _keeps_copies(options: PatrickStarConfig) -> bool:
@@ -258,23 +230,6 @@ def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile:
     elements = {c.chunk_id: c.used for c in chunk_map.trainable_owned()}
     waits = accel.host_waits  # see [Note: host waits] in memory/host_work.py
     return StepTimer(accel.clock, accel.seconds_between, elements, profile, overlap, lambda: waits.seconds, accel.reach)
-
-
-def activation_blocks(module: torch.nn.Module, placement: Placement, mode: str | None) -> list[torch.nn.Module]:
-    """The blocks whose inputs the emulated accelerator's meter counts (see [Note: held inputs]) and whose
-    activations may be offloaded (see [Note: activation offload]); none without either."""
-    offloader = placement.activations
-    if offloader is None and placement.meter is None:
-        return []
-    blocks = repeated_blocks(module)
-    if not blocks and offloader is not None and mode is not None:
-        logger.warning(
-            "ds_patrickstar: zero_optimization.offload_activations=%r finds no blocks (a ModuleList or Sequential "
-            "of at least two modules) in %s: no activation is offloaded",
-            mode,
-            type(module).__name__,
-        )
-    return blocks
 
 
 def assemble(

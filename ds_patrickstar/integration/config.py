@@ -162,9 +162,10 @@ class PatrickStarConfig(BaseModel):
     in backward (see [Note: activation offload]). "none": activations stay on the accelerator (a
     budget the chunks cannot fit beside them is refused, naming the remedies). "all": every
     block's, every step. "auto": the fewest bytes that let the chunks fit beside the traced tide
-    under device_budget (see [Note: auto activation offload]); the traced iteration offloads every
-    block. Left out: "auto" (the plan offloads nothing where nothing is needed; see [Note: activations
-    by default]). Needs placement (a CUDA device or emulate_accelerator)."""
+    under device_budget (see [Note: auto activation offload]); the traced iteration offloads the
+    blocks that may not fit (see [Note: the traced iteration's offload]). Left out: "auto" (the plan
+    offloads nothing where nothing is needed; see [Note: activations by default]). Needs placement (a
+    CUDA device or emulate_accelerator)."""
 
     overlap_host_adam: bool = True
     """The CPU Adam of the chunks whose optimizer states live on the host runs on a worker thread,

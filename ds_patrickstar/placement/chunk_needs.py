@@ -36,7 +36,7 @@ from collections.abc import Callable
 from ..chunks.chunk_map import ChunkMap
 from .tracer import BACKWARD, Moment, Trace
 
-__all__ = ["chunk_needs", "gathered_storage"]
+__all__ = ["all_held_bytes", "chunk_needs", "gathered_storage"]
 
 
 def gathered_storage(chunk_map: ChunkMap) -> Callable[[Moment], int]:
@@ -45,6 +45,14 @@ def gathered_storage(chunk_map: ChunkMap) -> Callable[[Moment], int]:
     world = chunk_map.world_size
     storage = [chunk_map.group_bytes(g, False).storage for g in range(chunk_map.num_groups)]
     return lambda moment: sum(storage[g] for g in {chunk_id // world for chunk_id in moment.chunks})
+
+
+def all_held_bytes(chunk_map: ChunkMap, accumulate: bool) -> int:
+    """Every chunk group held at once, as a moment holds one (with gradient accumulation its accumulator, and one
+    flat gradient buffer): more than any moment's chunks take (see [Note: the traced iteration's offload] in
+    activations/traced_keep.py)."""
+    sizes = [chunk_map.group_bytes(g, accumulate) for g in range(chunk_map.num_groups)]
+    return sum(size.gathered for size in sizes) + max((size.grad_buffer for size in sizes), default=0)
 
 
 def chunk_needs(trace: Trace, chunk_map: ChunkMap, accumulate: bool) -> list[int]:

@@ -40,6 +40,9 @@ class ActivationPolicy(Protocol):
     host_bytes: int  # bytes of offloaded activations off the accelerator now
     priced: ActivationMoves  # the planned iteration's copies (see [Note: step-time model] in step_time.py)
 
+    def blocks_found(self, count: int) -> None:
+        """The model has ``count`` blocks (see [Note: activation offload])."""
+
     def start_iteration(self, tracer: MemoryTracer) -> None: ...
 
     def plan(

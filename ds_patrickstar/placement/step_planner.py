@@ -4,7 +4,8 @@ first iteration that ran it, and the re-plans a risen tide asks for (see [Note: 
 
 [Note: the plan checked on steady times]
 The traced step plans from the moment times its own iteration measured. Those are not a steady iteration's: it
-evicts the least recently used chunks and brings nothing ahead, offloads every block's activations, and pays
+evicts the least recently used chunks and brings nothing ahead, offloads the activations of every block that
+may not fit, and pays
 what a run pays once (on a GPU the libraries' handles, the kernels loaded, the allocator's and the pinned
 buffers' first allocations: the first steps took 4.2-7.1 s on an H200 where the steady ones took 0.19-0.50 s).
 Beside such compute every transfer and host update looks hidden, the plans priced tie, and the tie goes to the
