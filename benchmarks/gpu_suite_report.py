@@ -179,7 +179,8 @@ def _first_steps(result: dict) -> list[str]:
                              f"{t['first_steps_extra_s']:+.2f} s over steady{_warmup_phases(t)}")
     return ["**First steps** (their extra time over the steady median; per warm-up step: seconds, forward / backward "
             "/ `engine.step()` in ms, and ours' planning, counter `plan_seconds`, with the plan it made: the "
-            "optimizer states its Adam updated on the GPU / on the host, the plan's forecast `planned_step_s`): "
+            "optimizer states its Adam updated on the GPU / on the host, the plan's forecast `planned_step_s`; the "
+            "activations the step offloaded and the host buffers it pinned): "
             + "; ".join(cells) + "."] if cells else []
 
 
@@ -194,6 +195,10 @@ def _warmup_phases(trial: dict) -> str:
             plan = (f", planned {planned:.2f} s: {counters.get('adam_chunks_device', '?')} / "
                     f"{counters.get('adam_chunks_host', '?')} states, "
                     f"forecast {_f(counters.get('planned_step_s'), '{:.3f} s') or 'n/a'}")
+        offloaded = counters.get("activation_bytes_offloaded")
+        if offloaded:
+            pinned = counters.get("host_pinnings", "?")
+            plan += f", {offloaded / 1e9:.2f} GB of activations offloaded, {pinned} host buffers pinned"
         steps.append(f"{r['wall_s']:.2f} s ({phases}{plan})")
     return f" ({', '.join(steps)})" if steps else ""
 
