@@ -59,7 +59,11 @@ not make; the steady third step as before), and ``bytes_floor`` and
 were: not compared); the losses unchanged. Written again when the traced iteration kept the blocks whose
 activations surely fit (see [Note: the traced iteration's offload]): ``twin_1rank_device_adam``'s first step
 offloads nothing (215,556 B out and back before, 6 host buffers pinned for them), its activation peaks higher by
-those bytes kept; nothing else moved, the later steps and the losses unchanged.
+those bytes kept; nothing else moved, the later steps and the losses unchanged. Written again when the move model
+reached several ranks without gradient accumulation (see [Note: predicted moves]): ``twin_2rank_ga1`` predicts
+(176,768 / 81,472 B a step on rank 0, 143,872 / 81,472 on rank 1, against 154,560 / 168,384 to the device and
+81,472 to the host measured; not compared: ``TIMING_DEPENDENT``) and prefetches by the step-time model's choice
+(``prefetch_distance`` 0 -> 1: one moment ahead, as before); the states, the bytes moved and the losses unchanged.
 """
 from __future__ import annotations
 
@@ -80,7 +84,10 @@ TIMED = {"predicted_step_s", "plan_seconds", "planned_step_s"}
 # with several ranks, when gloo completes a reduce-scatter decides when its buffer goes (reaped at the next
 # moment or gradient, see memory/reductions.py) and whether a host-updated chunk's gradient leaves during backward
 # or at the step (the same bytes): the peaks and that count differ from run to run, nothing moved does
-TIMING_DEPENDENT = {"peak_model_bytes_device", "peak_device_bytes", "grads_released_in_backward"}
+# and the model data a hook ends with beside the chunks placement moves (buffers whose reduce-scatter completed or
+# not), which the move model reads: its predictions (tests/test_counter_runs.py bounds them)
+TIMING_DEPENDENT = {"peak_model_bytes_device", "peak_device_bytes", "grads_released_in_backward",
+                    "predicted_bytes_to_device", "predicted_bytes_to_host"}
 # with frozen chunks on disk the strict twin's activation meter counts one more (2, 2, 16, 16) fp32 tensor, the
 # attention's size, at every step when the case runs after test_checkpoint.py or test_activation_checkpointing.py
 # in the same session (at 8ef8d79 too; not after a lone job of theirs): the meter's peaks depend on the session

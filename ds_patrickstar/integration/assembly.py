@@ -141,18 +141,20 @@ def make_placement(
     store.copies.enabled = _keeps_copies(options)
     costs = _chunk_costs(chunk_map, accumulate, store.copies.enabled)
     # the bytes floor, one per run (the chooser logs what the counter reads); several ranks: without accumulators
-    floor_costs = costs if _move_model_holds(chunk_map) else replace(costs, accumulators=None)
-    gathered = None if _move_model_holds(chunk_map) else gathered_storage(chunk_map)
+    one_rank = chunk_map.world_size == 1
+    floor_costs = costs if one_rank else replace(costs, accumulators=None)
+    gathered = None if one_rank else gathered_storage(chunk_map)
     floor = FloorMeter(accel.ledger.budget, floor_costs, gathered) if options.placement == "auto" else None
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
-        predictor=MovePredictor(accel.ledger.budget, costs) if _move_model_holds(chunk_map) else None,
+        predictor=MovePredictor(accel.ledger.budget, costs) if _move_model_holds(chunk_map, accumulate) else None,
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
-        chooser=_state_chooser(options, accel, chunk_map, costs, profile, floor),
+        chooser=_state_chooser(options, accel, chunk_map, costs, profile, floor, accumulate),
         trainable=_released_in_backward(options, chunk_map),
         floor=floor,
     )
+    runtime.notes_unmoved = chunk_map.world_size > 1  # see [Note: predicted moves]
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(
@@ -198,15 +200,17 @@ def _state_chooser(
     costs: ChunkCosts,
     profile: DeviceProfile,
     floor: FloorMeter | None,
+    accumulate: bool,
 ) -> StateChooser | None:
     """The step-time model's choice of the optimizer states on the accelerator, where the move model holds
     (see [Note: optimizer states by step time]); None: every state that fits."""
     if options.placement != "auto" or options.optimizer_placement != "time" or floor is None:
         return None
-    if not _move_model_holds(chunk_map):
+    if not _move_model_holds(chunk_map, accumulate):
         if "optimizer_placement" in options.model_fields_set:
             logger.info(
-                'ds_patrickstar: optimizer_placement "time" needs one rank (the move model\'s scope): "fill" is used'
+                'ds_patrickstar: optimizer_placement "time" needs one rank or no gradient accumulation (the move '
+                'model\'s scope): "fill" is used'
             )
         return None
     return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam, floor)
@@ -220,9 +224,10 @@ def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> se
     return {c.chunk_id for c in chunk_map.trainable_owned()}
 
 
-def _move_model_holds(chunk_map: ChunkMap) -> bool:
-    """One rank: the scope of the move model and of what is built on it (see [Note: predicted moves])."""
-    return chunk_map.world_size == 1
+def _move_model_holds(chunk_map: ChunkMap, accumulate: bool = False) -> bool:
+    """One rank, or several without gradient accumulation: the scope of the move model and of what is built on it
+    (see [Note: predicted moves])."""
+    return chunk_map.world_size == 1 or not accumulate
 
 
 def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile: DeviceProfile) -> StepTimer:

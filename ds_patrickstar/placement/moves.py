@@ -312,6 +312,14 @@ def on_device(chunk: Chunk) -> int:
     return (0 if chunk.on_host else chunk.nbytes) + (chunk.acc_nbytes if chunk.acc is not None else 0)
 
 
+def unmoved_bytes(moves: ChunkMoves) -> int:
+    """The model data on the accelerator that placement does not move now: with several ranks the gathered groups'
+    storage and the gradient and collective buffers (see [Note: predicted moves] in move_model.py)."""
+    owned = sum(on_device(moves.chunks[c]) for c in moves.placer.resident)
+    optim, in_flight = moves.ledger.by_kind.get("optim", 0), moves.store.accel.in_flight_bytes()
+    return max(moves.ledger.total - optim - owned - in_flight, 0)
+
+
 def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: Exception) -> DeviceBudgetExceeded:
     """The error when ``need`` more bytes for the chunks ``keep`` cannot fit beside ``non_model`` bytes, with the
     remedies (see ``remedies.py``)."""

@@ -26,6 +26,7 @@ class ReplayArrays:
     trace: Trace
     read: list[int]
     read_late: list[int]
+    beside: list[int]  # with several ranks, the model data the driver does not move (see [Note: predicted moves])
     last_uses: list[tuple[int, ...]]
     movable: list[tuple[int, ...]]
     _tides: dict[int, list[int]] = field(default_factory=dict)
@@ -57,4 +58,4 @@ def replay_arrays(trace: Trace, sizes: Mapping[int, int]) -> ReplayArrays:
         if fresh:
             seen.update(fresh)
             last[index] = tuple(sorted(set(fresh)))
-    return ReplayArrays(trace, read, late, last, movable)
+    return ReplayArrays(trace, read, late, [m.beside for m in moments], last, movable)

@@ -32,7 +32,7 @@ from .bytes_floor import FloorMeter
 from .grad_release import GradientRelease
 from .interface import NO_TIDE, ActivationPolicy
 from .move_model import MovePlan, MovePredictor
-from .moves import ChunkMoves
+from .moves import ChunkMoves, unmoved_bytes
 from .planner import gathered_rooms
 from .policy import Placer
 from .positions import TracePositions
@@ -76,6 +76,7 @@ class PlacementRuntime:
         self.tide: list[tuple[int, int, int, int]] = []  # (moment, model, non-model, offloaded activation bytes)
         self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self.positions = TracePositions(self.placer.budget // 64)  # see [Note: evaluation moments]
+        self.notes_unmoved = False  # several ranks: the model data not moved goes into the trace
 
     def model_bytes_on_device(self) -> int:  # a running total: O(1) per moment, see [Note: placement]
         return self.ledger.total
@@ -155,6 +156,8 @@ class PlacementRuntime:
         in_training = self.run.records() or (
             trace is not None and self.positions.prefetches_in_evaluation(trace, self.moves.at)
         )
+        if self.notes_unmoved and self.run.records():  # several ranks (see [Note: predicted moves])
+            self.tracer.note_beside(unmoved_bytes(self.moves))
         if in_training:
             self.moves.prefetch(self.placer.prefetch(trace, self.moves.at), trace, in_use)
         self.moves.hook_ends()

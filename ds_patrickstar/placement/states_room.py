@@ -9,21 +9,20 @@ H200 (gpt-1.3b without checkpointing, 24 GiB) 13 of 100 chunks' states stayed on
 0.211 s against 0.189 s with everything resident, where some 2 GB of activations could have gone to the host
 behind the compute.
 
-So where the step-time model chooses the states (one rank, ``optimizer_placement: "time"``), the plan made at
-the step after the traced one (see [Note: the plan checked on steady times] in step_planner.py) also prices plans
-that offload more blocks: for half and all of the chunks whose states the first
-plan leaves on the host (in the fill rule's order), the fewest more blocks that
-lower the planned tide's peak enough for the fill rule to place them (:meth:`StatesRoom.caps`), each priced by
-the states the step-time model then chooses on that tide, beside the activations' copies (see [Note:
-step-time model] in step_time.py). The fastest plan is kept; predicted steps within
-:data:`~ds_patrickstar.placement.state_choice.TIE` of it are a tie, which goes to the fewest bytes moved
-(chunks and activations), then to the fewest blocks offloaded. Logged; counters ``activation_bytes_offloaded``
-and ``adam_chunks_device`` show the outcome, ``plan_seconds`` the search's host time beside the states' plan (each
-plan priced is a quick search of the states, the one kept a thorough one, see [Note: the planner's cost] in
-state_choice.py). They are priced on the moment times of the iteration that ran the traced step's plan: the
-traced iteration's own hide everything, so the traced step offloads only what lets the chunks fit. On the strict
-twin the H100 profile's transfers hide behind the CPU's compute, every plan ties and the first is kept.
-"""
+So where the step-time model chooses the states (``optimizer_placement: "time"``, where the move model holds), the
+plan made at the step after the traced one (see [Note: the plan checked on steady times] in step_planner.py) also
+prices plans that offload more blocks: for half and all of the chunks whose states the first plan leaves on the
+host (in the fill rule's order), the fewest more blocks that lower the planned tide's peak enough for the fill rule
+to place them (:meth:`StatesRoom.caps`), each priced by the states the step-time model then chooses on that tide,
+beside the activations' copies (see [Note: step-time model] in step_time.py). The fastest plan is kept; predicted
+steps within :data:`~ds_patrickstar.placement.state_choice.TIE` of it are a tie, which goes to the fewest bytes
+moved (chunks and activations), then to the fewest blocks offloaded. Logged; counters
+``activation_bytes_offloaded`` and ``adam_chunks_device`` show the outcome, ``plan_seconds`` the search's host time
+beside the states' plan (each plan priced is a quick search of the states, the one kept a thorough one, see [Note:
+the planner's cost] in state_choice.py). They are priced on the moment times of the iteration that ran the traced
+step's plan: the traced iteration's own hide everything, so the traced step offloads only what lets the chunks fit.
+On the strict twin the H100 profile's transfers hide behind the CPU's compute, every plan ties and the first is
+kept."""
 
 from __future__ import annotations
 

@@ -26,8 +26,9 @@ the host's clock on the strict twin) less the demand transfers the model prices 
 :class:`DeviceProfile` are measured at initialize on a GPU (see [Note: device profile] in
 integration/device_profile.py); :data:`H100_PROFILE` holds the figures this project measured on an H100, and
 the strict twin prices its moves with them.
-What the model leaves out: gathered groups (one rank, as the
-move model), two copy directions running at once, and host Adam slowing the host's compute.
+What the model leaves out: the collectives (with several ranks the moments' measured times hold what they made the
+compute wait; the move model reads their buffers' room, see [Note: predicted moves]), two copy directions running
+at once, and host Adam slowing the host's compute.
 
 Offloaded activations (see [Note: activation offload]) share the copy stream with the chunks: their copies
 (:class:`ActivationMoves`, from the plan's blocks, see :func:`~ds_patrickstar.activations.plan.planned_copies`)

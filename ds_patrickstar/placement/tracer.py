@@ -92,6 +92,7 @@ class Moment:
         0  # the most placement read beside model data in its hook (see [Note: predicted moves] in move_model.py)
     )
     read_late: int = 0  # the most it read after the hook, before the next moment (a gradient's room, the step)
+    beside: int = 0  # with several ranks, the most model data placement does not move at its hook's end
     acc_born: frozenset[int] = frozenset()  # chunks whose gradient accumulator came into being during it
     acc_gone: frozenset[int] = frozenset()  # chunks whose gradient accumulator went during it
 
@@ -105,7 +106,7 @@ class Trace:
     moments: list[Moment] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)
     revision: int = 0  # moves when a moment's reading or planned tide changes (what the move model reads)
-    _stale: set[tuple[int, bool]] = field(default_factory=set)  # readings the next one replaces (restart_readings)
+    _stale: set[tuple[int, str]] = field(default_factory=set)  # readings the next one replaces (restart_readings)
 
     def add(self, moment: Moment) -> None:
         index = len(self.moments)
@@ -162,18 +163,33 @@ class Trace:
         """Placement read ``nbytes`` beside model data (the tide and the allocator's stranded pieces) during
         moment ``index``, in its hook or ``late`` (after it): the most of the readings is kept, and
         :attr:`revision` moves when it rises."""
+        self._note(index, "read_late" if late else "read", nbytes)
+
+    def note_beside(self, index: int, nbytes: int) -> None:
+        """With several ranks, ``nbytes`` of model data placement does not move (gathered groups, gradient and
+        collective buffers) stood on the accelerator at the end of moment ``index``'s hook (see [Note: predicted
+        moves] in move_model.py): the most is kept."""
+        self._note(index, "beside", nbytes)
+
+    def _note(self, index: int, kind: str, nbytes: int) -> None:
         old = self.moments[index]
-        kept = old.read_late if late else old.read
-        stale = (index, late) in self._stale
-        self._stale.discard((index, late))
+        kept = getattr(old, kind)
+        stale = (index, kind) in self._stale
+        self._stale.discard((index, kind))
         if nbytes > kept or (stale and nbytes != kept):
-            self.moments[index] = replace(old, read_late=nbytes) if late else replace(old, read=nbytes)
+            if kind == "read":
+                self.moments[index] = replace(old, read=nbytes)
+            elif kind == "read_late":
+                self.moments[index] = replace(old, read_late=nbytes)
+            else:
+                self.moments[index] = replace(old, beside=nbytes)
             self.revision += 1
 
     def restart_readings(self) -> None:
         """The plan changed: each moment's next reading replaces the most read so far, which another plan's
         allocations left (see [Note: the plan checked on steady times] in step_planner.py)."""
-        self._stale = {(index, late) for index in range(len(self.moments)) for late in (False, True)}
+        kinds = ("read", "read_late", "beside")
+        self._stale = {(index, kind) for index in range(len(self.moments)) for kind in kinds}
 
     def set_non_model(self, index: int, non_model: int) -> None:
         """The tide planned at moment ``index`` (activation offload re-plans it, see
@@ -296,6 +312,12 @@ class MemoryTracer:
         trace = self._recording if self.tracing else self.trace
         if trace is not None and 0 <= self.moment < len(trace):
             trace.note_read(self.moment, nbytes, late)
+
+    def note_beside(self, nbytes: int) -> None:
+        """Model data placement does not move at the end of the current moment's hook (several ranks)."""
+        trace = self._recording if self.tracing else self.trace
+        if trace is not None and 0 <= self.moment < len(trace):
+            trace.note_beside(self.moment, nbytes)
 
     def current_trace(self) -> Trace | None:
         """The trace to plan from, or None while an iteration is being traced."""

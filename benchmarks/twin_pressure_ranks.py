@@ -1,0 +1,123 @@
+"""``twin_pressure.py``'s mirrors of the H100 sweep at several ranks: per budget, the fill rule and the step-time
+model's choice of the optimizer states, each rank's bytes moved per steady step and the bytes predicted.
+
+    python benchmarks/twin_pressure_ranks.py                 # two ranks, the 8 / 12 / 16 / 24 GiB mirrors
+    python benchmarks/twin_pressure_ranks.py --ranks 2 --steps 6 --json out.json
+
+Each rank gets the budget ``twin_pressure.py`` gives one at that mirror (the fraction of the whole model's data
+that 8 / 12 / 16 / 24 GiB are of gpt-1.3b's 18.4 GB) and owns a share of the chunks; the ranks are processes on
+this machine (gloo on the CPU), every one on the same batches. The move model at several ranks reads the model
+data it does not move (gathered groups, gradient and collective buffers) as measured at each moment (see [Note:
+predicted moves] in ds_patrickstar/placement/move_model.py). Means over the steps after ``--warmup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+import bench_utils as bu
+import twin_pressure as tp
+
+KEYS = (
+    "bytes_to_device",
+    "bytes_to_host",
+    "predicted_bytes_to_device",
+    "predicted_bytes_to_host",
+    "adam_chunks_device",
+    "adam_chunks_host",
+    "prefetch_distance",
+    "eviction_order",
+)
+
+
+def _rank(rank: int, world: int, store: str, budget: int, rule: str, steps: int, out) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=store.rsplit("_", 1)[-1],
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    import ds_patrickstar  # noqa: F401
+
+    result = tp.run(tp.config("patrickstar", budget, rule), steps)
+    out.put((rank, result["losses"], [{k: c[k] for k in KEYS} for c in result["counters"]]))
+    dist.destroy_process_group()
+
+
+def trial(world: int, budget: int, rule: str, steps: int) -> list[tuple[list[float], list[dict]]]:
+    """Per rank, the losses and counters of ``steps`` steps at ``budget`` under ``rule``."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:  # DeepSpeed names its shared-memory buffers after MASTER_PORT
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tempfile.mktemp(prefix="twin_pressure_ranks_", suffix=f"_{port}")
+    procs = [ctx.Process(target=_rank, args=(r, world, store, budget, rule, steps, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=900) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+    if os.path.exists(store):
+        os.remove(store)
+    return [(losses, counters) for _, losses, counters in results]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the means")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    print(f"{bu.describe_cpu()}; {args.ranks} ranks")
+    data, rows = tp.model_data_bytes(), []
+    for gib in tp.MIRRORED_GIB:
+        budget = int(data * gib * tp.GIB / tp.H100_MODEL_DATA)
+        row: dict = {"mirrors_gib": gib, "budget": budget}
+        for rule in ("fill", "time"):
+            ranks = trial(args.ranks, budget, rule, args.steps)
+            row[rule] = [
+                {k: statistics.mean(c[k] for c in counters[args.warmup :]) for k in KEYS} | {"losses": losses}
+                for losses, counters in ranks
+            ]
+        rows.append(row)
+        same = all(t["losses"] == f["losses"] for t, f in zip(row["time"], row["fill"]))
+        print(f"mirrors {gib} GiB (budget {budget:,} B per rank), losses of the two rules equal: {same}")
+        for rank, (fill, time) in enumerate(zip(row["fill"], row["time"])):
+            moved = {name: r["bytes_to_device"] + r["bytes_to_host"] for name, r in (("fill", fill), ("time", time))}
+            ratio = moved["time"] / moved["fill"] if moved["fill"] else 1.0
+            print(
+                f"  rank {rank}: fill {fill['adam_chunks_device']:.0f} states on the accelerator, "
+                f"{moved['fill']:,.0f} B moved; time {time['adam_chunks_device']:.0f} states, "
+                f"{moved['time']:,.0f} B ({ratio:.2f}x), "
+                f"predicted {time['predicted_bytes_to_device']:,.0f} / {time['predicted_bytes_to_host']:,.0f} B "
+                f"against {time['bytes_to_device']:,.0f} / {time['bytes_to_host']:,.0f} measured, prefetch "
+                f"distance {time['prefetch_distance']:.0f}, eviction order {time['eviction_order']:.0f}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": bu.describe_cpu(), "ranks": args.ranks, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
