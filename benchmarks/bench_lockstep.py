@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+import bench_utils as bu
 
 
 def _rank(rank: int, world: int, store: str, mode: str, chunk: int, keep: int | None, steps: int, out) -> None:
@@ -63,21 +62,7 @@ def _rank(rank: int, world: int, store: str, mode: str, chunk: int, keep: int | 
 
 
 def _trial(mode: str, chunk: int, keep: int | None, steps: int) -> tuple:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:  # DeepSpeed names its shared-memory buffers after MASTER_PORT
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = tempfile.mktemp(prefix="bench_lockstep_", suffix=f"_{port}")
-    procs = [ctx.Process(target=_rank, args=(r, 2, store, mode, chunk, keep, steps, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    if os.path.exists(store):
-        os.remove(store)
-    return result
+    return bu.spawn_ranks(_rank, 2, (mode, chunk, keep, steps), 1, "bench_lockstep_", timeout=600)[0]
 
 
 def main() -> None:

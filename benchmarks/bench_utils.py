@@ -191,3 +191,25 @@ def model_data_bytes(engine, stage):
     if stage == 3 and hasattr(opt, "fp32_partitioned_groups_flat"):
         return zero3_model_data_bytes(engine)
     return None
+
+
+def spawn_ranks(target, world, args, replies, prefix="bench_ranks_", timeout=900.0):
+    """``target(rank, world, store, *args, out)`` in ``world`` spawned processes, which join gloo through the file
+    ``store`` (its name ends in a free port: DeepSpeed names its shared-memory buffers after MASTER_PORT); returns
+    the first ``replies`` items the processes put on the queue ``out``."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = tempfile.mktemp(prefix=prefix, suffix=f"_{free_port()}")
+    procs = [ctx.Process(target=target, args=(rank, world, store, *args, out)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=timeout) for _ in range(replies)]
+    for p in procs:
+        p.join(timeout=60)
+    if os.path.exists(store):
+        os.remove(store)
+    return results

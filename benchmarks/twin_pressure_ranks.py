@@ -16,13 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 from pathlib import Path
-
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
@@ -65,20 +61,7 @@ def _rank(rank: int, world: int, store: str, budget: int, rule: str, steps: int,
 
 def trial(world: int, budget: int, rule: str, steps: int) -> list[tuple[list[float], list[dict]]]:
     """Per rank, the losses and counters of ``steps`` steps at ``budget`` under ``rule``."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:  # DeepSpeed names its shared-memory buffers after MASTER_PORT
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = tempfile.mktemp(prefix="twin_pressure_ranks_", suffix=f"_{port}")
-    procs = [ctx.Process(target=_rank, args=(r, world, store, budget, rule, steps, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=900) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
-    if os.path.exists(store):
-        os.remove(store)
+    results = sorted(bu.spawn_ranks(_rank, world, (budget, rule, steps), world, "twin_pressure_ranks_"))
     return [(losses, counters) for _, losses, counters in results]
 
 
