@@ -154,7 +154,7 @@ def make_placement(
         trainable=_released_in_backward(options, chunk_map),
         floor=floor,
     )
-    runtime.notes_unmoved = chunk_map.world_size > 1  # see [Note: predicted moves]
+    runtime.notes_unmoved = chunk_map.world_size > 1 and _move_model_holds(chunk_map, accumulate)
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(

@@ -97,13 +97,13 @@ class ChunkMoves:
 
     def to_device(self, chunk: Chunk) -> None:
         self.store.to_device(chunk)
-        self.placer.arrived(chunk.chunk_id)
+        self.placer.arrived(chunk.chunk_id, chunk.nbytes)
 
     def evict(self, chunk: Chunk) -> None:
         """``chunk`` to the host with its accumulator (an asynchronous copy; see [Note: chunk locations])."""
         if not chunk.on_host:
             self.store.to_host(chunk)
-            self.placer.left(chunk.chunk_id)
+            self.placer.left(chunk.chunk_id, chunk.nbytes)
         elif chunk.acc is not None:  # its accumulator stayed (see [Note: accumulators kept] in eviction_queue.py)
             self.store.accumulator_to_host(chunk)
             self.placer.accumulator_left(chunk.chunk_id)
@@ -117,7 +117,7 @@ class ChunkMoves:
         chunk = self.chunks[key]
         stays = self.placer.order.keeps_accumulators and not whole and chunk.acc is not None
         self.store.to_host(chunk, keep_accumulator=stays)
-        self.placer.left(key, accumulator_stays=stays)
+        self.placer.left(key, chunk.nbytes, accumulator_stays=stays)
 
     def _headroom(self, trace: Trace | None, moment: int, span: int = 1) -> int:
         """Bytes model data may take from ``moment`` over ``span`` moments: the budget less the higher of the
@@ -314,10 +314,11 @@ def on_device(chunk: Chunk) -> int:
 
 def unmoved_bytes(moves: ChunkMoves) -> int:
     """The model data on the accelerator that placement does not move now: with several ranks the gathered groups'
-    storage and the gradient and collective buffers (see [Note: predicted moves] in move_model.py)."""
-    owned = sum(on_device(moves.chunks[c]) for c in moves.placer.resident)
+    storage and the gradient and collective buffers (see [Note: predicted moves] in move_model.py): O(1), from
+    running totals (without gradient accumulation, where the move model holds at several ranks, a resident chunk
+    takes its payload)."""
     optim, in_flight = moves.ledger.by_kind.get("optim", 0), moves.store.accel.in_flight_bytes()
-    return max(moves.ledger.total - optim - owned - in_flight, 0)
+    return max(moves.ledger.total - optim - moves.placer.resident_bytes - in_flight, 0)
 
 
 def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: Exception) -> DeviceBudgetExceeded:

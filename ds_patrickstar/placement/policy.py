@@ -58,6 +58,7 @@ class Placer:
         self._queue = EvictionQueue()
         self._trace: Trace | None = None  # the trace the queue's priorities come from
         self._resident: set[int] = set()
+        self.resident_bytes = 0  # the payload bytes of the resident chunks, a running total
         self._orphans: set[int] = set()  # accumulators on the accelerator whose payload is away
         self._base = 0  # absolute clock of this iteration's moment 0 (Belady priorities)
         self._moment = -1
@@ -70,15 +71,19 @@ class Placer:
         """The chunks on the accelerator now (a copy)."""
         return set(self._resident)
 
-    def arrived(self, chunk: int) -> None:
-        """``chunk`` is now backed on the accelerator (with its accumulator)."""
+    def arrived(self, chunk: int, nbytes: int = 0) -> None:
+        """``chunk`` (a payload of ``nbytes``) is now backed on the accelerator (with its accumulator)."""
+        if chunk not in self._resident:
+            self.resident_bytes += nbytes
         self._resident.add(chunk)
         self._queue.push(chunk, self._priority(chunk))
         self.accumulator_left(chunk)  # an accumulator that stayed is the chunk's again
 
-    def left(self, chunk: int, accumulator_stays: bool = False) -> None:
-        """``chunk`` went to the host; its accumulator stays on the accelerator where ``accumulator_stays`` (see
-        [Note: accumulators kept] in eviction_queue.py)."""
+    def left(self, chunk: int, nbytes: int = 0, accumulator_stays: bool = False) -> None:
+        """``chunk`` (a payload of ``nbytes``) went to the host; its accumulator stays on the accelerator where
+        ``accumulator_stays`` (see [Note: accumulators kept] in eviction_queue.py)."""
+        if chunk in self._resident:
+            self.resident_bytes -= nbytes
         self._resident.discard(chunk)
         self._queue.drop(chunk)
         if accumulator_stays:
