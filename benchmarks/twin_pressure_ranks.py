@@ -3,6 +3,7 @@ model's choice of the optimizer states, each rank's bytes moved per steady step 
 
     python benchmarks/twin_pressure_ranks.py                 # two ranks, the 8 / 12 / 16 / 24 GiB mirrors
     python benchmarks/twin_pressure_ranks.py --ranks 2 --steps 6 --json out.json
+    python benchmarks/twin_pressure_ranks.py --mirrors 6,7,9,10,11,13,14    # other GiB of the sweep
 
 Each rank gets the budget ``twin_pressure.py`` gives one at that mirror (the fraction of the whole model's data
 that 8 / 12 / 16 / 24 GiB are of gpt-1.3b's 18.4 GB) and owns a share of the chunks; the ranks are processes on
@@ -70,11 +71,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the means")
+    parser.add_argument("--mirrors", default=",".join(str(g) for g in tp.MIRRORED_GIB), help="GiB, comma-separated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     print(f"{bu.describe_cpu()}; {args.ranks} ranks")
     data, rows = tp.model_data_bytes(), []
-    for gib in tp.MIRRORED_GIB:
+    for gib in (float(g) for g in args.mirrors.split(",")):
         budget = int(data * gib * tp.GIB / tp.H100_MODEL_DATA)
         row: dict = {"mirrors_gib": gib, "budget": budget}
         for rule in ("fill", "time"):
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
             ]
         rows.append(row)
         same = all(t["losses"] == f["losses"] for t, f in zip(row["time"], row["fill"]))
-        print(f"mirrors {gib} GiB (budget {budget:,} B per rank), losses of the two rules equal: {same}")
+        print(f"mirrors {gib:g} GiB (budget {budget:,} B per rank), losses of the two rules equal: {same}")
         for rank, (fill, time) in enumerate(zip(row["fill"], row["time"])):
             moved = {name: r["bytes_to_device"] + r["bytes_to_host"] for name, r in (("fill", fill), ("time", time))}
             ratio = moved["time"] / moved["fill"] if moved["fill"] else 1.0
