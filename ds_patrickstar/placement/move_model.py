@@ -28,15 +28,15 @@ back with its payload (see [Note: accumulators kept] in eviction_queue.py).
 With several ranks a rank's placement moves its own chunks; the other ranks' chunks of a group in use, kept or
 gathered ahead sit in the group's gathered storage, beside the flat gradient buffers and the collectives' buffers,
 none of which it moves. Which groups are gathered then follows the ranks' agreed gather plan and when a buffer goes
-follows gloo's completions, so the replay does not derive them: the driver notes, at the end of each moment's hook,
-the model data on the accelerator that is not its own chunks' payloads, optimizer states or copies in flight
-(``Moment.beside``, the most of its readings with this trace, like ``read``), and the replay makes room for this
-rank's chunks under the budget less that as well. That reading is of the plan the trace ran with (another placement
-of the states leaves other room for kept groups), so at several ranks the prediction is approximate: on the twin's
-mirrors of the H100 sweep within 3% of the bytes each rank moved at 8 and 12 GiB, within 15% from 6 to 14
-(``benchmarks/twin_pressure_ranks.py``), on the counter runs' two-rank GPT within 15%. With gradient accumulation
-at several ranks (owned accumulators from each micro-step's reduce-scatter) nothing is predicted: the counters say
-0, and the fill rule places the states.
+follows the collectives' completions, so the replay does not derive them: the driver notes, at the end of each
+moment's hook, the model data on the accelerator that is not its own chunks' payloads, optimizer states or copies
+in flight (``Moment.beside``, the most of its readings with this trace, like ``read``), and the replay makes room
+for this rank's chunks under the budget less that as well. That reading is of the plan the trace ran with (another
+placement of the states leaves other room for kept groups), so at several ranks the prediction is approximate: on
+the twin's mirrors of the H100 sweep within 3% of the bytes each rank moved at 8 and 12 GiB, within 15% from 6 to
+14 (``benchmarks/twin_pressure_ranks.py``), on the counter runs' two-rank GPT within 15%. With gradient
+accumulation at several ranks (owned accumulators from each micro-step's reduce-scatter) nothing is predicted: the
+counters say 0, and the fill rule places the states.
 """
 
 from __future__ import annotations
