@@ -113,7 +113,7 @@ def test_stock_key_that_would_change_results_is_an_error(key, value, why):
 # a ZeRO-3 block as OpenRLHF and Hugging Face's template write it, with only the stage changed
 STOCK_ZERO3_KEYS = {
     "offload_param": {"device": "cpu", "pin_memory": True},
-    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.3},  # ZeRO-Offload++'s partial offload
     "sub_group_size": 1e9,
     "reduce_bucket_size": 5e8,
     "overlap_comm": True,
@@ -139,6 +139,8 @@ def test_stock_zero3_keys_are_accepted_with_one_info_line(caplog):
         assert (key in said) is (key != "stage3_param_persistence_threshold"), key
     assert engine.optimizer.options.stage3_param_persistence_threshold == 10_000  # 1e4 read as a count
     assert "offload_param: placement may keep parameters (chunks) in host memory" in said
+    # each setting of a "cpu" block says what it does here: the ratio is the placement's to choose
+    assert "its ratio: placement chooses how many optimizer states stay on the accelerator" in said
     assert "sub_group_size: optimizer sub-groups are the chunks here (chunk_size)" in said
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "zero_optimization" in r.getMessage()]
     assert math.isfinite(_train_step(engine))  # and training runs

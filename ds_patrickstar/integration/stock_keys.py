@@ -12,7 +12,9 @@ gradients, hierarchical partitioning over more than one rank, ZenFlow, ``load_fr
 false`` (loads here always restore the fp32 masters), an offload device other than ``none``,
 ``cpu`` or ``nvme``. ``"device": "cpu"`` is accepted: placement already keeps in host memory what
 does not fit the accelerator, decided from the trace (on a CPU-only run everything is in host
-memory); ``"nvme"`` is the disk tier (``disk/config.py``).
+memory), and the line says what each setting of such a block does here (ZeRO-Offload++'s ``ratio``
+of states kept on the host: the step-time model chooses that); ``"nvme"`` is the disk tier
+(``disk/config.py``).
 """
 
 from __future__ import annotations
@@ -98,11 +100,30 @@ def offload_device(key: str, value: Any) -> str:
     return device
 
 
-def _offload_meaning(key: str, device: str) -> str:
+# what the settings of a ``"device": "cpu"`` block do here (the placement decides what stays on the accelerator)
+_CPU_SETTINGS = {
+    "ratio": "placement chooses how many optimizer states stay on the accelerator (optimizer_placement)",
+    "pin_memory": "host copies are pinned where placement runs on a GPU",
+    "buffer_count": "a setting of the nvme device",
+    "buffer_size": "a setting of the nvme device",
+    "max_in_cpu": "a setting of the nvme device",
+    "fast_init": "a setting of the nvme device",
+    "nvme_path": "a setting of the nvme device",
+    "pipeline": "placement overlaps the transfers and the host Adam by the step-time model",
+    "pipeline_read": "placement overlaps the transfers and the host Adam by the step-time model",
+    "pipeline_write": "placement overlaps the transfers and the host Adam by the step-time model",
+    "super_offload": "placement overlaps the host Adam with the next forward (overlap_host_adam)",
+    "cpuadam_cores_perc": "the host Adam uses torch's intra-op threads",
+}
+
+
+def _offload_meaning(key: str, device: str, block: Any = None) -> str:
     what = "parameters (chunks)" if key in ("offload_param", "cpu_offload_param") else "optimizer states"
-    if device == "cpu":
-        return f"placement may keep {what} in host memory (it does when they do not fit the accelerator)"
-    return "no offload"
+    if device != "cpu":
+        return "no offload"
+    said = f"placement may keep {what} in host memory (it does when they do not fit the accelerator)"
+    settings = [k for k in block if k != "device"] if isinstance(block, dict) else []
+    return said + "".join(f"; its {k}: {_CPU_SETTINGS.get(k, _NOTHING)}" for k in sorted(settings))
 
 
 def meaning(key: str, value: Any) -> str:
@@ -111,7 +132,7 @@ def meaning(key: str, value: Any) -> str:
     if why is not None:
         raise ValueError(f"zero_optimization.{key}={value!r} cannot be used with stage 'patrickstar': {why}")
     if key in ("offload_param", "offload_optimizer"):
-        return _offload_meaning(key, offload_device(key, value))
+        return _offload_meaning(key, offload_device(key, value), value)
     if key in ("cpu_offload", "cpu_offload_param"):
         return _offload_meaning(key, "cpu" if value else "none")
     if key in _HERE:
