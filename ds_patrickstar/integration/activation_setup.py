@@ -23,17 +23,16 @@ def activation_mode(options: PatrickStarConfig, chunk_map: ChunkMap, budget: int
     """``offload_activations`` as set, else "auto".
 
     [Note: activations by default]
-    Left out, ``offload_activations`` is "auto": the traced iteration offloads every block that may not fit
-    (see [Note: the traced iteration's offload] in activations/traced_keep.py), and the plan
-    made from it at that iteration's step offloads the fewest bytes that let the chunks fit beside the tide,
-    nothing where nothing is needed (see [Note: auto activation offload] in activations/plan.py). Whether the
-    tide fits beside the chunks a moment needs is known only from the trace: a model whose data fits the budget
-    can still have activations that do not fit beside it (measured on an H200: gpt2-medium, 4.97 GB of model
-    data under a 5.35 GB budget, 4.1 GB of activations), where "none" is refused and ZeRO-3 offload trains. Where
-    nothing is needed, nothing moves either where a quarter of the budget stays free beside every chunk and
-    activation; below that the price is the traced iteration's: the blocks it offloads go to pinned host memory
-    and back once. Set the key to choose; "none" refuses a budget below the tide with the remedies and the bytes each
-    saves.
+    Left out, ``offload_activations`` is "auto": the traced iteration offloads every block that may not fit (see
+    [Note: the traced iteration's offload] in activations/traced_keep.py), and the plan made from it at that
+    iteration's step offloads the fewest bytes that let the chunks fit beside the tide, nothing where nothing is
+    needed (see [Note: auto activation offload] in activations/plan.py). Whether the tide fits beside the chunks a
+    moment needs is known only from the trace: a model whose data fits the budget can still have activations that
+    do not fit beside it (measured on an H200: gpt2-medium, 4.97 GB of model data under a 5.35 GB budget, 4.1 GB of
+    activations), where "none" is refused and ZeRO-3 offload trains. Where nothing is needed and a quarter of the
+    budget stays free beside every chunk and activation, nothing moves at all; otherwise the traced iteration pays
+    once: the blocks it offloads go to pinned host memory and back. Set the key to choose; "none" refuses a budget
+    below the tide with the remedies and the bytes each saves.
     """
     if options.offload_activations is not None:
         return options.offload_activations
