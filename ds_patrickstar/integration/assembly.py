@@ -224,7 +224,7 @@ def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> se
     return {c.chunk_id for c in chunk_map.trainable_owned()}
 
 
-def _move_model_holds(chunk_map: ChunkMap, accumulate: bool = False) -> bool:
+def _move_model_holds(chunk_map: ChunkMap, accumulate: bool) -> bool:
     """One rank, or several without gradient accumulation: the scope of the move model and of what is built on it
     (see [Note: predicted moves])."""
     return chunk_map.world_size == 1 or not accumulate

@@ -101,17 +101,13 @@ def offload_device(key: str, value: Any) -> str:
 
 
 # what the settings of a ``"device": "cpu"`` block do here (the placement decides what stays on the accelerator)
+_NVME_ONLY = "a setting of the nvme device"
+_OVERLAPPED = "placement overlaps the transfers and the host Adam by the step-time model"
 _CPU_SETTINGS = {
     "ratio": "placement chooses how many optimizer states stay on the accelerator (optimizer_placement)",
-    "pin_memory": "host copies are pinned where placement runs on a GPU",
-    "buffer_count": "a setting of the nvme device",
-    "buffer_size": "a setting of the nvme device",
-    "max_in_cpu": "a setting of the nvme device",
-    "fast_init": "a setting of the nvme device",
-    "nvme_path": "a setting of the nvme device",
-    "pipeline": "placement overlaps the transfers and the host Adam by the step-time model",
-    "pipeline_read": "placement overlaps the transfers and the host Adam by the step-time model",
-    "pipeline_write": "placement overlaps the transfers and the host Adam by the step-time model",
+    "pin_memory": _HERE["cpu_offload_use_pin_memory"],
+    **dict.fromkeys(("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "nvme_path"), _NVME_ONLY),
+    **dict.fromkeys(("pipeline", "pipeline_read", "pipeline_write"), _OVERLAPPED),
     "super_offload": "placement overlaps the host Adam with the next forward (overlap_host_adam)",
     "cpuadam_cores_perc": "the host Adam uses torch's intra-op threads",
 }

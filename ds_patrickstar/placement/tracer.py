@@ -64,11 +64,15 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 from ..memory.accelerator import Accelerator
 from ..memory.ledger import DeviceLedger
 from .saved_meter import SavedTensorMeter
 from .shapes import RetraceLog, RetraceReason, Signature, covers, widen
+
+Reading = Literal["read", "read_late", "beside"]
+"""The readings a moment keeps the most of (see :meth:`Trace.note_read`, :meth:`Trace.note_beside`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +110,7 @@ class Trace:
     moments: list[Moment] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)
     revision: int = 0  # moves when a moment's reading or planned tide changes (what the move model reads)
-    _stale: set[tuple[int, str]] = field(default_factory=set)  # readings the next one replaces (restart_readings)
+    _stale: set[tuple[int, Reading]] = field(default_factory=set)  # readings the next one replaces (restart_readings)
 
     def add(self, moment: Moment) -> None:
         index = len(self.moments)
@@ -171,7 +175,7 @@ class Trace:
         moves] in move_model.py): the most is kept."""
         self._note(index, "beside", nbytes)
 
-    def _note(self, index: int, kind: str, nbytes: int) -> None:
+    def _note(self, index: int, kind: Reading, nbytes: int) -> None:
         old = self.moments[index]
         kept = getattr(old, kind)
         stale = (index, kind) in self._stale
@@ -188,8 +192,7 @@ class Trace:
     def restart_readings(self) -> None:
         """The plan changed: each moment's next reading replaces the most read so far, which another plan's
         allocations left (see [Note: the plan checked on steady times] in step_planner.py)."""
-        kinds = ("read", "read_late", "beside")
-        self._stale = {(index, kind) for index in range(len(self.moments)) for kind in kinds}
+        self._stale = {(index, kind) for index in range(len(self.moments)) for kind in get_args(Reading)}
 
     def set_non_model(self, index: int, non_model: int) -> None:
         """The tide planned at moment ``index`` (activation offload re-plans it, see
