@@ -148,13 +148,13 @@ def make_placement(
     runtime = PlacementRuntime(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
-        predictor=MovePredictor(accel.ledger.budget, costs) if _move_model_holds(chunk_map, accumulate) else None,
+        predictor=MovePredictor(accel.ledger.budget, costs),
         timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
-        chooser=_state_chooser(options, accel, chunk_map, costs, profile, floor, accumulate),
+        chooser=_state_chooser(options, accel, costs, profile, floor),
         trainable=_released_in_backward(options, chunk_map),
         floor=floor,
     )
-    runtime.notes_unmoved = chunk_map.world_size > 1 and _move_model_holds(chunk_map, accumulate)
+    runtime.notes_unmoved = chunk_map.world_size > 1
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(
@@ -194,24 +194,11 @@ def _chunk_costs(chunk_map: ChunkMap, accumulate: bool, clean: bool) -> ChunkCos
 
 
 def _state_chooser(
-    options: PatrickStarConfig,
-    accel: Accelerator,
-    chunk_map: ChunkMap,
-    costs: ChunkCosts,
-    profile: DeviceProfile,
-    floor: FloorMeter | None,
-    accumulate: bool,
+    options: PatrickStarConfig, accel: Accelerator, costs: ChunkCosts, profile: DeviceProfile, floor: FloorMeter | None
 ) -> StateChooser | None:
-    """The step-time model's choice of the optimizer states on the accelerator, where the move model holds
-    (see [Note: optimizer states by step time]); None: every state that fits."""
+    """The step-time model's choice of the optimizer states on the accelerator (see [Note: optimizer states by step
+    time]); None: every state that fits."""
     if options.placement != "auto" or options.optimizer_placement != "time" or floor is None:
-        return None
-    if not _move_model_holds(chunk_map, accumulate):
-        if "optimizer_placement" in options.model_fields_set:
-            logger.info(
-                'ds_patrickstar: optimizer_placement "time" needs one rank or no gradient accumulation (the move '
-                'model\'s scope): "fill" is used'
-            )
         return None
     return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam, floor)
 
@@ -222,12 +209,6 @@ def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> se
     if options.placement != "auto":
         return None
     return {c.chunk_id for c in chunk_map.trainable_owned()}
-
-
-def _move_model_holds(chunk_map: ChunkMap, accumulate: bool) -> bool:
-    """One rank, or several without gradient accumulation: the scope of the move model and of what is built on it
-    (see [Note: predicted moves])."""
-    return chunk_map.world_size == 1 or not accumulate
 
 
 def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile: DeviceProfile) -> StepTimer:

@@ -14,8 +14,9 @@ reduce-scatter completes when the backend has run it (reaped at the next moment 
 reduce-scatters later, see memory/reductions.py), so the moment it leaves can differ from run to run, never
 its bytes or its values. Only once a step has placed the optimizer states from this trace (before, any chunk
 may turn out to be updated on the accelerator); with gradient accumulation the last use is in the boundary
-micro-step. The move model models it at one rank (its scope); the counter ``grads_released_in_backward``
-counts them.
+micro-step. The move model models it (at several ranks as at the moment after the last use, the same bytes); the
+counter ``grads_released_in_backward`` counts them, and where the collective completes late a chunk still waiting
+may leave through an eviction making room instead (counted in ``evictions``).
 """
 
 from __future__ import annotations

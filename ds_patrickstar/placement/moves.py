@@ -315,10 +315,11 @@ def on_device(chunk: Chunk) -> int:
 def unmoved_bytes(moves: ChunkMoves) -> int:
     """The model data on the accelerator that placement does not move now: with several ranks the gathered groups'
     storage and the gradient and collective buffers (see [Note: predicted moves] in move_model.py): O(1), from
-    running totals (without gradient accumulation, where the move model holds at several ranks, a resident chunk
-    takes its payload)."""
-    optim, in_flight = moves.ledger.by_kind.get("optim", 0), moves.store.accel.in_flight_bytes()
-    return max(moves.ledger.total - optim - moves.placer.resident_bytes - in_flight, 0)
+    running totals (the resident chunks' payloads, and the accumulators on the accelerator, which the replay moves
+    with their chunks)."""
+    kinds, in_flight = moves.ledger.by_kind, moves.store.accel.in_flight_bytes()
+    placed = kinds.get("optim", 0) + kinds.get("grad_acc", 0) + moves.placer.resident_bytes
+    return max(moves.ledger.total - placed - in_flight, 0)
 
 
 def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: Exception) -> DeviceBudgetExceeded:

@@ -63,7 +63,7 @@ short). With the optimizer states placed, the planner prices each distance from 
 (the moves of a steady-state iteration at that distance, then the two-stream step-time model, see [Note:
 step-time model]) and keeps the fastest; within :data:`TIE` of it, the fewest bytes moved, then the shortest
 distance. The distance is logged and exported (counter ``prefetch_distance``); without the step-time model
-(several ranks with gradient accumulation, ``optimizer_placement: "fill"``) it is one moment.
+(``optimizer_placement: "fill"``) it is one moment.
 """
 
 from __future__ import annotations
