@@ -168,3 +168,29 @@ def test_the_prediction_is_made_again_when_the_planned_tide_changes():
     before = trace.revision
     trace.set_non_model(1, 0)
     assert trace.revision > before and predictor.update(trace, 0, {0, 1}, set()).bytes_to_device == 0
+
+
+def test_an_accumulator_whose_boundary_collective_is_issued_goes_before_any_eviction():
+    """With several ranks the boundary's reduce-scatter adds an owned accumulator into its slot, and the driver
+    completes the collectives in flight before it evicts (see [Note: predicted moves]): from the moment the trace
+    noted the collective issued (``acc_folding``) the replay drops the accumulator where room is needed instead of
+    sending it to the host. Three backward moments, one chunk of 100 B each (the first brings the second ahead)
+    whose accumulator of 400 B comes into being there; 1000 B hold two chunks with theirs: the second accumulator
+    needs room. Where the step writes the sums (unmanaged accumulation: nothing noted) the first chunk (used again
+    farthest ahead) goes to the host with its accumulator, which goes there at the step; noted, nothing moves out."""
+    from ds_patrickstar.placement.move_model import simulate_moves
+
+    def trace(folding: bool) -> Trace:
+        out = Trace()
+        for k in range(3):
+            noted = frozenset({k}) if folding else frozenset()
+            out.add(Moment(f"bwd:{k}", (k,), 0, acc_born=frozenset({k}), acc_folding=noted))
+        out.add(Moment("step", (), 0, acc_gone=frozenset(range(3))))
+        return out
+
+    sizes, accumulators = {0: 100, 1: 100, 2: 100}, {0: 400, 1: 400, 2: 400}
+    for folding, evicted in ((True, 0), (False, 1)):
+        plan = simulate_moves(trace(folding), 1000, sizes, 0, set(), set(), accumulators=accumulators)
+        assert plan.to_device == [200, 100, 0, 0] and plan.acc_to_device == [0, 0, 0, 0]
+        assert plan.to_host == [0, 100 * evicted, 0, 0], folding
+        assert plan.acc_to_host == [0, 400 * evicted, 0, 0], folding

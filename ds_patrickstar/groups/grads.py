@@ -184,6 +184,8 @@ class GradientSink:
                 self._final(self._groups[group].owned)
             return
         owned = self._groups[group].owned
+        if self._scattered is not None:
+            self._groups[group].accumulator_folding()
         pending = self._groups[group].reduce_scatter(then=self._fold)
         self._residency.release(group, until=pending)
         owned.pending.append(pending)  # the owned chunk stays until its slot has the result

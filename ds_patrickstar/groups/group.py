@@ -135,8 +135,14 @@ class ChunkGroup:
     def accumulator(self, chunk: Chunk) -> torch.Tensor:
         """The fp32 gradient accumulator of a member (created on first use; see [Note: gradient accumulation])."""
         if chunk.acc is None and chunk.acc_host is None:
-            self._placement.accumulator(chunk.chunk_id, True)
+            self._placement.accumulator(chunk.chunk_id, "acc_born")
         return self._store.accumulator(chunk)
+
+    def accumulator_folding(self) -> None:
+        """The boundary's reduce-scatter, whose completion adds the owned chunk's accumulator into its slot, is
+        issued (see [Note: predicted moves] in placement/move_model.py)."""
+        if self.owned.acc is not None or self.owned.acc_host is not None:
+            self._placement.accumulator(self.owned.chunk_id, "acc_folding")
 
     def flat_buffer(self, keep: set[int]) -> torch.Tensor:
         """A zeroed flat gradient buffer of the group (room made first; see [Note: flat group buffers])."""
@@ -237,7 +243,7 @@ class ChunkGroup:
         """The members' gradient accumulators go (their sums are in the slots, or the step is over)."""
         for chunk in self.members:
             if chunk.acc is not None or chunk.acc_host is not None:
-                self._placement.accumulator(chunk.chunk_id, False)
+                self._placement.accumulator(chunk.chunk_id, "acc_gone")
             self._store.drop_accumulator(chunk)
 
     def finalize(self) -> None:

@@ -22,7 +22,7 @@ import torch
 from ..chunks.chunk import Chunk
 from .saved_meter import SavedTensorMeter
 from .step_time import ActivationMoves
-from .tracer import MemoryTracer, Trace
+from .tracer import AccumulatorEvent, MemoryTracer, Trace
 
 if TYPE_CHECKING:
     from .states_room import StatesRoom
@@ -121,8 +121,9 @@ class Placement(Protocol):
         """The owned chunk's slot holds its final gradient of this iteration (its last gradient in; with several
         ranks, its reduce-scatter completed): see [Note: gradients leave in backward]."""
 
-    def accumulator(self, chunk_id: int, exists: bool) -> None:
-        """The chunk's gradient accumulator came into being (``exists``) or went (see [Note: predicted moves])."""
+    def accumulator(self, chunk_id: int, event: AccumulatorEvent) -> None:
+        """The chunk's gradient accumulator came into being, has its boundary sum coming with a collective just
+        issued (which completes before the chunk could move), or went (see [Note: predicted moves])."""
 
     def evict(self, chunk: Chunk) -> None: ...
 
@@ -204,7 +205,7 @@ class NullPlacement:
     def gradient_final(self, chunk_id: int) -> None:
         pass
 
-    def accumulator(self, chunk_id: int, exists: bool) -> None:
+    def accumulator(self, chunk_id: int, event: AccumulatorEvent) -> None:
         pass
 
     def evict(self, chunk: Chunk) -> None:

@@ -38,8 +38,9 @@ the twin's mirrors of the H100 sweep within 3% of the bytes each rank moved at 8
 accumulation at several ranks a rank's accumulators are its owned chunks' (see [Note: gradient accumulation] in
 groups/grads.py), from its group's first micro-step reduce-scatter, and move with their chunks as at one rank (the
 reading leaves them out). At the boundary a sum comes with its group's reduce-scatter, which the driver completes
-before it evicts the chunk or makes room, so an accumulator whose chunk's last use is behind goes then, never to
-the host; the replay drops it so (``folding``), not where the trace saw the completion reaped, moments later. On
+before it evicts the chunk or makes room, so an accumulator goes then, never to the host: from the moment the
+collective was issued (``Moment.acc_folding``; never where the step writes the sums, see [Note: unmanaged gradient
+accumulation] in groups/grads.py) the replay drops it so, not only where the trace saw the completion reaped. On
 the twin's mirrors at GA 2 the payloads' bytes are predicted within 5% from 6 to 16 GiB.
 """
 
@@ -82,7 +83,7 @@ class _Replay:
         self.acc: set[int] = set()  # chunks whose accumulator exists now
         self.keeps_accumulators = order.keeps_accumulators  # see [Note: accumulators kept] in eviction_queue.py
         self.orphans: set[int] = set()  # chunks whose accumulator is on the accelerator and payload away
-        self.folding: set[int] = set()  # accumulators whose boundary sum is on its way (see [Note: predicted moves])
+        self.folding: set[int] = set()  # accumulators whose boundary sum is on its way (``Moment.acc_folding``)
         self.late = False  # after the moment's hook: a gradient's room (see [Note: predicted moves])
         self.uncopied = uncopied
         self.keeps_copies = False  # brought chunks keep their host buffer (see [Note: clean evictions])
@@ -292,8 +293,6 @@ def simulate_moves(
     for index, moment in enumerate(trace.moments):
         replay.at = index
         replay.keeps_copies = keeps_copies and moment.label != "step"
-        if index and replay.acc:  # their last gradient is in: the boundary's sum comes with their collective
-            replay.folding.update(replay.acc.intersection(replay.arrays.last_uses[index - 1]))
         if moment.label == "step":  # the step gives back the trainable chunks' kept copies
             replay.clean &= set(frozen)
         else:
@@ -320,6 +319,7 @@ def simulate_moves(
             replay.late = True
             for chunk in sorted(moment.acc_born & accumulating):
                 replay.grow(chunk, used)
+            replay.folding.update(moment.acc_folding & replay.acc)
             for chunk in sorted(moment.acc_gone):
                 replay.shrink(chunk)
             replay.late = False

@@ -43,7 +43,7 @@ from .step_plan import StepPlan
 from .step_planner import StepPlanner
 from .step_time import StepTimer
 from .tide_plot import plot_tide
-from .tracer import MemoryTracer, Trace
+from .tracer import AccumulatorEvent, MemoryTracer, Trace
 
 
 class PlacementRuntime:
@@ -137,9 +137,9 @@ class PlacementRuntime:
         if self.release is not None:
             self.release.gradient_final(chunk_id)
 
-    def accumulator(self, chunk_id: int, exists: bool) -> None:
-        self.tracer.note_accumulator(chunk_id, exists)
-        if not exists:
+    def accumulator(self, chunk_id: int, event: AccumulatorEvent) -> None:
+        self.tracer.note_accumulator(chunk_id, event)
+        if event == "acc_gone":
             self.placer.accumulator_left(chunk_id)
 
     def end_moment(self, in_use: set[int]) -> None:

@@ -73,6 +73,8 @@ from .shapes import RetraceLog, RetraceReason, Signature, covers, widen
 
 Reading = Literal["read", "read_late", "beside"]
 """The readings a moment keeps the most of (see :meth:`Trace.note_read`, :meth:`Trace.note_beside`)."""
+AccumulatorEvent = Literal["acc_born", "acc_folding", "acc_gone"]
+"""What became of a gradient accumulator at a moment (the :class:`Moment` field that records it)."""
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class Moment:
     read_late: int = 0  # the most it read after the hook, before the next moment (a gradient's room, the step)
     beside: int = 0  # with several ranks, the most model data placement does not move at its hook's end
     acc_born: frozenset[int] = frozenset()  # chunks whose gradient accumulator came into being during it
+    acc_folding: frozenset[int] = frozenset()  # those whose boundary sum comes with a collective issued during it
     acc_gone: frozenset[int] = frozenset()  # chunks whose gradient accumulator went during it
 
     @property
@@ -155,13 +158,10 @@ class Trace:
         if chunk not in old.written:
             self.moments[index] = replace(old, written=old.written | {chunk})
 
-    def note_accumulator(self, index: int, chunk: int, exists: bool) -> None:
-        """``chunk``'s gradient accumulator came into being (``exists``) or went during moment ``index``."""
+    def note_accumulator(self, index: int, chunk: int, event: AccumulatorEvent) -> None:
+        """``event`` befell ``chunk``'s gradient accumulator during moment ``index``."""
         old = self.moments[index]
-        if exists:
-            self.moments[index] = replace(old, acc_born=old.acc_born | {chunk})
-        else:
-            self.moments[index] = replace(old, acc_gone=old.acc_gone | {chunk})
+        self.moments[index] = replace(old, **{event: getattr(old, event) | {chunk}})
 
     def note_read(self, index: int, nbytes: int, late: bool = False) -> None:
         """Placement read ``nbytes`` beside model data (the tide and the allocator's stranded pieces) during
@@ -304,10 +304,10 @@ class MemoryTracer:
         if self.tracing and 0 <= self.moment < len(self._recording):
             self._recording.note_written(self.moment, chunk)
 
-    def note_accumulator(self, chunk: int, exists: bool) -> None:
-        """While tracing, ``chunk``'s gradient accumulator came into being or went at the current moment."""
+    def note_accumulator(self, chunk: int, event: AccumulatorEvent) -> None:
+        """While tracing, ``event`` befell ``chunk``'s gradient accumulator at the current moment."""
         if self.tracing and 0 <= self.moment < len(self._recording):
-            self._recording.note_accumulator(self.moment, chunk, exists)
+            self._recording.note_accumulator(self.moment, chunk, event)
 
     def note_read(self, nbytes: int, late: bool) -> None:
         """Placement read ``nbytes`` beside model data at the current moment of the trace recorded or followed, in
