@@ -38,10 +38,10 @@ the twin's mirrors of the H100 sweep within 3% of the bytes each rank moved at 8
 accumulation at several ranks a rank's accumulators are its owned chunks' (see [Note: gradient accumulation] in
 groups/grads.py), from its group's first micro-step reduce-scatter, and move with their chunks as at one rank (the
 reading leaves them out). At the boundary a sum comes with its group's reduce-scatter, which the driver completes
-before it evicts the chunk or makes room, so an accumulator goes then, never to the host: from the moment the
-collective was issued (``Moment.acc_folding``; never where the step writes the sums, see [Note: unmanaged gradient
-accumulation] in groups/grads.py) the replay drops it so, not only where the trace saw the completion reaped. On
-the twin's mirrors at GA 2 the payloads' bytes are predicted within 5% from 6 to 16 GiB.
+before it evicts the chunk or makes room, so an accumulator goes then, never to the host; the replay drops it so
+from the moment after its chunk's last use where the trace noted such a collective for it (``Moment.acc_folding``;
+none where the step writes the sums, see [Note: unmanaged gradient accumulation] in groups/grads.py). On the
+twin's mirrors at GA 2 the payloads' bytes are predicted within 5% from 6 to 16 GiB.
 """
 
 from __future__ import annotations
@@ -293,6 +293,8 @@ def simulate_moves(
     for index, moment in enumerate(trace.moments):
         replay.at = index
         replay.keeps_copies = keeps_copies and moment.label != "step"
+        if index and replay.acc:  # their last gradient is in and a boundary collective brings their sums
+            replay.folding.update(replay.acc.intersection(replay.arrays.last_uses[index - 1], replay.arrays.folds))
         if moment.label == "step":  # the step gives back the trainable chunks' kept copies
             replay.clean &= set(frozen)
         else:
@@ -319,7 +321,6 @@ def simulate_moves(
             replay.late = True
             for chunk in sorted(moment.acc_born & accumulating):
                 replay.grow(chunk, used)
-            replay.folding.update(moment.acc_folding & replay.acc)
             for chunk in sorted(moment.acc_gone):
                 replay.shrink(chunk)
             replay.late = False

@@ -21,7 +21,8 @@ class ReplayArrays:
     """Per moment of ``trace``: :attr:`read` (what the driver read beside model data in the hook) and
     :attr:`read_late` (after it), the step's both; :attr:`last_uses`, the chunks whose last use this iteration it
     is (ascending); :attr:`movable`, its chunks that move, in its order; :meth:`tide_ahead`, the planned tide's
-    most over a window (built on first use)."""
+    most over a window (built on first use); :attr:`folds`, the chunks whose accumulator a boundary collective adds
+    into its slot (see [Note: predicted moves] in move_model.py)."""
 
     trace: Trace
     read: list[int]
@@ -29,6 +30,7 @@ class ReplayArrays:
     beside: list[int]  # with several ranks, the model data the driver does not move (see [Note: predicted moves])
     last_uses: list[tuple[int, ...]]
     movable: list[tuple[int, ...]]
+    folds: frozenset[int] = frozenset()
     _tides: dict[int, list[int]] = field(default_factory=dict)
 
     def tide_ahead(self, window: int) -> list[int]:
@@ -58,4 +60,5 @@ def replay_arrays(trace: Trace, sizes: Mapping[int, int]) -> ReplayArrays:
         if fresh:
             seen.update(fresh)
             last[index] = tuple(sorted(set(fresh)))
-    return ReplayArrays(trace, read, late, [m.beside for m in moments], last, movable)
+    folds = frozenset().union(*(m.acc_folding for m in moments))
+    return ReplayArrays(trace, read, late, [m.beside for m in moments], last, movable, folds)
