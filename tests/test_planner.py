@@ -172,12 +172,13 @@ def test_the_prediction_is_made_again_when_the_planned_tide_changes():
 
 def test_an_accumulator_whose_boundary_collective_is_issued_goes_before_any_eviction():
     """With several ranks the boundary's reduce-scatter adds an owned accumulator into its slot, and the driver
-    completes the collectives in flight before it evicts (see [Note: predicted moves]): where the trace noted such a
-    collective (``acc_folding``), from the moment after the chunk's last use the replay drops the accumulator where
-    room is needed instead of sending it to the host. Three backward moments, one chunk of 100 B each (the first brings the second ahead)
-    whose accumulator of 400 B comes into being there; 1000 B hold two chunks with theirs: the second accumulator
-    needs room. Where the step writes the sums (unmanaged accumulation: nothing noted) the first chunk (used again
-    farthest ahead) goes to the host with its accumulator, which goes there at the step; noted, nothing moves out."""
+    completes the collectives in flight before it evicts (see [Note: predicted moves]): where the trace noted such
+    a collective (``acc_folding``), from the moment after the chunk's last use the replay drops the accumulator
+    where room is needed instead of sending it to the host. Three backward moments, one chunk of 100 B each (the
+    first brings the second ahead) whose accumulator of 400 B comes into being there; 1000 B hold two chunks with
+    theirs: the second accumulator needs room. Where the step writes the sums (unmanaged accumulation: nothing
+    noted) the first chunk (used again farthest ahead) goes to the host with its accumulator, which goes there at
+    the step; noted, nothing moves out."""
     from ds_patrickstar.placement.move_model import simulate_moves
 
     def trace(folding: bool) -> Trace:
