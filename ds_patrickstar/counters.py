@@ -130,8 +130,8 @@ class StepCounters:
 
     predicted_bytes_to_device: int = 0
     """bytes the placement planner's model of the driver predicts one iteration of the current trace brings to the
-    accelerator, at steady state (see [Note: predicted moves]; 0: not predicted, with several ranks or without
-    placement); ``bytes_to_device`` is what it measured"""
+    accelerator, at steady state (see [Note: predicted moves]; at several ranks approximately; 0: not predicted,
+    before a trace or without placement); ``bytes_to_device`` is what it measured"""
     predicted_bytes_to_host: int = 0
     """likewise, bytes back to the host (``bytes_to_host`` measured)"""
     predicted_accumulator_bytes_to_device: int = 0

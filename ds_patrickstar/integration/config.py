@@ -178,9 +178,8 @@ class PatrickStarConfig(BaseModel):
     """With placement "auto": how many of the chunks whose optimizer states fit on the accelerator (beside
     the traced tide) keep them there. "time" (default): as many as the step-time model predicts fastest, from
     none to all of them, so that the room goes to low-precision payloads where that saves more transfers
-    than updating on the accelerator saves (see [Note: optimizer states by step time]); where the move
-    model holds: one rank, or several without gradient accumulation ("fill" otherwise, said in the log).
-    "fill": all of them."""
+    than updating on the accelerator saves (see [Note: optimizer states by step time]), at any number of
+    ranks, with or without gradient accumulation. "fill": all of them."""
 
     lockstep: Literal["on", "off", "first_steps"] = "on"
     """Data parallel: whether the ranks check, before each chunk-group collective, that every rank is

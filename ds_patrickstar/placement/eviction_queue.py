@@ -27,7 +27,7 @@ alone and leave the accumulator on the accelerator; an accumulator whose payload
 payload that could go (in Belady's order among them, by its chunk's next use), and comes back with its payload.
 Where payloads are short of room, keeping accumulators can cost more (a payload evicted now is brought back
 before a far accumulator), so the planner prices these orders beside the others where there are accumulators
-(at one rank, where the move model replays them; see [Note: predicted moves] in move_model.py). Where the
+(the move model replays them; see [Note: predicted moves] in move_model.py). Where the
 payloads and the accumulators already alone cannot make the room a moment needs, the payloads chosen take their
 accumulators along, as in the other orders (room the driver would otherwise not find). In the queue an
 accumulator whose payload is away is the entry :func:`accumulator_key` of its chunk: a negative key, in a class

@@ -7,9 +7,8 @@ is taken back, and the step is a moment too, after the planner placed the optimi
 (``step_plan.py``, see [Note: optimizer-state placement]). Which moments it records follows the run's phase (see
 [Note: run state]).
 
-The step-time model's collaborators (the moves predicted, the moments timed, the optimizer states chosen) are
-the runtime's where the move model holds; the gradients leaving in backward (``grad_release.py``) at any number
-of ranks.
+The step-time model's collaborators (the moves predicted, the moments timed, the optimizer states chosen) and the
+gradients leaving in backward (``grad_release.py``) are the runtime's at any number of ranks.
 
 [Note: first steps]
 The iteration being traced is planned at its own step, from what it recorded (every moment but the step's

@@ -9,7 +9,7 @@ H200 (gpt-1.3b without checkpointing, 24 GiB) 13 of 100 chunks' states stayed on
 0.211 s against 0.189 s with everything resident, where some 2 GB of activations could have gone to the host
 behind the compute.
 
-So where the step-time model chooses the states (``optimizer_placement: "time"``, where the move model holds), the
+So where the step-time model chooses the states (``optimizer_placement: "time"``), the
 plan made at the step after the traced one (see [Note: the plan checked on steady times] in step_planner.py) also
 prices plans that offload more blocks: for half and all of the chunks whose states the first plan leaves on the
 host (in the fill rule's order), the fewest more blocks that lower the planned tide's peak enough for the fill rule
