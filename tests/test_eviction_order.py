@@ -9,7 +9,7 @@ from multiproc import run_ranks
 from test_bytes_floor import _trace_ga
 
 from ds_patrickstar.placement.eviction_queue import EvictionOrder, EvictionQueue, accumulator_key
-from ds_patrickstar.placement.move_model import _Replay
+from ds_patrickstar.placement.replay import Replay
 from ds_patrickstar.placement.state_choice import ChunkCosts, choose_moves, price
 from ds_patrickstar.placement.step_time import DeviceProfile
 from ds_patrickstar.placement.tracer import Moment, Trace
@@ -111,7 +111,7 @@ def test_keeping_accumulators_wins_at_some_budgets_and_loses_at_others():
 def test_a_clean_payload_whose_accumulator_would_go_along_is_not_a_free_eviction():
     trace = _trace_ga(1, [0])
     for order, free in ((EvictionOrder.FREE_FIRST, False), (EvictionOrder.FREE_FIRST_KEEPING_ACCUMULATORS, True)):
-        replay = _Replay(trace, 100, {0: 2}, 0, {0}, set(), order, {0: 4})
+        replay = Replay(trace, 100, {0: 2}, 0, {0}, set(), order, {0: 4})
         replay.clean.add(0)
         assert replay.free(0)
         replay.acc.add(0)  # its first gradient went into its accumulator: the payload is still as it came
