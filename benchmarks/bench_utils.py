@@ -10,20 +10,13 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_harness import CONFIG_DIR, GIB, REPO_ROOT, free_port  # noqa: F401  (re-exported: the scripts use them here)
-
-# ZeRO-3 "tuned" for memory: the knobs DeepSpeed documents for running out of memory, turned down
-# from their defaults (live params 1e9, reuse distance 1e9, prefetch 5e7, sub-group 1e9, reduce
-# bucket 5e8, persistence threshold 1e5). Benchmarks compare against the best ZeRO-3 a user would
-# configure, not only against the defaults.
-ZERO3_MEMORY_TUNED = {
-    "stage3_max_live_parameters": int(1e8),
-    "stage3_max_reuse_distance": int(1e8),
-    "stage3_prefetch_bucket_size": int(2e7),
-    "stage3_param_persistence_threshold": int(1e4),
-    "sub_group_size": int(1e8),
-    "reduce_bucket_size": int(2e7),
-}
+from bench_harness import (  # noqa: F401  (re-exported: the scripts use them here)
+    CONFIG_DIR,
+    GIB,
+    REPO_ROOT,
+    ZERO3_MEMORY_TUNED,
+    free_port,
+)
 
 
 def add_repo_to_path():
