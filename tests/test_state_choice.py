@@ -4,6 +4,7 @@ exposed, the choice against every subset on small traces, the search over many c
 twin fewer bytes moved than the fill rule with the same losses."""
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 from counter_runs import CASES, run_case, train_case
@@ -11,7 +12,15 @@ from multiproc import run_ranks
 
 from ds_patrickstar.placement.move_model import MovePlan
 from ds_patrickstar.placement.planner import states_on_device
-from ds_patrickstar.placement.state_choice import TIE, ChunkCosts, StateChoice, _search, choose_states, price
+from ds_patrickstar.placement.state_choice import (
+    TIE,
+    ChunkCosts,
+    StateChoice,
+    _search,
+    choose_states,
+    eviction_orders,
+    price,
+)
 from ds_patrickstar.placement.step_time import H100_PROFILE, DeviceProfile, StepTime
 from ds_patrickstar.placement.tracer import Moment, Trace
 
@@ -89,6 +98,48 @@ def test_the_choice_against_every_subset_on_small_traces():
         best = min(price(trace, budget, costs, s, set(), compute, profile, True).step.total_s for s in subsets)
         assert chosen.step.total_s <= best * (1 + TIE) + 1e-12, (fill, sorted(chosen.on_device))
         compared += 1
+    assert compared >= 40
+
+
+def _with_several_ranks(rng: random.Random, trace: Trace, elements: dict[int, int]) -> Trace:
+    """``trace`` as one rank of several with gradient accumulation reads it (see [Note: predicted moves]): model
+    data it does not move beside its chunks at each moment, and an owned accumulator per chunk from its backward
+    moment, gone when the completion is reaped up to two moments later; for half the chunks its boundary collective
+    is noted there (the others' sums are written at the step, as unmanaged accumulation does)."""
+    out, moments = Trace(), trace.moments
+    gone = {i: min(len(moments) - 1, len(moments) - 2 - i + rng.randint(0, 2)) for i in elements}
+    folded = {i for i in elements if rng.random() < 0.5}
+    for index, moment in enumerate(moments):
+        born = frozenset(moment.chunks) if moment.label.startswith("bwd:") else frozenset()
+        gone_now = frozenset(i for i, at in gone.items() if at == index and i in folded)
+        if moment.label == "step":
+            gone_now = frozenset(elements.keys() - {i for i, at in gone.items() if at < index and i in folded})
+        out.add(replace(moment, beside=rng.randint(0, 3000), acc_born=born, acc_folding=born & folded,
+                        acc_gone=gone_now))
+    return out
+
+
+def test_the_choice_against_every_subset_with_what_several_ranks_add():
+    """The same search on traces as a rank of several with gradient accumulation reads them: the model data it does
+    not move, and accumulators folded by their boundary collectives or kept to the step (payloads and accumulators
+    in every eviction order), chunks of one size: the choice within the tie of the best subset whose moves stay in
+    the budget (as :func:`best_of` ranks them)."""
+    rng, compared = random.Random(1), 0
+    for _ in range(40):
+        trace, elements, budget, profile, compute = _random_case(rng)
+        elements = dict.fromkeys(elements, rng.choice([1000, 2000, 4000]))  # one capacity, as a run's chunks
+        trace = _with_several_ranks(rng, trace, elements)
+        fill, costs = _fill_and_costs(trace, elements, budget)
+        if not fill:
+            continue
+        costs = replace(costs, accumulators={c: 4 * n for c, n in elements.items()})
+        for order in eviction_orders(costs):
+            chosen = choose_states(trace, budget, costs, fill, set(), compute, profile, True, order)
+            subsets = (set(s) for k in range(len(fill) + 1) for s in itertools.combinations(fill, k))
+            priced = [price(trace, budget, costs, s, set(), compute, profile, True, 1, order) for s in subsets]
+            best = min(p.step.total_s for p in [p for p in priced if not p.plan.over_budget] or priced)
+            assert chosen.step.total_s <= best * (1 + TIE) + 1e-12, (order, fill, sorted(chosen.on_device))
+            compared += 1
     assert compared >= 40
 
 
