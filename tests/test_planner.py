@@ -92,6 +92,8 @@ def test_the_move_model_replays_belady_with_prefetch_by_hand():
 
     trace = _trace(("fwd:a", (0,), 0), ("fwd:b", (1,), 0), ("fwd:c", (2,), 0), ("bwd:c", (2,), 0),
                    ("bwd:b", (1,), 0), ("bwd:a", (0,), 0), ("step", (), 0))
+    for index, chunk in ((3, 2), (4, 1), (5, 0)):  # each backward moment's gradients go into its chunk
+        trace.note_written(index, chunk)
     sizes = {0: 100, 1: 100, 2: 100}
     resident = set()
     first = simulate_moves(trace, 200, sizes, 0, resident, host_updated={0, 1, 2})

@@ -40,8 +40,9 @@ With DeepSpeed's ``managed_gradient_accumulation: false`` the caller owns the bo
 ``backward`` calls, then ``engine.step()``, which is the boundary (stock ZeRO-3 reduce-scatters each backward's
 gradients as produced and finalizes them in ``step()``). Here every backward is then a micro-step before the
 boundary (the accumulators exist whatever ``gradient_accumulation_steps`` is), and ``step()`` first writes each
-owned chunk's accumulated sum into its slot (:meth:`GradientSink.finish_accumulation`), rounded once, before the
-optimizer reads the slots as always; a ``step()`` with no backward since the last one raises.
+owned chunk's accumulated sum into its slot (:meth:`GradientSink.finish_accumulation`), rounded once, and drops the
+accumulators (as the boundary micro-step's fold does), before the optimizer reads the slots as always; no gradient
+is final before then, so none leaves during backward. A ``step()`` with no backward since the last one raises.
 
 In host memory (a CPU run, where the buffers are the C heap's) the buffers of a micro-step are freed
 between the accumulators it allocates, and glibc's heap keeps the pages of freed blocks below its mmap
@@ -265,6 +266,7 @@ class GradientSink:
             owned = self._groups[group].owned
             acc, slot = owned.ready_acc(), owned.ready()
             slot.copy_(acc) if acc is not None else slot.zero_()
+            self._groups[group].drop_accumulators()  # its sum is in the slot: it would follow the chunk for nothing
             self.norms.record(owned)
             for info in self._groups[group].tensors:
                 if info.state is _S.HOLD and self._map.owns_any(info):

@@ -11,13 +11,13 @@ moment (``Moment.read``: the tide then and the allocator's stranded pieces, the 
 trace; the tide of a steady iteration can stand above the traced one); after the moment the next
 ``distance`` moments' chunks are brought ahead where they fit up to their moment, if need be after evicting
 chunks used only after it (see [Note: prefetch distance] in state_choice.py); at
-the step the chunks updated on the host leave, those whose last use this iteration is behind already at
-the next moment (their gradients leave during backward, see [Note: gradients leave in backward] in
-grad_release.py). It starts from the chunks on the accelerator and leaves
-there those at the iteration's end, so two calls give a steady state. What it returns, bytes to the
-accelerator and back per moment, is what the step-time model weighs against compute (see [Note: step-time
-model] in step_time.py), and the
-per-step counters ``predicted_bytes_to_device``/``_to_host`` put it beside the bytes measured. With gradient
+the step the chunks updated on the host leave, those whose last use this iteration is behind and whose
+gradient went into their payload (``Moment.written``; not where the step writes the sums) already at the next
+moment (their gradients leave during backward, see [Note: gradients leave in backward] in grad_release.py).
+It starts from the chunks on the accelerator and leaves there those at the iteration's end, so two calls give a
+steady state. What it returns, bytes to the accelerator and back per moment, is what the step-time model weighs
+against compute (see [Note: step-time model] in step_time.py), and the per-step counters
+``predicted_bytes_to_device``/``_to_host`` put it beside the bytes measured. With gradient
 accumulation a trainable chunk's fp32 accumulator comes into being and goes at the moments the traced iteration
 recorded (``Moment.acc_born``, ``acc_gone``: its first gradient, and the boundary's sum in its slot), during
 the moment, after its hook (room made beside what the driver read then, ``Moment.read_late``); from then on it

@@ -134,12 +134,12 @@ class Replay:
             self.to_host[self.at] += self.sizes[chunk]
 
     def release_finished(self, host_updated: set[int]) -> None:
-        """Chunks updated on the host whose last use this iteration was the moment before go (see
-        [Note: gradients leave in backward] in grad_release.py)."""
+        """Chunks updated on the host whose last use this iteration was the moment before go, where their gradient
+        went into their payload during backward (see [Note: gradients leave in backward] in grad_release.py)."""
         if self.at < 1:
             return
         for chunk in self.arrays.last_uses[self.at - 1]:
-            if chunk in self.resident and chunk in host_updated:
+            if chunk in self.resident and chunk in host_updated and chunk in self.arrays.written:
                 self.evict(chunk)
 
     def _rejoin(self, chunk: int) -> None:

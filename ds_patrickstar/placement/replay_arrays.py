@@ -31,6 +31,7 @@ class ReplayArrays:
     last_uses: list[tuple[int, ...]]
     movable: list[tuple[int, ...]]
     folds: frozenset[int] = frozenset()
+    written: frozenset[int] = frozenset()  # chunks a gradient went into during the iteration (``Moment.written``)
     _tides: dict[int, list[int]] = field(default_factory=dict)
 
     def tide_ahead(self, window: int) -> list[int]:
@@ -61,4 +62,5 @@ def replay_arrays(trace: Trace, sizes: Mapping[int, int]) -> ReplayArrays:
             seen.update(fresh)
             last[index] = tuple(sorted(set(fresh)))
     folds = frozenset().union(*(m.acc_folding for m in moments))
-    return ReplayArrays(trace, read, late, [m.beside for m in moments], last, movable, folds)
+    written = frozenset().union(*(m.written for m in moments))
+    return ReplayArrays(trace, read, late, [m.beside for m in moments], last, movable, folds, written)
