@@ -67,7 +67,7 @@ def test_auto_offloads_nothing_where_checkpointing_alone_fits():
 def test_chunks_held_across_a_recomputation():
     """A recomputed module's chunks stay in use until its backward moment (without one, to the end
     of that backward pass); the plan counts them at every moment in between."""
-    from ds_patrickstar.placement.tracer import Moment, Trace
+    from ds_patrickstar.placement.trace import Moment, Trace
 
     trace = Trace()
     labels = ["fwd:a", "fwd:b", "bwd:head", "rec:a", "rec:b", "bwd:b", "bwd:a", "rec:c", "bwd:x", "fwd:a"]

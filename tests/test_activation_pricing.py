@@ -6,7 +6,7 @@ from __future__ import annotations
 from ds_patrickstar.activations.plan import SegmentRecord, planned_copies
 from ds_patrickstar.placement.move_model import steady_moves
 from ds_patrickstar.placement.step_time import H100_PROFILE, ActivationMoves, predict_step
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 
 def _records() -> list[SegmentRecord]:

@@ -14,7 +14,7 @@ from ds_patrickstar.placement.eviction_queue import EvictionOrder
 from ds_patrickstar.placement.move_model import steady_moves
 from ds_patrickstar.placement.planner import states_on_device
 from ds_patrickstar.placement.state_choice import eviction_orders
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 E = 1000
 

@@ -50,7 +50,7 @@ class _OneMomentPlacement:
 
     @staticmethod
     def last_iteration():
-        from ds_patrickstar.placement.tracer import Moment, Trace
+        from ds_patrickstar.placement.trace import Moment, Trace
 
         trace = Trace()
         trace.add(Moment("fwd:0", (0,), 0))

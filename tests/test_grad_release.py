@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ds_patrickstar.counters import StepCounters
 from ds_patrickstar.placement.grad_release import GradientRelease
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 
 class _Collective:

@@ -41,7 +41,7 @@ def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int
     from ds_patrickstar.chunks.group_bytes import GroupBytes
     from ds_patrickstar.groups.gather_plan import GatherPlan
     from ds_patrickstar.placement.runtime import PlacementRuntime
-    from ds_patrickstar.placement.tracer import Moment, Trace
+    from ds_patrickstar.placement.trace import Moment, Trace
 
     trace = Trace()
     for label, ids, tide in zip(labels, chunks, tides):

@@ -16,7 +16,7 @@ from ds_patrickstar.chunks.chunk import Chunk
 from ds_patrickstar.memory.host_work import HostWaits, HostWorker
 from ds_patrickstar.memory.pending import CopyHazard
 from ds_patrickstar.placement.planner import update_order
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

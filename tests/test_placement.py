@@ -9,7 +9,7 @@ from multiproc import WorkerError, run_ranks
 
 from ds_patrickstar.memory.ledger import DeviceBudgetExceeded
 from ds_patrickstar.placement.planner import belady_victims, optimizer_chunks_on_device
-from ds_patrickstar.placement.tracer import NEVER, Moment, Trace
+from ds_patrickstar.placement.trace import NEVER, Moment, Trace
 
 HIDDEN, LAYERS, BATCH = 160, 8, 4
 
@@ -287,7 +287,7 @@ def test_stranded_allocator_pieces_count_once_beside_the_coming_tide():
 
     from ds_patrickstar.placement.moves import ChunkMoves
     from ds_patrickstar.placement.policy import Placer
-    from ds_patrickstar.placement.tracer import Moment, Trace
+    from ds_patrickstar.placement.trace import Moment, Trace
 
     trace = Trace()
     for non_model in (100, 500, 500, 100):

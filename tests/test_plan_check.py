@@ -88,7 +88,7 @@ def test_the_step_needs_its_largest_chunk_not_all_of_them():
 
     from ds_patrickstar.chunks.group_bytes import GroupBytes
     from ds_patrickstar.placement.chunk_needs import chunk_needs
-    from ds_patrickstar.placement.tracer import Moment, Trace
+    from ds_patrickstar.placement.trace import Moment, Trace
 
     sizes = [GroupBytes(storage=200, owned=100, joined=0, accumulator=0, grad_buffer=0),
              GroupBytes(storage=400, owned=200, joined=0, accumulator=0, grad_buffer=0)]

@@ -12,7 +12,7 @@ from ds_patrickstar.placement.planner import (
     prefetch_for,
     states_on_device,
 )
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 
 def _trace(*moments):

@@ -9,7 +9,7 @@ from multiproc import run_ranks
 from ds_patrickstar.placement.move_model import simulate_moves
 from ds_patrickstar.placement.state_choice import ChunkCosts, choose_moves, price
 from ds_patrickstar.placement.step_time import DeviceProfile
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 SLOW = DeviceProfile(to_device_bytes_per_s=1.0, to_host_bytes_per_s=1.0, host_adam_elements_per_s=1.0,
                      device_adam_elements_per_s=1.0)  # seconds are bytes

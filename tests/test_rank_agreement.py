@@ -25,7 +25,7 @@ class _Placement:
         return gathered_rooms([m.non_model for m in trace.moments], self.room, held)
 
     def last_iteration(self):
-        from ds_patrickstar.placement.tracer import Moment, Trace
+        from ds_patrickstar.placement.trace import Moment, Trace
 
         trace = Trace()
         for index in range(self.moments):

@@ -22,7 +22,7 @@ from ds_patrickstar.placement.state_choice import (
     price,
 )
 from ds_patrickstar.placement.step_time import H100_PROFILE, DeviceProfile, StepTime
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 
 def _model_trace(chunks: int, tide_per_layer: int) -> Trace:

@@ -6,7 +6,7 @@ from counter_runs import run_case
 
 from ds_patrickstar.placement.move_model import MovePlan
 from ds_patrickstar.placement.step_time import DeviceProfile, StepTimer, predict_step
-from ds_patrickstar.placement.tracer import Moment, Trace
+from ds_patrickstar.placement.trace import Moment, Trace
 
 # 1 B/s both ways, 1 element/s on the host, 10 on the device: seconds are bytes and elements
 PROFILE = DeviceProfile(to_device_bytes_per_s=1.0, to_host_bytes_per_s=1.0, host_adam_elements_per_s=1.0,

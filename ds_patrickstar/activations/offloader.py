@@ -57,7 +57,8 @@ from ..memory.accelerator import Accelerator
 from ..placement.saved_meter import SavedTensorMeter
 from ..placement.states_room import StatesRoom, with_tide
 from ..placement.step_time import NO_ACTIVATION_MOVES
-from ..placement.tracer import MemoryTracer, Trace
+from ..placement.trace import Trace
+from ..placement.tracer import MemoryTracer
 from .copies import StorageCopies
 from .held import HeldInputs
 from .plan import SegmentRecord, plan_for_states, plan_offload, planned_copies

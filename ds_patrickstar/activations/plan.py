@@ -16,7 +16,7 @@ one (what placement plans room from) are within the room placement works in
 (:meth:`~ds_patrickstar.placement.runtime.PlacementRuntime.movable_room`: the budget less the
 optimizer states on the accelerator, none after a trace, and the allocator's fragmentation). The
 chunks in use are the moment's own and those of the modules recomputed before it whose backward
-has not come yet (:meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`: a recomputed
+has not come yet (:meth:`~ds_patrickstar.placement.trace.Trace.held_chunks`: a recomputed
 module's tensors stay in use until its backward), counted as placement holds them (their groups
 gathered, with gradient accumulation the accumulators and gradient buffers that micro-step holds
 then, see [Note: chunk bytes per moment] in placement/chunk_needs.py). There is no reserve beyond what
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from ..placement.states_room import StatesRoom, best_tide, with_tide
 from ..placement.step_time import ActivationMoves
-from ..placement.tracer import Trace
+from ..placement.trace import Trace
 
 __all__ = ["SegmentRecord", "plan_for_states", "plan_offload", "planned_copies"]
 

@@ -15,7 +15,7 @@ header with the number of moments and a checksum of their labels (so the ranks a
 one length only, see [Note: rank agreement]). A kept group stays to the end of the iteration, so the room to keep
 at a moment is the least that any later moment leaves beside its own tide and the groups it
 holds (each counted as the largest; a recomputed module's from its recomputation to its
-backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`). During the next
+backward, see :meth:`~ds_patrickstar.placement.trace.Trace.held_chunks`). During the next
 iteration a decision compares that room with the bytes of the groups gathered then, a figure
 every rank has alike, so the decisions agree with no collective. The plan and the decisions
 count a gathered group alike, with :attr:`~ds_patrickstar.chunks.group_bytes.GroupBytes.gathered`:
@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from ..chunks.group_bytes import GroupBytes
 from ..placement.interface import Placement
-from ..placement.tracer import Trace
+from ..placement.trace import Trace
 from .comm import ChunkComm
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class GatherPlan:
 
     def _held(self, trace: Trace) -> Callable[[int], int]:
         """Per moment, room for the groups it holds (at least one; a recomputed module's until its
-        backward, see :meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`), each counted as the
+        backward, see :meth:`~ds_patrickstar.placement.trace.Trace.held_chunks`), each counted as the
         largest, and, with gradient accumulation up to the last backward moment, for one flat
         gradient buffer (taken beside the group it reduces; see [Note: flat group buffers])."""
         world = self._comm.world_size

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping
 
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from .chunk_costs import ChunkCosts
-from .tracer import Moment, Trace
+from .trace import Moment, Trace
 
 Gathered = Callable[[Moment], int]
 """With several ranks, the bytes of gathered group storage a moment's use needs (see [Note: the bytes floor])."""

@@ -4,12 +4,12 @@
 The plans made from a trace (which optimizer states live on the accelerator, see
 [Note: optimizer-state placement]; which blocks' activations "auto" offloads, see
 [Note: auto activation offload]) need, per moment, the accelerator bytes that cannot move then.
-Those are the chunks held at that moment (:meth:`~ds_patrickstar.placement.tracer.Trace.held_chunks`:
+Those are the chunks held at that moment (:meth:`~ds_patrickstar.placement.trace.Trace.held_chunks`:
 the moment's own and those of the modules recomputed before it whose backward has not come, in
 use until then), each with its chunk group gathered: storage, owned chunk and joined buffers
 (:meth:`~ds_patrickstar.chunks.chunk_map.ChunkMap.group_bytes`, see [Note: chunk group bytes] in
 chunks/group_bytes.py). With gradient accumulation each micro-step of the traced iteration
-(:meth:`~ds_patrickstar.placement.tracer.Trace.micro_steps`) adds the other parts of a group as
+(:meth:`~ds_patrickstar.placement.trace.Trace.micro_steps`) adds the other parts of a group as
 it holds them then (see [Note: gradient accumulation] in groups/grads.py), not as any micro-step
 might:
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..chunks.chunk_map import ChunkMap
-from .tracer import BACKWARD, Moment, Trace
+from .trace import BACKWARD, Moment, Trace
 
 __all__ = ["all_held_bytes", "chunk_needs", "gathered_storage"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from .moves import ChunkMoves
-from .tracer import Trace
+from .trace import Trace
 
 
 class GradientRelease:

@@ -22,7 +22,8 @@ import torch
 from ..chunks.chunk import Chunk
 from .saved_meter import SavedTensorMeter
 from .step_time import ActivationMoves
-from .tracer import AccumulatorEvent, MemoryTracer, Trace
+from .trace import AccumulatorEvent, Trace
+from .tracer import MemoryTracer
 
 if TYPE_CHECKING:
     from .states_room import StatesRoom

@@ -54,7 +54,7 @@ from .eviction_queue import EvictionOrder
 from .move_plan import MovePlan
 from .replay import Replay
 from .replay_arrays import ReplayArrays, replay_arrays
-from .tracer import Trace
+from .trace import Trace
 
 
 def simulate_moves(

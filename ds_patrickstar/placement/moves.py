@@ -56,7 +56,8 @@ from ..store.chunk_store import ChunkStore
 from .eviction_queue import accumulator_key
 from .policy import Placer
 from .remedies import Shortfall, budget_remedies
-from .tracer import MemoryTracer, Trace
+from .trace import Trace
+from .tracer import MemoryTracer
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 [Note: placement planner]
 Placement is a planner and a driver. The planner (this module) decides from what it is given and
 nothing else, holds no state, moves nothing and calls no other layer, so a test calls it with a
-hand-made :class:`~ds_patrickstar.placement.tracer.Trace`:
+hand-made :class:`~ds_patrickstar.placement.trace.Trace`:
 
 * :func:`states_on_device`: which owned chunks' optimizer states live on the accelerator after a
   trace (see [Note: optimizer-state placement]);
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from ..memory.ledger import DeviceBudgetExceeded
 from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
-from .tracer import Trace
+from .trace import Trace
 
 IN_FLIGHT_CHUNKS = 2
 """Chunks of room kept beside the optimizer states on the accelerator for the moves in flight."""

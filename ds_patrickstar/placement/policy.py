@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 
 from .eviction_queue import EvictionOrder, EvictionQueue, accumulator_key
 from .planner import headroom, prefetch_for
-from .tracer import Trace
+from .trace import Trace
 
 __all__ = ["Placer"]
 

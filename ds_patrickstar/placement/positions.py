@@ -16,7 +16,7 @@ other's moment.
 
 from __future__ import annotations
 
-from .tracer import FORWARD, Trace
+from .trace import FORWARD, Trace
 
 
 class TracePositions:

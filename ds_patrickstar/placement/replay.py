@@ -8,7 +8,7 @@ from collections.abc import Set as AbstractSet
 
 from .eviction_queue import EvictionOrder, EvictionQueue, accumulator_key
 from .replay_arrays import ReplayArrays, replay_arrays
-from .tracer import Trace
+from .trace import Trace
 
 ANY_PRIORITY = 1
 """Above every queue priority (minus a next use, never above 0): :meth:`EvictionQueue.take_below` below it

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .tracer import Trace
+from .trace import Trace
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ReplayArrays:
 
     def tide_ahead(self, window: int) -> list[int]:
         """Per moment, the most planned tide over it and the next ``window - 1`` (wrapping): the trace's
-        :meth:`~.tracer.Trace.non_model_ahead` at every moment."""
+        :meth:`~.trace.Trace.non_model_ahead` at every moment."""
         tides = self._tides.get(window)
         if tides is None:
             tide = [m.non_model for m in self.trace.moments]

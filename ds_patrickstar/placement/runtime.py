@@ -42,7 +42,8 @@ from .step_plan import StepPlan
 from .step_planner import StepPlanner
 from .step_time import StepTimer
 from .tide_plot import plot_tide
-from .tracer import AccumulatorEvent, MemoryTracer, Trace
+from .trace import AccumulatorEvent, Trace
+from .tracer import MemoryTracer
 
 
 class PlacementRuntime:

@@ -79,7 +79,7 @@ from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder
 from .move_model import MovePlan, steady_moves
 from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, DeviceProfile, StepTime, predict_step
-from .tracer import Moment, Trace
+from .trace import Moment, Trace
 
 logger = logging.getLogger(__name__)
 

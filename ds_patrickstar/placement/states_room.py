@@ -34,7 +34,7 @@ from ..memory.preflight import OPTIM_BYTES_PER_ELEMENT
 from .state_choice import TIE, StateChoice
 from .step_plan import StepPlan
 from .step_time import ActivationMoves
-from .tracer import Trace
+from .trace import Trace
 
 FRACTIONS = (0.5, 1.0)
 """Of the chunks whose states the first plan leaves on the host, those priced with more blocks offloaded."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from ..counters import StepCounters
 from .planner import IN_FLIGHT_CHUNKS, states_on_device
-from .tracer import Trace
+from .trace import Trace
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from .state_choice import StateChooser
 from .states_room import StatesRoom
 from .step_plan import StepPlan
 from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, StepTime, StepTimer
-from .tracer import Trace
+from .trace import Trace
 
 
 class StepPlanner:

@@ -46,7 +46,7 @@ from typing import Any
 
 from .move_model import MovePlan
 from .planner import update_order
-from .tracer import Trace
+from .trace import Trace
 
 
 @dataclass(frozen=True)
