@@ -60,7 +60,7 @@ def test_eviction_queue_agrees_with_the_plain_belady_rule():
                 for c in m.chunks:
                     if c not in resident:
                         resident.add(c)
-                        placer.arrived(c)
+                        placer.arrived(c, 1)
                 others = {c: 1 for c in resident if c not in m.chunks}
                 if not others:
                     continue
@@ -70,7 +70,8 @@ def test_eviction_queue_agrees_with_the_plain_belady_rule():
                 assert [trace.next_use(c, moment) for c in got] == [trace.next_use(c, moment) for c in expected]
                 for c in got:
                     resident.discard(c)
-                    placer.left(c)
+                    placer.left(c, 1)
+                assert placer.resident_bytes == len(resident)  # the running total the several-rank reading uses
 
 
 def test_eviction_queue_stays_bounded():

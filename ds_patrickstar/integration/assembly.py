@@ -153,8 +153,8 @@ def make_placement(
         chooser=_state_chooser(options, accel, costs, profile, floor),
         trainable=_released_in_backward(options, chunk_map),
         floor=floor,
+        notes_unmoved=not one_rank,
     )
-    runtime.notes_unmoved = chunk_map.world_size > 1
     mode = activation_mode(options, chunk_map, accel.ledger.budget)
     if mode != "none":  # see [Note: activation offload]
         runtime.activations = ActivationOffloader(

@@ -71,7 +71,7 @@ class Placer:
         """The chunks on the accelerator now (a copy)."""
         return set(self._resident)
 
-    def arrived(self, chunk: int, nbytes: int = 0) -> None:
+    def arrived(self, chunk: int, nbytes: int) -> None:
         """``chunk`` (a payload of ``nbytes``) is now backed on the accelerator (with its accumulator)."""
         if chunk not in self._resident:
             self.resident_bytes += nbytes
@@ -79,7 +79,7 @@ class Placer:
         self._queue.push(chunk, self._priority(chunk))
         self.accumulator_left(chunk)  # an accumulator that stayed is the chunk's again
 
-    def left(self, chunk: int, nbytes: int = 0, accumulator_stays: bool = False) -> None:
+    def left(self, chunk: int, nbytes: int, accumulator_stays: bool = False) -> None:
         """``chunk`` (a payload of ``nbytes``) went to the host; its accumulator stays on the accelerator where
         ``accumulator_stays`` (see [Note: accumulators kept] in eviction_queue.py)."""
         if chunk in self._resident:

@@ -58,6 +58,7 @@ class PlacementRuntime:
         chooser: StateChooser | None = None,
         trainable: set[int] | None = None,
         floor: FloorMeter | None = None,
+        notes_unmoved: bool = False,
     ) -> None:
         self.moves = moves  # its collaborators are the driver's: placer, tracer, counters, run, ledger
         self.placer, self.tracer, self.counters, self.run = moves.placer, moves.tracer, moves.counters, moves.run
@@ -76,7 +77,7 @@ class PlacementRuntime:
         self.tide: list[tuple[int, int, int, int]] = []  # (moment, model, non-model, offloaded activation bytes)
         self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self.positions = TracePositions(self.placer.budget // 64)  # see [Note: evaluation moments]
-        self.notes_unmoved = False  # several ranks: the model data not moved goes into the trace
+        self.notes_unmoved = notes_unmoved  # several ranks: the model data not moved goes into the trace
 
     def model_bytes_on_device(self) -> int:  # a running total: O(1) per moment, see [Note: placement]
         return self.ledger.total
