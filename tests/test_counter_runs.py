@@ -57,18 +57,21 @@ def test_the_move_model_predicts_the_bytes_measured(name):
 
 @pytest.mark.parametrize("name", ["twin_2rank_ga1", "twin_2rank_ga2"])
 def test_the_move_model_at_several_ranks_and_the_floor(name):
-    """At two ranks the move model predicts (the model data it does not move measured at each moment, see [Note:
-    predicted moves]), with gradient accumulation the owned accumulators' bytes too: within 25% of the bytes each
-    rank moved (without accumulation 15% off to the device and exact to the host in every run so far, with it exact;
-    the buffers a hook's end reads follow the collectives' completions). Each rank's bytes floor (its own chunks,
+    """At two ranks the move model predicts (the model data it does not move and the chunks the groups' prefetch
+    brought, both noted at each moment, see [Note: predicted moves]), with gradient accumulation the owned
+    accumulators' bytes too: within 10% of the bytes each rank moved from the check's plan on (exact in most runs;
+    what a hook's end reads follows the collectives' completions, and the notes of several iterations add up: with
+    accumulation one chunk more brought, 8% over, in 2 of 6 runs; without the groups' prefetch in the replay 14%
+    over and 15% under to the device without accumulation in every run). Each rank's bytes floor (its own chunks,
     see [Note: the bytes floor]) is below what it moved once the trace is planned."""
     for rank in run_case(name):
-        for step in rank["steps"][1:]:
+        for index, step in enumerate(rank["steps"][1:], start=1):
             counters = step["counters"]
+            bound = 0.10 if index > 1 else 0.25  # the traced plan's iteration: priced without the notes
             for kind in ("", "accumulator_"):
                 for way in ("to_device", "to_host"):
                     predicted, measured = counters[f"predicted_{kind}bytes_{way}"], counters[f"{kind}bytes_{way}"]
-                    assert abs(predicted - measured) <= 0.25 * measured, (kind, way, predicted, measured)
+                    assert abs(predicted - measured) <= bound * measured, (kind, way, predicted, measured)
             assert counters["predicted_bytes_to_device"] > 0
             moved = sum(counters[f"{kind}bytes_{way}"] for kind in ("", "accumulator_") for way in ("to_device",
                                                                                                  "to_host"))

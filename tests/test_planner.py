@@ -197,3 +197,26 @@ def test_an_accumulator_whose_boundary_collective_is_issued_goes_before_any_evic
         assert plan.to_device == [200, 100, 0, 0] and plan.acc_to_device == [0, 0, 0, 0]
         assert plan.to_host == [0, 100 * evicted, 0, 0], folding
         assert plan.acc_to_host == [0, 400 * evicted, 0, 0], folding
+
+
+def test_a_chunk_gathered_ahead_comes_at_the_moment_its_all_gather_was_issued():
+    """With several ranks the groups' prefetch all-gathers a group ahead of its use (see [Note: gather order]), which
+    brings this rank's chunk of it then, a distance in groups and not in moments; the driver notes those chunks at
+    the moment (``Moment.gathered_ahead``) and the replay brings them there, for their use (see [Note: predicted
+    moves]). Chunk 1 is used at moment 3: by the moments' prefetch it comes at moment 2, ahead for 3; noted at
+    moment 0, it comes there. The notes of an iteration add up, and after the plan changed the next replaces."""
+    from ds_patrickstar.placement.move_model import simulate_moves
+
+    trace = _trace(("fwd:a", (0,), 0), ("fwd:b", (0,), 0), ("fwd:c", (0,), 0), ("fwd:d", (1,), 0), ("step", (), 0))
+    sizes = {0: 100, 1: 100}
+    plain = simulate_moves(trace, 200, sizes, 0, set(), set())
+    assert plain.to_device == [100, 0, 100, 0, 0] and plain.ahead[2] == [(3, 100)]
+    trace.note_gathered_ahead(0, frozenset({1}))
+    assert trace.revision == 1 and trace.moments[0].gathered_ahead == {1}
+    noted = simulate_moves(trace, 200, sizes, 0, set(), set())
+    assert noted.to_device == [200, 0, 0, 0, 0] and noted.ahead[0] == [(3, 100)] and noted.demand[0] == 100
+    trace.note_gathered_ahead(0, frozenset({0}))
+    assert trace.moments[0].gathered_ahead == {0, 1}
+    trace.restart_readings()
+    trace.note_gathered_ahead(0, frozenset())
+    assert trace.moments[0].gathered_ahead == frozenset() and trace.revision == 3

@@ -131,5 +131,6 @@ class GroupResidency:
             ):
                 return
             self.gather(group, keep=in_use)
+            self._placement.gathered_ahead(chunk_group.owned.chunk_id)
             chunk_group.prefetched = True
             self._comm.counters.prefetched_all_gathers += 1

@@ -122,6 +122,11 @@ class Placement(Protocol):
         """The owned chunk's slot holds its final gradient of this iteration (its last gradient in; with several
         ranks, its reduce-scatter completed): see [Note: gradients leave in backward]."""
 
+    def gathered_ahead(self, chunk_id: int) -> None:
+        """With several ranks, this rank's chunk is on the accelerator for its group's all-gather, issued in the
+        current moment's hook ahead of the group's use (see [Note: gather order]; the move model brings it there
+        too, see [Note: predicted moves] in move_model.py)."""
+
     def accumulator(self, chunk_id: int, event: AccumulatorEvent) -> None:
         """The chunk's gradient accumulator came into being, has its boundary sum coming with a collective just
         issued (which completes before the chunk could move), or went (see [Note: predicted moves])."""
@@ -204,6 +209,9 @@ class NullPlacement:
         pass
 
     def gradient_final(self, chunk_id: int) -> None:
+        pass
+
+    def gathered_ahead(self, chunk_id: int) -> None:
         pass
 
     def accumulator(self, chunk_id: int, event: AccumulatorEvent) -> None:

@@ -31,10 +31,15 @@ none of which it moves. Which groups are gathered then follows the ranks' agreed
 follows the collectives' completions, so the replay does not derive them: the driver notes, at the end of each
 moment's hook, the model data on the accelerator that is not its own chunks' payloads, optimizer states or copies
 in flight (``Moment.beside``, the most of its readings with this trace, like ``read``), and the replay makes room
-for this rank's chunks under the budget less that as well. That reading is of the plan the trace ran with (another
-placement of the states leaves other room for kept groups), so at several ranks the prediction is approximate: on
-the twin's mirrors of the H100 sweep within 3% of the bytes each rank moved at 8 and 12 GiB, within 15% from 6 to
-14 (``benchmarks/twin_pressure_ranks.py``), on the counter runs' two-rank GPT within 15%. With gradient
+for this rank's chunks under the budget less that as well. The groups' own prefetch all-gathers the next groups
+of the previous step's gather order (see [Note: gather order] in groups/gather_order.py), a distance in groups and
+not in moments, and an all-gather brings this rank's chunk of the group then: the driver notes those chunks at the
+moment (``Moment.gathered_ahead``, the union of its readings with this trace) and the replay brings them there,
+room made as for a chunk in use, for their next use. Both readings are of the plan the trace ran with (another
+placement of the states leaves other room for kept and prefetched groups), so at several ranks the prediction is
+approximate: on the twin's mirrors of the H100 sweep exact on one rank and within 7% on the other from 9 to 14
+GiB, within 3% at 6 to 8 (``benchmarks/twin_pressure_ranks.py``), on the counter runs' two-rank GPT exact in
+most runs (without the groups' prefetch 14% over on one rank and 15% under on the other). With gradient
 accumulation at several ranks a rank's accumulators are its owned chunks' (see [Note: gradient accumulation] in
 groups/grads.py), from its group's first micro-step reduce-scatter, and move with their chunks as at one rank (the
 reading leaves them out). At the boundary a sum comes with its group's reduce-scatter, which the driver completes
@@ -110,6 +115,7 @@ def simulate_moves(
                     replay.make_room(sizes[chunk], {chunk})
                     replay.bring(chunk)
         else:
+            replay.gather_ahead(used)
             replay.make_room(0, used)
             replay.prefetch(used, distance)
             replay.clean.difference_update(moment.written)  # its gradients went into those payloads

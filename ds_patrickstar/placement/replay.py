@@ -133,6 +133,14 @@ class Replay:
         elif chunk not in self.uncopied:
             self.to_host[self.at] += self.sizes[chunk]
 
+    def gather_ahead(self, in_use: set[int]) -> None:
+        """With several ranks, the chunks whose groups the moment's hook all-gathered ahead of use come, for their
+        next use (``Moment.gathered_ahead``), room made as for a chunk used now."""
+        for chunk in self.arrays.gathered_ahead[self.at] if self.arrays.gathered_ahead else ():
+            if chunk not in self.resident:
+                self.make_room(self.incoming(chunk), in_use | {chunk})
+                self.bring(chunk, self.trace.next_use(chunk, self.at))
+
     def release_finished(self, host_updated: set[int]) -> None:
         """Chunks updated on the host whose last use this iteration was the moment before go, where their gradient
         went into their payload during backward (see [Note: gradients leave in backward] in grad_release.py)."""

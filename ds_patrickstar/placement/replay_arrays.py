@@ -20,7 +20,8 @@ from .trace import Trace
 class ReplayArrays:
     """Per moment of ``trace``: :attr:`read` (what the driver read beside model data in the hook) and
     :attr:`read_late` (after it), the step's both; :attr:`last_uses`, the chunks whose last use this iteration it
-    is (ascending); :attr:`movable`, its chunks that move, in its order; :meth:`tide_ahead`, the planned tide's
+    is (ascending); :attr:`movable`, its chunks that move, in its order; :attr:`gathered_ahead`, those of them its
+    hook brought for all-gathers ahead of use (several ranks, ascending); :meth:`tide_ahead`, the planned tide's
     most over a window (built on first use); :attr:`folds`, the chunks whose accumulator a boundary collective adds
     into its slot (see [Note: predicted moves] in move_model.py)."""
 
@@ -32,6 +33,7 @@ class ReplayArrays:
     movable: list[tuple[int, ...]]
     folds: frozenset[int] = frozenset()
     written: frozenset[int] = frozenset()  # chunks a gradient went into during the iteration (``Moment.written``)
+    gathered_ahead: list[tuple[int, ...]] = field(default_factory=list)  # per moment (``Moment.gathered_ahead``)
     _tides: dict[int, list[int]] = field(default_factory=dict)
 
     def tide_ahead(self, window: int) -> list[int]:
@@ -63,4 +65,5 @@ def replay_arrays(trace: Trace, sizes: Mapping[int, int]) -> ReplayArrays:
             last[index] = tuple(sorted(set(fresh)))
     folds = frozenset().union(*(m.acc_folding for m in moments))
     written = frozenset().union(*(m.written for m in moments))
-    return ReplayArrays(trace, read, late, [m.beside for m in moments], last, movable, folds, written)
+    ahead = [tuple(sorted(c for c in m.gathered_ahead if c in sizes)) for m in moments]
+    return ReplayArrays(trace, read, late, [m.beside for m in moments], last, movable, folds, written, ahead)

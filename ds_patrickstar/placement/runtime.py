@@ -78,6 +78,7 @@ class PlacementRuntime:
         self._activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self.positions = TracePositions(self.placer.budget // 64)  # see [Note: evaluation moments]
         self.notes_unmoved = notes_unmoved  # several ranks: the model data not moved goes into the trace
+        self._gathered_ahead: set[int] = set()  # own chunks this hook brought for all-gathers ahead (several ranks)
 
     def model_bytes_on_device(self) -> int:  # a running total: O(1) per moment, see [Note: placement]
         return self.ledger.total
@@ -89,6 +90,7 @@ class PlacementRuntime:
         or the tide (see [Note: evaluation moments])."""
         trace = self.tracer.current_trace()
         self.moves.hook_begins() if label != "step" else self.moves.hook_ends()  # [Note: one reading per hook]
+        self._gathered_ahead.clear()
         if self.run.records():
             self.positions.training_moment()
             self.moment = self.moves.at = self.tracer.record(label, chunk_ids, self.ledger)
@@ -138,6 +140,9 @@ class PlacementRuntime:
         if self.release is not None:
             self.release.gradient_final(chunk_id)
 
+    def gathered_ahead(self, chunk_id: int) -> None:
+        self._gathered_ahead.add(chunk_id)
+
     def accumulator(self, chunk_id: int, event: AccumulatorEvent) -> None:
         self.tracer.note_accumulator(chunk_id, event)
         if event == "acc_gone":
@@ -159,6 +164,7 @@ class PlacementRuntime:
         )
         if self.notes_unmoved and self.run.records():  # several ranks (see [Note: predicted moves])
             self.tracer.note_beside(unmoved_bytes(self.moves))
+            self.tracer.note_gathered_ahead(frozenset(self._gathered_ahead))
         if in_training:
             self.moves.prefetch(self.placer.prefetch(trace, self.moves.at), trace, in_use)
         self.moves.hook_ends()

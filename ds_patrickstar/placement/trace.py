@@ -8,8 +8,9 @@ import bisect
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
-Reading = Literal["read", "read_late", "beside"]
-"""The readings a moment keeps the most of (see :meth:`Trace.note_read`, :meth:`Trace.note_beside`)."""
+Reading = Literal["read", "read_late", "beside", "gathered_ahead"]
+"""The readings a moment keeps the most of (see :meth:`Trace.note_read`, :meth:`Trace.note_beside`; of
+:meth:`Trace.note_gathered_ahead`, the union)."""
 AccumulatorEvent = Literal["acc_born", "acc_folding", "acc_gone"]
 """What became of a gradient accumulator at a moment (the :class:`Moment` field that records it)."""
 
@@ -37,6 +38,7 @@ class Moment:
     acc_born: frozenset[int] = frozenset()  # chunks whose gradient accumulator came into being during it
     acc_folding: frozenset[int] = frozenset()  # those whose boundary sum comes with a collective issued during it
     acc_gone: frozenset[int] = frozenset()  # chunks whose gradient accumulator went during it
+    gathered_ahead: frozenset[int] = frozenset()  # with several ranks, own chunks its hook brought for an all-gather
 
     @property
     def measured(self) -> int:
@@ -109,6 +111,17 @@ class Trace:
         collective buffers) stood on the accelerator at the end of moment ``index``'s hook (see [Note: predicted
         moves] in move_model.py): the most is kept."""
         self._note(index, "beside", nbytes)
+
+    def note_gathered_ahead(self, index: int, chunks: frozenset[int]) -> None:
+        """With several ranks, moment ``index``'s hook issued the all-gathers of the groups of this rank's ``chunks``
+        ahead of their use (see [Note: predicted moves] in move_model.py): the union of the readings is kept."""
+        old = self.moments[index]
+        stale = (index, "gathered_ahead") in self._stale
+        self._stale.discard((index, "gathered_ahead"))
+        chunks = chunks if stale else old.gathered_ahead | chunks
+        if chunks != old.gathered_ahead:
+            self.moments[index] = replace(old, gathered_ahead=chunks)
+            self.revision += 1
 
     def _note(self, index: int, kind: Reading, nbytes: int) -> None:
         old = self.moments[index]

@@ -130,6 +130,12 @@ class MemoryTracer:
         if trace is not None and 0 <= self.moment < len(trace):
             trace.note_beside(self.moment, nbytes)
 
+    def note_gathered_ahead(self, chunks: frozenset[int]) -> None:
+        """Own chunks the current moment's hook brought for their groups' all-gathers ahead of use (several ranks)."""
+        trace = self._recording if self.tracing else self.trace
+        if trace is not None and 0 <= self.moment < len(trace):
+            trace.note_gathered_ahead(self.moment, chunks)
+
     def current_trace(self) -> Trace | None:
         """The trace to plan from, or None while an iteration is being traced."""
         return None if self.tracing else self.trace
