@@ -38,6 +38,12 @@ class _Comm:
 def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int], at: int) -> int:
     """The most gathered bytes the plan agreed from this trace lets stay at moment ``at`` (two
     ranks, groups of 100 B, 1,000 B of room)."""
+    plan = _agreed(labels, chunks, tides, at)
+    return next(n for n in range(0, 1_001, 10) if not plan.allows_keep(n + 10))
+
+
+def _agreed(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int], at: int):
+    """The gather plan two ranks agree from this trace (groups of 100 B, 1,000 B of room), at moment ``at``."""
     from ds_patrickstar.chunks.group_bytes import GroupBytes
     from ds_patrickstar.groups.gather_plan import GatherPlan
     from ds_patrickstar.placement.runtime import PlacementRuntime
@@ -65,8 +71,7 @@ def _keep_room(labels: list[str], chunks: list[tuple[int, ...]], tides: list[int
     group = GroupBytes(storage=0, owned=100, joined=0, accumulator=0, grad_buffer=0)
     plan = GatherPlan([group], _Comm(), Placement())
     plan.agree()
-    room = next(n for n in range(0, 1_001, 10) if not plan.allows_keep(n + 10))
-    return room
+    return plan
 
 
 def test_kept_groups_leave_room_for_what_each_later_moment_holds():
@@ -86,3 +91,20 @@ def test_kept_groups_leave_room_for_what_each_later_moment_holds():
     chunks = [(0,), (2,), (0, 2), (4,), (4,), (0, 2), (2,), (0,), ()]
     tides = [0, 100, 100, 200, 500, 300, 200, 100, 0]
     assert _keep_room(labels, chunks, tides, at=1) == 400
+
+
+def test_a_group_is_gathered_ahead_only_for_a_use_the_room_was_agreed_for():
+    """The room to gather ahead at a moment is agreed beside the tides of that moment and the next two; the
+    groups' prefetch takes the next groups of the previous step's gather order, which may be used much later
+    (after the head, in backward). Gathered then, a group stood through tides the room never saw: on the twin's
+    two-rank mirror of 11 GiB one gathered at the last forward moment for a use six moments later pushed kept
+    groups out, their gathers changed the next step's order, and one rank's bytes alternated between steps. At
+    ``fwd:a`` (moment 0) groups 1 and 2 (used at 1 and 2) may come ahead, group 3 (used at 4) and group 0 (used
+    again at 3) may not; at ``fwd:c`` group 3 may. Chunk ``c`` is in group ``c // 2``."""
+    labels = ["fwd:a", "fwd:b", "fwd:c", "fwd:head", "bwd:head", "bwd:c", "step"]
+    chunks = [(0,), (2,), (4,), (0, 1), (6,), (4,), ()]
+    tides = [0] * len(labels)
+    plan = _agreed(labels, chunks, tides, at=0)
+    assert [plan.allows_prefetch(100, group) for group in range(4)] == [False, True, True, False]
+    assert not plan.allows_prefetch(1_001, 1)  # beyond the room
+    assert _agreed(labels, chunks, tides, at=2).allows_prefetch(100, 3)

@@ -69,7 +69,7 @@ def _differing_iterations(rank, world_size):
     try:
         plan.agree()
         plan.agree()
-        no_plan = not plan.allows_keep(0) and not plan.allows_prefetch(0)
+        no_plan = not plan.allows_keep(0) and not plan.allows_prefetch(0, 0)
         _, same = _plan(moments=2, room=10_000 + 1_000 * rank, comm=comm)
         same.agree()
         room = next(n for n in range(0, 20_001, 100) if not same.allows_keep(n + 100))

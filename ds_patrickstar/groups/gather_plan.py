@@ -17,7 +17,13 @@ at a moment is the least that any later moment leaves beside its own tide and th
 holds (each counted as the largest; a recomputed module's from its recomputation to its
 backward, see :meth:`~ds_patrickstar.placement.trace.Trace.held_chunks`). During the next
 iteration a decision compares that room with the bytes of the groups gathered then, a figure
-every rank has alike, so the decisions agree with no collective. The plan and the decisions
+every rank has alike, so the decisions agree with no collective. The room to gather ahead is agreed beside the
+tides of a moment and the next two (:data:`AHEAD_SPAN`), so a group is gathered ahead only for a use among
+them in the planned iteration: the gather order names the next group, not when it is used, and at the turn
+from forward to backward that can be several moments later, across the head's higher tides (on the twin's
+two-rank mirror of the H100 sweep at 11 GiB a group gathered at the last forward moment for a use six
+moments later pushed kept groups out, their gathers changed the next step's order, and one rank's bytes
+alternated between steps). The plan and the decisions
 count a gathered group alike, with :attr:`~ds_patrickstar.chunks.group_bytes.GroupBytes.gathered`:
 its storage, this rank's own chunk, its joined buffers and, with gradient accumulation, the owned
 accumulator (see [Note: chunk group bytes] in chunks/group_bytes.py). A rank's own chunks of
@@ -34,6 +40,7 @@ boundary's reduce-scatter runs in the group's own storage and needs no room of i
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable
 
@@ -44,6 +51,10 @@ from .comm import ChunkComm
 
 logger = logging.getLogger(__name__)
 
+AHEAD_SPAN = 2
+"""The moments after this one whose tides the room to gather ahead is agreed with (see :func:`gathered_rooms
+<ds_patrickstar.placement.planner.gathered_rooms>`): a group is gathered ahead only for a use among them."""
+
 
 class GatherPlan:
     """The room for gathered groups at each moment, agreed by every rank; see [Note: agreed gather plan]."""
@@ -53,6 +64,7 @@ class GatherPlan:
         self._labels: list[str] = []
         self._keep: list[int] = []
         self._ahead: list[int] = []
+        self._uses: dict[int, list[int]] = {}  # group -> the moments of the planned iteration that use it
         self._said_differ = False  # the ranks' iterations differed once: said, then only at debug level
         self.resize(sizes)
 
@@ -63,7 +75,7 @@ class GatherPlan:
         self.group_bytes = max((size.gathered for size in sizes), default=0)
         # a micro-step's gradient buffer (see [Note: flat group buffers]); the boundary reduces in place
         self.buffer_bytes = max((size.grad_buffer for size in sizes), default=0)
-        self._labels, self._keep, self._ahead = [], [], []
+        self._labels, self._keep, self._ahead, self._uses = [], [], [], {}
 
     def agree(self) -> None:
         """At the step, on every rank: agree the plan for the next iteration from the one just done."""
@@ -76,10 +88,11 @@ class GatherPlan:
         count = len(labels)
         agreed = self._comm.agreement.agree_plan("\n".join(labels), [*keep, *ahead])
         if agreed.values is None:  # the ranks' iterations differ: no plan
-            self._labels, self._keep, self._ahead = [], [], []
+            self._labels, self._keep, self._ahead, self._uses = [], [], [], {}
             self._say_differ(count, most=max(agreed.counts) // 2, fewest=min(agreed.counts) // 2)
             return
         self._labels, self._keep, self._ahead = labels, agreed.values[:count], agreed.values[count:]
+        self._uses = _group_uses(trace, self._comm.world_size) if trace is not None else {}
 
     def _say_differ(self, count: int, most: int, fewest: int) -> None:
         log = logger.debug if self._said_differ else logger.warning
@@ -118,10 +131,25 @@ class GatherPlan:
         moment = self._moment()
         return moment is not None and gathered <= self._keep[moment]
 
-    def allows_prefetch(self, gathered: int) -> bool:
-        """Whether ``gathered`` bytes of gathered groups (one more gathered ahead of use) fit now."""
+    def allows_prefetch(self, gathered: int, group: int) -> bool:
+        """Whether ``gathered`` bytes of gathered groups (``group`` gathered ahead of use) fit now, where the plan's
+        iteration uses ``group`` within the moments the room is agreed for (this one and the next two)."""
         moment = self._moment()
-        return moment is not None and gathered <= self._ahead[moment]
+        if moment is None:
+            return False
+        uses = self._uses.get(group, [])
+        at = bisect.bisect_right(uses, moment)
+        soon = at < len(uses) and uses[at] <= moment + AHEAD_SPAN
+        return soon and gathered <= self._ahead[moment]
+
+
+def _group_uses(trace: Trace, world: int) -> dict[int, list[int]]:
+    """Per group (a chunk's id over the world size), the moments of ``trace`` that use it, ascending."""
+    uses: dict[int, list[int]] = {}
+    for index, moment in enumerate(trace.moments):
+        for group in dict.fromkeys(chunk_id // world for chunk_id in moment.chunks):
+            uses.setdefault(group, []).append(index)
+    return uses
 
 
 def _last_backward(trace: Trace) -> int:

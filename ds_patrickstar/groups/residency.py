@@ -127,7 +127,7 @@ class GroupResidency:
             if chunk_group.present or group in reduced:
                 continue
             if self._plan is not None and not self._plan.allows_prefetch(
-                self.gathered_bytes + chunk_group.nbytes.gathered
+                self.gathered_bytes + chunk_group.nbytes.gathered, group
             ):
                 return
             self.gather(group, keep=in_use)

@@ -37,9 +37,9 @@ not in moments, and an all-gather brings this rank's chunk of the group then: th
 moment (``Moment.gathered_ahead``, the union of its readings with this trace) and the replay brings them there,
 room made as for a chunk in use, for their next use. Both readings are of the plan the trace ran with (another
 placement of the states leaves other room for kept and prefetched groups), so at several ranks the prediction is
-approximate: on the twin's mirrors of the H100 sweep exact on one rank and within 7% on the other from 9 to 14
-GiB, within 3% at 6 to 8 (``benchmarks/twin_pressure_ranks.py``), on the counter runs' two-rank GPT exact in
-most runs (without the groups' prefetch 14% over on one rank and 15% under on the other). With gradient
+approximate: on the twin's mirrors of the H100 sweep within 2% of the bytes each rank moved from 6 to 14 GiB
+(``benchmarks/twin_pressure_ranks.py``), on the counter runs' two-rank GPT exact in most runs (without the
+groups' prefetch 14% over on one rank and 15% under on the other). With gradient
 accumulation at several ranks a rank's accumulators are its owned chunks' (see [Note: gradient accumulation] in
 groups/grads.py), from its group's first micro-step reduce-scatter, and move with their chunks as at one rank (the
 reading leaves them out). At the boundary a sum comes with its group's reduce-scatter, which the driver completes
