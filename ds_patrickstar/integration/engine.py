@@ -256,6 +256,11 @@ class PatrickStarEngine(StageAnswers, CheckpointingEngine):
 
         return self.optimizer.placement.plot_tide(path, disk_caption(self.get_patrickstar_counters()))
 
+    def planner_snapshot(self, path: str) -> str:
+        """Write the placement planner's last thorough plan, its inputs and its choice, as JSON, to plan again
+        elsewhere (``benchmarks/replan.py``; see [Note: planner snapshot]); returns ``path``."""
+        return self.optimizer.placement.planner_snapshot(path)
+
     # ---- model data access ------------------------------------------------------
     @torch.no_grad()
     def get_fp32_state_dict(self) -> dict[str, torch.Tensor]:

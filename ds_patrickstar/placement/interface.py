@@ -28,6 +28,11 @@ from .tracer import MemoryTracer
 if TYPE_CHECKING:
     from .states_room import StatesRoom
 
+NO_SNAPSHOT = (
+    "no planner snapshot to write: the step-time model plans the optimizer states "
+    '(zero_optimization.optimizer_placement: "time", the default) on CUDA or with '
+    "zero_optimization.emulate_accelerator=true, thoroughly from the second optimizer step on"
+)
 NO_TIDE = (
     "no placement trace to plot: placement runs on CUDA or with "
     "zero_optimization.emulate_accelerator=true, after at least one iteration"
@@ -165,6 +170,11 @@ class Placement(Protocol):
 
     def plot_tide(self, path: str, caption: str) -> str: ...
 
+    def planner_snapshot(self, path: str) -> str:
+        """Write the last thorough plan's inputs and choice as JSON (see [Note: planner snapshot] in
+        snapshot.py); raises ``RuntimeError`` where there is none."""
+        ...
+
 
 class NullPlacement:
     """The placement of a run without an accelerator; see [Note: null placement]."""
@@ -246,3 +256,6 @@ class NullPlacement:
 
     def plot_tide(self, path: str, caption: str) -> str:
         raise RuntimeError(NO_TIDE)
+
+    def planner_snapshot(self, path: str) -> str:
+        raise RuntimeError(NO_SNAPSHOT)

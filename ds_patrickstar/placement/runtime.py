@@ -29,7 +29,7 @@ from ..counters import StepCounters
 from ..memory.ledger import DeviceLedger
 from .bytes_floor import FloorMeter
 from .grad_release import GradientRelease
-from .interface import NO_TIDE, ActivationPolicy
+from .interface import NO_SNAPSHOT, NO_TIDE, ActivationPolicy
 from .move_model import MovePlan, MovePredictor
 from .moves import ChunkMoves, unmoved_bytes
 from .planner import gathered_rooms
@@ -195,6 +195,12 @@ class PlacementRuntime:
         if not self.tide:
             raise RuntimeError(NO_TIDE)
         return _plot_last_tide(self.tide, self.tracer, self.placer, path, caption)
+
+    def planner_snapshot(self, path: str) -> str:
+        """The last thorough plan's inputs and choice, as JSON (see [Note: planner snapshot] in snapshot.py)."""
+        if self.planning.snapshot is None:
+            raise RuntimeError(NO_SNAPSHOT)
+        return self.planning.snapshot.write(path)
 
     # ---- iterations and the step (see [Note: optimizer-state placement]) ----------------
     def start_iteration(self, inputs: object) -> bool:

@@ -37,6 +37,7 @@ from ..counters import StepCounters
 from .interface import ActivationPolicy
 from .move_model import MovePredictor
 from .moves import ChunkMoves
+from .snapshot import PlannerSnapshot, chosen
 from .state_choice import StateChooser
 from .states_room import StatesRoom
 from .step_plan import StepPlan
@@ -64,6 +65,7 @@ class StepPlanner:
         self.activations: ActivationPolicy | None = None  # see [Note: activation offload]
         self.forecast: StepTime | None = None  # the step the kept plan predicted when it was chosen
         self._check: Trace | None = None  # the trace planned at its traced step, checked at the next step
+        self.snapshot: PlannerSnapshot | None = None  # the last thorough plan's inputs (see [Note: planner snapshot])
 
     def stop(self) -> None:
         """No move model from now on (see [Note: accumulation begun by the caller] in groups/grads.py)."""
@@ -130,7 +132,12 @@ class StepPlanner:
         ``thorough``: the chooser's thorough search (see [Note: the planner's cost] in state_choice.py)."""
         if self.chooser is None or self.timer is None:
             return fill
-        choice = self.chooser(trace, fill, self.placer.resident, times, self.copies(), thorough)
+        resident = frozenset(self.placer.resident)
+        choice = self.chooser(trace, fill, resident, times, self.copies(), thorough)
+        if thorough:  # see [Note: planner snapshot] in snapshot.py
+            rule = self.chooser
+            inputs = (tuple(trace.moments), frozenset(fill), resident, tuple(times), self.copies(), chosen(choice))
+            self.snapshot = PlannerSnapshot(rule.budget, rule.costs, rule.profile, rule.overlap, *inputs)
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
         self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
         self.forecast = choice.step
