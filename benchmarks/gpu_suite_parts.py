@@ -66,11 +66,24 @@ def with_option(argv: list[str], flag: str, value) -> list[str]:
     return [*argv, flag, str(value)]
 
 
+def planner_argv(ctx, head: dict) -> list[str]:
+    """Ours: the planner's snapshot into the suite's folder (``planner/``, a file a trial; see [Note: planner
+    snapshot]), to plan again from a GPU's trace on any machine with ``benchmarks/replan.py``."""
+    if head.get("backend") != "ours" or getattr(ctx, "out", None) is None:
+        return []
+    folder = Path(ctx.out) / "planner"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = "_".join(str(head[k]) for k in ("size", "point", "rule", "padding") if k in head) or "trial"
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+    index = len(list(folder.glob("*.json")))
+    return ["--planner-snapshot", str(folder / f"{index:02d}_{name}.json")]
+
+
 def run_trial(ctx, head: dict, argv: list[str], deadline: float, need: float) -> dict:
     """One trial of ``gpu_suite_trial.py`` in a process of its own: ``head`` and its result."""
     with tempfile.TemporaryDirectory() as tmp:
         out, port = Path(tmp) / "trial.json", free_port()
-        cmd = [sys.executable, str(TRIAL), *argv, "--json", str(out)]
+        cmd = [sys.executable, str(TRIAL), *argv, "--json", str(out), *planner_argv(ctx, head)]
         got = json_trial(cmd, out, deadline, need, {**ctx.child_env, "MASTER_PORT": str(port)}, ctx.repo,
                          lock_cleaner(ctx.child_env, ctx.cuda))
         max_model.remove_shm_buffers(port)

@@ -79,6 +79,8 @@ def parse_args(argv=None):
                    help="ours: zero_optimization.optimizer_placement (left out: the default, time)")
     p.add_argument("--profile-step", action="store_true", help="one more step under cProfile: the host's "
                    "time per function (host_profile in the JSON)")
+    p.add_argument("--planner-snapshot", default=None, help="ours: write the placement planner's last thorough "
+                   "plan here (engine.planner_snapshot; plan it again with benchmarks/replan.py)")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     args.warmup = args.warmup if args.warmup == "auto" else int(args.warmup)
@@ -281,6 +283,16 @@ def summarize(args, cfg, n_params: int, warm: list[dict], records: list[dict]) -
             "predicted_step_s": predicted, "planned_step_s": planned, "final_loss": records[-1]["loss"]}
 
 
+def planner_snapshot(engine, args) -> str | None:
+    """The path the planner's last thorough plan went to, or why there is none (see [Note: planner snapshot])."""
+    if args.planner_snapshot is None:
+        return None
+    try:
+        return engine.planner_snapshot(args.planner_snapshot)
+    except RuntimeError as err:
+        return f"none: {err}"
+
+
 def run(args) -> dict:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -318,6 +330,7 @@ def run(args) -> dict:
         figures = {**summarize(args, cfg, n_params, warm, records), "records": records, "warmup_records": warm}
         if args.profile_step:
             figures["host_profile"] = profile_step(args, engine, device, cfg.vocab_size)
+    figures["planner_snapshot"] = planner_snapshot(engine, args) if args.backend == "ours" else None
     host, gpu_max = host_memory(cuda), bu.gpu_max_allocated_bytes()  # before the bandwidth probe allocates
     host["model_data_bytes"] = bu.model_data_bytes(engine, "patrickstar" if args.backend == "ours" else 3)
     return {"backend": args.backend, "model": args.model, "overrides": json.loads(args.overrides),

@@ -117,6 +117,22 @@ def test_dry_run_numbers_are_sane_and_ratios_as_computed(dry_run):
         assert row["adam_s"] > 0  # the Adam clock found each engine's Adam
 
 
+def test_dry_run_keeps_each_trials_planner_snapshot_to_plan_again(dry_run):
+    """Each measured sweep trial of ours wrote its placement planner's last thorough plan under ``<out>/planner/``
+    (see [Note: planner snapshot]), so a GPU run's traces and times come back to be planned again on a CPU: planned
+    again here from the file, the choice the trial made."""
+    from ds_patrickstar.placement.snapshot import PlannerSnapshot, chosen, replan
+
+    out, result = dry_run
+    swept = [t for t in result["parts"]["sweep"]["trials"] if t["status"] == "measured" and t["backend"] == "ours"]
+    written = [t["planner_snapshot"] for t in swept if not str(t["planner_snapshot"]).startswith("none")]
+    assert written or not swept, swept
+    for path in written:
+        assert Path(path).parent == out / "planner", path
+        snapshot = PlannerSnapshot.read(path)
+        assert chosen(replan(snapshot)) == snapshot.chosen, path
+
+
 def test_sizes_follow_the_gpu_memory_and_the_host_says_what_it_cannot_hold(tmp_path, monkeypatch):
     monkeypatch.setattr(parts.psutil, "virtual_memory", lambda: SimpleNamespace(available=500 * 2**30))
     ctx = fake_suite(tmp_path)
