@@ -12,7 +12,7 @@ the steps themselves are the twin's CPU compute. Beside it, what the traced firs
 activations and the host buffers it pins (see [Note: the traced iteration's offload] in
 ds_patrickstar/activations/traced_keep.py), and what a steady step offloads.
 
-    python benchmarks/bench_planning.py [--steps 5] [--layers 24] [--chunks 100] [--json out.json]
+    python benchmarks/bench_planning.py [--steps 5] [--layers 24] [--chunks 100] [--json out.json] [--snapshots DIR]
 
 Run it from another checkout (``PYTHONPATH=<checkout> python <checkout>/benchmarks/bench_planning.py``) to
 compare commits; the line "ds_patrickstar from" names the code measured.
@@ -32,9 +32,10 @@ import bench_utils as bu
 import twin_pressure as tp
 
 
-def run(layers: int, chunks: int, gib: int, steps: int) -> dict:
+def run(layers: int, chunks: int, gib: int, steps: int, snapshot: str | None = None) -> dict:
     """``steps`` steps of the twin's GPT of ``layers`` blocks in about ``chunks`` chunks at the budget mirroring
-    ``gib`` GiB: per step the wall time and the counters that show the planning."""
+    ``gib`` GiB: per step the wall time and the counters that show the planning; ``snapshot``: a path to write
+    the planner's last thorough plan to (see [Note: planner snapshot])."""
     import deepspeed
     import torch
     from gpt_model import GPT, GPTConfig
@@ -62,6 +63,8 @@ def run(layers: int, chunks: int, gib: int, steps: int) -> dict:
                                                                  "activation_bytes_offloaded", "host_pinnings")}})
     steady = statistics.median(r["wall_s"] for r in rows[2:]) if steps > 2 else float("nan")
     owned = rows[-1]["adam_chunks_device"] + rows[-1]["adam_chunks_host"]
+    if snapshot is not None:
+        engine.planner_snapshot(snapshot)
     engine.destroy()
     return {"mirrors_gib": gib, "chunks": owned, "steady_s": steady,
             "first_two_extra_s": sum(r["wall_s"] for r in rows[:2]) - 2 * steady, "steps": rows}
@@ -81,12 +84,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--chunks", type=int, default=100)
     parser.add_argument("--json")
+    parser.add_argument("--snapshots", default=None, help="a folder: each mirror's planner snapshot, mirror_<GiB>.json "
+                        "(plan them again with replan.py)")
     args = parser.parse_args()
     bu.setup_single_process_env()
     print(f"{bu.describe_cpu()}; ds_patrickstar from {commit()}")
     results = []
     for gib in tp.MIRRORED_GIB:
-        r = run(args.layers, args.chunks, gib, args.steps)
+        snapshot = None
+        if args.snapshots:
+            Path(args.snapshots).mkdir(parents=True, exist_ok=True)
+            snapshot = str(Path(args.snapshots) / f"mirror_{gib}.json")
+        r = run(args.layers, args.chunks, gib, args.steps, snapshot)
         plans = " / ".join(f"{s['plan_seconds']:.3f}" for s in r["steps"][:2])
         states = " / ".join(str(s["adam_chunks_device"]) for s in r["steps"][:3])
         print(f"mirrors {gib:>2} GiB: {r['chunks']} chunks, plan_seconds step 1 / 2 {plans} s, first two steps "

@@ -6,6 +6,7 @@ the snapshot's budget and profile or at others (see [Note: planner snapshot] in 
     python benchmarks/replan.py SNAPSHOT.json [SNAPSHOT.json ...]
     python benchmarks/replan.py SNAPSHOT.json --budget 0.75,1.5        # budgets as fractions of the snapshot's
     python benchmarks/replan.py SNAPSHOT.json --to-device-gbs 25 --host-adam-scale 0.5
+    python benchmarks/replan.py SNAPSHOT.json --compute-scale 1,0.01,0.001   # the moments' compute times x each
 
 Each line: the states on the accelerator (of the candidates), the prefetch distance, the eviction order, the
 predicted step and its parts (compute, transfers not hidden, optimizer), the bytes moved both ways. Host time
@@ -19,6 +20,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from itertools import product
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,7 +30,7 @@ from ds_patrickstar.placement.snapshot import PlannerSnapshot, replan
 
 def describe(label: str, states: list[int], of: int, distance: int, order: int, step_s: float, moved: int) -> str:
     return (
-        f"  {label:<26} {len(states):>4} of {of} states on the accelerator, {distance} ahead, "
+        f"  {label:<40} {len(states):>4} of {of} states on the accelerator, {distance} ahead, "
         f"{EvictionOrder(order).label} order: predicted step {step_s * 1e3:.2f} ms, {moved:,} B moved"
     )
 
@@ -39,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="1", help="device budgets as fractions of the snapshot's, comma-separated")
     parser.add_argument("--to-device-gbs", type=float, default=None, help="host to device GB/s (and back)")
     parser.add_argument("--host-adam-scale", type=float, default=1.0, help="the host Adam's rate times this")
+    parser.add_argument("--compute-scale", default="1", help="the moments' compute times times each of these, "
+                        "comma-separated (a faster device: the copies and the host Adam hide less)")
     args = parser.parse_args(argv)
     for path in args.snapshots:
         snapshot = PlannerSnapshot.read(path)
@@ -54,14 +58,17 @@ def main(argv=None) -> int:
               f"{snapshot.budget:,} B, {of} candidates; measured compute {sum(snapshot.compute_s) * 1e3:.1f} ms")
         print(describe("the run chose", ran["on_device"], of, ran["distance"], ran["order"], ran["step_s"],
                        ran["moved"]))
-        for fraction in (float(f) for f in args.budget.split(",")):
+        for fraction, scale in product((float(f) for f in args.budget.split(",")),
+                                       (float(s) for s in args.compute_scale.split(","))):
             budget = int(snapshot.budget * fraction)
+            scaled = replace(snapshot, compute_s=tuple(t * scale for t in snapshot.compute_s))
             started = time.perf_counter()
-            choice = replan(snapshot, budget=budget, profile=profile)
+            choice = replan(scaled, budget=budget, profile=profile)
             planned = time.perf_counter() - started
             step = choice.step
-            print(describe(f"planned at {budget:,} B", sorted(choice.on_device), of, choice.distance,
-                           int(choice.order), step.total_s, choice.moved)
+            label = f"planned at {budget:,} B" + (f", compute x{scale:g}" if scale != 1 else "")
+            print(describe(label, sorted(choice.on_device), of, choice.distance, int(choice.order), step.total_s,
+                           choice.moved)
                   + f" (compute {step.compute_s * 1e3:.2f}, exposed {step.exposed_transfers_s * 1e3:.2f}, optimizer "
                     f"{step.optimizer_s * 1e3:.2f} ms; planned in {planned:.2f} s)")
     return 0

@@ -64,15 +64,16 @@ def test_a_snapshot_plans_again_to_the_choice_the_run_made(name, tmp_path):
         roomy = replan(snapshot, budget=10 * snapshot.budget)
         assert roomy.on_device == snapshot.fill and roomy.moved <= again.moved
         # the command line over the same file
-        done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "replan.py"), written, "--budget", "1,10"],
-                              capture_output=True, text=True, timeout=120)
+        command = [sys.executable, str(REPO / "benchmarks" / "replan.py"), written, "--budget", "1,10",
+                   "--compute-scale", "1,0.5"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         ran = [line for line in done.stdout.splitlines() if "the run chose" in line]
         planned = [line for line in done.stdout.splitlines() if "planned at" in line]
-        assert len(ran) == 1 and len(planned) == 2, done.stdout
+        assert len(ran) == 1 and len(planned) == 4 and "compute x0.5" in planned[1], done.stdout
         assert f" {len(again.on_device)} of {len(snapshot.fill)} states" in ran[0]
         assert f" {len(again.on_device)} of {len(snapshot.fill)} states" in planned[0]  # again, at its budget
-        assert f" {len(snapshot.fill)} of {len(snapshot.fill)} states" in planned[1]  # with ten times the room
+        assert f" {len(snapshot.fill)} of {len(snapshot.fill)} states" in planned[2]  # with ten times the room
 
 
 def test_no_snapshot_where_the_step_time_model_does_not_choose(tmp_path):
