@@ -136,7 +136,7 @@ class Replay:
     def gather_ahead(self, in_use: set[int]) -> None:
         """With several ranks, the chunks whose groups the moment's hook all-gathered ahead of use come, for their
         next use (``Moment.gathered_ahead``), room made as for a chunk used now."""
-        for chunk in self.arrays.gathered_ahead[self.at] if self.arrays.gathered_ahead else ():
+        for chunk in self.arrays.gathered_ahead[self.at]:
             if chunk not in self.resident:
                 self.make_room(self.incoming(chunk), in_use | {chunk})
                 self.bring(chunk, self.trace.next_use(chunk, self.at))

@@ -31,9 +31,9 @@ class ReplayArrays:
     beside: list[int]  # with several ranks, the model data the driver does not move (see [Note: predicted moves])
     last_uses: list[tuple[int, ...]]
     movable: list[tuple[int, ...]]
-    folds: frozenset[int] = frozenset()
-    written: frozenset[int] = frozenset()  # chunks a gradient went into during the iteration (``Moment.written``)
-    gathered_ahead: list[tuple[int, ...]] = field(default_factory=list)  # per moment (``Moment.gathered_ahead``)
+    folds: frozenset[int]
+    written: frozenset[int]  # chunks a gradient went into during the iteration (``Moment.written``)
+    gathered_ahead: list[tuple[int, ...]]  # per moment (``Moment.gathered_ahead``)
     _tides: dict[int, list[int]] = field(default_factory=dict)
 
     def tide_ahead(self, window: int) -> list[int]:

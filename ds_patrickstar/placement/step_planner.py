@@ -132,11 +132,11 @@ class StepPlanner:
         ``thorough``: the chooser's thorough search (see [Note: the planner's cost] in state_choice.py)."""
         if self.chooser is None or self.timer is None:
             return fill
-        resident = frozenset(self.placer.resident)
-        choice = self.chooser(trace, fill, resident, times, self.copies(), thorough)
+        resident, copies = frozenset(self.placer.resident), self.copies()
+        choice = self.chooser(trace, fill, resident, times, copies, thorough)
         if thorough:  # see [Note: planner snapshot] in snapshot.py
             rule = self.chooser
-            inputs = (tuple(trace.moments), frozenset(fill), resident, tuple(times), self.copies(), chosen(choice))
+            inputs = (tuple(trace.moments), frozenset(fill), resident, tuple(times), copies, chosen(choice))
             self.snapshot = PlannerSnapshot(rule.budget, rule.costs, rule.profile, rule.overlap, *inputs)
         self.placer.distance = choice.distance  # see [Note: prefetch distance]
         self.placer.set_order(choice.order, self.moves.evicts_free)  # see [Note: eviction order]
