@@ -234,6 +234,25 @@ def test_plan_offloads_the_fewest_bytes_that_fit():
     assert plan_offload(tide, need, 20, records)[0] == {0, 1, 2}  # nothing fits: every block goes
 
 
+def test_the_plan_covers_every_micro_step_alike():
+    """The tide with no offload is planned, at each moment, as the most at its place in every micro-step where the
+    micro-steps run the same moments (see [Note: a risen tide]); a step moment is left as it is, and micro-steps
+    running other moments are not matched."""
+    from ds_patrickstar.activations.plan import across_micro_steps
+    from ds_patrickstar.placement.trace import Moment, Trace
+
+    def trace(labels):
+        built = Trace()
+        for label in labels:
+            built.add(Moment(label, (), 0))
+        return built
+
+    same = trace(["fwd:a", "fwd:b", "bwd:b", "bwd:a", "fwd:a", "fwd:b", "bwd:b", "bwd:a", "step"])
+    assert across_micro_steps([1, 5, 7, 2, 3, 4, 9, 1, 6], same) == [3, 5, 9, 2, 3, 5, 9, 2, 6]
+    other = trace(["fwd:a", "fwd:b", "bwd:b", "bwd:a", "fwd:a", "bwd:a", "step"])
+    assert across_micro_steps([1, 5, 7, 2, 3, 4, 6], other) == [1, 5, 7, 2, 3, 4, 6]
+
+
 def _tide_over_plan(rank, world_size):
     """After three steps of the plain model at a budget every activation fits beside (the key left out: "auto",
     the traced iteration offloads every block, the plan none): per training moment of the last iteration, the most

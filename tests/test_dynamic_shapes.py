@@ -56,6 +56,31 @@ def test_dynamic_padding_with_auto_activation_offload_plans_once(zero3):
     assert [c["activation_bytes_offloaded"] for c in roomy["counters"]] == [0] * len(LENGTHS)
 
 
+def test_a_later_micro_step_longer_than_any_traced_offloads_and_chooses_the_blocks_again():
+    """With gradient accumulation only an iteration's first forward can re-trace: a later micro-batch longer than
+    every traced one offloads every block's activations in it, and the step chooses the blocks "auto" offloads
+    again from the tide it measured (see [Note: a risen tide]). Two micro-batches a step, the second four times
+    the first from the second step on, at 1.2 MB (the longer batches' activations alone peak at 1.09 MB): it
+    trains with the losses of a run that keeps every activation (bit for bit), where keeping the traced step's
+    blocks (none) stopped with DeviceBudgetExceeded at the third step."""
+    lengths = [8, 8, 8, 32, 8, 32, 8, 8]  # two micro-batches a step
+
+    def run(budget, offload):
+        config = ds.gpt_config("patrickstar", budget, chunk=4096, offload_activations=offload)
+        config["gradient_accumulation_steps"] = 2
+        return ds.gpt_run(config, lengths)
+
+    resident = run(10**8, "none")
+    ours = run(1_200_000, "auto")
+    assert ours["losses"] == resident["losses"]
+    steps = ours["counters"][1::2]
+    assert [c["tide_replans"] for c in steps] == [0, 1, 0, 0]
+    offloaded = [c["activation_bytes_offloaded"] for c in steps]
+    # the traced step offloads what may not fit; the longer micro-batch every block; then the blocks chosen again
+    assert offloaded[1] > offloaded[0] > 0 and 0 < offloaded[2] < offloaded[1], offloaded
+    assert max(c["peak_non_model_bytes_device"] for c in steps) < 1_200_000
+
+
 def _validate(engine, step, tokens):
     """A validation loss under grad mode (no backward) after steps 1 and 3, and a no_grad one after 4."""
     if step not in (1, 3, 4):

@@ -48,20 +48,21 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
 from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
 from ..placement.saved_meter import SavedTensorMeter
-from ..placement.states_room import StatesRoom, with_tide
+from ..placement.states_room import StatesRoom
 from ..placement.step_time import NO_ACTIVATION_MOVES
 from ..placement.trace import Trace
 from ..placement.tracer import MemoryTracer
+from .block_plan import BlockPlan
 from .copies import StorageCopies
 from .held import HeldInputs
-from .plan import SegmentRecord, plan_for_states, plan_offload, planned_copies
+from .plan import planned_copies
 from .storages import Handle, Segment, State
 from .traced_keep import TracedKeep
 
@@ -78,15 +79,6 @@ def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)) and len(sub) > max(len(best), 1):
             best = list(sub)
     return best
-
-
-class _PlanInputs(NamedTuple):
-    """What the ``"auto"`` plan of a traced step was made from (see [Note: auto activation offload])."""
-
-    budget: int
-    need: list[int]  # per moment planned, the chunks' bytes
-    stranded: int
-    records: list[SegmentRecord]
 
 
 class ActivationOffloader:
@@ -109,13 +101,14 @@ class ActivationOffloader:
         self.held = HeldInputs(meter, self.copies)
         self._clock = clock  # the current moment of the iteration
         self.chosen: set[int] | None = None  # None: every block
-        self._planned: Trace | None = None
-        self._inputs: _PlanInputs | None = None  # the traced step's plan's, made again at the check
+        self._plan: BlockPlan | None = None  # the traced step's, made again at the check and where the tide rose
         self.priced = NO_ACTIVATION_MOVES  # the planned iteration's copies, as the step-time model prices them
         self._records: list[Segment] = []  # this iteration's segments
         self._forward: list[Segment] = []  # this forward's segments
         self._current: Segment | None = None
         self._outgoing: list[Segment] = []  # segments whose copies out are in flight, oldest first
+        self._every_block = False  # this forward offloads every block (see [Note: a risen tide] in plan.py)
+        self._unplanned: list[Segment] = []  # this iteration's segments offloaded beyond the plan
 
     @property
     def host_bytes(self) -> int:
@@ -138,7 +131,7 @@ class ActivationOffloader:
         self._tracing = self.mode == "auto" and tracer.current_trace() is None
         if self._tracing:
             self.chosen = None
-        self._records = []
+        self._records, self._unplanned = [], []
 
     def plan(
         self,
@@ -150,13 +143,13 @@ class ActivationOffloader:
         """With "auto", at the step of the iteration that made ``trace``: which blocks to offload
         from now on, from this iteration's records; ``trace``'s tide becomes the planned one.
         ``stranded``: the most allocator bytes that iteration stranded at a moment, room an offload
-        keeps for the pieces it strands (see [Note: auto activation offload]). More blocks where that makes
-        room for optimizer states are the next step's to choose (:meth:`replan`, see [Note: activations
+        keeps for the pieces it strands (see [Note: auto activation offload] in plan.py). More blocks where that
+        makes room for optimizer states are the next step's to choose (:meth:`replan`, see [Note: activations
         offloaded for optimizer states] in placement/states_room.py)."""
-        if trace is self._planned:
+        if self._plan is not None and trace is self._plan.trace:
             return
         records = [s.record() for s in self._records]
-        self._inputs = _PlanInputs(budget, chunk_needs(trace), stranded, records)
+        self._plan = BlockPlan(trace, budget, chunk_needs(trace), stranded, records)
         if self.mode == "auto":
             kept = [r for r in records if not r.offloaded]
             logger.info(
@@ -166,46 +159,47 @@ class ActivationOffloader:
                 len(records),
                 sum(r.nbytes for r in kept),
             )
-            self._apply(trace, *self._choose(trace, *self._inputs, None), records)
-        self._planned = trace
+            self._apply(trace, *self._plan.choose(trace))
         self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
+
+    def _auto_plan(self, trace: Trace) -> BlockPlan | None:
+        """The plan of ``trace``'s traced step where "auto" made one."""
+        return self._plan if self.mode == "auto" and self._plan is not None and trace is self._plan.trace else None
 
     def replan(self, trace: Trace, states: StatesRoom) -> None:
         """The plan of ``trace``'s traced step made again from the same tide and segments, ``states`` priced on
         other moment times (see [Note: the plan checked on steady times] in placement/step_planner.py); nothing
         changes where it keeps the same blocks."""
-        if self.mode != "auto" or trace is not self._planned or self._inputs is None:
+        plan = self._auto_plan(trace)
+        if plan is None:
             return
-        moments = len(self._inputs.need)  # those the traced step planned from: the step's own came after
-        traced = with_tide(trace, [m.measured for m in trace.moments[:moments]])  # its step moment as it stands
-        chosen, planned = self._choose(traced, *self._inputs, states)
+        chosen, planned = plan.choose(trace, states)
         if chosen != self.chosen:
-            self._apply(trace, chosen, planned, self._inputs.records)
-            self.priced = planned_copies(self._inputs.records, self.chosen)
+            self._apply(trace, chosen, planned)
 
-    @staticmethod
-    def _choose(
-        trace: Trace,
-        budget: int,
-        need: list[int],
-        stranded: int,
-        records: list[SegmentRecord],
-        states: StatesRoom | None,
-    ) -> tuple[set[int], list[int]]:
-        """The blocks "auto" offloads and the tide planned with them, from ``trace``'s traced tide (its moments
-        ``need`` covers)."""
-        tide = [m.non_model for m in trace.moments[: len(need)]]
-        chosen, planned = plan_offload(tide, need, budget, records)
-        if chosen and stranded:
-            chosen, planned = plan_offload(tide, need, budget - stranded, records)
-        if states is not None:
-            chosen, planned = plan_for_states(trace, need, budget - stranded, records, (chosen, planned), states)
-        return chosen, planned
+    def tide_rose(self, trace: Trace, over: dict[int, int]) -> dict[int, int]:
+        """A batch's tide rose above the plan of ``trace`` (``over``: moment -> the tide read then, the blocks
+        chosen now offloaded): with "auto", the blocks are chosen again (see [Note: a risen tide] in plan.py);
+        returns the readings as that choice would have had them."""
+        plan = self._auto_plan(trace)
+        risen = plan.rise(trace, over, self.chosen) if plan is not None and self.chosen is not None else None
+        if risen is None:
+            return over
+        (chosen, planned), readings = risen
+        logger.info(
+            "ds_patrickstar: the tide rose above the plan: the activations of blocks %s are offloaded from now on "
+            "(were %s)",
+            sorted(chosen),
+            sorted(self.chosen or ()),
+        )
+        self._apply(trace, chosen, planned)
+        return readings
 
-    def _apply(self, trace: Trace, chosen: set[int], planned: list[int], records: list[SegmentRecord]) -> None:
-        """Offload ``chosen`` from now on (``records``: the traced iteration's segments); ``trace`` plans with the
-        tide ``planned``."""
+    def _apply(self, trace: Trace, chosen: set[int], planned: list[int]) -> None:
+        """Offload ``chosen`` from now on; ``trace`` plans with the tide ``planned``."""
+        records = self._plan.records if self._plan is not None else []
         self.chosen = chosen
+        self.priced = planned_copies(records, chosen)
         for index, non_model in enumerate(planned):
             trace.set_non_model(index, non_model)
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
@@ -221,6 +215,15 @@ class ActivationOffloader:
             sum(r.nbytes for r in records),
         )
 
+    def unplanned_away(self, moment: int) -> int:
+        """Bytes of this iteration's segments offloaded beyond the plan and away at ``moment`` (as a record counts
+        them, see [Note: auto activation offload] in plan.py)."""
+        return sum(
+            s.nbytes
+            for s in self._unplanned
+            if 0 <= s.drop_at < moment and (s.restore_at < 0 or moment <= s.restore_at)
+        )
+
     def drop_forward(self) -> None:
         """The last forward had no backward (see [Note: moments and the trace]): its segments leave
         this iteration's records."""
@@ -228,8 +231,10 @@ class ActivationOffloader:
         self._records = [segment for segment in self._records if id(segment) not in dropped]
 
     # ---- segments ---------------------------------------------------------------------
-    def start_forward(self) -> None:
-        self._forward, self._current = [], None
+    def start_forward(self, every_block: bool = False) -> None:
+        """A training forward begins; ``every_block``: its blocks' activations are offloaded whatever the plan (a
+        micro-step beyond the traced shapes, see [Note: a risen tide] in plan.py)."""
+        self._forward, self._current, self._every_block = [], None, every_block
         if self.keep is not None:
             self.keep.start_forward()
 
@@ -241,8 +246,10 @@ class ActivationOffloader:
         if self._current is not None and self._current.offload:
             self.held.watch_backward(self._current, fresh)
         self._end_segment()
-        offload = self.chosen is None or block in self.chosen
-        segment = Segment(block, offload, previous=self._forward[-1] if self._forward else None)
+        planned = self.chosen is None or block in self.chosen
+        segment = Segment(block, planned or self._every_block, previous=self._forward[-1] if self._forward else None)
+        if not planned and self._every_block:
+            self._unplanned.append(segment)
         self._forward.append(segment)
         self._records.append(segment)
         self._current = segment

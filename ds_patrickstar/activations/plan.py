@@ -45,6 +45,36 @@ So where the plan offloads anything, it is made again with the room less the mos
 iteration (with the blocks it offloaded) stranded at a moment: without it, the pieces the planned
 iteration strands beside its tide take room the plan gave the chunks, and a budget between two that
 train can fail. Where checkpointing alone fits the plan offloads nothing and keeps no margin.
+
+[Note: a risen tide]
+The envelope of traced shapes is checked at an iteration's first forward (see [Note: traces across input
+shapes] in placement/shapes.py), but with gradient accumulation each micro-step brings its own batch, and a
+batch padded to its own longest sequence can make a later micro-step longer than any traced, or than the one
+traced at its place: its tide then rises above the plan, and where "auto" had planned to keep the blocks'
+activations, its backward could stop with ``DeviceBudgetExceeded`` where offloading them fits. So:
+
+* **The plan covers every micro-step alike.** Where the traced micro-steps' batches differed (a block's
+  segments saved unequal bytes), the tide with no block offloaded (the traced tide plus the offloaded
+  segments, see [Note: auto activation offload]) is raised, at each moment, to the most at its place in
+  every micro-step, where the micro-steps run the same moments (:func:`across_micro_steps`), and the blocks
+  are chosen from it; every micro-step's inputs widen the envelope while an iteration is traced.
+* **A later micro-step beyond the envelope offloads every block.** Its first forward's inputs are checked
+  (:meth:`~ds_patrickstar.placement.tracer.MemoryTracer.micro_step_inputs`; logged): where they lie beyond
+  every traced shape, every block's activations it saves are offloaded, as a traced iteration's may be, and
+  the envelope widens. The tide it reads is noted with the bytes offloaded beyond the plan and away then
+  (:meth:`~.offloader.ActivationOffloader.unplanned_away`) added: the tide the plan's own offload would have
+  left.
+* **A risen tide chooses the blocks again.** At the step, where the tide rose above the plan (see [Note:
+  traces across input shapes]), the tide with no offload is raised at those moments to the reading plus the
+  segments of the blocks offloaded then, across the micro-steps as above, and the blocks are chosen again
+  from it (room and chunk bytes as at the traced step; logged where they change); the readings, as the new
+  choice would have had them, then raise the planned tide, and the optimizer states are placed again beside
+  it.
+
+On the twin with two micro-batches a step, a GPT's second micro-batch four times the first from the second
+step on, at budgets below the longer batches' activations beside the chunks: the run trains, with the
+losses of a run that keeps every activation bit for bit, where keeping the blocks the traced step chose
+stopped at the third step (``tests/test_dynamic_shapes.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +87,15 @@ from ..placement.states_room import StatesRoom, best_tide, with_tide
 from ..placement.step_time import ActivationMoves
 from ..placement.trace import Trace
 
-__all__ = ["SegmentRecord", "plan_for_states", "plan_offload", "planned_copies"]
+__all__ = [
+    "SegmentRecord",
+    "across_micro_steps",
+    "away_bytes",
+    "bare_tide",
+    "plan_for_states",
+    "plan_offload",
+    "planned_copies",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +125,7 @@ def plan_offload(
     """``(blocks to offload, the tide with them offloaded)`` from the traced ``tide`` and the chunk
     bytes ``need`` at each moment; see [Note: auto activation offload]."""
     moments = len(tide)
-    planned = list(tide)
-    for record in records:
-        if record.offloaded:
-            for m in record.away(moments):
-                planned[m] += record.nbytes
+    planned = bare_tide(tide, records)
     by_block: dict[int, list[SegmentRecord]] = {}
     for record in records:
         by_block.setdefault(record.block, []).append(record)
@@ -119,6 +153,41 @@ def plan_offload(
             for m in segment.away(moments):
                 planned[m] -= segment.nbytes
     return chosen, planned
+
+
+def bare_tide(tide: list[int], records: list[SegmentRecord]) -> list[int]:
+    """The tide with no block offloaded, from ``tide``, read in an iteration like the one ``records`` come from:
+    plus, at each moment, the bytes of the segments it offloaded that were away then."""
+    return [n + b for n, b in zip(tide, away_bytes([r for r in records if r.offloaded], None, len(tide)))]
+
+
+def away_bytes(records: list[SegmentRecord], blocks: set[int] | None, moments: int) -> list[int]:
+    """Per moment, the bytes of the segments of ``records`` off the accelerator then, of ``blocks`` (None: all)."""
+    away = [0] * moments
+    for record in records:
+        if blocks is None or record.block in blocks:
+            for m in record.away(moments):
+                away[m] += record.nbytes
+    return away
+
+
+def across_micro_steps(tide: list[int], trace: Trace) -> list[int]:
+    """``tide`` (per moment of ``trace``, from its first) with each moment raised to the most at its place in every
+    micro-step, where the micro-steps run the same moments (see [Note: a risen tide])."""
+    places: dict[int, list[int]] = {}
+    for index, micro in enumerate(trace.micro_steps()[: len(tide)]):
+        if trace.moments[index].label != "step":
+            places.setdefault(micro, []).append(index)
+    steps = list(places.values())
+    labels = [[trace.moments[i].label for i in step] for step in steps]
+    if len(steps) < 2 or any(other != labels[0] for other in labels):
+        return list(tide)
+    raised = list(tide)
+    for same in zip(*steps):
+        top = max(tide[i] for i in same)
+        for index in same:
+            raised[index] = top
+    return raised
 
 
 def planned_copies(records: list[SegmentRecord], blocks: set[int] | None) -> ActivationMoves:

@@ -72,15 +72,16 @@ class TrainingFlow:
             check_still_frozen(self._frozen)  # see [Note: requires_grad after initialize]
         if training and self.run.forward_without_backward():
             self.placement.drop_forward()  # see [Note: moments and the trace]
-        if self.run.start_forward(training) and self.placement.start_iteration(inputs):
+        first = self.run.start_forward(training)
+        if first and self.placement.start_iteration(inputs):
             self.optim_states.all_to_host()  # a (re-)trace measures the tide without them
         if not training:
             self.placement.evaluation_begins()  # see [Note: evaluation moments]
             return
-        self.placement.forward_begins()
+        beyond = self.placement.forward_begins(None if first else inputs)
         offloader, meter = self.placement.activations, self.placement.meter
         if offloader is not None:  # its hooks count what stays, as the meter's would
-            offloader.start_forward()
+            offloader.start_forward(every_block=beyond)
             self._meter_ctx = offloader.hooks()
         elif meter is not None:
             self._meter_ctx = meter.hooks()

@@ -61,7 +61,14 @@ class ActivationPolicy(Protocol):
 
     def replan(self, trace: Trace, states: StatesRoom) -> None: ...
 
-    def start_forward(self) -> None: ...
+    def tide_rose(self, trace: Trace, over: dict[int, int]) -> dict[int, int]: ...
+
+    def start_forward(self, every_block: bool = False) -> None: ...
+
+    def unplanned_away(self, moment: int) -> int:
+        """Bytes offloaded beyond the plan and away at ``moment`` (see [Note: a risen tide] in
+        activations/plan.py)."""
+        ...
 
     def drop_forward(self) -> None: ...
 
@@ -95,8 +102,9 @@ class Placement(Protocol):
         """A forward under ``no_grad`` begins (see [Note: evaluation moments])."""
         ...
 
-    def forward_begins(self) -> None:
-        """A training forward begins."""
+    def forward_begins(self, inputs: object = None) -> bool:
+        """A training forward begins; ``inputs``: a later micro-step's (None for the iteration's first). Returns
+        whether they lie beyond every traced shape (see [Note: a risen tide] in activations/plan.py)."""
         ...
 
     def abort_iteration(self) -> None:
@@ -197,8 +205,8 @@ class NullPlacement:
     def evaluation_begins(self) -> None:
         pass
 
-    def forward_begins(self) -> None:
-        pass
+    def forward_begins(self, inputs: object = None) -> bool:
+        return False
 
     def drop_forward(self) -> None:
         pass

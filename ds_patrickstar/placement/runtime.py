@@ -157,7 +157,9 @@ class PlacementRuntime:
             offloaded = self.activations.host_bytes if self.activations is not None else 0
             self.tide.append((self.moment, model, non_model, offloaded))
             if trace is not None:
-                self.positions.note_tide(trace, self.moment, non_model)
+                # the tide as the plan's own offload would have left it ([Note: a risen tide] in activations/plan.py)
+                unplanned = self.activations.unplanned_away(self.moment) if self.activations is not None else 0
+                self.positions.note_tide(trace, self.moment, non_model + unplanned)
         note_peaks(self.counters, self.ledger, non_model, self.tracer.meter)
         in_training = self.run.records() or (
             trace is not None and self.positions.prefetches_in_evaluation(trace, self.moves.at)
@@ -207,7 +209,7 @@ class PlacementRuntime:
         """The first training forward after a step (see [Note: run state]) starts an iteration (a new
         trace when the input shapes changed); returns whether it traces: then every optimizer state goes
         to the host first (the caller moves them), so that the new tide is measured without them."""
-        self.tracer.start_iteration(tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs)))
+        self.tracer.start_iteration(_signature(inputs))
         self.moment = self.positions.forward_mark = -1
         if self.tracer.tracing:
             self.steps.forget()
@@ -219,9 +221,13 @@ class PlacementRuntime:
         """A forward under ``no_grad`` begins (see [Note: evaluation moments])."""
         self.positions.evaluation_begins()
 
-    def forward_begins(self) -> None:
-        """A training forward begins: where :meth:`drop_forward` would take its moments back to."""
+    def forward_begins(self, inputs: object = None) -> bool:
+        """A training forward begins: where :meth:`drop_forward` would take its moments back to; a later
+        micro-step's ``inputs`` beyond every traced shape offload every block's activations in it (see [Note: a
+        risen tide] in activations/plan.py)."""
         self.positions.forward_mark = self.moment
+        beyond = inputs is not None and self.tracer.micro_step_inputs(_signature(inputs))
+        return beyond and self.activations is not None
 
     def drop_forward(self) -> None:
         """The last training forward had no backward: its moments go (see [Note: moments and the trace])."""
@@ -319,3 +325,8 @@ def note_peaks(counters: StepCounters, ledger: DeviceLedger, non_model: int, met
     counters.peak_device_bytes = max(counters.peak_device_bytes, ledger.total + non_model)
     if meter is not None:  # the saved activations the emulated accelerator's meter counts
         counters.peak_activation_bytes_device = max(counters.peak_activation_bytes_device, meter.bytes)
+
+
+def _signature(inputs: object) -> tuple:
+    """The shapes and dtypes of a forward's input tensors (see [Note: traces across input shapes])."""
+    return tuple((tuple(t.shape), t.dtype) for t in iter_tensors(inputs))

@@ -17,9 +17,11 @@ planned one when activations grow with the inputs' sizes; when a batch's tide st
 what the plan gave room for at a moment (the planned tide there and at the next moment), the run
 goes on (placement makes room from the tide it measures) and, at the step, the trace's tide at
 those moments is raised to what was measured and everything planned from the tide is planned
-again from it: which optimizer states live on the accelerator, the agreed gather plan; "auto"
-activation offload keeps its blocks and plans with the raised tide (a *re-plan*, counted by
-``tide_replans``). A trace whose order differs (control flow) is traced anew.
+again from it: which optimizer states live on the accelerator, the agreed gather plan, and the blocks
+"auto" activation offload moves (a *re-plan*, counted by ``tide_replans``). With gradient accumulation a
+later micro-step's inputs are checked too, and beyond the envelope they offload every block's activations
+(see [Note: a risen tide] in activations/plan.py). A trace whose order differs (control flow) is
+traced anew.
 
 Every plan made from a trace follows it: the optimizer-state plan, the gather plan and "auto"
 activation offload are made again after a re-trace or a re-plan only. The counters give each

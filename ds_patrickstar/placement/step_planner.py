@@ -92,6 +92,8 @@ class StepPlanner:
         check, self._check = self._check, None
         if check is trace and not over:
             return self._checked(trace, capacities)
+        if over and self.activations is not None:  # see [Note: a risen tide] in activations/plan.py
+            over = self.activations.tide_rose(trace, over)
         return self.steps.decide(trace, over, capacities, lambda t, fill: self._choose(t, fill, self._times(t)))
 
     def _traced(self, traced: Trace, capacities: dict[int, int]) -> set[int] | None:

@@ -161,6 +161,22 @@ class MemoryTracer:
         self.signature = widen(self.signature, signature)
         self.moment = -1
 
+    def micro_step_inputs(self, signature: Signature) -> bool:
+        """A later micro-step's first forward, with the shapes of its inputs: the envelope widens to hold them;
+        returns whether they lay beyond it while the iteration follows a trace (see [Note: a risen tide] in
+        activations/plan.py)."""
+        beyond = not self.tracing and not covers(self.signature, signature)
+        if beyond:
+            logger.info(
+                "ds_patrickstar: a micro-step's input shapes %s lie beyond every traced shape %s: every block's "
+                "activations it saves are offloaded (where activations are offloaded), and the plan is made again "
+                "from the tide it measured",
+                signature,
+                self.signature,
+            )
+        self.signature = widen(self.signature, signature)
+        return beyond
+
     def _retrace(self, reason: RetraceReason, detail: str, covered: Trace | None = None) -> None:
         self.log.retraced(reason, detail)
         self.tracing, self.retraced, self._covered = True, reason, covered
