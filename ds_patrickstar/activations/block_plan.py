@@ -26,7 +26,8 @@ class BlockPlan:
         # the tide with no block offloaded, alike in every micro-step where their batches differed (see [Note: a
         # risen tide] in plan.py)
         self.bare = bare_tide([m.non_model for m in trace.moments[: len(need)]], records)
-        if _uneven(records):
+        self.varying = _uneven(records)  # the shapes vary: room for the pieces they strand ([Note: a risen tide])
+        if self.varying:
             self.bare = across_micro_steps(self.bare, trace)
 
     def choose(self, trace: Trace, states: StatesRoom | None = None) -> Choice:
@@ -36,7 +37,7 @@ class BlockPlan:
         base, records = with_tide(trace, self.bare), [replace(r, offloaded=False) for r in self.records]
         tide = [m.non_model for m in base.moments[: len(self.need)]]
         chosen, planned = plan_offload(tide, self.need, self.budget, records)
-        if chosen and self.stranded:  # see [Note: auto activation offload] in plan.py
+        if (chosen or self.varying) and self.stranded:  # see [Note: auto activation offload] in plan.py
             chosen, planned = plan_offload(tide, self.need, self.budget - self.stranded, records)
         if states is not None:
             room = self.budget - self.stranded
@@ -52,7 +53,7 @@ class BlockPlan:
         for index, non_model in over.items():
             if index < moments:
                 self.bare[index] = max(self.bare[index], non_model + before[index])
-        self.bare = across_micro_steps(self.bare, trace)
+        self.bare, self.varying = across_micro_steps(self.bare, trace), True
         choice = self.choose(trace)
         if choice[0] == chosen:
             return None

@@ -100,6 +100,7 @@ class ActivationOffloader:
         self.copies = StorageCopies(accel, meter, counters, clock)
         self.held = HeldInputs(meter, self.copies)
         self._clock = clock  # the current moment of the iteration
+        self.blocks = 0  # the model's blocks (see :func:`repeated_blocks`)
         self.chosen: set[int] | None = None  # None: every block
         self._plan: BlockPlan | None = None  # the traced step's, made again at the check and where the tide rose
         self.priced = NO_ACTIVATION_MOVES  # the planned iteration's copies, as the step-time model prices them
@@ -122,6 +123,7 @@ class ActivationOffloader:
     # ---- iterations -----------------------------------------------------------------
     def blocks_found(self, count: int) -> None:
         """The model has ``count`` blocks: the traced iteration's rule counts those after a segment."""
+        self.blocks = count
         if self.keep is not None:
             self.keep.blocks = count
 
@@ -214,6 +216,10 @@ class ActivationOffloader:
             total,
             sum(r.nbytes for r in records),
         )
+
+    def keeps_blocks(self) -> bool:
+        """Whether the plan keeps some block's activations on the accelerator (a budget error then names "all")."""
+        return self.chosen is not None and len(self.chosen) < self.blocks
 
     def unplanned_away(self, moment: int) -> int:
         """Bytes of this iteration's segments offloaded beyond the plan and away at ``moment`` (as a record counts

@@ -44,7 +44,8 @@ does not hold.
 So where the plan offloads anything, it is made again with the room less the most bytes the traced
 iteration (with the blocks it offloaded) stranded at a moment: without it, the pieces the planned
 iteration strands beside its tide take room the plan gave the chunks, and a budget between two that
-train can fail. Where checkpointing alone fits the plan offloads nothing and keeps no margin.
+train can fail. Where checkpointing alone fits the plan offloads nothing and keeps no margin, unless the batches'
+shapes vary (see [Note: a risen tide]).
 
 [Note: a risen tide]
 The envelope of traced shapes is checked at an iteration's first forward (see [Note: traces across input
@@ -70,6 +71,13 @@ activations, its backward could stop with ``DeviceBudgetExceeded`` where offload
   from it (room and chunk bytes as at the traced step; logged where they change); the readings, as the new
   choice would have had them, then raise the planned tide, and the optimizer states are placed again beside
   it.
+* **Shapes that vary keep room for the pieces they strand.** Batches of changing lengths lay out and split the
+  allocator's blocks differently every step, so where the traced micro-steps' batches differed or a tide rose,
+  the plan keeps the stranded margin (the most the traced iteration stranded at a moment) even where it
+  offloads nothing: on the twin's GPT with two micro-batches of changing lengths, a plan keeping every block
+  at 1.2 and 1.26 MB stopped at the third step where 1.15 MB trained.
+* **A budget error names "all"** where "auto" keeps some blocks' activations on the accelerator (their bytes
+  are in the tide the error reports): offloading every block trained each of those runs.
 
 On the twin with two micro-batches a step, a GPT's second micro-batch four times the first from the second
 step on, at budgets below the longer batches' activations beside the chunks: the run trains, with the

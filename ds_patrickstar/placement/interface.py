@@ -63,6 +63,10 @@ class ActivationPolicy(Protocol):
 
     def tide_rose(self, trace: Trace, over: dict[int, int]) -> dict[int, int]: ...
 
+    def keeps_blocks(self) -> bool:
+        """Whether some block's activations stay on the accelerator now (for the remedies a budget error names)."""
+        ...
+
     def start_forward(self, every_block: bool = False) -> None: ...
 
     def unplanned_away(self, moment: int) -> int:

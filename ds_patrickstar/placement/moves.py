@@ -83,6 +83,7 @@ class ChunkMoves:
         # bytes asked -> bytes freed by moving optimizer states to the host (see [Note: states give way])
         self.room_from_states: Callable[[int], int] | None = None
         self.offloading = False  # activation offload is on (for the remedies a budget error names)
+        self.activations_kept: Callable[[], bool] = lambda: False  # "auto" keeps some blocks' (for the remedies)
         self._hook = False  # inside a moment's hook (see [Note: one reading per hook])
         self._reading: tuple[int, int] | None = None  # (tide, stranded bytes) read in this hook
 
@@ -219,7 +220,8 @@ class ChunkMoves:
             over = self.ledger.total + self.ledger.non_model - self.placer.budget
         if over > 0:
             model, stranded = self.ledger.total, self.ledger.non_model - non_model
-            at = Shortfall(over, self.placer.budget, non_model, model, 0, stranded, self.offloading, self.recomputes())
+            offload = self.offloading, self.activations_kept()
+            at = Shortfall(over, self.placer.budget, non_model, model, 0, stranded, *offload, self.recomputes())
             remedies = budget_remedies(at)
             raise DeviceBudgetExceeded(
                 f"model data {model:,} B + non-model {non_model:,} B + stranded allocator pieces {stranded:,} B "
@@ -337,6 +339,7 @@ def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: 
         accumulators,
         stranded,
         moves.offloading,
+        moves.activations_kept(),
         moves.recomputes(),
     )
     return DeviceBudgetExceeded(

@@ -18,6 +18,7 @@ class Shortfall:
     accumulators: int = 0  # of ``held``, their fp32 gradient accumulators
     stranded: int = 0  # free bytes stranded in the allocator's partly used blocks (see [Note: stranded bytes released])
     offloading: bool = False  # activation offload is on
+    kept: bool = False  # "auto" activation offload keeps some blocks' activations on the accelerator
     recomputes: bool = False  # some blocks are checkpointed (recomputed in backward) already
 
 
@@ -28,6 +29,11 @@ def budget_remedies(at: Shortfall) -> str:
         remedies.append(
             f'zero_optimization.offload_activations "auto" (moves the blocks\' saved activations, of the '
             f"{at.non_model:,} B of non-model memory here, to the host between their forward and backward)"
+        )
+    if at.kept and at.non_model:
+        remedies.append(
+            f'zero_optimization.offload_activations "all" (also moves the blocks\' saved activations "auto" keeps on '
+            f"the accelerator, of the {at.non_model:,} B of non-model memory here)"
         )
     if at.non_model:
         more = "more of " if at.recomputes else ""

@@ -121,6 +121,7 @@ class PlacementRuntime:
     def activations(self, policy: ActivationPolicy | None) -> None:
         self._activations = self.planning.activations = policy
         self.moves.offloading = policy is not None
+        self.moves.activations_kept = policy.keeps_blocks if policy is not None else lambda: False
 
     @property
     def moment(self) -> int:
