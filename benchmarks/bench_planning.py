@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,14 +69,6 @@ def run(layers: int, chunks: int, gib: int, steps: int, snapshot: str | None = N
             "first_two_extra_s": sum(r["wall_s"] for r in rows[:2]) - 2 * steady, "steps": rows}
 
 
-def commit() -> str:
-    import ds_patrickstar
-
-    root = Path(ds_patrickstar.__file__).resolve().parents[1]
-    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return f"{root} ({out.stdout.strip() or 'not a checkout'})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -88,7 +79,7 @@ def main() -> None:
                         "(plan them again with replan.py)")
     args = parser.parse_args()
     bu.setup_single_process_env()
-    print(f"{bu.describe_cpu()}; ds_patrickstar from {commit()}")
+    print(f"{bu.describe_cpu()}; ds_patrickstar from {bu.repo_commit()}")
     results = []
     for gib in tp.MIRRORED_GIB:
         snapshot = None
@@ -107,8 +98,8 @@ def main() -> None:
               f"{last['activation_bytes_offloaded']:,} B")
         results.append(r)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": bu.describe_cpu(), "code": commit(), "layers": args.layers,
-                                               "results": results}, indent=1))
+        found = {"cpu": bu.describe_cpu(), "code": bu.repo_commit(), "layers": args.layers, "results": results}
+        Path(args.json).write_text(json.dumps(found, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ import json
 import os
 import platform
 import resource
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +24,15 @@ def add_repo_to_path():
     """Make ``import ds_patrickstar`` work from a checkout that is not pip-installed."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.append(str(REPO_ROOT))
+
+
+def repo_commit():
+    """Where ds_patrickstar is imported from and its commit, for every figure."""
+    import ds_patrickstar
+
+    root = Path(ds_patrickstar.__file__).resolve().parents[1]
+    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{root} ({out.stdout.strip() or 'not a checkout'})"
 
 
 def setup_single_process_env():
