@@ -14,10 +14,10 @@ one rank when the group's last gradient is in (the chunk was brought to the acce
 for unmanaged accumulation when the step writes the sums. On a GPU that is a kernel on the compute stream during
 backward, before the chunk can leave: it reads the slot in the accelerator's memory, and the copy to the host is
 ordered after it. The step then sums one value per chunk, in the chunks' order, on the device of the
-collective (:meth:`GradientNorms.total`). A slot that changes after it was final (none does today: the optimizer
-reads the slots, it does not write them before the norm) would need its value taken again: :meth:`record` is
-the one place values come from, and :meth:`GradientNorms.clear` forgets them at every step and abandoned
-iteration.
+collective (:meth:`GradientNorms.total`). A slot that changes after it was final (a ``safe_set_full_grad`` or
+``safe_set_local_grad`` between ``backward()`` and ``step()``, see [Note: gradients between backward and step]
+in integration/zero3_grads.py) has its value taken again: :meth:`record` is the one place values come from, and
+:meth:`GradientNorms.clear` forgets them at every step and abandoned iteration.
 
 Each chunk's value is the sum of the squared norms of its slices in order (4 Mi elements each: a whole chunk's
 fp32 upcast would be a large temporary), and the values are summed as one vector, so the result depends on the

@@ -16,10 +16,11 @@ step reads; its getters all-gather that partition. Here the same values live in 
 So a getter reads this rank's owned pieces of the parameter from the one place (where it lives: accelerator or
 host) and, for the full value, all-reduces the sum of the ranks' disjoint pieces (a collective: call it on every
 rank, as stock's); a setter writes the owned pieces (rounded to the parameter dtype in a slot, as stock's bf16
-gradient buffer rounds). Outside the window (before the first backward of a step, or after the step) no gradient
-is held: the getters and setters raise saying when to call them. A frozen parameter has none: None, as stock.
-The local share is the parameter's elements in the owned chunks, in element order (not stock's 1/W slice; see
-[Note: ZeRO-3 parameter attributes]).
+gradient buffer rounds; the slot's gradient norm is taken again, so clipping and the overflow check see the value
+written, as stock's norm at the step does). Outside the window (before the first backward of a step, or after the
+step) no gradient is held: the getters and setters raise saying when to call them. A frozen parameter has none:
+None, as stock. The local share is the parameter's elements in the owned chunks, in element order (not stock's 1/W
+slice; see [Note: ZeRO-3 parameter attributes]).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class ChunkGradients:
         chunk = self.map.chunks[piece.chunk_id]
         target = chunk.ready() if in_slots else self.manager.groups[self.map.group_of(chunk)].accumulator(chunk)
         target[piece.in_chunk].copy_(values.detach().reshape(-1))
+        if in_slots:  # a final slot changed: its norm is taken again (see [Note: the norm as gradients become final])
+            self.manager.grads.norms.record(chunk)
 
     @torch.no_grad()
     def get_full(self, info: TensorInfo) -> torch.Tensor:
