@@ -190,6 +190,11 @@ class Accelerator:
         copies in ``after`` have completed; wait on the result before touching ``writes``."""
         return self.host_worker.submit(work, after)
 
+    def host_jobs_waiting(self) -> int:
+        """Host jobs handed over and not finished (see [Note: host updates in backward] in
+        optim/early_updates.py)."""
+        return self.host_worker.waiting()
+
     # ---- copies -------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
         """Enqueue ``dst.copy_(src)`` after the work already queued; wait on the result before

@@ -206,6 +206,10 @@ class EmulatedAccelerator(Accelerator):
         self._host_jobs = [j for j in self._host_jobs if not j.done()] + [job]
         return job
 
+    def host_jobs_waiting(self) -> int:
+        """The deferred jobs not run yet (they run when waited on)."""
+        return sum(not job.done() for job in self._host_jobs)
+
     # ---- copies ---------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Pending:
         for operand in (dst, src):

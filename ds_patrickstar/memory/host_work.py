@@ -78,6 +78,10 @@ class HostJob(Pending):
     def done(self) -> bool:
         return self._future.done()
 
+    def cancel(self) -> bool:
+        """Whether the job will not run (it had not started); else it runs or ran, and :meth:`wait` waits."""
+        return self._future.cancel()
+
 
 class HostWorker:
     """One thread that runs host jobs in the order they were handed over, started at the first job
@@ -87,6 +91,7 @@ class HostWorker:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.waits = waits
+        self._jobs: list[HostJob] = []  # handed over, perhaps not finished (see :meth:`waiting`)
 
     def submit(self, work: Callable[[], None], after: list[Pending]) -> HostJob:
         """Run ``work`` once the copies in ``after`` have completed (waited on by the worker)."""
@@ -100,7 +105,15 @@ class HostWorker:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_patrickstar-host-adam")
-            return HostJob(self._executor.submit(job), self.waits)
+            handed = HostJob(self._executor.submit(job), self.waits)
+            self._jobs = [j for j in self._jobs if not j.done()] + [handed]
+            return handed
+
+    def waiting(self) -> int:
+        """Jobs handed over that have not finished (the one running included)."""
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not j.done()]
+            return len(self._jobs)
 
     @property
     def running(self) -> bool:
@@ -144,3 +157,8 @@ class DeferredHostJob(Pending):
     def drop(self) -> None:
         """The run is over: the job will not run (its buffers are freed)."""
         self._work, self._saved = None, []
+
+    def cancel(self) -> bool:
+        """The job will not run; what it writes keeps its poison (the writer's buffers are spare)."""
+        self.drop()
+        return True

@@ -27,6 +27,10 @@ class Pending:
     def done(self) -> bool:
         raise NotImplementedError
 
+    def cancel(self) -> bool:
+        """Whether the operation will not run (only a host job not started can be cancelled)."""
+        return False
+
     def finished(self) -> bool:
         """Whether :meth:`wait` would return at once (the operation has run; it may not be waited on yet)."""
         return self.done()
