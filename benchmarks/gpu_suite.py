@@ -96,6 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--backends", default=None, help="backends of the trial parts, of ours,zero3-offload,zero3 "
                    "(GPU: ours,zero3-offload: ZeRO-3 without offload is a second call's; dry: all)")
     p.add_argument("--batch", type=int, default=None, help="micro-batch (8; dry 2)")
+    p.add_argument("--clip", type=float, default=None, help="every trial's gradient_clipping (the configs': 1.0); 0: "
+                   "none, so that ours' host updates begin in backward (counter host_updates_in_backward)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512; dry 16)")
     p.add_argument("--warmup", default=None, help="untimed steps per trial: a count or auto (until settled)")
     p.add_argument("--max-warmup", type=int, default=None, help="--warmup auto: at most this many (6; dry 3)")

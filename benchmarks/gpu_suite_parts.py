@@ -54,6 +54,8 @@ def trial_argv(args, backend: str, preset: str, overrides: dict) -> list[str]:
             str(args.max_warmup), "--steps", str(args.steps)]
     if args.dry_run and backend == "ours":
         argv += ["--emulate-budget", str(DRY_DEVICE_BYTES), "--chunk-size", str(DRY_CHUNK)]
+    if args.clip is not None:
+        argv += ["--clip", str(args.clip)]
     return argv
 
 

@@ -45,7 +45,8 @@ COUNTER_KEYS = ("predicted_step_s", "planned_step_s", "prefetches", "retraces_sh
                 "activation_bytes_offloaded", "activation_bytes_restored", "peak_activation_bytes_device",
                 "peak_non_model_bytes_device", "predicted_bytes_to_device", "predicted_bytes_to_host",
                 "prefetch_distance", "prefetches_beyond_next", "stranded_bytes_released", "states_gave_way",
-                "eviction_order", "clean_evictions", "bytes_floor", "host_pinnings", "plan_seconds")
+                "eviction_order", "clean_evictions", "bytes_floor", "host_pinnings", "plan_seconds",
+                "host_updates_in_backward", "host_updates_redone", "spare_bytes_host")
 PINNED_PROBE_BYTES = 256 * 2**20
 
 
@@ -75,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank on every linear layer of the "
                    "blocks, the rest frozen (0: train everything)")
     p.add_argument("--chunk-size", type=int, default=None, help="ours: chunk_size (elements) over the config's")
+    p.add_argument("--clip", type=float, default=None, help="gradient_clipping over the config's (1.0); 0: none, so "
+                   "that ours' host updates begin in backward (see [Note: host updates in backward])")
     p.add_argument("--optimizer-placement", choices=("time", "fill"), default=None,
                    help="ours: zero_optimization.optimizer_placement (left out: the default, time)")
     p.add_argument("--profile-step", action="store_true", help="one more step under cProfile: the host's "
@@ -99,6 +102,8 @@ def trial_config(args, cuda: bool) -> dict:
         config["zero_optimization"].update(emulate_accelerator=True, device_budget=args.emulate_budget)
     elif args.backend == "ours" and args.device_budget is not None:
         config["zero_optimization"]["device_budget"] = args.device_budget
+    if args.clip is not None:
+        config["gradient_clipping"] = args.clip
     if args.backend == "ours" and args.chunk_size is not None:
         config["zero_optimization"]["chunk_size"] = args.chunk_size
     if args.backend == "ours" and args.optimizer_placement is not None:

@@ -341,3 +341,16 @@ def test_dry_run_trains_lora_on_a_base_larger_than_the_device(dry_run):
     counters = ours["records"][-1]["counters"]
     assert counters["frozen_bytes_device"] + counters["frozen_bytes_host"] > parts.DRY_LORA["budget"]
     assert ours["losses"] and all(math.isfinite(x) for x in ours["losses"])
+
+
+def test_clip_reaches_every_trials_config(tmp_path):
+    """``--clip 0`` (no clipping, so that ours' host updates begin in backward) reaches both backends' configs."""
+    import gpu_suite_trial
+
+    args = fake_suite(tmp_path, "--clip", "0").args
+    for backend in ("ours", "zero3-offload"):
+        argv = parts.trial_argv(args, backend, "tiny", {})
+        assert argv[argv.index("--clip") + 1] == "0.0"
+        trial = gpu_suite_trial.parse_args([*argv, "--json", str(tmp_path / "t.json")])
+        assert gpu_suite_trial.trial_config(trial, cuda=False)["gradient_clipping"] == 0.0
+    assert "--clip" not in parts.trial_argv(fake_suite(tmp_path).args, "ours", "tiny", {})
