@@ -46,6 +46,14 @@ class StepCounters:
     grads_released_in_backward: int = 0
     """chunks updated on the host sent to it during backward, once their last use this iteration was behind
     (see [Note: gradients leave in backward])"""
+    host_updates_in_backward: int = 0
+    """chunks whose host update began during backward, in spare buffers, and was kept at the step (see
+    [Note: host updates in backward])"""
+    spare_bytes_host: int = 0
+    """host bytes of the spare buffers host updates begin in during backward (made once, kept; not model data)"""
+    host_updates_redone: int = 0
+    """host updates begun during backward and dropped (the step clipped, was skipped, or changed what they
+    assumed): updated at the step instead"""
     stranded_bytes_released: int = 0
     """stranded allocator bytes given back before a budget error (see [Note: stranded bytes released])"""
     states_gave_way: int = 0

@@ -70,7 +70,10 @@ accelerator while their payloads go (``eviction_order`` 0 -> 2) and a group gath
 instead of 28); per steady step and rank 103,744 B to the device instead of 123,712 / 137,536, 81,472 to the host
 as before, accumulators 0 each way instead of 42,240 / 56,064, predicted (103,744 / 81,472); ``evictions`` joined
 ``TIMING_DEPENDENT`` (a host-updated chunk whose collective completes late leaves through an eviction instead of a
-release in backward: 2 or 3 a step in that case, the same bytes); the losses unchanged.
+release in backward: 2 or 3 a step in that case, the same bytes); the losses unchanged. The counters of host updates
+begun in backward joined every case (``host_updates_in_backward``, ``host_updates_redone``, ``spare_bytes_host``: 0,
+the cases clip at
+1.0 from their first step, so none begins; nothing else moved).
 """
 from __future__ import annotations
 

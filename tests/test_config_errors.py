@@ -92,6 +92,16 @@ def test_lockstep_takes_its_three_words_only():
     assert parse_patrickstar_options({"stage": "patrickstar", "lockstep": "first_steps"}).lockstep == "first_steps"
 
 
+@pytest.mark.parametrize("value", [True, -1, "all", 2.5])
+def test_host_adam_in_backward_is_auto_or_chunks(value):
+    from ds_patrickstar.integration.config import parse_patrickstar_options
+
+    with pytest.raises(ValueError, match=r'zero_optimization\.host_adam_in_backward=.* is invalid: .*expected "auto" '
+                                         r"or a whole number of chunks >= 0"):
+        parse_patrickstar_options({"stage": "patrickstar", "host_adam_in_backward": value})
+    assert parse_patrickstar_options({"stage": "patrickstar", "host_adam_in_backward": 3}).host_adam_in_backward == 3
+
+
 def test_stage_spelled_in_another_case():
     with pytest.raises(ValueError, match=r"zero_optimization\.stage='PatrickStar': write 'patrickstar' exactly"):
         _init(_config(stage="PatrickStar"))

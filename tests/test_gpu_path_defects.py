@@ -385,7 +385,7 @@ def test_13_steady_steps_pin_no_host_memory_anew():
     model = GPT(GPTConfig(**twin_pressure.MODEL))
     config = twin_pressure.config("patrickstar", budget)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    pool, gen, pinnings = engine.optimizer.accel.host_pool, torch.Generator().manual_seed(1), []
+    pool, gen, pinnings, spare_sets = engine.optimizer.accel.host_pool, torch.Generator().manual_seed(1), [], []
     shape = (twin_pressure.BATCH, twin_pressure.MODEL["block_size"] + 1)
     for _ in range(5):
         tokens = torch.randint(0, twin_pressure.VOCAB, shape, generator=gen)
@@ -393,7 +393,11 @@ def test_13_steady_steps_pin_no_host_memory_anew():
         engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()))
         engine.step()
         pinnings.append(pool.pinnings)
+        spare_sets.append(engine.optimizer.early.spare_sets)
     counters = engine.get_patrickstar_counters()
     engine.destroy()
     assert counters["adam_chunks_host"] > 10 and counters["prefetches"] > 10  # payloads move every step
-    assert pinnings[2] == pinnings[-1], pinnings
+    # beside the spare sets of host updates begun in backward, made once (four buffers each; see [Note: host updates
+    # in backward]): here at the fifth step, the first whose predecessor did not clip
+    assert 0 <= pinnings[-1] - pinnings[2] <= 4 * (spare_sets[-1] - spare_sets[2]), (pinnings, spare_sets)
+    assert pinnings[2] == pinnings[-2], pinnings

@@ -111,7 +111,8 @@ def _host_bytes(rank, world_size, budget, runs):
             engine.step()
             if (micro + 1) % ga == 0:
                 last = optimizer.last_step_counters
-                results.append((dtype, ga, optimizer.accel.host_bytes_allocated(), last["model_bytes_host"],
+                counted = last["model_bytes_host"] + last["spare_bytes_host"]  # [Note: host updates in backward]
+                results.append((dtype, ga, optimizer.accel.host_bytes_allocated(), counted,
                                 last["host_bytes_allocated"], one_chunk))
         engine.destroy()
     return results

@@ -40,6 +40,9 @@ def test_default_cuda_budget_is_free_memory_less_the_reserve(monkeypatch):
         ({"device_profile": {"host_adam_elements_per_s": 1e9}}, False, ["device_profile"]),
         ({"device_profile": {"host_adam_elements_per_s": 1e9}, "placement": "static"}, True, ["device_profile"]),
         ({"device_profile": {"host_adam_elements_per_s": 1e9}}, True, []),
+        ({"host_adam_in_backward": 4}, False, ["host_adam_in_backward"]),
+        ({"host_adam_in_backward": 4, "overlap_host_adam": False}, True, ["host_adam_in_backward"]),
+        ({"host_adam_in_backward": 0}, True, []),
     ],
 )
 def test_ineffective_keys(keys, placement_runs, idle):

@@ -5,7 +5,7 @@ import pytest
 from counter_runs import run_case
 
 from ds_patrickstar.placement.move_model import MovePlan
-from ds_patrickstar.placement.step_time import DeviceProfile, StepTimer, predict_step
+from ds_patrickstar.placement.step_time import DeviceProfile, HostOverlap, StepTimer, predict_step
 from ds_patrickstar.placement.trace import Moment, Trace
 
 # 1 B/s both ways, 1 element/s on the host, 10 on the device: seconds are bytes and elements
@@ -45,6 +45,24 @@ def test_the_serial_step_adds_the_host_adam_and_the_overlapped_one_what_the_forw
     # at 4 s, needed at 1 + 1 (waited) + 1 (moment 0) = 3 s: 1 s more; chunk 2 done at 6 s, needed at 5 s: 1 s
     assert overlapped.optimizer_s == pytest.approx(1.0 + 3.0)
     assert overlapped.total_s < serial.total_s
+
+
+def test_host_updates_begun_in_backward_leave_the_step_the_rest():
+    """[Note: host updates in backward]: a chunk's update begins at the moment after its last use, while at most one
+    job waits; what the worker still runs of them when the step starts delays the step's jobs."""
+    trace = _trace(("fwd:a", (0,)), ("fwd:b", (1,)), ("fwd:c", (2,)), ("bwd:c", (2,)), ("bwd:b", (1,)),
+                   ("bwd:a", (0,)), ("step", ()))
+    plan, host = _plan([0] * 7, [0] * 7, [0] * 7), {0: 2, 1: 2, 2: 2}  # 2 s each on the host, device Adam 1 s
+    long_backward = [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 0.0]
+    from_step = predict_step(trace, plan, long_backward, host, 10, PROFILE, HostOverlap.FROM_STEP)
+    assert from_step.optimizer_s == pytest.approx(1.0 + 3.0)  # as above: 1 s waited per chunk
+    # chunk 2 released 4 s before the step, done 2 s before it; chunk 1 released 2 s before, done as it starts;
+    # chunk 0 (last used by the last moment) is the step's: done 2 s in, needed after the device's 1 s
+    begun = predict_step(trace, plan, long_backward, host, 10, PROFILE, HostOverlap.FROM_BACKWARD)
+    assert begun.optimizer_s == pytest.approx(1.0 + 1.0)
+    # a short backward: chunk 1's update still runs 2 s into the step, and chunk 0's waits behind it
+    short = predict_step(trace, plan, [1.0] * 6 + [0.0], host, 10, PROFILE, HostOverlap.FROM_BACKWARD)
+    assert short.optimizer_s == pytest.approx(1.0 + 3.0)
 
 
 def test_the_step_moments_own_time_beyond_the_priced_adam_counts():

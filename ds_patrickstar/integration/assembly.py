@@ -36,6 +36,7 @@ from ..memory.accelerator import Accelerator
 from ..memory.emulated import EmulatedAccelerator
 from ..memory.reductions import InFlightReductions
 from ..optim.chunk_adam import ChunkAdam, build_kernels
+from ..optim.early_updates import EarlyHostUpdates
 from ..optim.states import OptimizerStates
 from ..placement.bytes_floor import FloorMeter
 from ..placement.chunk_costs import ChunkCosts
@@ -47,7 +48,7 @@ from ..placement.policy import Placer
 from ..placement.runtime import PlacementRuntime
 from ..placement.saved_meter import SavedTensorMeter
 from ..placement.state_choice import StateChooser
-from ..placement.step_time import H100_PROFILE, DeviceProfile, StepTimer
+from ..placement.step_time import H100_PROFILE, DeviceProfile, HostOverlap, StepTimer
 from ..placement.tracer import MemoryTracer
 from ..run_state import RunState
 from ..store.binding import build_chunk_map, check_bindable
@@ -84,6 +85,7 @@ class ChunkedModel:
     has_values: Callable[[torch.nn.Parameter], bool]  # False for a deferred parameter (``ds_patrickstar.Init``)
     disk: DiskStates | None = None  # the disk tier's spilled states, when anything spills
     frozen_disk: FrozenDisk | None = None  # the frozen chunks on disk, when any is (see [Note: frozen chunks on disk])
+    early: EarlyHostUpdates | None = None  # see [Note: host updates in backward] (None: before initialize ended)
     closed: bool = False
 
     def close(self) -> None:
@@ -101,6 +103,8 @@ class ChunkedModel:
             # connection, reported before this rank's own error (see [Note: rank agreement])
             release(self.hooks, self.disk, None, self.frozen_disk)
             return
+        if self.early is not None:
+            self.early.close()
         from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
         unbind_parameters(
             infos, lambda: self.export.iter_host_values(fp32_masters=from_masters), "engine.destroy()", ""
@@ -149,7 +153,7 @@ def make_placement(
         moves,
         lambda trace: chunk_needs(trace, chunk_map, accumulate),
         predictor=MovePredictor(accel.ledger.budget, costs),
-        timer=_step_timer(accel, chunk_map, options.overlap_host_adam, profile),
+        timer=_step_timer(accel, chunk_map, _host_overlap(options), profile),
         chooser=_state_chooser(options, accel, costs, profile, floor),
         trainable=_released_in_backward(options, chunk_map),
         floor=floor,
@@ -200,7 +204,7 @@ def _state_chooser(
     time]); None: every state that fits."""
     if options.placement != "auto" or options.optimizer_placement != "time" or floor is None:
         return None
-    return StateChooser(accel.ledger.budget, costs, profile, options.overlap_host_adam, floor)
+    return StateChooser(accel.ledger.budget, costs, profile, _host_overlap(options), floor)
 
 
 def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> set[int] | None:
@@ -211,7 +215,13 @@ def _released_in_backward(options: PatrickStarConfig, chunk_map: ChunkMap) -> se
     return {c.chunk_id for c in chunk_map.trainable_owned()}
 
 
-def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: bool, profile: DeviceProfile) -> StepTimer:
+def _host_overlap(options: PatrickStarConfig) -> HostOverlap:
+    """How the step-time model prices the host Adam at first (the step's driver says when updates begin in
+    backward, see [Note: host updates in backward])."""
+    return HostOverlap.FROM_STEP if options.overlap_host_adam else HostOverlap.OFF
+
+
+def _step_timer(accel: Accelerator, chunk_map: ChunkMap, overlap: HostOverlap, profile: DeviceProfile) -> StepTimer:
     """The step-time model's clock and figures (see [Note: step-time model] and [Note: device profile])."""
     elements = {c.chunk_id: c.used for c in chunk_map.trainable_owned()}
     waits = accel.host_waits  # see [Note: host waits] in memory/host_work.py
@@ -297,6 +307,7 @@ def assemble(
         has_values,
         disk,
         frozen_disk,
+        _updates_in_backward(placement, adam, options, counters),
     )
 
 
@@ -336,3 +347,18 @@ def _build_chunks(
             deferred.materialize(chunk_map, store.values)
     module.to(device)  # buffers (and non-float frozen parameters); chunk parameters are views already there
     return placement, manager
+
+
+def _updates_in_backward(
+    placement: Placement, adam: ChunkAdam, options: PatrickStarConfig, counters: StepCounters
+) -> EarlyHostUpdates:
+    """Host updates that begin in backward, told by the gradients' release (see [Note: host updates in
+    backward]); none begins where no gradient leaves in backward or the key says none."""
+    limit = options.host_adam_in_backward
+    release = placement.release if isinstance(placement, PlacementRuntime) else None
+    if release is None or not options.overlap_host_adam:
+        limit = 0
+    early = EarlyHostUpdates(adam, None if limit == "auto" else limit, counters)
+    if release is not None and limit != 0:
+        release.on_home = early.begin
+    return early

@@ -174,6 +174,13 @@ class PatrickStarConfig(BaseModel):
     (see [Note: overlapped host Adam]). false: every chunk is updated before ``step()`` returns.
     Needs placement (a CUDA device or emulate_accelerator); without it no chunk is updated on the host."""
 
+    host_adam_in_backward: Literal["auto"] | int = "auto"
+    """With ``overlap_host_adam``: the host updates that may begin during backward, once a chunk's final gradient
+    is on the host, into spare buffers (the chunk's capacity times 12 B plus the parameters' bytes, kept on the
+    host), kept at ``step()`` where the step neither clipped nor was skipped and nothing they read changed, else
+    redone: exact (see [Note: host updates in backward]). An integer: at most that many chunks a step; 0: none.
+    "auto": while the host worker keeps up, with spare sets in at most a quarter of the available host memory."""
+
     optimizer_placement: Literal["time", "fill"] = "time"
     """With placement "auto": how many of the chunks whose optimizer states fit on the accelerator (beside
     the traced tide) keep them there. "time" (default): as many as the step-time model predicts fastest, from
@@ -221,6 +228,8 @@ class PatrickStarConfig(BaseModel):
         "static"``."""
         set_keys = self.model_fields_set
         idle = ["host_budget"] if self.nvme is None and "host_budget" in set_keys else []
+        if not self.overlap_host_adam and "host_adam_in_backward" in set_keys:
+            idle.append("host_adam_in_backward")  # the updates begin on the host worker
         return idle + self._idle_placement_keys(placement_runs, set_keys)
 
     def _idle_placement_keys(self, placement_runs: bool, set_keys: set[str]) -> list[str]:
@@ -231,11 +240,19 @@ class PatrickStarConfig(BaseModel):
                 "device_budget",
                 "offload_activations",
                 "overlap_host_adam",
+                "host_adam_in_backward",
                 "device_profile",
             )
             return [k for k in (*keys, "optimizer_placement") if k in set_keys]
         idle = ("static_fraction",) if self.placement == "auto" else ("optimizer_placement", "device_profile")
         return [key for key in idle if key in set_keys]
+
+    @field_validator("host_adam_in_backward", mode="before")
+    @classmethod
+    def _chunks_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f'expected "auto" or a whole number of chunks >= 0 (0: none), not {value!r}')
 
     @field_validator("leaf_module", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from ..chunks.chunk import Chunk
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
+from ..optim.early_updates import EarlyHostUpdates
 from ..placement.planner import update_order
 from ..run_state import Phase
 from .accounts import StepAccounts
@@ -105,6 +106,8 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
         ]
         self.bf16_groups = self.fp16_groups
         self._frozen_or_extra = [p for p in module.parameters() if self.chunk_map.info(p) is None]
+        self.early = parts.early or EarlyHostUpdates(parts.adam, 0, parts.counters)  # [Note: host updates in backward]
+        self.early.loss_scale = lambda: self.loss_scale
 
     # ---- scaler interface -------------------------------------------------------
     @property
@@ -164,6 +167,7 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
             self.run.end_step()
 
     def _step(self) -> None:
+        self.placement.host_updates_begin_in_backward(self.early.expected)  # as the step-time model prices them
         wanted = self.placement.plan_step(self.optim_states.capacities())  # see [Note: placement planner]
         if wanted is not None:
             self.optim_states.place(wanted)
@@ -178,9 +182,9 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
             self.consecutive_skipped_steps = 0
             self._global_grad_norm = scaled_norm / loss_scale
             order = update_order(self.placement.last_iteration(), self.optim_states.capacities())
-            self.adam.apply(
-                1.0 / combined_scale(scaled_norm, loss_scale, self.clip_grad), self._place_for_update, order
-            )
+            grad_scale = 1.0 / combined_scale(scaled_norm, loss_scale, self.clip_grad)
+            kept = self.early.settle(grad_scale, 1.0 / loss_scale)
+            self.adam.apply(grad_scale, self._place_for_update, order, kept)
             # We stand in for the basic optimizer's step. Its own step() finds no gradient (they live
             # in the chunks) and changes nothing, but whatever wraps it sees a step: a torch LR
             # scheduler uses that to tell a missed step from a real one.
@@ -195,22 +199,11 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
 
     def _skip_step(self) -> None:
         self._global_grad_norm = float("inf")
+        self.early.drop_all()
         self.optim_states.cancel_read_ahead()  # the reads started in backward (see [Note: disk tier])
         self.optim_states.master_to_params()
         self.consecutive_skipped_steps += 1
-        limit = self.options.max_consecutive_skipped_steps
-        logger.info(
-            "ds_patrickstar: non-finite gradients, step skipped (%d in a row); loss scale now %s",
-            self.consecutive_skipped_steps,
-            self.loss_scale,
-        )
-        if self.consecutive_skipped_steps >= limit:
-            raise RuntimeError(
-                f"{self.consecutive_skipped_steps} consecutive steps were skipped because the gradients "
-                f"were not finite (inf/NaN loss or gradients; loss scale now {self.loss_scale}). "
-                f"Check the data and the learning rate, or raise "
-                f"zero_optimization.max_consecutive_skipped_steps (now {limit})."
-            )
+        _skipped(self.consecutive_skipped_steps, self.options.max_consecutive_skipped_steps, self.loss_scale)
 
     # ---- checkpoints (see [Note: checkpoint format]) ---------------------------------
     def state_dict(self) -> dict:
@@ -233,6 +226,7 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
     ) -> None:
         if isinstance(state_dict_list, dict):
             state_dict_list = [state_dict_list]
+        self.early.drop_all()  # they read the states being replaced
         self.optim_states.settle()  # the step's host jobs write the states being replaced
         if load_from_fp32_weights or load_optimizer_states:
             saved = checkpoint.load_optimizer_states(
@@ -282,5 +276,19 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
         """``load_checkpoint(load_optimizer_states=False)`` or ``load_module_only=True``: the module's load
         already wrote each owned parameter into its chunk and its fp32 master (see [Note: state_dict]),
         as stock's restore from the 16-bit weights does; the optimizer states stay as they were."""
+        self.early.drop_all()  # they read gradients the load overwrote
         self.manager.release_all_groups()  # no other rank's chunk stays gathered with its old values
         self.manager.finish_step()
+
+
+def _skipped(in_a_row: int, limit: int, loss_scale: float) -> None:
+    """A step was skipped (``in_a_row`` so far): logged, and an error at ``limit``."""
+    logger.info(
+        "ds_patrickstar: non-finite gradients, step skipped (%d in a row); loss scale now %s", in_a_row, loss_scale
+    )
+    if in_a_row >= limit:
+        raise RuntimeError(
+            f"{in_a_row} consecutive steps were skipped because the gradients were not finite (inf/NaN loss or "
+            f"gradients; loss scale now {loss_scale}). Check the data and the learning rate, or raise "
+            f"zero_optimization.max_consecutive_skipped_steps (now {limit})."
+        )

@@ -86,7 +86,7 @@ class ChunkAdam:
         self._chunks = chunks  # the owned chunks
         self.overlap = overlap  # hand host updates to the host worker (see [Note: overlapped host Adam])
         self._stepped_groups = stepped_groups  # param groups with chunks on any rank: their step counts advance
-        self._states = states
+        self.states = states
         self.param_groups = param_groups
         self.rule = rule
         self.group_steps = [0] * len(param_groups)
@@ -95,30 +95,39 @@ class ChunkAdam:
     def adamw(self) -> bool:
         return self.rule.adamw
 
-    def apply(self, grad_scale: float, place: Callable[[Chunk], None], order: list[int] | None = None) -> None:
+    def apply(
+        self,
+        grad_scale: float,
+        place: Callable[[Chunk], None],
+        order: list[int] | None = None,
+        kept: set[int] | None = None,
+    ) -> None:
         """One Adam step of every owned chunk, gradients multiplied by ``grad_scale``, each after
         ``place(chunk)`` has put it where its optimizer states live (the step's driver asks placement:
         see [Note: placement planner]). With overlap, the chunks updated on the host are handed to the
         host worker first, in ``order`` (chunk ids, the next forward's), and the step returns without
         waiting for them (see [Note: overlapped host Adam] in memory/host_work.py); the spilled chunks'
         pieces stream behind the others, their first reads started in backward or now (see [Note: disk
-        tier])."""
+        tier]). The chunks in ``kept`` were updated on the host already, only placed (see [Note: host updates
+        in backward] in early_updates.py)."""
         for index in self._stepped_groups:
             self.group_steps[index] += 1
-        disk, extents = self._states.disk, self._states.spilled_extents()
+        kept = kept or set()
+        disk, extents = self.states.disk, self.states.spilled_extents()
         stream = disk.stream(extents) if disk is not None and extents else None
         if stream is not None:
             stream.start()
-        chunks = [c for c in self._in_order(order) if c.used and c.chunk_id not in self._states.spilled]
-        handed = {c.chunk_id for c in chunks if self.overlap and c.chunk_id not in self._states.on_device}
+        chunks = [c for c in self._in_order(order) if c.used and c.chunk_id not in self.states.spilled]
+        handed = {c.chunk_id for c in chunks if self.overlap and c.chunk_id not in self.states.on_device}
         for chunk in chunks:
             if chunk.chunk_id in handed:
                 place(chunk)
-                self._hand_over(chunk, grad_scale)
+                if chunk.chunk_id not in kept:
+                    self._hand_over(chunk, grad_scale)
         for chunk in chunks:
             if chunk.chunk_id not in handed:
                 place(chunk)
-                self._update(chunk, self._values(chunk), self._states.state(chunk.chunk_id), grad_scale)
+                self.update(chunk, self._values(chunk), self.states.state(chunk.chunk_id), grad_scale)
         if stream is not None:
             self._stream_spilled(stream, grad_scale, place)
 
@@ -130,16 +139,16 @@ class ChunkAdam:
 
     def _hand_over(self, chunk: Chunk, grad_scale: float) -> None:
         """The chunk's update as a host job; what it reads from the groups is read now."""
-        state = self._states.state(chunk.chunk_id)
+        state = self.states.state(chunk.chunk_id)
         hyper = self.rule.hyper(self.param_groups[chunk.group_index])
         step = self.group_steps[chunk.group_index]
 
         def start(values: torch.Tensor, after: list) -> Any:
             used = values.numel()
             writes = [values, state.master[:used], state.exp_avg[:used], state.exp_avg_sq[:used]]
-            runs = self._runs(chunk, 0, used, step)  # requires_grad read now, not in the next forward
-            work = functools.partial(self._update, chunk, values, state, grad_scale, hyper, step, runs)
-            return self._states.accel.host_work(work, writes, after)
+            runs = self.runs(chunk, 0, used, step)  # requires_grad read now, not in the next forward
+            work = functools.partial(self.update, chunk, values, state, grad_scale, hyper, step, runs)
+            return self.states.accel.host_work(work, writes, after)
 
         chunk.hand_over(start)
 
@@ -147,16 +156,16 @@ class ChunkAdam:
         values: dict[int, torch.Tensor] = {}
         try:
             for chunk_id, start, state in stream:
-                chunk = self._states.chunks[chunk_id]
+                chunk = self.states.chunks[chunk_id]
                 if chunk_id not in values:
                     place(chunk)
                     values[chunk_id] = self._values(chunk)
-                self._update(chunk, values[chunk_id][start : start + state.master.numel()], state, grad_scale)
+                self.update(chunk, values[chunk_id][start : start + state.master.numel()], state, grad_scale)
         except BaseException:
             stream.abandon()
             raise
 
-    def _update(
+    def update(
         self,
         chunk: Chunk,
         data: torch.Tensor,
@@ -175,7 +184,7 @@ class ChunkAdam:
             hyper = self.rule.hyper(self.param_groups[chunk.group_index])
         if runs is None:
             start = _offset_in_chunk(chunk, data)
-            runs = self._runs(chunk, start, start + data.numel(), step)
+            runs = self.runs(chunk, start, start + data.numel(), step)
         adam: AdamStep = sgd_step_reference if self.rule.sgd else adam_backend(data.device)
         base = runs[0].start
         for run in runs:
@@ -193,7 +202,7 @@ class ChunkAdam:
                 grad_scale=grad_scale,
             )
 
-    def _runs(self, chunk: Chunk, start: int, stop: int, step: int | None) -> list[Run]:
+    def runs(self, chunk: Chunk, start: int, stop: int, step: int | None) -> list[Run]:
         """Elements ``[start, stop)`` of ``chunk`` in runs of one step count, skipped steps counted (see
         [Note: requires_grad after initialize]); ``step``: the group's step count as read at hand-over."""
         group = chunk.group_index

@@ -128,6 +128,15 @@ class OptimizerStates:
         self.chunks[chunk_id].wait_host_work()
         return self.states[chunk_id]
 
+    def adopt(self, chunk_id: int, states: OptimizerChunk) -> OptimizerChunk:
+        """``states`` (host tensors of the same sizes, written by a host job in the chunk's pending list)
+        become the chunk's, which lives on the host; the ones they replace are returned, not waited on (see
+        [Note: host updates in backward] in optim/early_updates.py)."""
+        if chunk_id in self.on_device or chunk_id in self.spilled:
+            raise RuntimeError(f"chunk {chunk_id}: only states in host memory are swapped")
+        old, self.states[chunk_id] = self.states[chunk_id], states
+        return old
+
     def settle(self) -> None:
         """Every host job of the step has run (a checkpoint load replaces the states)."""
         for chunk in self.chunks.values():

@@ -21,6 +21,8 @@ may leave through an eviction making room instead (counted in ``evictions``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..chunks.chunk import Chunk
 from ..counters import StepCounters
 from .moves import ChunkMoves
@@ -34,6 +36,8 @@ class GradientRelease:
         self.moves, self.counters, self.trainable = moves, counters, trainable
         self._finished: set[int] = set()  # host-updated chunks whose last use is behind, still on the accelerator
         self._final: set[int] = set()  # chunks whose slot holds the final gradient of this iteration
+        # told of each chunk sent (or found) home with its final gradient (see [Note: host updates in backward])
+        self.on_home: Callable[[Chunk], None] | None = None
 
     def gradient_final(self, chunk_id: int) -> None:
         """``chunk_id``'s slot holds its final gradient of this iteration; it leaves at the next moment."""
@@ -62,6 +66,10 @@ class GradientRelease:
                 self._finished.discard(chunk_id)
                 self.moves.evict(finished)
                 self.counters.grads_released_in_backward += 1
+            else:
+                continue
+            if self.on_home is not None:
+                self.on_home(finished)
 
 
 def _in_flight(chunk: Chunk) -> bool:

@@ -169,6 +169,11 @@ class Placement(Protocol):
         are); see [Note: placement planner]."""
         ...
 
+    def host_updates_begin_in_backward(self, begin: bool) -> None:
+        """Whether host updates begin in backward from the next backward on, as the step-time model prices them
+        (see [Note: host updates in backward] in optim/early_updates.py)."""
+        ...
+
     def step_moment(self, on_device: set[int]) -> None:
         """The step is a moment, using the chunks updated on the accelerator."""
         ...
@@ -256,6 +261,9 @@ class NullPlacement:
 
     def plan_step(self, capacities: dict[int, int]) -> set[int] | None:
         return None
+
+    def host_updates_begin_in_backward(self, begin: bool) -> None:
+        pass
 
     def step_moment(self, on_device: set[int]) -> None:
         pass

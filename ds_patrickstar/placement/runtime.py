@@ -40,7 +40,7 @@ from .shapes import RetraceReason
 from .state_choice import StateChooser
 from .step_plan import StepPlan
 from .step_planner import StepPlanner
-from .step_time import StepTimer
+from .step_time import HostOverlap, StepTimer
 from .tide_plot import plot_tide
 from .trace import AccumulatorEvent, Trace
 from .tracer import MemoryTracer
@@ -255,6 +255,12 @@ class PlacementRuntime:
         note_retrace(self.counters, self.tracer.retraced)
         over = self.positions.take_over()
         return self.planning.plan(self.tracer.current_trace(), self.tracer.last_iteration(), over, capacities)
+
+    def host_updates_begin_in_backward(self, begin: bool) -> None:
+        planning = self.planning
+        for priced in (planning.chooser, planning.timer):
+            if priced is not None and priced.overlap:
+                priced.overlap = HostOverlap.FROM_BACKWARD if begin else HostOverlap.FROM_STEP
 
     def step_moment(self, on_device: set[int]) -> None:
         """The optimizer step is a moment, using the chunks whose states live on the accelerator."""

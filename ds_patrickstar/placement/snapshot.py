@@ -24,7 +24,7 @@ from typing import Any
 from .bytes_floor import FloorMeter
 from .chunk_costs import ChunkCosts
 from .state_choice import StateChoice, StateChooser
-from .step_time import ActivationMoves, DeviceProfile
+from .step_time import ActivationMoves, DeviceProfile, HostOverlap
 from .trace import Moment, Trace
 
 VERSION = 1
@@ -38,7 +38,7 @@ class PlannerSnapshot:
     budget: int
     costs: ChunkCosts
     profile: DeviceProfile
-    overlap: bool  # the host Adam overlaps the next forward (see [Note: overlapped host Adam])
+    overlap: HostOverlap  # when the host Adam runs (see [Note: overlapped host Adam]; a snapshot's true: FROM_STEP)
     moments: tuple[Moment, ...]
     fill: frozenset[int]  # the chunks whose states the fill rule places: the candidates
     resident: frozenset[int]  # the chunks on the accelerator when the plan was made
@@ -66,7 +66,7 @@ class PlannerSnapshot:
                 "accumulators": None if costs.accumulators is None else _pairs(costs.accumulators),
             },
             "profile": asdict(self.profile),
-            "overlap": self.overlap,
+            "overlap": int(self.overlap),
             "moments": [_moment_json(m) for m in self.moments],
             "fill": sorted(self.fill),
             "resident": sorted(self.resident),
@@ -96,7 +96,7 @@ class PlannerSnapshot:
                 None if costs["accumulators"] is None else dict(costs["accumulators"]),
             ),
             profile=DeviceProfile(**data["profile"]),
-            overlap=data["overlap"],
+            overlap=HostOverlap(int(data["overlap"])),
             moments=tuple(_moment(m) for m in data["moments"]),
             fill=frozenset(data["fill"]),
             resident=frozenset(data["resident"]),

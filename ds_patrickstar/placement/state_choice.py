@@ -78,7 +78,7 @@ from .bytes_floor import FloorMeter
 from .chunk_costs import ChunkCosts
 from .eviction_queue import EvictionOrder
 from .move_model import MovePlan, steady_moves
-from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, DeviceProfile, StepTime, predict_step
+from .step_time import NO_ACTIVATION_MOVES, ActivationMoves, DeviceProfile, HostOverlap, StepTime, predict_step
 from .trace import Moment, Trace
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def price(
     resident: AbstractSet[int],
     compute_s: Sequence[float],
     profile: DeviceProfile,
-    overlap: bool,
+    overlap: HostOverlap,
     distance: int = 1,
     order: EvictionOrder = EvictionOrder.BELADY,
     activations: ActivationMoves = NO_ACTIVATION_MOVES,
@@ -151,7 +151,7 @@ def choose_moves(
     resident: AbstractSet[int],
     compute_s: Sequence[float],
     profile: DeviceProfile,
-    overlap: bool,
+    overlap: HostOverlap,
     activations: ActivationMoves = NO_ACTIVATION_MOVES,
     pricer: Pricer | None = None,
 ) -> StateChoice:
@@ -193,7 +193,7 @@ class Pricer:
         resident: AbstractSet[int],
         compute_s: Sequence[float],
         profile: DeviceProfile,
-        overlap: bool,
+        overlap: HostOverlap,
         activations: ActivationMoves = NO_ACTIVATION_MOVES,
     ) -> None:
         self.trace, self.budget, self.costs, self.resident = trace, budget, costs, resident
@@ -222,7 +222,7 @@ def choose_states(
     resident: AbstractSet[int],
     compute_s: Sequence[float],
     profile: DeviceProfile,
-    overlap: bool,
+    overlap: HostOverlap,
     order: EvictionOrder = EvictionOrder.BELADY,
     activations: ActivationMoves = NO_ACTIVATION_MOVES,
 ) -> StateChoice:
@@ -307,7 +307,7 @@ class StateChooser:
     the host Adam overlaps the forward, and the run's bytes floor (logged beside the choice)."""
 
     def __init__(
-        self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: bool, floor: FloorMeter
+        self, budget: int, costs: ChunkCosts, profile: DeviceProfile, overlap: HostOverlap, floor: FloorMeter
     ) -> None:
         self.budget, self.costs, self.profile, self.overlap, self.floor = budget, costs, profile, overlap, floor
         self._made: dict[tuple, StateChoice] = {}  # the latest calls' choices, by their arguments
@@ -329,7 +329,7 @@ class StateChooser:
         an earlier call's arguments returns its choice, and one with the same trace, resident chunks, times and
         copies reuses its prices: a plan prices the states on the tide it keeps before placing them (see [Note:
         activations offloaded for optimizer states] in states_room.py)."""
-        context = (tuple(trace.moments), frozenset(resident), tuple(compute_s), activations.key)
+        context = (tuple(trace.moments), frozenset(resident), tuple(compute_s), activations.key, self.overlap)
         key = (context, frozenset(fill), thorough)
         if key in self._made:
             return self._made[key]

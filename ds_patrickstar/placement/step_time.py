@@ -30,6 +30,14 @@ What the model leaves out: the collectives (with several ranks the moments' meas
 compute wait; the move model reads their buffers' room, see [Note: predicted moves]), two copy directions running
 at once, and host Adam slowing the host's compute.
 
+Where host updates begin during backward (:attr:`HostOverlap.FROM_BACKWARD`, see [Note: host updates in
+backward] in optim/early_updates.py), each host-updated chunk is released at the moment after its last use
+before the step, and the worker runs them one after the other from then, a chunk beginning only while at most
+one job waits (the rule of ``"auto"``): those begun are not the step's jobs, and what the worker still runs of
+them when the step starts delays the step's jobs. The copy of the gradient to the host before the job is left out
+(it runs behind backward's compute), and so is the rank's collective with several ranks (the gradient is final
+once its reduce-scatter completed: later).
+
 Offloaded activations (see [Note: activation offload]) share the copy stream with the chunks: their copies
 (:class:`ActivationMoves`, from the plan's blocks, see :func:`~ds_patrickstar.activations.plan.planned_copies`)
 go on it at the moments the offloader issues them, a copy out beside the moment's evictions, a copy back for the
@@ -42,11 +50,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
 from .move_model import MovePlan
 from .planner import update_order
 from .trace import Trace
+
+
+class HostOverlap(IntEnum):
+    """When the host Adam runs, as the model prices it (see [Note: step-time model])."""
+
+    OFF = 0  # every update before step() returns (overlap_host_adam: false)
+    FROM_STEP = 1  # from step(), in the next forward's order (see [Note: overlapped host Adam])
+    FROM_BACKWARD = 2  # those whose gradients leave in backward begin there (see [Note: host updates in backward])
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,7 @@ def predict_step(
     host_updated: Mapping[int, int],
     device_updated: int,
     profile: DeviceProfile,
-    overlap: bool,
+    overlap: HostOverlap,
     activations: ActivationMoves = NO_ACTIVATION_MOVES,
 ) -> StepTime:
     """One iteration of ``trace`` with the moves of ``plan`` and of ``activations``, and moment times ``compute_s``
@@ -136,7 +153,10 @@ def predict_step(
     own = streams.moment_s[step_at] - streams.step_moves if step_at >= 0 else 0.0
     if not overlap or step_at < 0:
         return StepTime(compute, exposed, device_adam + host_adam, own)
-    waited = _host_adam_waited(trace, streams.moment_s, step_at, device_adam, host_updated, profile)
+    begun: tuple[frozenset[int], float] = (frozenset(), 0.0)
+    if overlap is HostOverlap.FROM_BACKWARD:
+        begun = _begun_in_backward(trace, streams.moment_s, step_at, host_updated, profile)
+    waited = _host_adam_waited(trace, streams.moment_s, step_at, device_adam, host_updated, profile, begun)
     return StepTime(compute, exposed, device_adam + waited, own)
 
 
@@ -176,6 +196,24 @@ class _Streams:
         self.moment_s.append(moves + work)
 
 
+def _begun_in_backward(
+    trace: Trace, moment_s: list[float], step_at: int, host_updated: Mapping[int, int], profile: DeviceProfile
+) -> tuple[frozenset[int], float]:
+    """The host updates that begin in backward, and the seconds the worker still runs them after the step starts."""
+    begins = [0.0]  # seconds from the iteration's start to the start of each moment
+    for seconds in moment_s:
+        begins.append(begins[-1] + seconds)
+    last = {chunk: k for k, moment in enumerate(trace.moments[:step_at]) for chunk in moment.chunks}
+    released = sorted((begins[k + 1] - begins[step_at], c) for c, k in last.items() if c in host_updated)
+    finishes: list[float] = []
+    begun = set()
+    for at, chunk in released:
+        if at < 0 and sum(f > at for f in finishes) <= 1:  # released before the step, the worker keeping up
+            finishes.append(max([at, *finishes]) + host_updated[chunk] / profile.host_adam_elements_per_s)
+            begun.add(chunk)
+    return frozenset(begun), max([0.0, *finishes])
+
+
 def _host_adam_waited(
     trace: Trace,
     moment_s: list[float],
@@ -183,15 +221,19 @@ def _host_adam_waited(
     device_adam: float,
     host_updated: Mapping[int, int],
     profile: DeviceProfile,
+    begun: tuple[frozenset[int], float],
 ) -> float:
-    """The time the next forward waits for the host jobs (they start with the step, in the forward's order)."""
+    """The time the next forward waits for the host jobs (they start with the step, in the forward's order, after
+    what the worker still runs of those ``begun`` in backward)."""
     started = [0.0]  # seconds from the step's start to the start of each moment after it (wrapping around)
     order = list(range(step_at + 1, len(trace))) + list(range(step_at))
     for k in order:
         started.append(started[-1] + moment_s[k])
     position = {k: i for i, k in enumerate(order)}
-    finished, waited = 0.0, 0.0
+    (early, finished), waited = begun, 0.0
     for chunk in update_order(trace, host_updated):
+        if chunk in early:
+            continue
         finished += host_updated[chunk] / profile.host_adam_elements_per_s
         first = trace.next_use(chunk, step_at)
         first = first - len(trace) if first >= len(trace) else first
@@ -214,7 +256,7 @@ class StepTimer:
         seconds: Callable[[Any, Any], float],
         elements: Mapping[int, int],
         profile: DeviceProfile,
-        overlap: bool,
+        overlap: HostOverlap,
         waited: Callable[[], float] = lambda: 0.0,
         reach: Callable[[Any], None] = lambda mark: None,
     ) -> None:
