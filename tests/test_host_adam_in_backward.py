@@ -202,3 +202,23 @@ def test_the_host_worker_cancels_a_job_not_started():
     later.wait()
     worker.close()
     assert ran == ["later"] and worker.waiting() == 0
+
+
+def test_auto_begins_none_with_the_disk_tier(tmp_path):
+    """The disk tier budgets host memory (``host_budget``): "auto" makes no spare set there; a number still applies."""
+    import deepspeed
+    from gpt_model import GPT, GPTConfig
+
+    import ds_patrickstar  # noqa: F401
+
+    ensure_distributed()
+    limits = []
+    for early in ("auto", 3):
+        config = _config("fp32", 0.0, 1, BUDGET[1], early)
+        config["zero_optimization"].update(offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)},
+                                           host_budget=1 << 30)
+        model = GPT(GPTConfig(**_GPT))
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        limits.append(engine.optimizer.early.limit)
+        engine.destroy()
+    assert limits == [0, 3]

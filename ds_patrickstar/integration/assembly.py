@@ -358,6 +358,9 @@ def _updates_in_backward(
     release = placement.release if isinstance(placement, PlacementRuntime) else None
     if release is None or not options.overlap_host_adam:
         limit = 0
+    elif limit == "auto" and options.nvme is not None:  # host memory is what the disk tier budgets
+        logger.info("ds_patrickstar: with the disk tier no host update begins in backward (host_adam_in_backward)")
+        limit = 0
     early = EarlyHostUpdates(adam, None if limit == "auto" else limit, counters)
     if release is not None and limit != 0:
         release.on_home = early.begin

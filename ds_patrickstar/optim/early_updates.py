@@ -29,7 +29,8 @@ the next backward (it would likely clip again); after a step that did not, updat
 How many begin: ``host_adam_in_backward`` (an integer: at most that many chunks a step; 0: none), or "auto"
 (default): a chunk begins only while at most one job waits on the host worker (a job begun late would hold up
 the updates the next forward needs first, which go to the worker at ``step()`` in its order), and the spare
-sets, kept from step to step, take at most a quarter of the host memory available when the first is made.
+sets, kept from step to step, take at most a quarter of the host memory available when the first is made (none
+with the disk tier, whose host budget bounds host memory).
 Counters ``host_updates_in_backward`` (kept) and ``host_updates_redone`` (dropped). On the strict twin a begun
 update is a deferred host job like any (run when waited on, its spare buffers poisoned until then).
 """
