@@ -143,6 +143,29 @@ def test_updates_whose_assumptions_fail_are_redone(between, counts):
     _same(serial, begun)
 
 
+def test_reads_between_backward_and_step_see_the_states_before_the_update():
+    """The masters and the Adam states read between backward() and step() are those of the serial run (a begun update
+    writes spare buffers only, swapped in at the step)."""
+    def reader(seen):
+        def between(engine, step):
+            from deepspeed.utils import safe_get_full_optimizer_state
+
+            weight = engine.module.ln_f.weight  # its chunk's update begins in backward
+            states = [safe_get_full_optimizer_state(weight, key).clone() for key in ("exp_avg", "exp_avg_sq")]
+            seen.append((engine.optimizer.fp32_state_dict(engine.module), states))
+        return between
+
+    serial_seen, begun_seen = [], []
+    serial = _train(0, 1, "fp32", 0.0, 1, BUDGET[1], early=None, between=reader(serial_seen))
+    begun = _train(0, 1, "fp32", 0.0, 1, BUDGET[1], early=100, between=reader(begun_seen))
+    assert [kept for kept, _ in begun["counts"]] == [0, 9, 9, 9]
+    _same(serial, begun)
+    for (ours, our_states), (theirs, their_states) in zip(serial_seen, begun_seen):
+        for key in ours:
+            assert torch.equal(ours[key], theirs[key]), key
+        assert all(torch.equal(a, b) for a, b in zip(our_states, their_states))
+
+
 def _overflow_at_step_1(engine, step):
     if step == 1:  # an fp16 overflow: the step is skipped
         weight = engine.module.lm_head.weight
