@@ -1,6 +1,7 @@
 // Fused chunk Adam on CPU: one pass over a flat slice reads the low-precision
 // gradient, updates the fp32 master/exp_avg/exp_avg_sq and writes the new
-// low-precision parameter (see ds_patrickstar/adam_math.py).
+// low-precision parameter (see ds_patrickstar/adam_math.py), in place or from
+// one set of buffers into another (adam_step_from).
 //
 // The SIMD width is fixed at compile time by what the build machine supports
 // (ds_patrickstar/kernels.py passes -mavx512f... or -mavx2 -mfma -mf16c after
@@ -155,89 +156,124 @@ constexpr int64_t kBlock = 1 << 16;
 // Below this many elements one thread does it all (thread wake-up costs more).
 constexpr int64_t kMinParallel = 1 << 15;
 
+// A slice's sources (the gradient in the low-precision slot, master, exp_avg, exp_avg_sq) and destinations
+// (the new low-precision parameter and states): the same buffers for the step in place, others for an update
+// into spare buffers (see [Note: host updates in backward] in ds_patrickstar/optim/early_updates.py). Each
+// element is read before it is written, so the two may be the same.
 template <typename Lp>
-inline void adam_range_scalar(typename Lp::storage* lp, float* p, float* m, float* v, int64_t begin,
-                              int64_t end, const AdamCoeffs& c) {
+struct Slices {
+  const typename Lp::storage* g;
+  const float* ps;
+  const float* ms;
+  const float* vs;
+  typename Lp::storage* lp;
+  float* p;
+  float* m;
+  float* v;
+};
+
+template <typename Lp>
+inline void adam_range_scalar(const Slices<Lp>& s, int64_t begin, int64_t end, const AdamCoeffs& c) {
   for (int64_t i = begin; i < end; ++i) {
-    float pi = p[i], mi = m[i], vi = v[i];
-    adam_math<float>(Lp::load(lp + i), pi, mi, vi, c);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    Lp::store(lp + i, pi);
+    float pi = s.ps[i], mi = s.ms[i], vi = s.vs[i];
+    adam_math<float>(Lp::load(s.g + i), pi, mi, vi, c);
+    s.p[i] = pi;
+    s.m[i] = mi;
+    s.v[i] = vi;
+    Lp::store(s.lp + i, pi);
   }
 }
 
 template <typename Lp>
-inline void adam_range(typename Lp::storage* lp, float* p, float* m, float* v, int64_t begin, int64_t end,
-                       const AdamCoeffs& c) {
+inline void adam_range(const Slices<Lp>& s, int64_t begin, int64_t end, const AdamCoeffs& c) {
 #if defined(DSPS_HAVE_SIMD)
   const AdamCoeffsT<VecF> cv = AdamCoeffsT<VecF>::broadcast(c);
   int64_t i = begin;
   // Two vectors per iteration to overlap the two divide/sqrt chains.
   for (; i + 2 * kVec <= end; i += 2 * kVec) {
-    VecF g0 = vload(lp + i), g1 = vload(lp + i + kVec);
-    VecF p0 = VecF::load(p + i), p1 = VecF::load(p + i + kVec);
-    VecF m0 = VecF::load(m + i), m1 = VecF::load(m + i + kVec);
-    VecF v0 = VecF::load(v + i), v1 = VecF::load(v + i + kVec);
+    VecF g0 = vload(s.g + i), g1 = vload(s.g + i + kVec);
+    VecF p0 = VecF::load(s.ps + i), p1 = VecF::load(s.ps + i + kVec);
+    VecF m0 = VecF::load(s.ms + i), m1 = VecF::load(s.ms + i + kVec);
+    VecF v0 = VecF::load(s.vs + i), v1 = VecF::load(s.vs + i + kVec);
     adam_math<VecF>(g0, p0, m0, v0, cv);
     adam_math<VecF>(g1, p1, m1, v1, cv);
-    p0.store(p + i);
-    p1.store(p + i + kVec);
-    m0.store(m + i);
-    m1.store(m + i + kVec);
-    v0.store(v + i);
-    v1.store(v + i + kVec);
-    vstore(lp + i, p0);
-    vstore(lp + i + kVec, p1);
+    p0.store(s.p + i);
+    p1.store(s.p + i + kVec);
+    m0.store(s.m + i);
+    m1.store(s.m + i + kVec);
+    v0.store(s.v + i);
+    v1.store(s.v + i + kVec);
+    vstore(s.lp + i, p0);
+    vstore(s.lp + i + kVec, p1);
   }
-  adam_range_scalar<Lp>(lp, p, m, v, i, end, c);
+  adam_range_scalar<Lp>(s, i, end, c);
 #else
-  adam_range_scalar<Lp>(lp, p, m, v, begin, end, c);
+  adam_range_scalar<Lp>(s, begin, end, c);
 #endif
 }
 
 template <typename Lp>
-void adam_cpu_impl(typename Lp::storage* lp, float* p, float* m, float* v, int64_t n, const AdamCoeffs c_in) {
+void adam_cpu_impl(const Slices<Lp> s, int64_t n, const AdamCoeffs c_in) {
   const AdamCoeffs c = c_in;  // local copy: provably not aliased by the stores
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), nblocks));
   if (n < kMinParallel || nthreads <= 1) {
-    adam_range<Lp>(lp, p, m, v, 0, n, c);
+    adam_range<Lp>(s, 0, n, c);
     return;
   }
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t begin = b * kBlock;
     const int64_t end = std::min(n, begin + kBlock);
-    adam_range<Lp>(lp, p, m, v, begin, end, c);
+    adam_range<Lp>(s, begin, end, c);
+  }
+}
+
+template <typename Lp, typename T>
+Slices<Lp> slices(const at::Tensor& grad, const at::Tensor& master_src, const at::Tensor& exp_avg_src,
+                  const at::Tensor& exp_avg_sq_src, at::Tensor& param_lp, at::Tensor& master, at::Tensor& exp_avg,
+                  at::Tensor& exp_avg_sq) {
+  return {reinterpret_cast<const typename Lp::storage*>(grad.data_ptr<T>()), master_src.data_ptr<float>(),
+          exp_avg_src.data_ptr<float>(), exp_avg_sq_src.data_ptr<float>(),
+          reinterpret_cast<typename Lp::storage*>(param_lp.data_ptr<T>()), master.data_ptr<float>(),
+          exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>()};
+}
+
+// The update from the sources into the destinations (the same tensors: in place).
+void adam_step_from(at::Tensor grad, at::Tensor master_src, at::Tensor exp_avg_src, at::Tensor exp_avg_sq_src,
+                    at::Tensor param_lp, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, bool adamw, double bias_correction1,
+                    double bias_correction2_sqrt, double grad_scale) {
+  check_adam_inputs(param_lp, master, exp_avg, exp_avg_sq, c10::DeviceType::CPU);
+  check_adam_inputs(grad, master_src, exp_avg_src, exp_avg_sq_src, c10::DeviceType::CPU);
+  TORCH_CHECK(grad.scalar_type() == param_lp.scalar_type() && grad.numel() == param_lp.numel(),
+              "ds_patrickstar adam: the gradient and the parameter slot differ in dtype or size");
+  const int64_t n = param_lp.numel();
+  if (n == 0) return;
+  const AdamCoeffs c = make_adam_coeffs(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction1,
+                                        bias_correction2_sqrt, grad_scale);
+  const at::Tensor &g = grad, &ps = master_src, &ms = exp_avg_src, &vs = exp_avg_sq_src;
+  at::Tensor &lp = param_lp, &p = master, &m = exp_avg, &v = exp_avg_sq;
+  switch (param_lp.scalar_type()) {
+    case at::kFloat:
+      adam_cpu_impl<LpFloat>(slices<LpFloat, float>(g, ps, ms, vs, lp, p, m, v), n, c);
+      break;
+    case at::kBFloat16:
+      adam_cpu_impl<LpBF16>(slices<LpBF16, at::BFloat16>(g, ps, ms, vs, lp, p, m, v), n, c);
+      break;
+    case at::kHalf:
+      adam_cpu_impl<LpHalf>(slices<LpHalf, at::Half>(g, ps, ms, vs, lp, p, m, v), n, c);
+      break;
+    default:
+      TORCH_CHECK(false, "unreachable");
   }
 }
 
 void adam_step(at::Tensor param_lp, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool adamw, double bias_correction1,
                double bias_correction2_sqrt, double grad_scale) {
-  check_adam_inputs(param_lp, master, exp_avg, exp_avg_sq, c10::DeviceType::CPU);
-  const int64_t n = param_lp.numel();
-  if (n == 0) return;
-  const AdamCoeffs c = make_adam_coeffs(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction1,
-                                        bias_correction2_sqrt, grad_scale);
-  float* p = master.data_ptr<float>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
-  switch (param_lp.scalar_type()) {
-    case at::kFloat:
-      adam_cpu_impl<LpFloat>(param_lp.data_ptr<float>(), p, m, v, n, c);
-      break;
-    case at::kBFloat16:
-      adam_cpu_impl<LpBF16>(reinterpret_cast<uint16_t*>(param_lp.data_ptr<at::BFloat16>()), p, m, v, n, c);
-      break;
-    case at::kHalf:
-      adam_cpu_impl<LpHalf>(param_lp.data_ptr<at::Half>(), p, m, v, n, c);
-      break;
-    default:
-      TORCH_CHECK(false, "unreachable");
-  }
+  adam_step_from(param_lp, master, exp_avg, exp_avg_sq, param_lp, master, exp_avg, exp_avg_sq, lr, beta1, beta2,
+                 eps, weight_decay, adamw, bias_correction1, bias_correction2_sqrt, grad_scale);
 }
 
 std::string simd_name() { return DSPS_SIMD_NAME; }
@@ -250,6 +286,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python object is touched inside: the host worker's update runs beside the thread that drives the
   // accelerator (see [Note: overlapped host Adam] in memory/host_work.py).
   m.def("adam_step", &ds_patrickstar::adam_step, "Fused Adam/AdamW step on a flat chunk slice (in place)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("adam_step_from", &ds_patrickstar::adam_step_from,
+        "Fused Adam/AdamW step from (gradient, master, exp_avg, exp_avg_sq) into (parameter, master, exp_avg, "
+        "exp_avg_sq): other buffers, or the same ones",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("simd", &ds_patrickstar::simd_name, "SIMD path compiled in: avx512, avx2 or scalar");
 }

@@ -4,6 +4,7 @@ one only what the next forward waits for; and a twin run exports a prediction on
 import pytest
 from counter_runs import run_case
 
+from ds_patrickstar.placement import step_time
 from ds_patrickstar.placement.move_model import MovePlan
 from ds_patrickstar.placement.step_time import DeviceProfile, HostOverlap, StepTimer, predict_step
 from ds_patrickstar.placement.trace import Moment, Trace
@@ -47,9 +48,9 @@ def test_the_serial_step_adds_the_host_adam_and_the_overlapped_one_what_the_forw
     assert overlapped.total_s < serial.total_s
 
 
-def test_host_updates_begun_in_backward_leave_the_step_the_rest():
-    """[Note: host updates in backward]: a chunk's update begins at the moment after its last use, while at most one
-    job waits; what the worker still runs of them when the step starts delays the step's jobs."""
+def test_host_updates_begun_in_backward_leave_the_step_the_rest(monkeypatch):
+    """[Note: host updates in backward]: a chunk's update begins at the moment after its last use, while the worker
+    is idle; what the worker still runs of them when the step starts delays the step's jobs."""
     trace = _trace(("fwd:a", (0,)), ("fwd:b", (1,)), ("fwd:c", (2,)), ("bwd:c", (2,)), ("bwd:b", (1,)),
                    ("bwd:a", (0,)), ("step", ()))
     plan, host = _plan([0] * 7, [0] * 7, [0] * 7), {0: 2, 1: 2, 2: 2}  # 2 s each on the host, device Adam 1 s
@@ -57,12 +58,18 @@ def test_host_updates_begun_in_backward_leave_the_step_the_rest():
     from_step = predict_step(trace, plan, long_backward, host, 10, PROFILE, HostOverlap.FROM_STEP)
     assert from_step.optimizer_s == pytest.approx(1.0 + 3.0)  # as above: 1 s waited per chunk
     # chunk 2 released 4 s before the step, done 2 s before it; chunk 1 released 2 s before, done as it starts;
-    # chunk 0 (last used by the last moment) is the step's: done 2 s in, needed after the device's 1 s
+    # chunk 0 (last used by the last moment) is the step's: done 2 s in, needed after the device's 1 s (an update
+    # into spare buffers priced as one in place here)
+    monkeypatch.setattr(step_time, "BEGUN_COST", 1.0)
     begun = predict_step(trace, plan, long_backward, host, 10, PROFILE, HostOverlap.FROM_BACKWARD)
     assert begun.optimizer_s == pytest.approx(1.0 + 1.0)
-    # a short backward: chunk 1's update still runs 2 s into the step, and chunk 0's waits behind it
+    # a short backward: chunk 2's update runs until the step, so chunk 1's (released while it runs) is the step's
     short = predict_step(trace, plan, [1.0] * 6 + [0.0], host, 10, PROFILE, HostOverlap.FROM_BACKWARD)
-    assert short.optimizer_s == pytest.approx(1.0 + 3.0)
+    assert short.optimizer_s == pytest.approx(1.0 + 2.0)
+    # at twice the cost likewise: a second job begun would run 2 s into the step, in front of chunk 0's
+    monkeypatch.setattr(step_time, "BEGUN_COST", 2.0)
+    slower = predict_step(trace, plan, long_backward, host, 10, PROFILE, HostOverlap.FROM_BACKWARD)
+    assert slower.optimizer_s == pytest.approx(1.0 + 2.0)
 
 
 def test_the_step_moments_own_time_beyond_the_priced_adam_counts():

@@ -179,7 +179,7 @@ class PatrickStarConfig(BaseModel):
     is on the host, into spare buffers (the chunk's capacity times 12 B plus the parameters' bytes, kept on the
     host), kept at ``step()`` where the step neither clipped nor was skipped and nothing they read changed, else
     redone: exact (see [Note: host updates in backward]). An integer: at most that many chunks a step; 0: none.
-    "auto": while the host worker keeps up, with spare sets in at most a quarter of the available host memory;
+    "auto": while the host worker is idle, with spare sets in at most a quarter of the available host memory;
     none with the disk tier (its host memory is budgeted)."""
 
     optimizer_placement: Literal["time", "fill"] = "time"

@@ -12,6 +12,11 @@ signature of :func:`adam_step_reference` and updates one flat slice of a chunk:
 * ``grad_scale`` multiplies the gradient before use; the optimizer passes
   ``clip_coef / loss_scale`` so unscaling and global-norm clipping cost nothing.
 
+The same update from one set of buffers into another (:func:`adam_step_from_reference`, the CPU kernel's
+``adam_step_from``: the gradient and the states read, the new parameter and states written elsewhere, bit for
+bit what the step in place writes) lets a host update begin into spare buffers (see [Note: host updates in
+backward] in optim/early_updates.py).
+
 The reference is both the fallback when no kernel can be built and the oracle
 the kernels are tested against (at float64 when the tests pass float64 tensors).
 The arithmetic follows ``torch.optim.Adam``/``AdamW`` (L2 or decoupled weight
@@ -89,3 +94,26 @@ def adam_step_reference(
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(hyper.eps)
     master.addcdiv_(exp_avg, denom, value=-hyper.lr / bc1)
     param_lp.copy_(master)
+
+
+# ``step_from(grad, master, exp_avg, exp_avg_sq, param_lp, master_out, exp_avg_out, exp_avg_sq_out, *, step, hyper,
+# grad_scale)``: the update from the first four into the last four.
+AdamStepFrom = Callable[..., None]
+
+
+@torch.no_grad()
+def adam_step_from_reference(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *outputs: torch.Tensor,
+    step: int,
+    hyper: AdamHyper,
+    grad_scale: float,
+) -> None:
+    """:func:`adam_step_reference` from ``grad`` and the states into ``outputs`` (the parameter and the states):
+    the sources copied there, then updated in place."""
+    for target, source in zip(outputs, (grad, master, exp_avg, exp_avg_sq), strict=True):
+        target.copy_(source)
+    adam_step_reference(*outputs, step=step, hyper=hyper, grad_scale=grad_scale)

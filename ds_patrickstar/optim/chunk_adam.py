@@ -26,7 +26,7 @@ import torch
 
 from ..chunks.chunk import Chunk
 from ..memory.optimizer_chunk import OptimizerChunk
-from .adam_math import AdamHyper, AdamStep, adam_step_reference
+from .adam_math import AdamHyper, AdamStep, AdamStepFrom, adam_step_from_reference, adam_step_reference
 from .frozen_steps import Run, SkippedSteps, update_runs
 from .rules import UpdateRule
 from .sgd_math import SgdHyper, sgd_step_reference
@@ -53,6 +53,15 @@ def adam_backend(device: torch.device) -> AdamStep:
         _warn_no_kernels(repr(err))
         return adam_step_reference
     return get_adam_backend(device)
+
+
+def adam_from_backend(device: torch.device) -> AdamStepFrom:
+    """The update from one set of buffers into another on ``device`` (see [Note: one Adam, several backends])."""
+    try:
+        from .kernels import get_adam_from_backend
+    except ImportError:
+        return adam_step_from_reference
+    return get_adam_from_backend(device)
 
 
 def build_kernels(devices: set[torch.device]) -> None:
@@ -201,6 +210,38 @@ class ChunkAdam:
                 hyper=hyper,
                 grad_scale=grad_scale,
             )
+
+    def update_from(
+        self,
+        chunk: Chunk,
+        grad: torch.Tensor,
+        source: OptimizerChunk,
+        values: torch.Tensor,
+        target: OptimizerChunk,
+        grad_scale: float,
+        hyper: AdamHyper | SgdHyper,
+        step: int,
+        runs: list[Run],
+    ) -> None:
+        """:meth:`update` from ``grad`` (the chunk's used values) and ``source`` (its states, as far as used) into
+        ``values`` and ``target`` (spare buffers as large), which the step would write in place (see [Note: host
+        updates in backward] in early_updates.py); SGD and the reference copy first, then update in place."""
+        adam_from = None if self.rule.sgd else adam_from_backend(grad.device)
+        base = runs[0].start
+        for run in runs:
+            part = slice(run.start - base, run.stop - base)
+            pieces = (
+                grad[part],
+                *(t[part] for t in source.tensors()),
+                values[part],
+                *(t[part] for t in target.tensors()),
+            )
+            if run.step is None or adam_from is None:
+                for out, src in zip(pieces[4:], pieces[:4]):
+                    out.copy_(src)
+                self.update(chunk, values[part], target.sliced(part.start, part.stop), grad_scale, hyper, step, [run])
+                continue
+            adam_from(*pieces, step=run.step, hyper=hyper, grad_scale=grad_scale)
 
     def runs(self, chunk: Chunk, start: int, stop: int, step: int | None) -> list[Run]:
         """Elements ``[start, stop)`` of ``chunk`` in runs of one step count, skipped steps counted (see

@@ -11,10 +11,12 @@ by a factor known only when the last gradient is in, a script may set the learni
 ``backward()`` and ``step()``, and the gradient lives in the parameter's slot, which the update overwrites,
 while ``safe_get_full_grad``, ``safe_set_full_grad`` and checkpoints read or write it before the step.
 
-So the update begins on the host worker into spare buffers: it copies the chunk's master, momentum and
-variance and its gradient into a spare set (the chunk's capacity, 12 B of states and the payload's bytes per
-element) and runs the same kernel there, assuming that the step will not be skipped, that clipping will not
-apply (the gradient factor ``1 / loss_scale``), and the step count and hyper-parameters read as it begins.
+So the update begins on the host worker into spare buffers: the same kernel reads the chunk's gradient, master,
+momentum and variance and writes the new parameters and states into a spare set (the chunk's capacity, 12 B of
+states and the payload's bytes per element; the CPU kernel's ``adam_step_from``, as much memory traffic as the
+update in place, see [Note: one Adam, several backends] in optim/adam_math.py), assuming that the step will not
+be skipped, that clipping will not apply (the gradient factor ``1 / loss_scale``), and the step count and
+hyper-parameters read as it begins.
 At ``step()``, once the norm is known, each begun update is kept where every assumption held: the same
 gradient factor (no overflow, no clipping), the same step count, hyper-parameters and frozen pieces (none),
 the states still in host memory, and the gradient slot not written since (its version counter). Keeping
@@ -27,8 +29,8 @@ every read between ``backward()`` and ``step()`` sees what it saw before. A step
 the next backward (it would likely clip again); after a step that did not, updates begin again.
 
 How many begin: ``host_adam_in_backward`` (an integer: at most that many chunks a step; 0: none), or "auto"
-(default): a chunk begins only while at most one job waits on the host worker (a job begun late would hold up
-the updates the next forward needs first, which go to the worker at ``step()`` in its order), and the spare
+(default): a chunk begins only while the host worker is idle (a job begun late would hold up the updates the
+next forward needs first, which go to the worker at ``step()`` in its order: at most one job's rest does), and the spare
 sets, kept from step to step, take at most a quarter of the host memory available when the first is made (none
 with the disk tier, whose host budget bounds host memory).
 Counters ``host_updates_in_backward`` (kept) and ``host_updates_redone`` (dropped). On the strict twin a begun
@@ -37,7 +39,6 @@ update is a deferred host job like any (run when waited on, its spare buffers po
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,16 +126,15 @@ class EarlyHostUpdates:
         runs = adam.runs(chunk, 0, chunk.used, step)  # every piece trainable: nothing is counted
         grad_scale = 1.0 / self.loss_scale()
         live = self._states.state(chunk.chunk_id)
-        update = functools.partial(adam.update, chunk, hyper=hyper, step=step, runs=runs)
 
         def start(values: torch.Tensor, after: list[Pending]) -> Pending:
             used = values.numel()
 
             def work() -> None:
                 for dst, src in zip(spare.states.tensors(), live.tensors()):
-                    dst.copy_(src)  # the whole capacity: the states it may replace are whole
-                spare.values[:used].copy_(values)
-                update(spare.values[:used], spare.states.sliced(0, used), grad_scale)
+                    dst[used:].copy_(src[used:])  # beyond the used elements as they are: the states it may replace
+                source, target = live.sliced(0, used), spare.states.sliced(0, used)
+                adam.update_from(chunk, values, source, spare.values[:used], target, grad_scale, hyper, step, runs)
 
             return self._accel.host_work(work, [spare.values[:used], *spare.states.tensors()], after)
 
@@ -150,7 +150,7 @@ class EarlyHostUpdates:
             return False  # a frozen piece counts its skipped step when the update is handed over
         if self.limit is not None:
             return len(self._begun) < self.limit
-        return self._accel.host_jobs_waiting() <= 1
+        return self._accel.host_jobs_waiting() == 0
 
     def _spare(self, chunk: Chunk) -> Spare | None:
         for index, spare in enumerate(self._free):

@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from .adam_math import AdamHyper, AdamStep, adam_step_reference, bias_corrections
+from .adam_math import (
+    AdamHyper,
+    AdamStep,
+    AdamStepFrom,
+    adam_step_from_reference,
+    adam_step_reference,
+    bias_corrections,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,35 +200,18 @@ def _load_extension(device_type: str) -> Any | None:
         return ext
 
 
+def _scalars(step: int, hyper: AdamHyper, grad_scale: float) -> tuple:
+    """The kernels' arguments after the tensors."""
+    if step < 1:
+        raise ValueError(f"Adam step count must be >= 1, got {step}")
+    bc1, bc2_sqrt = bias_corrections(hyper, step)
+    return (hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.adamw, bc1, bc2_sqrt,
+            float(grad_scale))  # fmt: skip
+
+
 def _wrap(ext_step: Callable[..., None], name: str) -> AdamStep:
-    def fused_adam_step(
-        param_lp: torch.Tensor,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        *,
-        step: int,
-        hyper: AdamHyper,
-        grad_scale: float,
-    ) -> None:
-        if step < 1:
-            raise ValueError(f"Adam step count must be >= 1, got {step}")
-        bc1, bc2_sqrt = bias_corrections(hyper, step)
-        ext_step(
-            param_lp,
-            master,
-            exp_avg,
-            exp_avg_sq,
-            hyper.lr,
-            hyper.beta1,
-            hyper.beta2,
-            hyper.eps,
-            hyper.weight_decay,
-            hyper.adamw,
-            bc1,
-            bc2_sqrt,
-            float(grad_scale),
-        )
+    def fused_adam_step(*tensors: torch.Tensor, step: int, hyper: AdamHyper, grad_scale: float) -> None:
+        ext_step(*tensors, *_scalars(step, hyper, grad_scale))
 
     fused_adam_step.__name__ = fused_adam_step.__qualname__ = f"{name}_adam_step"
     fused_adam_step.__doc__ = adam_step_reference.__doc__
@@ -246,6 +236,15 @@ def _select(device: torch.device | str) -> tuple[str, AdamStep]:
 def get_adam_backend(device: torch.device | str) -> AdamStep:
     """Adam step function for tensors on ``device`` (signature of ``adam_step_reference``)."""
     return _select(device)[1]
+
+
+def get_adam_from_backend(device: torch.device | str) -> AdamStepFrom:
+    """The update from one set of buffers into another for tensors on ``device`` (signature of
+    ``adam_step_from_reference``): the CPU kernel's ``adam_step_from``, else the reference (copies, then in
+    place)."""
+    name, _ = _select(device)
+    step_from = getattr(_extensions.get("cpu"), "adam_step_from", None) if name == "cpu_fused" else None
+    return _wrap(step_from, "cpu_fused_from") if step_from is not None else adam_step_from_reference
 
 
 def adam_backend_name(device: torch.device | str) -> str:
