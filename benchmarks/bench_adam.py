@@ -10,6 +10,9 @@ new bf16 params. Paths, all on the same master/exp_avg/exp_avg_sq buffers:
   torch_fused_e2e torch AdamW(fused=True) incl. the same two copies
   torch_fused_fp32 torch AdamW(fused=True) alone (grads already fp32, no copies)
   reference       ds_patrickstar.optim.adam_math.adam_step_reference (pure torch)
+  ours_from       CPU: the fused kernel from (grad, master, exp_avg, exp_avg_sq) into other buffers
+                  (adam_step_from: a host update begun in backward, see [Note: host updates in backward])
+  copy_then_ours  CPU: the same job by copying the four into the other buffers, then ours in place
   bandwidth       CPU: triad a = b + s*c (STREAM convention, 12 B/elem counted; a separate
                   output array also costs a write-allocate read, so real traffic is 16 B) and the
                   in-place update a += s*c (12 B/elem, read-modify-write like every buffer of
@@ -43,7 +46,7 @@ from ds_patrickstar.optim.adam_math import AdamHyper, adam_step_reference
 
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
 BYTES = {"ours": 28, "ds_cpu_adam": 40, "ds_fused_adam": 40, "torch_fused_e2e": 40, "torch_fused_fp32": 28,
-         "reference": 28}
+         "reference": 28, "ours_from": 28, "copy_then_ours": 56}
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
               "avx512_fp16", "amx_bf16", "asimd", "sve")
 
@@ -135,6 +138,19 @@ def build_paths(n: int, device: str, skip_ds: bool
     paths["reference"] = reference
 
     if device == "cpu":
+        step_from = kernels.get_adam_from_backend(dev)
+        spare = (torch.empty_like(grad_lp), *(torch.empty_like(master) for _ in range(3)))
+        sources = (grad_lp, master, exp_avg, exp_avg_sq)
+
+        def ours_from():
+            step_from(*sources, *spare, step=count["t"] + 1, hyper=HYPER, grad_scale=1.0)
+
+        def copy_then_ours():
+            for out, source in zip(spare, sources):
+                out.copy_(source)
+            fused(*spare, step=count["t"] + 1, hyper=HYPER, grad_scale=1.0)
+
+        paths.update(ours_from=ours_from, copy_then_ours=copy_then_ours)
         m = max(n, 32 * 2**20)  # 3 x >= 128 MB: far beyond any L3
         a, b, c = torch.empty(m), torch.rand(m), torch.rand(m)
 

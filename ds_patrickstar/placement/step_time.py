@@ -59,8 +59,9 @@ from .planner import update_order
 from .trace import Trace
 
 # A host update into spare buffers against one in place (``adam_step_from`` against ``adam_step``, 8 Mi bf16
-# elements): 1.8x on a 2-core AMD EPYC (avx2, avx512f, avx512_bf16); not measured on a GPU's host
-BEGUN_COST = 1.8
+# elements, benchmarks/bench_adam.py: ours_from / ours): 1.57x on a 2-core AMD EPYC (avx2, avx512f, avx512_bf16),
+# the ratio of a separate output's bandwidth to one in place there (36 / 52 GB/s); not measured on a GPU's host
+BEGUN_COST = 1.6
 
 
 class HostOverlap(IntEnum):
