@@ -49,8 +49,10 @@ def _config(dtype: str, clip: float, ga: int, budget: int, early: int | str | No
     return config
 
 
-def _train(rank: int, world: int, dtype: str, clip: float, ga: int, budget: int, early, between=None) -> dict:
-    """``between(engine, step)``, when given, runs between the boundary's backward() and step()."""
+def _train(rank: int, world: int, dtype: str, clip: float, ga: int, budget: int, early, between=None,
+           sgd: bool = False) -> dict:
+    """``between(engine, step)``, when given, runs between the boundary's backward() and step(); ``sgd``: a client
+    ``torch.optim.SGD`` with momentum instead of the config's AdamW."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from gpt_model import GPT, GPTConfig
@@ -60,10 +62,14 @@ def _train(rank: int, world: int, dtype: str, clip: float, ga: int, budget: int,
     ensure_distributed()
     torch.manual_seed(0)
     model = GPT(GPTConfig(**_GPT))
+    config = _config(dtype, clip, ga, budget, early)
+    optimizer = None
+    if sgd:
+        config.pop("optimizer")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
     with allow_fp16_on_cpu():
-        engine, *_ = deepspeed.initialize(
-            model=model, config=_config(dtype, clip, ga, budget, early), model_parameters=model.parameters()
-        )
+        engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=optimizer,
+                                          model_parameters=None if sgd else model.parameters())
     gen = torch.Generator().manual_seed(1 + rank)
     losses, counts, grads = [], [], []
     for step in range(STEPS):
@@ -105,6 +111,14 @@ def test_updates_begun_in_backward_are_the_serial_step(dtype, clip, ga, early):
     kept = [k for k, _ in begun["counts"][1:]]
     assert kept == ([9] * (STEPS - 1) if early == 100 else [1] * (STEPS - 1)), begun["counts"]
     assert all(redone == 0 for _, redone in begun["counts"]), begun["counts"]
+    _same(serial, begun)
+
+
+def test_sgd_updates_begun_in_backward_are_the_serial_step():
+    """SGD (pure torch, see [Note: SGD on chunks]) begins into spare buffers by copying there first."""
+    serial = _train(0, 1, "fp32", 0.0, 1, BUDGET[1], early=None, sgd=True)
+    begun = _train(0, 1, "fp32", 0.0, 1, BUDGET[1], early=100, sgd=True)
+    assert [kept for kept, _ in begun["counts"]] == [0, 9, 9, 9]
     _same(serial, begun)
 
 

@@ -102,18 +102,11 @@ AdamStepFrom = Callable[..., None]
 
 
 @torch.no_grad()
-def adam_step_from_reference(
-    grad: torch.Tensor,
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *outputs: torch.Tensor,
-    step: int,
-    hyper: AdamHyper,
-    grad_scale: float,
-) -> None:
-    """:func:`adam_step_reference` from ``grad`` and the states into ``outputs`` (the parameter and the states):
-    the sources copied there, then updated in place."""
-    for target, source in zip(outputs, (grad, master, exp_avg, exp_avg_sq), strict=True):
+def adam_step_from_reference(*tensors: torch.Tensor, step: int, hyper: AdamHyper, grad_scale: float) -> None:
+    """:func:`adam_step_reference` from the first four ``tensors`` (the gradient, master, exp_avg, exp_avg_sq) into
+    the last four (the parameter and the states): the sources copied there, then updated in place."""
+    if len(tensors) != 8:
+        raise ValueError(f"the update from four buffers into four others takes 8 tensors, got {len(tensors)}")
+    for target, source in zip(tensors[4:], tensors[:4]):
         target.copy_(source)
-    adam_step_reference(*outputs, step=step, hyper=hyper, grad_scale=grad_scale)
+    adam_step_reference(*tensors[4:], step=step, hyper=hyper, grad_scale=grad_scale)
