@@ -173,6 +173,32 @@ def test_a_budget_below_one_chunk_group_is_refused_at_initialize():
         _run(_config("patrickstar", emulate_accelerator=True, device_budget=100_000), steps=1)
 
 
+def test_a_tensor_larger_than_a_chunk_is_not_offered_a_smaller_chunk_size():
+    """A chunk of one tensor larger than chunk_size keeps its size at any chunk_size: the pre-flight error says so
+    instead of "lower chunk_size", and a budget error in a step leaves that remedy out where those chunks are all
+    it names, and says so beside it where they are part (see ``placement/remedies.py``)."""
+    import deepspeed
+
+    from ds_patrickstar.placement.remedies import Shortfall, budget_remedies
+
+    def run(budget: int, batch: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))  # 16,384
+        config = _config("patrickstar", chunk_size=4096, emulate_accelerator=True, device_budget=budget,
+                         offload_activations="none")
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        engine.backward(engine(torch.randn(batch, 256)).pow(2).mean())
+
+    with pytest.raises(ValueError, match=r"holds 16,384 elements of one tensor larger than chunk_size=4,096: a "
+                                         r"smaller chunk_size does not shrink it"):
+        run(40_000, 4)
+    with pytest.raises(DeviceBudgetExceeded) as refused:
+        run(120_000, 64)
+    assert "chunk_size" not in str(refused.value) and "offload_activations" in str(refused.value)
+    part = budget_remedies(Shortfall(1000, 10**6, 5000, held=80_000, larger=65_536))
+    assert "a smaller zero_optimization.chunk_size (the chunks in use here take 80,000 B; 65,536 B of them" in part
+
+
 def test_shape_change_retraces(caplog):
     caplog.set_level("INFO", logger="ds_patrickstar.placement.tracer")
     engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET * 2), steps=5,

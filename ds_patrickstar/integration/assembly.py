@@ -142,6 +142,7 @@ def make_placement(
     profile = device_profile(accel, options.device_profile) if options.placement == "auto" else H100_PROFILE
     placer = Placer(accel.ledger.budget, options.placement, options.static_fraction, owned)
     moves = ChunkMoves(placer, MemoryTracer(accel, meter), store, counters, chunk_map.chunks, reductions, run)
+    moves.chunk_size = options.chunk_size
     store.copies.enabled = _keeps_copies(options)
     costs = _chunk_costs(chunk_map, accumulate, store.copies.enabled)
     # the bytes floor, one per run (the chooser logs what the counter reads); several ranks: without accumulators

@@ -243,5 +243,9 @@ def make_accelerator(
     budget = resolve_budget(options.device_budget, device, options.emulate_accelerator)
     plan = plan_for_specs(specs, comm.world_size, comm.rank, dtype.itemsize, accumulate)
     check_fits(plan, budget, psutil.virtual_memory().available, comm.world_size, on_disk)
-    check_budget_holds(budget, largest_group_bytes(specs, dtype.itemsize, comm.world_size, accumulate), comm.world_size)
+    need, largest = (
+        largest_group_bytes(specs, dtype.itemsize, comm.world_size, accumulate),
+        max((s.capacity for s in specs), default=0),
+    )
+    check_budget_holds(budget, need, comm.world_size, largest, options.chunk_size)
     return CudaAccelerator(device, budget) if device.type == "cuda" else EmulatedAccelerator(budget)

@@ -157,9 +157,10 @@ def largest_group_bytes(specs: list[ChunkSpec], lp_bytes: int, world_size: int, 
     return max((size.peak for size in planned_group_bytes(specs, lp_bytes, world_size, accumulate)), default=0)
 
 
-def check_budget_holds(budget: int, need: int, world_size: int) -> None:
+def check_budget_holds(budget: int, need: int, world_size: int, largest: int = 0, chunk_size: int = 0) -> None:
     """Raise ``ValueError`` when the accelerator budget cannot hold ``need`` bytes, the largest chunk
-    group a moment gathers (:func:`largest_group_bytes`), before any activation."""
+    group a moment gathers (:func:`largest_group_bytes`), before any activation; ``largest``: the most elements
+    of a chunk, more than ``chunk_size`` where one tensor larger than a chunk has one of its own."""
     if need <= budget:
         return
     what = (
@@ -167,10 +168,16 @@ def check_budget_holds(budget: int, need: int, world_size: int) -> None:
         if world_size > 1
         else "one chunk"
     )
+    fix = "or lower chunk_size"
+    if largest > chunk_size > 0:
+        fix = (
+            f"(its largest chunk holds {largest:,} elements of one tensor larger than chunk_size={chunk_size:,}: "
+            f"a smaller chunk_size does not shrink it)"
+        )
     raise ValueError(
         f"zero_optimization.device_budget={budget:,} B cannot hold the largest chunk group a moment uses "
         f"({need:,} B: {what}, with what gradient accumulation adds), let alone activations; "
-        f"raise device_budget well above {need:,} B or lower chunk_size"
+        f"raise device_budget well above {need:,} B {fix}"
     )
 
 

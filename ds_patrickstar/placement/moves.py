@@ -84,6 +84,7 @@ class ChunkMoves:
         self.room_from_states: Callable[[int], int] | None = None
         self.offloading = False  # activation offload is on (for the remedies a budget error names)
         self.activations_kept: Callable[[], bool] = lambda: False  # "auto" keeps some blocks' (for the remedies)
+        self.chunk_size = 0  # zero_optimization.chunk_size: a larger chunk holds one larger tensor (the remedies)
         self._hook = False  # inside a moment's hook (see [Note: one reading per hook])
         self._reading: tuple[int, int] | None = None  # (tide, stranded bytes) read in this hook
 
@@ -330,6 +331,7 @@ def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: 
     remedies (see ``remedies.py``)."""
     budget, total = moves.placer.budget, moves.ledger.total
     held, accumulators = in_use(moves.chunks, keep)
+    larger = [c for c in moves.chunks if c.capacity > moves.chunk_size > 0 and (c.chunk_id in keep or not c.movable)]
     stranded = moves.store.accel.fragmentation()
     at = Shortfall(
         total + need + non_model - budget,
@@ -341,6 +343,7 @@ def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: 
         moves.offloading,
         moves.activations_kept(),
         moves.recomputes(),
+        sum(chunk.nbytes + chunk.acc_nbytes for chunk in larger),  # on the accelerator or to come
     )
     return DeviceBudgetExceeded(
         f"the accelerator budget of {budget:,} B cannot hold the chunks needed at moment {moves.moment}: the backend "

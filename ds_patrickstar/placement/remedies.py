@@ -20,6 +20,7 @@ class Shortfall:
     offloading: bool = False  # activation offload is on
     kept: bool = False  # "auto" activation offload keeps some blocks' activations on the accelerator
     recomputes: bool = False  # some blocks are checkpointed (recomputed in backward) already
+    larger: int = 0  # of ``held``, chunks of one tensor larger than chunk_size (a smaller chunk_size keeps them)
 
 
 def budget_remedies(at: Shortfall) -> str:
@@ -39,8 +40,13 @@ def budget_remedies(at: Shortfall) -> str:
         more = "more of " if at.recomputes else ""
         remedies.append(f"activation checkpointing of {more}the model's blocks (of the {at.non_model:,} B here)")
         remedies.append(f"a smaller train_micro_batch_size_per_gpu (the {at.non_model:,} B here grow with it)")
-    if at.held:
+    if at.held > at.larger:
         of_them = f", {at.accumulators:,} B of them their fp32 gradient accumulators" if at.accumulators else ""
+        if at.larger:
+            of_them += (
+                f"; {at.larger:,} B of them are chunks of single tensors larger than chunk_size, which a smaller "
+                f"chunk_size does not shrink"
+            )
         remedies.append(f"a smaller zero_optimization.chunk_size (the chunks in use here take {at.held:,} B{of_them})")
     if at.stranded:
         remedies.append(
