@@ -199,6 +199,31 @@ def test_a_tensor_larger_than_a_chunk_is_not_offered_a_smaller_chunk_size():
     assert "a smaller zero_optimization.chunk_size (the chunks in use here take 80,000 B; 65,536 B of them" in part
 
 
+def test_a_forward_without_backward_does_not_widen_the_traced_shapes():
+    """A training-mode forward that gets no backward (a validation loss with grad on) is dropped; its input shapes,
+    for which no tide was measured, leave the envelope of traced shapes as it was: a later training batch larger than
+    the traced ones is traced anew (before, it followed the trace of the smaller batches)."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = _mlp()
+    config = _config("patrickstar", emulate_accelerator=True, device_budget=BUDGET * 2)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    gen, retraced = torch.Generator().manual_seed(1), []
+    for batch, backward in [(4, True), (4, True), (16, False), (4, True), (12, True)]:
+        loss = engine(torch.randn(batch, HIDDEN, generator=gen)).pow(2).mean()
+        if backward:
+            engine.backward(loss)
+            engine.step()
+            retraced.append(engine.get_patrickstar_counters()["retraces_shape"])
+        envelope = engine.optimizer.placement.tracer.signature
+    engine.destroy()
+    # the dropped 16 began a re-trace (the next batch of 4 traces again: a step's cost, not undone); the batch of
+    # 12 lies beyond the traced 4s, not within the dropped 16 (before: [0, 0, 1, 0], the 12 followed the 4s' trace)
+    assert retraced == [0, 0, 1, 1], retraced
+    assert envelope[0][0][0] == 12
+
+
 def test_shape_change_retraces(caplog):
     caplog.set_level("INFO", logger="ds_patrickstar.placement.tracer")
     engine, _, _ = _run(_config("patrickstar", emulate_accelerator=True, device_budget=BUDGET * 2), steps=5,

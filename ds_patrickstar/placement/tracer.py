@@ -84,6 +84,7 @@ class MemoryTracer:
         self.moment = -1
         self.tracing = True
         self.signature: Signature = ()  # the envelope of the traced input shapes
+        self._before_forward: Signature | None = None  # the envelope before the last forward widened it
         self.log = RetraceLog(logger)
         self.retraced: RetraceReason | None = None  # why this iteration is traced anew (None: not a re-trace)
         self._covered: Trace | None = None  # the trace a re-trace for larger inputs covers too
@@ -158,7 +159,7 @@ class MemoryTracer:
             self._retrace(
                 RetraceReason.SHAPE, f"input shapes changed from {self.signature} to {signature}", covered=self.trace
             )
-        self.signature = widen(self.signature, signature)
+        self._before_forward, self.signature = self.signature, widen(self.signature, signature)
         self.moment = -1
 
     def micro_step_inputs(self, signature: Signature) -> bool:
@@ -174,7 +175,7 @@ class MemoryTracer:
                 signature,
                 self.signature,
             )
-        self.signature = widen(self.signature, signature)
+        self._before_forward, self.signature = self.signature, widen(self.signature, signature)
         return beyond
 
     def _retrace(self, reason: RetraceReason, detail: str, covered: Trace | None = None) -> None:
@@ -192,7 +193,11 @@ class MemoryTracer:
 
     def rewind(self, moment: int) -> None:
         """The moments after ``moment`` are taken back (a forward without a backward, see
-        [Note: moments and the trace]); a re-trace that began among them is undone."""
+        [Note: moments and the trace]); a re-trace that began among them is undone, and so is the widening of the
+        envelope by that forward's shapes (no tide was measured for them: a later training forward as large is
+        beyond it)."""
+        if self._before_forward is not None:
+            self.signature, self._before_forward = self._before_forward, None
         self.moment = moment
         if not self.tracing:
             return
