@@ -96,7 +96,7 @@ class EarlyHostUpdates:
         self.loss_scale: Callable[[], float] = lambda: 1.0  # the scale of the gradients being made
         self._free: list[Spare] = []
         self._made = 0
-        self.spare_bytes = 0  # host bytes of the spare sets made (counted as model data on the host)
+        self.spare_bytes = 0  # host bytes of the spare sets made (counter spare_bytes_host; not model data)
         self._cap: int | None = None  # "auto": the most spare sets
         self._begun: dict[int, Begun] = {}
         self._clipped = False  # the last step clipped: none begins in the next backward
