@@ -222,6 +222,9 @@ def _sweep(result: dict) -> list[str]:
         ahead = f" ({counters['prefetch_distance']} ahead)" if counters.get("prefetch_distance") else ""
         order = counters.get("eviction_order", 0)  # see EvictionOrder: 1 and 3 free first, 2 and 3 accumulators kept
         ahead += (", free first" if order in (1, 3) else "") + (", accumulators kept" if order in (2, 3) else "")
+        if counters.get("host_updates_in_backward") or counters.get("host_updates_redone"):
+            ahead += (f", host updates begun in backward: {counters.get('host_updates_in_backward', 0)} kept, "
+                      f"{counters.get('host_updates_redone', 0)} redone")
         rows.append(head + ["measured", f"{t['tokens_per_s']:.1f}",
                             _f(ratio.get((t["point"], t.get("rule"))), "{:.2f}x"),
                             _f(moved, "{:.1f}", MB) + _floor(counters),
@@ -240,7 +243,8 @@ def _sweep(result: dict) -> list[str]:
             "without them, "
             "and the moments it prefetches ahead (`prefetch_distance`, see docs/placement.md), \"free first\" "
             "where it evicts unchanged chunks first and \"accumulators kept\" where evicted payloads leave their "
-            "gradient accumulators on the GPU (`eviction_order`); "
+            "gradient accumulators on the GPU (`eviction_order`), and the host updates begun in backward that the "
+            "step kept and redid (`host_updates_in_backward`, `host_updates_redone`, where any began); "
             "ours: `optimizer_placement` \"time\" (the default), ours (fill): \"fill\", the rule before the "
             "step-time model).",
             "", *_table(["point", "backend", "B (GiB)", "status", "tokens/s", "ours / ZeRO-3 offload",
