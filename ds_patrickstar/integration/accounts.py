@@ -21,7 +21,7 @@ class StepAccounts:
         counters.model_bytes_device, counters.model_bytes_host = self.model_data_bytes_split()
         counters.frozen_bytes_device, counters.frozen_bytes_host, counters.frozen_bytes_disk = self.frozen_bytes_split()
         counters.host_bytes_allocated = self.accel.host_pool.allocated
-        counters.spare_bytes_host = self.parts.early.spare_bytes if self.parts.early is not None else 0
+        counters.spare_bytes_host = self.parts.early.spare_bytes
         pinnings = self.accel.host_pool.pinnings
         counters.host_pinnings, self._pinnings = pinnings - self._pinnings, pinnings
         self._disk_counts()

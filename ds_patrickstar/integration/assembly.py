@@ -83,9 +83,9 @@ class ChunkedModel:
     flow: TrainingFlow
     hooks: HookRegistry
     has_values: Callable[[torch.nn.Parameter], bool]  # False for a deferred parameter (``ds_patrickstar.Init``)
+    early: EarlyHostUpdates  # host updates begun in backward (see [Note: host updates in backward])
     disk: DiskStates | None = None  # the disk tier's spilled states, when anything spills
     frozen_disk: FrozenDisk | None = None  # the frozen chunks on disk, when any is (see [Note: frozen chunks on disk])
-    early: EarlyHostUpdates | None = None  # see [Note: host updates in backward] (None: before initialize ended)
     closed: bool = False
 
     def close(self) -> None:
@@ -103,8 +103,7 @@ class ChunkedModel:
             # connection, reported before this rank's own error (see [Note: rank agreement])
             release(self.hooks, self.disk, None, self.frozen_disk)
             return
-        if self.early is not None:
-            self.early.close()
+        self.early.close()
         from_masters = any(info.state is TensorState.HOLD_AFTER_BWD for info in infos)
         unbind_parameters(
             infos, lambda: self.export.iter_host_values(fp32_masters=from_masters), "engine.destroy()", ""
@@ -306,9 +305,9 @@ def assemble(
         flow,
         hooks,
         has_values,
+        _updates_in_backward(placement, adam, options, counters),
         disk,
         frozen_disk,
-        _updates_in_backward(placement, adam, options, counters),
     )
 
 

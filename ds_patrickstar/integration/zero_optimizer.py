@@ -24,7 +24,6 @@ from ..chunks.chunk import Chunk
 from ..io import checkpoint
 from ..io.init import DeferredModel
 from ..optim.chunk_adam import combined_scale
-from ..optim.early_updates import EarlyHostUpdates
 from ..placement.planner import update_order
 from ..run_state import Phase
 from .accounts import StepAccounts
@@ -106,7 +105,7 @@ class PatrickStarOptimizer(GenerationHooks, ZeROOptimizer):
         ]
         self.bf16_groups = self.fp16_groups
         self._frozen_or_extra = [p for p in module.parameters() if self.chunk_map.info(p) is None]
-        self.early = parts.early or EarlyHostUpdates(parts.adam, 0, parts.counters)  # [Note: host updates in backward]
+        self.early = parts.early  # see [Note: host updates in backward]
         self.early.loss_scale = lambda: self.loss_scale
 
     # ---- scaler interface -------------------------------------------------------

@@ -209,12 +209,14 @@ def _scalars(step: int, hyper: AdamHyper, grad_scale: float) -> tuple:
             float(grad_scale))  # fmt: skip
 
 
-def _wrap(ext_step: Callable[..., None], name: str) -> AdamStep:
+def _wrap(ext_step: Callable[..., None], name: str, like: Callable[..., None] = adam_step_reference) -> AdamStep:
+    """``ext_step`` with the signature (and doc) of ``like``, the reference it stands in for."""
+
     def fused_adam_step(*tensors: torch.Tensor, step: int, hyper: AdamHyper, grad_scale: float) -> None:
         ext_step(*tensors, *_scalars(step, hyper, grad_scale))
 
     fused_adam_step.__name__ = fused_adam_step.__qualname__ = f"{name}_adam_step"
-    fused_adam_step.__doc__ = adam_step_reference.__doc__
+    fused_adam_step.__doc__ = like.__doc__
     return fused_adam_step
 
 
@@ -244,7 +246,9 @@ def get_adam_from_backend(device: torch.device | str) -> AdamStepFrom:
     place)."""
     name, _ = _select(device)
     step_from = getattr(_extensions.get("cpu"), "adam_step_from", None) if name == "cpu_fused" else None
-    return _wrap(step_from, "cpu_fused_from") if step_from is not None else adam_step_from_reference
+    if step_from is None:
+        return adam_step_from_reference
+    return _wrap(step_from, "cpu_fused_from", adam_step_from_reference)
 
 
 def adam_backend_name(device: torch.device | str) -> str:

@@ -211,13 +211,12 @@ def _begun_in_backward(
         begins.append(begins[-1] + seconds)
     last = {chunk: k for k, moment in enumerate(trace.moments[:step_at]) for chunk in moment.chunks}
     released = sorted((begins[k + 1] - begins[step_at], c) for c, k in last.items() if c in host_updated)
-    finishes: list[float] = []
-    begun = set()
+    free, begun = float("-inf"), set()  # when the worker has run the jobs begun so far
     for at, chunk in released:
-        if at < 0 and not any(f > at for f in finishes):  # released before the step, the worker idle
-            finishes.append(max([at, *finishes]) + BEGUN_COST * host_updated[chunk] / profile.host_adam_elements_per_s)
+        if at < 0 and free <= at:  # released before the step, the worker idle
+            free = at + BEGUN_COST * host_updated[chunk] / profile.host_adam_elements_per_s
             begun.add(chunk)
-    return frozenset(begun), max([0.0, *finishes])
+    return frozenset(begun), max(0.0, free)
 
 
 def _host_adam_waited(
