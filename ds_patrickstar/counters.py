@@ -59,6 +59,9 @@ class StepCounters:
     states_gave_way: int = 0
     """times a moment's chunks fit only once optimizer states moved from the accelerator to the host (the
     tide above the plan; see [Note: states give way])"""
+    activations_gave_way: int = 0
+    """times a moment's chunks fit only once saved activations the "auto" plan kept on the accelerator left for
+    the host (the tide above the plan; see [Note: activations give way])"""
     recompute_moments: int = 0
     """moments of activation-checkpoint recomputation (a module's forward run again inside backward;
     see [Note: recomputation in the trace])"""

@@ -73,7 +73,11 @@ as before, accumulators 0 each way instead of 42,240 / 56,064, predicted (103,74
 release in backward: 2 or 3 a step in that case, the same bytes); the losses unchanged. The counters of host updates
 begun in backward joined every case (``host_updates_in_backward``, ``host_updates_redone``, ``spare_bytes_host``: 0,
 the cases clip at
-1.0 from their first step, so none begins; nothing else moved).
+1.0 from their first step, so none begins; nothing else moved). Written again when every saved storage of a block
+became an entry of its segment, kept or offloaded (see [Note: activations give way]): an entry's arrival updates
+``peak_activation_bytes_device`` as it is saved, so the steps after the traced one, which keep every block, count
+the bytes saved after a moment's reading too (207,744 -> 216,196 in the five cases with activation offload), and
+``activations_gave_way`` joined every case (0); nothing else moved.
 """
 from __future__ import annotations
 

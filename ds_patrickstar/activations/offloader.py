@@ -61,8 +61,9 @@ from ..placement.trace import Trace
 from ..placement.tracer import MemoryTracer
 from .block_plan import BlockPlan
 from .copies import StorageCopies
+from .give_way import give_way
 from .held import HeldInputs
-from .plan import planned_copies
+from .plan import SegmentRecord, planned_copies
 from .storages import Handle, Segment, State
 from .traced_keep import TracedKeep
 
@@ -79,6 +80,28 @@ def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)) and len(sub) > max(len(best), 1):
             best = list(sub)
     return best
+
+
+def _log_traced(records: list[SegmentRecord]) -> None:
+    kept = [r for r in records if not r.offloaded]
+    logger.info(
+        "ds_patrickstar: the traced iteration kept %d of %d block segments' activations on the accelerator (%d B)",
+        len(kept),
+        len(records),
+        sum(r.nbytes for r in kept),
+    )
+
+
+def _log_choice(chosen: set[int], total: int, saved: int) -> None:
+    if not chosen:
+        logger.info("ds_patrickstar: the activations fit beside the chunks: none is offloaded from now on")
+        return
+    logger.info(
+        "ds_patrickstar: offloading the activations of blocks %s (%d B per step of %d B saved in blocks)",
+        sorted(chosen),
+        total,
+        saved,
+    )
 
 
 class ActivationOffloader:
@@ -110,6 +133,7 @@ class ActivationOffloader:
         self._outgoing: list[Segment] = []  # segments whose copies out are in flight, oldest first
         self._every_block = False  # this forward offloads every block (see [Note: a risen tide] in plan.py)
         self._unplanned: list[Segment] = []  # this iteration's segments offloaded beyond the plan
+        self.gave_way = False  # this iteration's kept activations left to make room (see [Note: activations give way])
 
     @property
     def host_bytes(self) -> int:
@@ -133,7 +157,7 @@ class ActivationOffloader:
         self._tracing = self.mode == "auto" and tracer.current_trace() is None
         if self._tracing:
             self.chosen = None
-        self._records, self._unplanned = [], []
+        self._records, self._unplanned, self.gave_way = [], [], False
 
     def plan(
         self,
@@ -153,14 +177,7 @@ class ActivationOffloader:
         records = [s.record() for s in self._records]
         self._plan = BlockPlan(trace, budget, chunk_needs(trace), stranded, records)
         if self.mode == "auto":
-            kept = [r for r in records if not r.offloaded]
-            logger.info(
-                "ds_patrickstar: the traced iteration kept %d of %d block segments' activations on the accelerator "
-                "(%d B)",
-                len(kept),
-                len(records),
-                sum(r.nbytes for r in kept),
-            )
+            _log_traced(records)
             self._apply(trace, *self._plan.choose(trace))
         self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
 
@@ -179,10 +196,18 @@ class ActivationOffloader:
         if chosen != self.chosen:
             self._apply(trace, chosen, planned)
 
+    def stranded_rose(self, trace: Trace, stranded: int) -> None:
+        """This iteration's kept activations gave way, beside ``stranded`` allocator bytes at a moment at most: the
+        plan of ``trace`` keeps that much room for them from now on (see [Note: activations give way] in
+        give_way.py)."""
+        plan = self._auto_plan(trace)
+        if plan is not None:
+            plan.stranded = max(plan.stranded, stranded)
+
     def tide_rose(self, trace: Trace, over: dict[int, int]) -> dict[int, int]:
         """A batch's tide rose above the plan of ``trace`` (``over``: moment -> the tide read then, the blocks
-        chosen now offloaded): with "auto", the blocks are chosen again (see [Note: a risen tide] in plan.py);
-        returns the readings as that choice would have had them."""
+        chosen now offloaded; none where only the stranded pieces rose): with "auto", the blocks are chosen again
+        (see [Note: a risen tide] in plan.py); returns the readings as that choice would have had them."""
         plan = self._auto_plan(trace)
         risen = plan.rise(trace, over, self.chosen) if plan is not None and self.chosen is not None else None
         if risen is None:
@@ -207,19 +232,22 @@ class ActivationOffloader:
         self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
         total = sum(r.nbytes for r in records if r.block in chosen)
         self.copies.host_stack.reset(total)  # see [Note: activation host stack]
-        if not self.chosen:
-            logger.info("ds_patrickstar: the activations fit beside the chunks: none is offloaded from now on")
-            return
-        logger.info(
-            "ds_patrickstar: offloading the activations of blocks %s (%d B per step of %d B saved in blocks)",
-            sorted(self.chosen),
-            total,
-            sum(r.nbytes for r in records),
-        )
+        _log_choice(chosen, total, sum(r.nbytes for r in records))
+
+    def give_room(self, nbytes: int) -> int:
+        """Kept activations of this forward's finished blocks leave for the host now until ``nbytes`` did, and the
+        rest of the forward offloads every block; the bytes that left (see [Note: activations give way] in
+        give_way.py)."""
+        freed, moved = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
+        self._unplanned += moved
+        self._every_block = self._every_block or self._current is not None
+        self.gave_way = self.gave_way or bool(moved)
+        return freed
 
     def keeps_blocks(self) -> bool:
-        """Whether the plan keeps some block's activations on the accelerator (a budget error then names "all")."""
-        return self.chosen is not None and len(self.chosen) < self.blocks
+        """Whether the plan keeps some block's activations on the accelerator (a budget error then names "all"),
+        unless this forward offloads every block already (see [Note: activations give way] in give_way.py)."""
+        return self.chosen is not None and len(self.chosen) < self.blocks and not self._every_block
 
     def unplanned_away(self, moment: int) -> int:
         """Bytes of this iteration's segments offloaded beyond the plan and away at ``moment`` (as a record counts
@@ -302,9 +330,7 @@ class ActivationOffloader:
         if segment is None or storage.nbytes() == 0 or self.meter.is_model(storage):
             return self.meter.pack(tensor)
         entry = self.copies.entry_of(storage)
-        if entry is None and (not segment.offload or self.meter.holds(storage)):
-            if not self.meter.holds(storage):
-                segment.nbytes += storage.nbytes()
+        if entry is None and self.meter.holds(storage):  # a kept held input's (see [Note: held inputs])
             return Handle(segment, None, self.meter.pack(tensor))
         if entry is None:
             view = torch.empty(0, dtype=torch.uint8, device=tensor.device)

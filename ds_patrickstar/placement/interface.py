@@ -45,6 +45,7 @@ class ActivationPolicy(Protocol):
 
     host_bytes: int  # bytes of offloaded activations off the accelerator now
     priced: ActivationMoves  # the planned iteration's copies (see [Note: step-time model] in step_time.py)
+    gave_way: bool  # this iteration's kept activations left to make room ([Note: activations give way])
 
     def blocks_found(self, count: int) -> None:
         """The model has ``count`` blocks (see [Note: activation offload])."""
@@ -61,7 +62,14 @@ class ActivationPolicy(Protocol):
 
     def replan(self, trace: Trace, states: StatesRoom) -> None: ...
 
+    def stranded_rose(self, trace: Trace, stranded: int) -> None: ...
+
     def tide_rose(self, trace: Trace, over: dict[int, int]) -> dict[int, int]: ...
+
+    def give_room(self, nbytes: int) -> int:
+        """Kept activations leave for the host now until ``nbytes`` did; the bytes that left (see [Note:
+        activations give way] in activations/give_way.py)."""
+        ...
 
     def keeps_blocks(self) -> bool:
         """Whether some block's activations stay on the accelerator now (for the remedies a budget error names)."""

@@ -11,7 +11,9 @@ stand higher at some moment than the trace said (a longer batch, the allocator's
 other than the traced one): the chunks a moment needs may then not fit beside it even after every
 evictable chunk went. Refusing there (``DeviceBudgetExceeded``) would stop a run that only needs the states
 elsewhere: they are read at the step alone. So where :meth:`ChunkMoves.make_room` cannot find victims for
-the whole shortfall, it first asks :attr:`ChunkMoves.room_from_states` (the run's
+the whole shortfall, and the activations "auto" keeps did not make the room (see [Note: activations give way]
+in activations/give_way.py: :attr:`ChunkMoves.activations`, asked first), it asks
+:attr:`ChunkMoves.room_from_states` (the run's
 :meth:`OptimizerStates.give_room <ds_patrickstar.optim.states.OptimizerStates.give_room>`, wired at
 assembly) to move states to the host until the shortfall is freed, and tries again; those chunks are updated
 on the host at the step, and the tide measured above the plan re-plans the states there (see
@@ -54,6 +56,7 @@ from ..memory.reductions import InFlightReductions
 from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
 from .eviction_queue import accumulator_key
+from .interface import ActivationPolicy
 from .policy import Placer
 from .remedies import Shortfall, budget_remedies
 from .trace import Trace
@@ -82,8 +85,7 @@ class ChunkMoves:
         self.stranded_peak = 0  # the most stranded allocator bytes at a recorded moment this iteration
         # bytes asked -> bytes freed by moving optimizer states to the host (see [Note: states give way])
         self.room_from_states: Callable[[int], int] | None = None
-        self.offloading = False  # activation offload is on (for the remedies a budget error names)
-        self.activations_kept: Callable[[], bool] = lambda: False  # "auto" keeps some blocks' (for the remedies)
+        self.activations: ActivationPolicy | None = None  # when on (see [Note: activations give way])
         self.chunk_size = 0  # zero_optimization.chunk_size: a larger chunk holds one larger tensor (the remedies)
         self._hook = False  # inside a moment's hook (see [Note: one reading per hook])
         self._reading: tuple[int, int] | None = None  # (tide, stranded bytes) read in this hook
@@ -179,14 +181,10 @@ class ChunkMoves:
             try:
                 self._evict_all(*self._victims(short, keep))
             except DeviceBudgetExceeded as err:
-                if self.release_stranded():  # see [Note: stranded bytes released]
-                    self.make_room(need, keep)
-                    return
-                if self.room_from_states is not None and self.room_from_states(short) > 0:
-                    self.counters.states_gave_way += 1  # see [Note: states give way]
-                    self.make_room(need, keep)
-                    return
-                raise _refusal(self, need, keep, self.placer.budget - headroom, err) from None
+                if not _room_elsewhere(self, short):
+                    raise _refusal(self, need, keep, self.placer.budget - headroom, err) from None
+                self.make_room(need, keep)
+                return
         accel.reclaim(need_below=headroom - need)
 
     def recomputes(self) -> bool:
@@ -221,7 +219,7 @@ class ChunkMoves:
             over = self.ledger.total + self.ledger.non_model - self.placer.budget
         if over > 0:
             model, stranded = self.ledger.total, self.ledger.non_model - non_model
-            offload = self.offloading, self.activations_kept()
+            offload = _offload_state(self.activations)
             at = Shortfall(over, self.placer.budget, non_model, model, 0, stranded, *offload, self.recomputes())
             remedies = budget_remedies(at)
             raise DeviceBudgetExceeded(
@@ -340,8 +338,7 @@ def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: 
         held + need,
         accumulators,
         stranded,
-        moves.offloading,
-        moves.activations_kept(),
+        *_offload_state(moves.activations),
         moves.recomputes(),
         sum(chunk.nbytes + chunk.acc_nbytes for chunk in larger),  # on the accelerator or to come
     )
@@ -379,3 +376,22 @@ def evictable_sizes(chunks: list[Chunk], keep: set[int], keeps_accumulators: boo
         return chunk.nbytes + (0 if keeps_accumulators else chunk.acc_nbytes)
 
     return size
+
+
+def _room_elsewhere(moves: ChunkMoves, short: int) -> bool:
+    """Whether the stranded pieces released, kept activations sent away or optimizer states moved to the host made
+    room (the first that did), where evictions could not make ``short`` bytes."""
+    if moves.release_stranded():  # see [Note: stranded bytes released]
+        return True
+    if moves.activations is not None and moves.activations.give_room(short) > 0:
+        moves._reading = None  # the tide fell: read again (see [Note: activations give way])
+        return True
+    if moves.room_from_states is not None and moves.room_from_states(short) > 0:
+        moves.counters.states_gave_way += 1  # see [Note: states give way]
+        return True
+    return False
+
+
+def _offload_state(activations: ActivationPolicy | None) -> tuple[bool, bool]:
+    """For the remedies: whether activation offload is on, and whether "auto" keeps some blocks' activations."""
+    return activations is not None, activations is not None and activations.keeps_blocks()

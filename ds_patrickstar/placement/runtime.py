@@ -120,8 +120,7 @@ class PlacementRuntime:
     @activations.setter
     def activations(self, policy: ActivationPolicy | None) -> None:
         self._activations = self.planning.activations = policy
-        self.moves.offloading = policy is not None
-        self.moves.activations_kept = policy.keeps_blocks if policy is not None else lambda: False
+        self.moves.activations = policy
 
     @property
     def moment(self) -> int:

@@ -1,0 +1,71 @@
+"""Saved activations the "auto" plan keeps on the accelerator, sent to the host at once where a moment's chunks find
+no room beside them.
+
+[Note: activations give way]
+The margin the plan keeps for stranded allocator pieces is what the traced iteration stranded; a later batch
+of another length can strand more beside the blocks "auto" keeps, at a moment whose chunks then do not fit
+even after every evictable chunk went. Such a tide rises in the middle of an iteration, where no plan can
+change, so before optimizer states give way (see [Note: states give way] in placement/moves.py) and before any
+budget error :meth:`ChunkMoves.make_room <ds_patrickstar.placement.moves.ChunkMoves.make_room>` asks
+:meth:`ActivationOffloader.give_room <.offloader.ActivationOffloader.give_room>` (:func:`give_way`):
+
+* **What leaves.** The saved activations of this forward's finished blocks that the plan keeps (not the
+  running block's, none already brought back for backward), the earliest block's first (its backward comes
+  last), until the shortfall left: each storage is copied to the host and waited on at once (the moment waits:
+  a stall, not overlapped). Every saved storage of a block is an entry of its segment from its first saved
+  tensor, kept or not, so that it can leave later; a held input the plan keeps stays (see [Note: held
+  inputs] in storages.py). The rest of that forward offloads every block (as a micro-step beyond the traced
+  shapes does). Those storages come back as planned ones do (the first unpack, the wait before use): the
+  values are unchanged.
+* **The step learns.** The plan keeps from then on the most the allocator stranded at a moment in that
+  iteration (never less than before) and chooses the blocks again from the readings (the blocks that gave way
+  counted as kept, as [Note: a risen tide] reads a micro-step beyond the traced shapes), so later batches
+  offload by plan, their copies overlapped, instead.
+* **Then states, then the error.** Only where nothing kept is left to move, or it was not enough, do
+  optimizer states give way; an error that still stands no longer names ``offload_activations: "all"`` once
+  the forward offloads every block. Counter ``activations_gave_way``, and a log line.
+
+On the twin's GPT with one batch a step of changing lengths at 1.15 MB, the fifth batch gives way once and the
+rest of the run offloads one block by plan, with the losses of a run keeping every activation bit for bit, where
+it stopped with ``DeviceBudgetExceeded`` (``tests/test_dynamic_shapes.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .copies import StorageCopies
+from .storages import Segment, State
+
+logger = logging.getLogger(__name__)
+
+
+def give_way(
+    forward: list[Segment], current: Segment | None, copies: StorageCopies, moment: int, nbytes: int
+) -> tuple[int, list[Segment]]:
+    """The kept segments of ``forward`` (finished: not ``current``; not brought back for backward) leave for the
+    host now, the earliest first, until ``nbytes`` left; returns the bytes that left and the segments (see [Note:
+    activations give way])."""
+    freed, moved = 0, []
+    for segment in forward:
+        if freed >= nbytes:
+            break
+        if segment is current or segment.offload or segment.restore_at >= 0:
+            continue
+        leaving = [e for e in segment.entries if e.state is State.ON_DEVICE and e.refs and not e.pinned]
+        for entry in leaving:
+            copies.copy_out(entry)
+        segment.offload, segment.drop_at = True, moment
+        for entry in leaving:
+            copies.leave(entry)  # waits on the copy: the moment needs the room now
+            freed += entry.nbytes if entry.state in (State.ON_HOST, State.RELEASED) else 0  # else held elsewhere
+        moved.append(segment)
+    if moved:
+        copies.counters.activations_gave_way += 1
+        logger.info(
+            "ds_patrickstar: the tide stands above the plan: the activations of blocks %s left for the host now (%d B) "
+            "to make room, and the rest of this forward offloads every block (see [Note: activations give way])",
+            [segment.block for segment in moved],
+            freed,
+        )
+    return freed, moved
