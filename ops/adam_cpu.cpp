@@ -71,6 +71,7 @@ struct VecF {
   VecF(__m512 x) : v(x) {}
   static VecF load(const float* p) { return _mm512_loadu_ps(p); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void stream(float* p) const { _mm512_stream_ps(p, v); }  // p aligned to the vector
 };
 inline VecF operator+(VecF a, VecF b) { return _mm512_add_ps(a.v, b.v); }
 inline VecF operator-(VecF a, VecF b) { return _mm512_sub_ps(a.v, b.v); }
@@ -113,6 +114,7 @@ struct VecF {
   VecF(__m256 x) : v(x) {}
   static VecF load(const float* p) { return _mm256_loadu_ps(p); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void stream(float* p) const { _mm256_stream_ps(p, v); }  // p aligned to the vector
 };
 inline VecF operator+(VecF a, VecF b) { return _mm256_add_ps(a.v, b.v); }
 inline VecF operator-(VecF a, VecF b) { return _mm256_sub_ps(a.v, b.v); }
@@ -184,12 +186,19 @@ inline void adam_range_scalar(const Slices<Lp>& s, int64_t begin, int64_t end, c
   }
 }
 
-template <typename Lp>
-inline void adam_range(const Slices<Lp>& s, int64_t begin, int64_t end, const AdamCoeffs& c) {
 #if defined(DSPS_HAVE_SIMD)
-  const AdamCoeffsT<VecF> cv = AdamCoeffsT<VecF>::broadcast(c);
-  int64_t i = begin;
-  // Two vectors per iteration to overlap the two divide/sqrt chains.
+template <bool kStream>
+inline void put(float* p, VecF x) {
+  if constexpr (kStream) {
+    x.stream(p);
+  } else {
+    x.store(p);
+  }
+}
+
+// The vectors of [i, end) (two per iteration, to overlap the two divide/sqrt chains); returns where they stop.
+template <typename Lp, bool kStream>
+inline int64_t adam_vectors(const Slices<Lp>& s, int64_t i, int64_t end, const AdamCoeffsT<VecF>& cv) {
   for (; i + 2 * kVec <= end; i += 2 * kVec) {
     VecF g0 = vload(s.g + i), g1 = vload(s.g + i + kVec);
     VecF p0 = VecF::load(s.ps + i), p1 = VecF::load(s.ps + i + kVec);
@@ -197,14 +206,51 @@ inline void adam_range(const Slices<Lp>& s, int64_t begin, int64_t end, const Ad
     VecF v0 = VecF::load(s.vs + i), v1 = VecF::load(s.vs + i + kVec);
     adam_math<VecF>(g0, p0, m0, v0, cv);
     adam_math<VecF>(g1, p1, m1, v1, cv);
-    p0.store(s.p + i);
-    p1.store(s.p + i + kVec);
-    m0.store(s.m + i);
-    m1.store(s.m + i + kVec);
-    v0.store(s.v + i);
-    v1.store(s.v + i + kVec);
+    put<kStream>(s.p + i, p0);
+    put<kStream>(s.p + i + kVec, p1);
+    put<kStream>(s.m + i, m0);
+    put<kStream>(s.m + i + kVec, m1);
+    put<kStream>(s.v + i, v0);
+    put<kStream>(s.v + i + kVec, v1);
     vstore(s.lp + i, p0);
     vstore(s.lp + i + kVec, p1);
+  }
+  return i;
+}
+
+// Into other buffers the fp32 states are written with streaming stores: the destination's cache lines are then
+// not read before they are written (a third of the traffic of writing them), and the update into spare buffers
+// runs near the bandwidth of the one in place. They need the destination aligned to a vector, so they are used
+// where master, exp_avg and exp_avg_sq lie alike against that alignment, after the elements before the first
+// aligned one (the scalar path: the same fused math, bit for bit).
+constexpr uintptr_t kVecBytes = kVec * sizeof(float);
+
+template <typename Lp>
+inline bool streams(const Slices<Lp>& s) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(s.p), m = reinterpret_cast<uintptr_t>(s.m),
+                  v = reinterpret_cast<uintptr_t>(s.v);
+  const bool other = s.p != s.ps && s.m != s.ms && s.v != s.vs;
+  return other && (p - m) % kVecBytes == 0 && (p - v) % kVecBytes == 0 && p % sizeof(float) == 0;
+}
+
+inline int64_t to_aligned(const float* p) {
+  const uintptr_t misaligned = reinterpret_cast<uintptr_t>(p) % kVecBytes;
+  return misaligned ? static_cast<int64_t>((kVecBytes - misaligned) / sizeof(float)) : 0;
+}
+#endif
+
+template <typename Lp>
+inline void adam_range(const Slices<Lp>& s, int64_t begin, int64_t end, const AdamCoeffs& c) {
+#if defined(DSPS_HAVE_SIMD)
+  const AdamCoeffsT<VecF> cv = AdamCoeffsT<VecF>::broadcast(c);
+  int64_t i = begin;
+  if (streams(s)) {
+    const int64_t first = std::min(end, begin + to_aligned(s.p + begin));
+    adam_range_scalar<Lp>(s, begin, first, c);
+    i = adam_vectors<Lp, true>(s, first, end, cv);
+    _mm_sfence();  // the streamed stores are visible before this thread's part is done
+  } else {
+    i = adam_vectors<Lp, false>(s, begin, end, cv);
   }
   adam_range_scalar<Lp>(s, i, end, c);
 #else

@@ -116,12 +116,14 @@ def test_cpu_kernel_loss_scale_and_clip(cpu_step, lp_dtype, loss_scale, clip_coe
 @pytest.mark.parametrize("lp_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_the_update_into_other_buffers_is_the_update_in_place(cpu_step, lp_dtype, backend):
     """[Note: host updates in backward]: ``adam_step_from`` reads the gradient and the states and writes the new
-    parameter and states elsewhere, bit for bit what the step in place writes, the sources untouched."""
+    parameter and states elsewhere, bit for bit what the step in place writes, the sources untouched; the CPU
+    kernel's streamed stores from the first aligned element (outputs 4 elements off a vector's alignment), from
+    the first (outputs aligned), and none (7 elements)."""
     from ds_patrickstar.optim.adam_math import adam_step_from_reference
 
     step_from = kernels.get_adam_from_backend("cpu") if backend == "cpu_fused" else adam_step_from_reference
     in_place, step = cpu_step if backend == "cpu_fused" else adam_step_reference, 4
-    for n, offset in ((70001, 3), (7, 1)):
+    for n, offset in ((70001, 3), (70001, 15), (7, 1)):
         sources = make_inputs(n, lp_dtype, seed=n, offset=offset)
         kept = [t.clone() for t in sources]
         outputs = make_inputs(n, lp_dtype, seed=n + 1, offset=offset + 1)  # other values, another alignment
