@@ -34,7 +34,7 @@ Where host updates begin during backward (:attr:`HostOverlap.FROM_BACKWARD`, see
 backward] in optim/early_updates.py), each host-updated chunk is released at the moment after its last use
 before the step, and the worker runs them one after the other from then, a chunk beginning only while the
 worker is idle (the rule of ``"auto"``), each :data:`BEGUN_COST` times as long as the update in place (it writes
-other buffers, whose cache lines are read before they are written): those begun are not the step's jobs, and
+other buffers): those begun are not the step's jobs, and
 what the worker still runs of them when the step starts delays the step's jobs. The copy of the gradient to the
 host before the job is left out (it runs behind backward's compute), and so is the rank's collective with several
 ranks (the gradient is final once its reduce-scatter completed: later).
@@ -59,9 +59,9 @@ from .planner import update_order
 from .trace import Trace
 
 # A host update into spare buffers against one in place (``adam_step_from`` against ``adam_step``, 8 Mi bf16
-# elements, benchmarks/bench_adam.py: ours_from / ours): 1.57x on a 2-core AMD EPYC (avx2, avx512f, avx512_bf16),
-# the ratio of a separate output's bandwidth to one in place there (36 / 52 GB/s); not measured on a GPU's host
-BEGUN_COST = 1.6
+# elements, benchmarks/bench_adam.py: ours_from / ours): 1.16-1.24x on a 2-core AMD EPYC (avx2, avx512f,
+# avx512_bf16), its states written with streaming stores (1.6x before them); not measured on a GPU's host
+BEGUN_COST = 1.2
 
 
 class HostOverlap(IntEnum):
