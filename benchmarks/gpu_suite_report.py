@@ -277,20 +277,25 @@ def _dynamic_padding(result: dict) -> list[str]:
     rows = [[t["size"], t["backend"], t.get("padding", "fixed, dynamic"), *(["measured", f"{t['tokens_per_s']:.1f}",
                                                        *_padding_phases(t),
                                                        _f(t.get("gpu_max_allocated_bytes"), "{:.2f}", GIB)]
-                                                      if t["status"] == "measured" else _not_measured(t, 6))]
+                                                      if t["status"] == "measured" else _not_measured(t, 7))]
             for t in trials]
     return ["**Dynamic padding** (each step's batch padded to its own longest sequence, tokens/s of the tokens "
             "run, against a fixed length; forward and backward: medians of the timed steps; pinnings: host buffers "
-            "ours' host pool pinned in the timed steps, counter `host_pinnings`).", "",
+            "ours' host pool pinned in the timed steps, counter `host_pinnings`; gave way: the timed steps' moments "
+            "whose chunks fit only once kept activations, then optimizer states, left the GPU, counters "
+            "`activations_gave_way` / `states_gave_way`).", "",
             *_table(["model", "backend", "padding", "status", "tokens/s", "forward (ms)", "backward (ms)",
-                     "pinnings / timed steps", "GPU max (GiB)"], rows), ""]
+                     "pinnings / timed steps", "gave way", "GPU max (GiB)"], rows), ""]
 
 
 def _padding_phases(trial: dict) -> list[str]:
     phases = trial.get("phases_s", {})
     pinnings = [r.get("counters", {}).get("host_pinnings") for r in trial.get("records", [])]
     pinned = f"{sum(pinnings)} / {len(pinnings)}" if pinnings and None not in pinnings else ""
-    return [_f(phases.get("forward"), "{:.1f}", 1e-3), _f(phases.get("backward"), "{:.1f}", 1e-3), pinned]
+    gave = [[r.get("counters", {}).get(k) for r in trial.get("records", [])]
+            for k in ("activations_gave_way", "states_gave_way")]
+    gave_way = " / ".join(str(sum(g)) for g in gave) if all(g and None not in g for g in gave) else ""
+    return [_f(phases.get("forward"), "{:.1f}", 1e-3), _f(phases.get("backward"), "{:.1f}", 1e-3), pinned, gave_way]
 
 
 def _breakdown(result: dict) -> list[str]:
