@@ -92,6 +92,7 @@ class StorageCopies:
     def needed_in_backward(self, segment: Segment) -> None:
         """The first use of ``segment`` in backward brings it back, and the previous one (the prefetch:
         the next block in backward order)."""
+        segment.begun = True
         if segment.restore_at < 0:
             self._bring_back(segment)
             if segment.previous is not None and segment.previous.restore_at < 0:

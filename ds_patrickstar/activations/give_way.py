@@ -9,14 +9,14 @@ change, so before optimizer states give way (see [Note: states give way] in plac
 budget error :meth:`ChunkMoves.make_room <ds_patrickstar.placement.moves.ChunkMoves.make_room>` asks
 :meth:`ActivationOffloader.give_room <.offloader.ActivationOffloader.give_room>` (:func:`give_way`):
 
-* **What leaves.** The saved activations of this forward's finished blocks that the plan keeps (not the
-  running block's, none already brought back for backward), the earliest block's first (its backward comes
-  last), until the shortfall left: each storage is copied to the host and waited on at once (the moment waits:
-  a stall, not overlapped). Every saved storage of a block is an entry of its segment from its first saved
-  tensor, kept or not, so that it can leave later; a held input the plan keeps stays (see [Note: held
-  inputs] in storages.py). The rest of that forward offloads every block (as a micro-step beyond the traced
-  shapes does). Those storages come back as planned ones do (the first unpack, the wait before use): the
-  values are unchanged.
+* **What leaves.** The saved activations the plan keeps of this forward's finished blocks whose backward has
+  not begun (in forward, every finished block but the running one; in backward, the blocks still to come), the
+  earliest block's first (its backward comes last), until the shortfall left: each storage is copied to the
+  host and waited on at once (the moment waits: a stall, not overlapped). Every saved storage of a block is an
+  entry of its segment from its first saved tensor, kept or not, so that it can leave later; a held input the
+  plan keeps stays (see [Note: held inputs] in storages.py). In forward, the rest of it offloads every block
+  (as a micro-step beyond the traced shapes does). Those storages come back as planned ones do, when their
+  block's backward begins (the first unpack, the wait before use): the values are unchanged.
 * **The step learns.** The plan keeps from then on the most the allocator stranded at a moment in that
   iteration (never less than before) and chooses the blocks again from the readings (the blocks that gave way
   counted as kept, as [Note: a risen tide] reads a micro-step beyond the traced shapes), so later batches
@@ -27,13 +27,16 @@ budget error :meth:`ChunkMoves.make_room <ds_patrickstar.placement.moves.ChunkMo
 
 On the twin's GPT with one batch a step of changing lengths at 1.15 MB, the fifth batch gives way once and the
 rest of the run offloads one block by plan, with the losses of a run keeping every activation bit for bit, where
-it stopped with ``DeviceBudgetExceeded`` (``tests/test_dynamic_shapes.py``).
+it stopped with ``DeviceBudgetExceeded``; at 625 KB (``chunk_size`` 2048; offloading every block trains from
+about 612 KB), a kept block gives way in backward, where "auto" stopped and "all" trained
+(``tests/test_dynamic_shapes.py``).
 """
 
 from __future__ import annotations
 
 import logging
 
+from ..counters import StepCounters
 from .copies import StorageCopies
 from .storages import Segment, State
 
@@ -42,30 +45,32 @@ logger = logging.getLogger(__name__)
 
 def give_way(
     forward: list[Segment], current: Segment | None, copies: StorageCopies, moment: int, nbytes: int
-) -> tuple[int, list[Segment]]:
-    """The kept segments of ``forward`` (finished: not ``current``; not brought back for backward) leave for the
-    host now, the earliest first, until ``nbytes`` left; returns the bytes that left and the segments (see [Note:
-    activations give way])."""
+) -> list[Segment]:
+    """The kept segments of ``forward`` (finished: not ``current``; their block's backward not begun) leave for the
+    host now, the earliest first, until ``nbytes`` left; returns them (see [Note: activations give way])."""
     freed, moved = 0, []
     for segment in forward:
         if freed >= nbytes:
             break
-        if segment is current or segment.offload or segment.restore_at >= 0:
+        if segment is current or segment.offload or segment.begun:
             continue
-        leaving = [e for e in segment.entries if e.state is State.ON_DEVICE and e.refs and not e.pinned]
+        leaving = [e for e in segment.entries if e.state in (State.ON_DEVICE, State.BACK) and e.refs and not e.pinned]
         for entry in leaving:
             copies.copy_out(entry)
-        segment.offload, segment.drop_at = True, moment
+        segment.offload, segment.drop_at, segment.restore_at = True, moment, -1  # back at its backward
         for entry in leaving:
             copies.leave(entry)  # waits on the copy: the moment needs the room now
             freed += entry.nbytes if entry.state in (State.ON_HOST, State.RELEASED) else 0  # else held elsewhere
         moved.append(segment)
-    if moved:
-        copies.counters.activations_gave_way += 1
-        logger.info(
-            "ds_patrickstar: the tide stands above the plan: the activations of blocks %s left for the host now (%d B) "
-            "to make room, and the rest of this forward offloads every block (see [Note: activations give way])",
-            [segment.block for segment in moved],
-            freed,
-        )
-    return freed, moved
+    return moved
+
+
+def report_give_way(counters: StepCounters, freed: int, moved: list[Segment]) -> None:
+    """Counts and says that the kept segments ``moved`` left, ``freed`` bytes of the accelerator's."""
+    counters.activations_gave_way += 1
+    logger.info(
+        "ds_patrickstar: the tide stands above the plan: the kept activations of blocks %s left for the host now "
+        "(%d B) to make room (see [Note: activations give way])",
+        [segment.block for segment in moved],
+        freed,
+    )

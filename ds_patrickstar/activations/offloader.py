@@ -56,14 +56,13 @@ from ..counters import StepCounters
 from ..memory.accelerator import Accelerator
 from ..placement.saved_meter import SavedTensorMeter
 from ..placement.states_room import StatesRoom
-from ..placement.step_time import NO_ACTIVATION_MOVES
+from ..placement.step_time import ActivationMoves
 from ..placement.trace import Trace
 from ..placement.tracer import MemoryTracer
-from .block_plan import BlockPlan
+from .choice import BlockChoice
 from .copies import StorageCopies
-from .give_way import give_way
+from .give_way import give_way, report_give_way
 from .held import HeldInputs
-from .plan import SegmentRecord, planned_copies
 from .storages import Handle, Segment, State
 from .traced_keep import TracedKeep
 
@@ -80,28 +79,6 @@ def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)) and len(sub) > max(len(best), 1):
             best = list(sub)
     return best
-
-
-def _log_traced(records: list[SegmentRecord]) -> None:
-    kept = [r for r in records if not r.offloaded]
-    logger.info(
-        "ds_patrickstar: the traced iteration kept %d of %d block segments' activations on the accelerator (%d B)",
-        len(kept),
-        len(records),
-        sum(r.nbytes for r in kept),
-    )
-
-
-def _log_choice(chosen: set[int], total: int, saved: int) -> None:
-    if not chosen:
-        logger.info("ds_patrickstar: the activations fit beside the chunks: none is offloaded from now on")
-        return
-    logger.info(
-        "ds_patrickstar: offloading the activations of blocks %s (%d B per step of %d B saved in blocks)",
-        sorted(chosen),
-        total,
-        saved,
-    )
 
 
 class ActivationOffloader:
@@ -124,9 +101,9 @@ class ActivationOffloader:
         self.held = HeldInputs(meter, self.copies)
         self._clock = clock  # the current moment of the iteration
         self.blocks = 0  # the model's blocks (see :func:`repeated_blocks`)
-        self.chosen: set[int] | None = None  # None: every block
-        self._plan: BlockPlan | None = None  # the traced step's, made again at the check and where the tide rose
-        self.priced = NO_ACTIVATION_MOVES  # the planned iteration's copies, as the step-time model prices them
+        self.choice = BlockChoice(
+            accel, self.copies.host_stack, mode
+        )  # which blocks (see [Note: auto activation offload])
         self._records: list[Segment] = []  # this iteration's segments
         self._forward: list[Segment] = []  # this forward's segments
         self._current: Segment | None = None
@@ -166,82 +143,45 @@ class ActivationOffloader:
         chunk_needs: Callable[[Trace], list[int]],
         stranded: int = 0,
     ) -> None:
-        """With "auto", at the step of the iteration that made ``trace``: which blocks to offload
-        from now on, from this iteration's records; ``trace``'s tide becomes the planned one.
-        ``stranded``: the most allocator bytes that iteration stranded at a moment, room an offload
-        keeps for the pieces it strands (see [Note: auto activation offload] in plan.py). More blocks where that
-        makes room for optimizer states are the next step's to choose (:meth:`replan`, see [Note: activations
-        offloaded for optimizer states] in placement/states_room.py)."""
-        if self._plan is not None and trace is self._plan.trace:
-            return
-        records = [s.record() for s in self._records]
-        self._plan = BlockPlan(trace, budget, chunk_needs(trace), stranded, records)
-        if self.mode == "auto":
-            _log_traced(records)
-            self._apply(trace, *self._plan.choose(trace))
-        self.priced = planned_copies(records, self.chosen)  # see [Note: step-time model] in placement/step_time.py
-
-    def _auto_plan(self, trace: Trace) -> BlockPlan | None:
-        """The plan of ``trace``'s traced step where "auto" made one."""
-        return self._plan if self.mode == "auto" and self._plan is not None and trace is self._plan.trace else None
+        """With "auto", at the step of the iteration that made ``trace``: which blocks to offload from now on, from
+        this iteration's segments (see :meth:`BlockChoice.plan <.choice.BlockChoice.plan>`)."""
+        self.choice.plan(trace, budget, chunk_needs, stranded, [s.record() for s in self._records])
 
     def replan(self, trace: Trace, states: StatesRoom) -> None:
-        """The plan of ``trace``'s traced step made again from the same tide and segments, ``states`` priced on
-        other moment times (see [Note: the plan checked on steady times] in placement/step_planner.py); nothing
-        changes where it keeps the same blocks."""
-        plan = self._auto_plan(trace)
-        if plan is None:
-            return
-        chosen, planned = plan.choose(trace, states)
-        if chosen != self.chosen:
-            self._apply(trace, chosen, planned)
+        self.choice.replan(trace, states)
 
     def stranded_rose(self, trace: Trace, stranded: int) -> None:
-        """This iteration's kept activations gave way, beside ``stranded`` allocator bytes at a moment at most: the
-        plan of ``trace`` keeps that much room for them from now on (see [Note: activations give way] in
-        give_way.py)."""
-        plan = self._auto_plan(trace)
-        if plan is not None:
-            plan.stranded = max(plan.stranded, stranded)
+        self.choice.stranded_rose(trace, stranded)
 
     def tide_rose(self, trace: Trace, over: dict[int, int]) -> dict[int, int]:
-        """A batch's tide rose above the plan of ``trace`` (``over``: moment -> the tide read then, the blocks
-        chosen now offloaded; none where only the stranded pieces rose): with "auto", the blocks are chosen again
-        (see [Note: a risen tide] in plan.py); returns the readings as that choice would have had them."""
-        plan = self._auto_plan(trace)
-        risen = plan.rise(trace, over, self.chosen) if plan is not None and self.chosen is not None else None
-        if risen is None:
-            return over
-        (chosen, planned), readings = risen
-        logger.info(
-            "ds_patrickstar: the tide rose above the plan: the activations of blocks %s are offloaded from now on "
-            "(were %s)",
-            sorted(chosen),
-            sorted(self.chosen or ()),
-        )
-        self._apply(trace, chosen, planned)
-        return readings
+        return self.choice.tide_rose(trace, over)
 
-    def _apply(self, trace: Trace, chosen: set[int], planned: list[int]) -> None:
-        """Offload ``chosen`` from now on; ``trace`` plans with the tide ``planned``."""
-        records = self._plan.records if self._plan is not None else []
-        self.chosen = chosen
-        self.priced = planned_copies(records, chosen)
-        for index, non_model in enumerate(planned):
-            trace.set_non_model(index, non_model)
-        self.accel.release_cached()  # see [Note: activation offload], "Which blocks"
-        total = sum(r.nbytes for r in records if r.block in chosen)
-        self.copies.host_stack.reset(total)  # see [Note: activation host stack]
-        _log_choice(chosen, total, sum(r.nbytes for r in records))
+    @property
+    def chosen(self) -> set[int] | None:
+        """The blocks offloaded (None: every block)."""
+        return self.choice.chosen
+
+    @chosen.setter
+    def chosen(self, blocks: set[int] | None) -> None:
+        self.choice.chosen = blocks
+
+    @property
+    def priced(self) -> ActivationMoves:
+        """The planned iteration's copies, as the step-time model prices them."""
+        return self.choice.priced
 
     def give_room(self, nbytes: int) -> int:
-        """Kept activations of this forward's finished blocks leave for the host now until ``nbytes`` did, and the
-        rest of the forward offloads every block; the bytes that left (see [Note: activations give way] in
-        give_way.py)."""
-        freed, moved = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
+        """Kept activations leave the accelerator now until ``nbytes`` did (of finished blocks whose backward has not
+        begun), and the rest of a forward offloads every block; the bytes that left (see [Note: activations give
+        way] in give_way.py)."""
+        before = self.meter.bytes
+        moved = give_way(self._forward, self._current, self.copies, self._clock(), nbytes - before + self.meter.bytes)
         self._unplanned += moved
-        self._every_block = self._every_block or self._current is not None
-        self.gave_way = self.gave_way or bool(moved)
+        self._every_block = self._every_block or (self._current is not None and bool(moved))
+        freed = before - self.meter.bytes
+        if freed > 0:
+            self.gave_way = True
+            report_give_way(self.copies.counters, freed, moved)
         return freed
 
     def keeps_blocks(self) -> bool:

@@ -64,7 +64,7 @@ _MOVES = {
     State.TO_HOST: {State.ON_HOST, State.BACK, State.RELEASED},
     State.ON_HOST: {State.TO_DEVICE, State.RELEASED},
     State.TO_DEVICE: {State.BACK, State.RELEASED},
-    State.BACK: {State.RELEASED},
+    State.BACK: {State.TO_HOST, State.RELEASED},  # to the host again: kept ones giving way in backward
     State.RELEASED: set(),
 }
 
@@ -153,6 +153,7 @@ class Segment:
     triggered: bool = False  # a hook tells when its backward is about to run (see [Note: held inputs])
     drop_at: int = -1  # the moment after which its offloaded storages are off the accelerator
     restore_at: int = -1  # the moment its storages are needed again (copied back)
+    begun: bool = False  # its block's backward began (a saved tensor of it unpacked, or the hook before it ran)
     previous: Segment | None = None
 
     def record(self) -> SegmentRecord:

@@ -44,8 +44,12 @@ class ActivationPolicy(Protocol):
     [Note: activation offload]."""
 
     host_bytes: int  # bytes of offloaded activations off the accelerator now
-    priced: ActivationMoves  # the planned iteration's copies (see [Note: step-time model] in step_time.py)
-    gave_way: bool  # this iteration's kept activations left to make room ([Note: activations give way])
+    gave_way: bool  # this iteration's activations left to make room ([Note: activations give way])
+
+    @property
+    def priced(self) -> ActivationMoves:
+        """The planned iteration's copies (see [Note: step-time model] in step_time.py)."""
+        ...
 
     def blocks_found(self, count: int) -> None:
         """The model has ``count`` blocks (see [Note: activation offload])."""
