@@ -98,6 +98,25 @@ def test_padded_micro_batches_keep_room_for_the_pieces_they_strand():
         assert run(budget, "auto") == resident, budget
 
 
+def test_micro_batches_of_other_lengths_plan_each_ones_own_tide_raised_at_its_place():
+    """Two micro-batches a step of other lengths (30 then 18 tokens traced) at 700 KB, where "auto" offloads every
+    block: the plan covers both micro-steps alike from each one's own tide with its own segments away, raised to the
+    most at its place (see [Note: a risen tide]). Raising the tides with no offload first and taking the second
+    micro-step's smaller segments off that planned 631 KB where 274 KB stood, and the run stopped at the second
+    step where offloading every block by "all" trains; now it trains, bit for bit with a run keeping every
+    activation."""
+    lengths = [30, 18, 23, 23, 11, 8, 17, 20]
+
+    def run(budget, offload):
+        config = ds.gpt_config("patrickstar", budget, chunk=4096, offload_activations=offload)
+        config["gradient_accumulation_steps"] = 2
+        return ds.gpt_run(config, lengths)
+
+    resident, ours = run(10**8, "none"), run(700_000, "auto")
+    assert ours["losses"] == resident["losses"]
+    assert max(c["peak_device_bytes"] for c in ours["counters"]) <= 700_000
+
+
 def test_kept_activations_give_way_where_the_pieces_stranded_rise_above_the_plan():
     """One batch a step of changing lengths at 1.15 MB: the fifth batch (28 tokens, a length traced) finds more
     allocator pieces stranded beside the blocks "auto" keeps than the plan's margin: the finished blocks' kept

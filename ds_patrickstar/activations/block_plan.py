@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from ..placement.states_room import StatesRoom, with_tide
 from ..placement.trace import Trace
-from .plan import SegmentRecord, across_micro_steps, away_bytes, bare_tide, plan_for_states, plan_offload
+from .plan import SegmentRecord, away_bytes, bare_tide, micro_step_places, plan_for_states, plan_offload
 
 Choice = tuple[set[int], list[int]]
 """The blocks offloaded and the tide planned with them."""
@@ -23,12 +23,11 @@ class BlockPlan:
         self.need = need  # per moment planned, the chunks' bytes
         self.stranded = stranded  # the most allocator bytes the traced iteration stranded at a moment
         self.records = records  # the traced iteration's segments
-        # the tide with no block offloaded, alike in every micro-step where their batches differed (see [Note: a
-        # risen tide] in plan.py)
+        # the tide with no block offloaded, each micro-step's own (planned alike in every micro-step where their
+        # batches differed: ``places``, see [Note: a risen tide] in plan.py)
         self.bare = bare_tide([m.non_model for m in trace.moments[: len(need)]], records)
         self.varying = _uneven(records)  # the shapes vary: room for the pieces they strand ([Note: a risen tide])
-        if self.varying:
-            self.bare = across_micro_steps(self.bare, trace)
+        self.places = micro_step_places(trace, len(need)) if self.varying else None
 
     def choose(self, trace: Trace, states: StatesRoom | None = None) -> Choice:
         """The blocks offloaded from the tide with no offload, ``trace``'s step moment as it stands; with
@@ -36,12 +35,12 @@ class BlockPlan:
         offloaded for optimizer states] in placement/states_room.py)."""
         base, records = with_tide(trace, self.bare), [replace(r, offloaded=False) for r in self.records]
         tide = [m.non_model for m in base.moments[: len(self.need)]]
-        chosen, planned = plan_offload(tide, self.need, self.budget, records)
+        chosen, planned = plan_offload(tide, self.need, self.budget, records, self.places)
         if (chosen or self.varying) and self.stranded:  # see [Note: auto activation offload] in plan.py
-            chosen, planned = plan_offload(tide, self.need, self.budget - self.stranded, records)
+            chosen, planned = plan_offload(tide, self.need, self.budget - self.stranded, records, self.places)
         if states is not None:
             room = self.budget - self.stranded
-            chosen, planned = plan_for_states(base, self.need, room, records, (chosen, planned), states)
+            chosen, planned = plan_for_states(base, self.need, room, records, (chosen, planned), states, self.places)
         return chosen, planned
 
     def rise(self, trace: Trace, over: dict[int, int], chosen: set[int]) -> tuple[Choice, dict[int, int]] | None:
@@ -53,7 +52,7 @@ class BlockPlan:
         for index, non_model in over.items():
             if index < moments:
                 self.bare[index] = max(self.bare[index], non_model + before[index])
-        self.bare, self.varying = across_micro_steps(self.bare, trace), True
+        self.varying, self.places = True, micro_step_places(trace, moments)
         choice = self.choose(trace)
         if choice[0] == chosen:
             return None

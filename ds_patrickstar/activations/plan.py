@@ -55,10 +55,14 @@ traced at its place: its tide then rises above the plan, and where "auto" had pl
 activations, its backward could stop with ``DeviceBudgetExceeded`` where offloading them fits. So:
 
 * **The plan covers every micro-step alike.** Where the traced micro-steps' batches differed (a block's
-  segments saved unequal bytes), the tide with no block offloaded (the traced tide plus the offloaded
-  segments, see [Note: auto activation offload]) is raised, at each moment, to the most at its place in
-  every micro-step, where the micro-steps run the same moments (:func:`across_micro_steps`), and the blocks
-  are chosen from it; every micro-step's inputs widen the envelope while an iteration is traced.
+  segments saved unequal bytes), each micro-step's own tide with no block offloaded (its traced tide plus its
+  offloaded segments, see [Note: auto activation offload]), less its own segments of the blocks chosen, is
+  raised at each moment to the most at its place in every micro-step, where the micro-steps run the same
+  moments (:func:`micro_step_places`), and the blocks are chosen by that tide (:func:`plan_offload`); every
+  micro-step's inputs widen the envelope while an iteration is traced. (Raising the tides with no offload
+  first and taking one micro-step's segments off the most planned a longer micro-batch's tide less a shorter
+  one's segments: on the twin, 631 KB at a moment where 274 KB stood, and a run stopped where offloading
+  every block trains.)
 * **A later micro-step beyond the envelope offloads every block.** Its first forward's inputs are checked
   (:meth:`~ds_patrickstar.placement.tracer.MemoryTracer.micro_step_inputs`; logged): where they lie beyond
   every traced shape, every block's activations it saves are offloaded, as a traced iteration's may be, and
@@ -98,11 +102,13 @@ from ..placement.trace import Trace
 __all__ = [
     "SegmentRecord",
     "across_micro_steps",
+    "micro_step_places",
     "away_bytes",
     "bare_tide",
     "plan_for_states",
     "plan_offload",
     "planned_copies",
+    "spread",
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,16 +134,24 @@ def _overflow(tide: list[int], need: list[int], budget: int) -> list[int]:
 
 
 def plan_offload(
-    tide: list[int], need: list[int], budget: int, records: list[SegmentRecord]
+    tide: list[int],
+    need: list[int],
+    budget: int,
+    records: list[SegmentRecord],
+    places: list[list[int]] | None = None,
 ) -> tuple[set[int], list[int]]:
     """``(blocks to offload, the tide with them offloaded)`` from the traced ``tide`` and the chunk
-    bytes ``need`` at each moment; see [Note: auto activation offload]."""
+    bytes ``need`` at each moment; see [Note: auto activation offload]. ``places``: the moments at the same place in
+    every micro-step, where the plan covers every micro-step alike (see [Note: a risen tide]): each micro-step's own
+    tide, with the chosen blocks' segments of that micro-step away, raised to the most at its place."""
     moments = len(tide)
-    planned = bare_tide(tide, records)
+    own = bare_tide(tide, records)
+    place_of = {index: same for same in places or () for index in same}
     by_block: dict[int, list[SegmentRecord]] = {}
     for record in records:
         by_block.setdefault(record.block, []).append(record)
     chosen: set[int] = set()
+    planned = spread(own, places)
     while moments:
         over = _overflow(planned, need, budget)
         worst = max(range(moments), key=lambda m: over[m])
@@ -147,7 +161,7 @@ def plan_offload(
         gains = {}
         for block, segments in by_block.items():
             if block not in chosen:
-                gains[block] = max(sum(s.nbytes for s in segments if m in s.away(moments)) for m in window)
+                gains[block] = max(planned[m] - _without(own, segments, place_of.get(m, [m]), moments) for m in window)
         candidates = [b for b, g in gains.items() if g > 0]
         if not candidates:
             break
@@ -159,8 +173,14 @@ def plan_offload(
         chosen.add(block)
         for segment in by_block[block]:
             for m in segment.away(moments):
-                planned[m] -= segment.nbytes
+                own[m] -= segment.nbytes
+        planned = spread(own, places)
     return chosen, planned
+
+
+def _without(own: list[int], segments: list[SegmentRecord], place: list[int], moments: int) -> int:
+    """The tide at ``place`` (moments at the same place in every micro-step) with ``segments`` away too."""
+    return max(own[p] - sum(s.nbytes for s in segments if p in s.away(moments)) for p in place)
 
 
 def bare_tide(tide: list[int], records: list[SegmentRecord]) -> list[int]:
@@ -179,23 +199,34 @@ def away_bytes(records: list[SegmentRecord], blocks: set[int] | None, moments: i
     return away
 
 
-def across_micro_steps(tide: list[int], trace: Trace) -> list[int]:
-    """``tide`` (per moment of ``trace``, from its first) with each moment raised to the most at its place in every
-    micro-step, where the micro-steps run the same moments (see [Note: a risen tide])."""
+def micro_step_places(trace: Trace, moments: int) -> list[list[int]] | None:
+    """The moments of ``trace`` (of its first ``moments``) at the same place in every micro-step, where the
+    micro-steps run the same moments (None where there is one, or they differ; see [Note: a risen tide])."""
     places: dict[int, list[int]] = {}
-    for index, micro in enumerate(trace.micro_steps()[: len(tide)]):
+    for index, micro in enumerate(trace.micro_steps()[:moments]):
         if trace.moments[index].label != "step":
             places.setdefault(micro, []).append(index)
     steps = list(places.values())
     labels = [[trace.moments[i].label for i in step] for step in steps]
     if len(steps) < 2 or any(other != labels[0] for other in labels):
-        return list(tide)
+        return None
+    return [list(same) for same in zip(*steps)]
+
+
+def spread(tide: list[int], places: list[list[int]] | None) -> list[int]:
+    """``tide`` with each moment of ``places`` raised to the most at its place."""
     raised = list(tide)
-    for same in zip(*steps):
+    for same in places or ():
         top = max(tide[i] for i in same)
         for index in same:
             raised[index] = top
     return raised
+
+
+def across_micro_steps(tide: list[int], trace: Trace) -> list[int]:
+    """``tide`` (per moment of ``trace``, from its first) with each moment raised to the most at its place in every
+    micro-step, where the micro-steps run the same moments (see [Note: a risen tide])."""
+    return spread(tide, micro_step_places(trace, len(tide)))
 
 
 def planned_copies(records: list[SegmentRecord], blocks: set[int] | None) -> ActivationMoves:
@@ -245,6 +276,7 @@ def plan_for_states(
     records: list[SegmentRecord],
     base: tuple[set[int], list[int]],
     states: StatesRoom,
+    places: list[list[int]] | None = None,
 ) -> tuple[set[int], list[int]]:
     """Of ``base`` (the blocks :func:`plan_offload` chose for the traced ``trace`` and the tide planned with them)
     and plans offloading more blocks so that the fill rule places more optimizer states, the one the step-time
@@ -254,7 +286,7 @@ def plan_for_states(
     tide = [m.non_model for m in trace.moments[: len(need)]]
     options = [base]
     for cap in states.caps(with_tide(trace, base[1])):
-        blocks, planned = plan_offload(tide, [max(n, room - cap) for n in need], room, records)
+        blocks, planned = plan_offload(tide, [max(n, room - cap) for n in need], room, records, places)
         if all(blocks != known for known, _ in options):
             options.append((blocks, planned))
     if len(options) == 1:
