@@ -175,7 +175,7 @@ class ActivationOffloader:
         begun), and the rest of a forward offloads every block; the bytes that left (see [Note: activations give
         way] in give_way.py)."""
         before = self.meter.bytes
-        moved = give_way(self._forward, self._current, self.copies, self._clock(), nbytes - before + self.meter.bytes)
+        moved = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
         self._unplanned += moved
         self._every_block = self._every_block or (self._current is not None and bool(moved))
         freed = before - self.meter.bytes
