@@ -235,11 +235,14 @@ def test_plan_offloads_the_fewest_bytes_that_fit():
 
 
 def test_the_plan_covers_every_micro_step_alike():
-    """The tide with no offload is planned, at each moment, as the most at its place in every micro-step where the
+    """A micro-step's tide is planned, at each moment, as the most at its place in every micro-step where the
     micro-steps run the same moments (see [Note: a risen tide]); a step moment is left as it is, and micro-steps
     running other moments are not matched."""
-    from ds_patrickstar.activations.plan import across_micro_steps
+    from ds_patrickstar.activations.plan import micro_step_places, spread
     from ds_patrickstar.placement.trace import Moment, Trace
+
+    def across_micro_steps(tide, trace):
+        return spread(tide, micro_step_places(trace, len(tide)))
 
     def trace(labels):
         built = Trace()

@@ -48,9 +48,9 @@ def give_way(
 ) -> list[Segment]:
     """The kept segments of ``forward`` (finished: not ``current``; their block's backward not begun) leave for the
     host now, the earliest first, until ``nbytes`` left; returns them (see [Note: activations give way])."""
-    freed, moved = 0, []
+    before, moved = copies.meter.bytes, []
     for segment in forward:
-        if freed >= nbytes:
+        if before - copies.meter.bytes >= nbytes:
             break
         if segment is current or segment.offload or segment.begun:
             continue
@@ -59,8 +59,7 @@ def give_way(
             copies.copy_out(entry)
         segment.offload, segment.drop_at, segment.restore_at = True, moment, -1  # back at its backward
         for entry in leaving:
-            copies.leave(entry)  # waits on the copy: the moment needs the room now
-            freed += entry.nbytes if entry.state in (State.ON_HOST, State.RELEASED) else 0  # else held elsewhere
+            copies.leave(entry)  # waits on the copy: the moment needs the room now (held elsewhere: it stays)
         moved.append(segment)
     return moved
 

@@ -101,7 +101,6 @@ from ..placement.trace import Trace
 
 __all__ = [
     "SegmentRecord",
-    "across_micro_steps",
     "micro_step_places",
     "away_bytes",
     "bare_tide",
@@ -221,12 +220,6 @@ def spread(tide: list[int], places: list[list[int]] | None) -> list[int]:
         for index in same:
             raised[index] = top
     return raised
-
-
-def across_micro_steps(tide: list[int], trace: Trace) -> list[int]:
-    """``tide`` (per moment of ``trace``, from its first) with each moment raised to the most at its place in every
-    micro-step, where the micro-steps run the same moments (see [Note: a risen tide])."""
-    return spread(tide, micro_step_places(trace, len(tide)))
 
 
 def planned_copies(records: list[SegmentRecord], blocks: set[int] | None) -> ActivationMoves:

@@ -90,13 +90,17 @@ class StepPlanner:
         if trace is None:  # the step of the iteration being traced plans from it (see [Note: first steps])
             return self._traced(traced, capacities) if traced is not None else None
         check, self._check = self._check, None
-        gave_way = self.activations is not None and self.activations.gave_way
-        if gave_way and self.activations is not None:  # see [Note: activations give way] in activations/give_way.py
-            self.activations.stranded_rose(trace, self.moves.stranded_peak)
+        activations = self.activations
+        if (
+            activations is not None and activations.gave_way
+        ):  # see [Note: activations give way] in activations/give_way.py
+            activations.stranded_rose(trace, self.moves.stranded_peak)
         if check is trace and not over:
             return self._checked(trace, capacities)
-        if (over or gave_way) and self.activations is not None:  # see [Note: a risen tide] in activations/plan.py
-            over = self.activations.tide_rose(trace, over)
+        if activations is not None and (
+            over or activations.gave_way
+        ):  # see [Note: a risen tide] in activations/plan.py
+            over = activations.tide_rose(trace, over)
         return self.steps.decide(trace, over, capacities, lambda t, fill: self._choose(t, fill, self._times(t)))
 
     def _traced(self, traced: Trace, capacities: dict[int, int]) -> set[int] | None:
