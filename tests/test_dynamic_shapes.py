@@ -137,20 +137,26 @@ def test_kept_activations_give_way_where_the_pieces_stranded_rise_above_the_plan
     assert max(c["peak_device_bytes"] for c in ours["counters"]) <= 1_150_000
 
 
-def test_a_kept_block_gives_way_in_backward_where_offloading_every_block_trains():
-    """At 625 KB (offloading every block trains from about 612 KB) "auto" keeps one block, and in the third step's
-    backward the chunks of the last block do not fit beside it and the allocator's pieces: that block, whose
-    backward comes later, leaves for the host and comes back at its backward (see [Note: activations give way]).
-    The run trains with the losses of a run keeping every activation, bit for bit, where "auto" stopped."""
+@pytest.mark.parametrize("chunk, budget, called_back", [(2048, 625_000, 0), (4096, 650_000, 247_296)])
+def test_a_block_gives_way_in_backward_where_offloading_every_block_trains(chunk, budget, called_back):
+    """"auto" keeps one block, and in the third step's backward the chunks of the block in backward do not fit
+    beside the activations and the allocator's pieces (see [Note: activations give way]). At 625 KB (``chunk_size``
+    2048; offloading every block trains from about 612 KB) the kept block, whose backward comes later, leaves for
+    the host; at 650 KB (4096) nothing is kept before the block in backward, and the block prefetched for the next
+    backward goes back to the host (its copy back undone, so the step brings 247,296 B back twice). Both come back
+    at their own backward. The runs train with the losses of a run keeping every activation, bit for bit, where
+    "auto" stopped with DeviceBudgetExceeded."""
     lengths = [32, 24, 32, 30]
 
     def run(budget, offload):
-        return ds.gpt_run(ds.gpt_config("patrickstar", budget, chunk=2048, offload_activations=offload), lengths)
+        return ds.gpt_run(ds.gpt_config("patrickstar", budget, chunk=chunk, offload_activations=offload), lengths)
 
-    resident, ours = run(10**8, "none"), run(625_000, "auto")
+    resident, ours = run(10**8, "none"), run(budget, "auto")
     assert ours["losses"] == resident["losses"]
     assert [c["activations_gave_way"] for c in ours["counters"]] == [0, 0, 1, 0]
-    assert max(c["peak_device_bytes"] for c in ours["counters"]) <= 625_000
+    third = ours["counters"][2]
+    assert third["activation_bytes_restored"] - third["activation_bytes_offloaded"] == called_back
+    assert max(c["peak_device_bytes"] for c in ours["counters"]) <= budget
 
 
 def test_a_budget_error_names_offloading_every_block_where_auto_keeps_some():

@@ -124,6 +124,20 @@ class StorageCopies:
             self._charge(entry, entry.nbytes)
             self.counters.activation_bytes_restored += entry.nbytes
 
+    def call_back(self, entry: Entry) -> bool:
+        """Undo ``entry``'s copy back before its first use: waited on, the accelerator storage dropped (a held input
+        emptied again), the host copy kept for its block's backward; whether it could (a held input a saved tensor
+        refers to as well keeps the storage: it stays). See [Note: activations give way] in give_way.py."""
+        if entry.state is not State.TO_DEVICE or (entry.held is not None and entry.refs):
+            return False
+        assert entry.pending is not None
+        entry.pending.wait_host()  # the destination outlives its copy
+        entry.move(State.ON_HOST)
+        entry.empty_held()
+        entry.device, entry.pending, entry.storage = None, None, None
+        self._charge(entry, -entry.nbytes)
+        return True
+
     def wait_before_use(self, entry: Entry) -> None:
         """The copy back has completed before the storage is read (see [Note: activation offload])."""
         assert entry.pending is not None

@@ -1,5 +1,5 @@
-"""Saved activations the "auto" plan keeps on the accelerator, sent to the host at once where a moment's chunks find
-no room beside them.
+"""Saved activations the "auto" plan keeps on the accelerator (and offloaded ones still there), sent to the host at
+once where a moment's chunks find no room beside them.
 
 [Note: activations give way]
 The margin the plan keeps for stranded allocator pieces is what the traced iteration stranded; a later batch
@@ -17,6 +17,12 @@ budget error :meth:`ChunkMoves.make_room <ds_patrickstar.placement.moves.ChunkMo
   plan keeps stays (see [Note: held inputs] in storages.py). In forward, the rest of it offloads every block
   (as a micro-step beyond the traced shapes does). Those storages come back as planned ones do, when their
   block's backward begins (the first unpack, the wait before use): the values are unchanged.
+* **Offloaded blocks too.** In the same order, an offloaded block's copies out still in flight (the one block
+  of overlap in forward) are waited on and its storages dropped at once, and a block brought back ahead of its
+  backward (the prefetch) goes back to the host: each copy back not used yet is waited on, its accelerator
+  storage dropped (a held input emptied again) and the host copy kept
+  (:meth:`StorageCopies.call_back <.copies.StorageCopies.call_back>`), to be brought back at its own backward
+  (those bytes cross twice: the counters count both).
 * **The step learns.** The plan keeps from then on the most the allocator stranded at a moment in that
   iteration (never less than before) and chooses the blocks again from the readings (the blocks that gave way
   counted as kept, as [Note: a risen tide] reads a micro-step beyond the traced shapes), so later batches
@@ -29,7 +35,8 @@ On the twin's GPT with one batch a step of changing lengths at 1.15 MB, the fift
 rest of the run offloads one block by plan, with the losses of a run keeping every activation bit for bit, where
 it stopped with ``DeviceBudgetExceeded``; at 625 KB (``chunk_size`` 2048; offloading every block trains from
 about 612 KB), a kept block gives way in backward, where "auto" stopped and "all" trained
-(``tests/test_dynamic_shapes.py``).
+(``tests/test_dynamic_shapes.py``); at 650 KB (``chunk_size`` 4096) nothing is kept before the block in
+backward, and the block prefetched for the next backward gives way.
 """
 
 from __future__ import annotations
@@ -45,14 +52,20 @@ logger = logging.getLogger(__name__)
 
 def give_way(
     forward: list[Segment], current: Segment | None, copies: StorageCopies, moment: int, nbytes: int
-) -> list[Segment]:
-    """The kept segments of ``forward`` (finished: not ``current``; their block's backward not begun) leave for the
-    host now, the earliest first, until ``nbytes`` left; returns them (see [Note: activations give way])."""
-    before, moved = copies.meter.bytes, []
+) -> tuple[list[Segment], list[Segment]]:
+    """The segments of ``forward`` (finished: not ``current``; their block's backward not begun) give way now, the
+    earliest first, until ``nbytes`` left: kept ones leave for the host, offloaded ones still leaving are waited on,
+    prefetched ones go back to the host; returns the kept ones moved and the offloaded ones (see
+    [Note: activations give way])."""
+    before, kept, offloaded = copies.meter.bytes, [], []
     for segment in forward:
         if before - copies.meter.bytes >= nbytes:
             break
-        if segment is current or segment.offload or segment.begun:
+        if segment is current or segment.begun:
+            continue
+        if segment.offload:
+            if _hurry(segment, copies):
+                offloaded.append(segment)
             continue
         leaving = [e for e in segment.entries if e.state in (State.ON_DEVICE, State.BACK) and e.refs and not e.pinned]
         for entry in leaving:
@@ -60,16 +73,30 @@ def give_way(
         segment.offload, segment.drop_at, segment.restore_at = True, moment, -1  # back at its backward
         for entry in leaving:
             copies.leave(entry)  # waits on the copy: the moment needs the room now (held elsewhere: it stays)
-        moved.append(segment)
-    return moved
+        kept.append(segment)
+    return kept, offloaded
 
 
-def report_give_way(counters: StepCounters, freed: int, moved: list[Segment]) -> None:
-    """Counts and says that the kept segments ``moved`` left, ``freed`` bytes of the accelerator's."""
+def _hurry(segment: Segment, copies: StorageCopies) -> bool:
+    """An offloaded segment's copies out still in flight are waited on now, its copies back not used yet undone
+    (brought back again at its backward); whether any was."""
+    leaving = [e for e in segment.entries if e.state is State.TO_HOST]
+    for entry in leaving:
+        copies.leave(entry)
+    called = [e for e in segment.entries if copies.call_back(e)]
+    if called:
+        segment.restore_at = -1  # back at its backward (the first unpack, or the hook before it)
+    return bool(leaving or called)
+
+
+def report_give_way(counters: StepCounters, freed: int, kept: list[Segment], offloaded: list[Segment]) -> None:
+    """Counts and says that the segments ``kept`` and ``offloaded`` gave way, ``freed`` bytes of the accelerator's."""
     counters.activations_gave_way += 1
     logger.info(
-        "ds_patrickstar: the tide stands above the plan: the kept activations of blocks %s left for the host now "
-        "(%d B) to make room (see [Note: activations give way])",
-        [segment.block for segment in moved],
+        "ds_patrickstar: the tide stands above the plan: the activations of blocks %s (kept) and %s (offloaded, "
+        "still leaving or brought back ahead) left for the host now (%d B) to make room "
+        "(see [Note: activations give way])",
+        [segment.block for segment in kept],
+        [segment.block for segment in offloaded],
         freed,
     )

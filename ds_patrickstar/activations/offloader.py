@@ -175,13 +175,13 @@ class ActivationOffloader:
         begun), and the rest of a forward offloads every block; the bytes that left (see [Note: activations give
         way] in give_way.py)."""
         before = self.meter.bytes
-        moved = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
-        self._unplanned += moved
-        self._every_block = self._every_block or (self._current is not None and bool(moved))
+        kept, offloaded = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
+        self._unplanned += kept
+        self._every_block = self._every_block or (self._current is not None and bool(kept))
         freed = before - self.meter.bytes
         if freed > 0:
             self.gave_way = True
-            report_give_way(self.copies.counters, freed, moved)
+            report_give_way(self.copies.counters, freed, kept, offloaded)
         return freed
 
     def keeps_blocks(self) -> bool:

@@ -63,7 +63,7 @@ _MOVES = {
     State.ON_DEVICE: {State.TO_HOST, State.BACK, State.RELEASED},
     State.TO_HOST: {State.ON_HOST, State.BACK, State.RELEASED},
     State.ON_HOST: {State.TO_DEVICE, State.RELEASED},
-    State.TO_DEVICE: {State.BACK, State.RELEASED},
+    State.TO_DEVICE: {State.BACK, State.ON_HOST, State.RELEASED},  # back to the host: a prefetch giving way
     State.BACK: {State.TO_HOST, State.RELEASED},  # to the host again: kept ones giving way in backward
     State.RELEASED: set(),
 }
