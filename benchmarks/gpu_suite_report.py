@@ -282,8 +282,9 @@ def _dynamic_padding(result: dict) -> list[str]:
     return ["**Dynamic padding** (each step's batch padded to its own longest sequence, tokens/s of the tokens "
             "run, against a fixed length; forward and backward: medians of the timed steps; pinnings: host buffers "
             "ours' host pool pinned in the timed steps, counter `host_pinnings`; gave way: the timed steps' moments "
-            "whose chunks fit only once kept activations, then optimizer states, left the GPU, counters "
-            "`activations_gave_way` / `states_gave_way`).", "",
+            "whose chunks fit only once activations, then optimizer states, left the GPU, and those that went on "
+            "beside the memory then instead of the tide planned, counters `activations_gave_way` / `states_gave_way` / "
+            "`planned_tide_set_aside`).", "",
             *_table(["model", "backend", "padding", "status", "tokens/s", "forward (ms)", "backward (ms)",
                      "pinnings / timed steps", "gave way", "GPU max (GiB)"], rows), ""]
 
@@ -293,7 +294,7 @@ def _padding_phases(trial: dict) -> list[str]:
     pinnings = [r.get("counters", {}).get("host_pinnings") for r in trial.get("records", [])]
     pinned = f"{sum(pinnings)} / {len(pinnings)}" if pinnings and None not in pinnings else ""
     gave = [[r.get("counters", {}).get(k) for r in trial.get("records", [])]
-            for k in ("activations_gave_way", "states_gave_way")]
+            for k in ("activations_gave_way", "states_gave_way", "planned_tide_set_aside")]
     gave_way = " / ".join(str(sum(g)) for g in gave) if all(g and None not in g for g in gave) else ""
     return [_f(phases.get("forward"), "{:.1f}", 1e-3), _f(phases.get("backward"), "{:.1f}", 1e-3), pinned, gave_way]
 

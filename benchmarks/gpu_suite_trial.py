@@ -45,7 +45,7 @@ COUNTER_KEYS = ("predicted_step_s", "planned_step_s", "prefetches", "retraces_sh
                 "activation_bytes_offloaded", "activation_bytes_restored", "peak_activation_bytes_device",
                 "peak_non_model_bytes_device", "predicted_bytes_to_device", "predicted_bytes_to_host",
                 "prefetch_distance", "prefetches_beyond_next", "stranded_bytes_released", "states_gave_way",
-                "activations_gave_way",
+                "activations_gave_way", "planned_tide_set_aside",
                 "eviction_order", "clean_evictions", "bytes_floor", "host_pinnings", "plan_seconds",
                 "host_updates_in_backward", "host_updates_redone", "spare_bytes_host")
 PINNED_PROBE_BYTES = 256 * 2**20

@@ -62,6 +62,9 @@ class StepCounters:
     activations_gave_way: int = 0
     """times a moment's chunks fit only once saved activations the "auto" plan kept on the accelerator left for
     the host (the tide above the plan; see [Note: activations give way])"""
+    planned_tide_set_aside: int = 0
+    """times a moment's chunks did not fit beside the tide planned after it, whatever moved, but beside the memory
+    reserved then, and the moment went on (see [Note: a forecast set aside])"""
     recompute_moments: int = 0
     """moments of activation-checkpoint recomputation (a module's forward run again inside backward;
     see [Note: recomputation in the trace])"""

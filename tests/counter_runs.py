@@ -77,7 +77,8 @@ the cases clip at
 became an entry of its segment, kept or offloaded (see [Note: activations give way]): an entry's arrival updates
 ``peak_activation_bytes_device`` as it is saved, so the steps after the traced one, which keep every block, count
 the bytes saved after a moment's reading too (207,744 -> 216,196 in the five cases with activation offload), and
-``activations_gave_way`` joined every case (0); nothing else moved.
+``activations_gave_way`` joined every case (0); nothing else moved. ``planned_tide_set_aside`` joined every case
+later (0: see [Note: a forecast set aside]); nothing else moved.
 """
 from __future__ import annotations
 

@@ -117,6 +117,26 @@ def test_micro_batches_of_other_lengths_plan_each_ones_own_tide_raised_at_its_pl
     assert max(c["peak_device_bytes"] for c in ours["counters"]) <= 700_000
 
 
+def test_a_forecast_above_the_memory_now_is_set_aside_where_the_chunks_fit_beside_what_stands():
+    """Two micro-batches a step of other lengths at 550 KB (``chunk_size`` 2048): from the third step "auto"
+    offloads every block, and at the end of a forward, every block on the host already, the tide planned for the
+    start of backward (a longer micro-batch's: both its last blocks brought back) left no room for the head's chunk,
+    whatever moved: the run stopped where offloading every block by "all" trains. The chunk fits beside what stands,
+    so the moment goes on, and the next moment makes room for the tide that came (see [Note: a forecast set
+    aside]): it trains, bit for bit with a run keeping every activation, within the budget at every moment."""
+    lengths = [10, 17, 17, 31, 13, 21, 26, 16]
+
+    def run(budget, offload):
+        config = ds.gpt_config("patrickstar", budget, chunk=2048, offload_activations=offload)
+        config["gradient_accumulation_steps"] = 2
+        return ds.gpt_run(config, lengths)
+
+    resident, ours = run(10**8, "none"), run(550_000, "auto")
+    assert ours["losses"] == resident["losses"]
+    assert sum(c["planned_tide_set_aside"] for c in ours["counters"]) > 0
+    assert max(c["peak_device_bytes"] for c in ours["counters"]) <= 550_000
+
+
 def test_kept_activations_give_way_where_the_pieces_stranded_rise_above_the_plan():
     """One batch a step of changing lengths at 1.15 MB: the fifth batch (28 tokens, a length traced) finds more
     allocator pieces stranded beside the blocks "auto" keeps than the plan's margin: the finished blocks' kept

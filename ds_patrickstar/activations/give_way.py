@@ -28,8 +28,10 @@ budget error :meth:`ChunkMoves.make_room <ds_patrickstar.placement.moves.ChunkMo
   counted as kept, as [Note: a risen tide] reads a micro-step beyond the traced shapes), so later batches
   offload by plan, their copies overlapped, instead.
 * **Then states, then the error.** Only where nothing kept is left to move, or it was not enough, do
-  optimizer states give way; an error that still stands no longer names ``offload_activations: "all"`` once
-  the forward offloads every block. Counter ``activations_gave_way``, and a log line.
+  optimizer states give way, and then the tide planned ahead is set aside where the chunks fit beside what
+  stands (see [Note: a forecast set aside] in placement/last_resort.py); an error that still stands no longer
+  names ``offload_activations: "all"`` once the forward offloads every block. Counter ``activations_gave_way``,
+  and a log line.
 
 On the twin's GPT with one batch a step of changing lengths at 1.15 MB, the fifth batch gives way once and the
 rest of the run offloads one block by plan, with the losses of a run keeping every activation bit for bit, where

@@ -17,8 +17,9 @@ in activations/give_way.py: :attr:`ChunkMoves.activations`, asked first), it ask
 :meth:`OptimizerStates.give_room <ds_patrickstar.optim.states.OptimizerStates.give_room>`, wired at
 assembly) to move states to the host until the shortfall is freed, and tries again; those chunks are updated
 on the host at the step, and the tide measured above the plan re-plans the states there (see
-:func:`~ds_patrickstar.placement.step_plan.raise_tide`). Only when no state is left on the accelerator does
-the error stand, with its remedies. Counter: ``states_gave_way`` (the times states made room so).
+:func:`~ds_patrickstar.placement.step_plan.raise_tide`). Only when no state is left on the accelerator, and the chunks
+do not fit beside the memory reserved now either (see [Note: a forecast set aside] in last_resort.py), does the
+error stand, with its remedies. Counter: ``states_gave_way`` (the times states made room so).
 
 [Note: one reading per hook]
 The tide and the stranded pieces come from the caching allocator's statistics, and each read of them is a
@@ -57,6 +58,7 @@ from ..run_state import RunState
 from ..store.chunk_store import ChunkStore
 from .eviction_queue import accumulator_key
 from .interface import ActivationPolicy
+from .last_resort import beside_now, offload_state, refusal, room_elsewhere
 from .policy import Placer
 from .remedies import Shortfall, budget_remedies
 from .trace import Trace
@@ -147,6 +149,10 @@ class ChunkMoves:
         self.ledger.non_model = non_model + stranded
         return non_model
 
+    def read_again(self) -> None:
+        """The tide moved inside a hook (activations gave way): the next need reads the allocator again."""
+        self._reading = None
+
     def hook_begins(self) -> None:
         """A moment's hook begins: the allocator is read once until :meth:`hook_ends` (see [Note: one reading
         per hook])."""
@@ -179,12 +185,14 @@ class ChunkMoves:
         short = over - accel.in_flight_bytes()
         if short > 0:
             try:
-                self._evict_all(*self._victims(short, keep))
+                self.evict_all(*self.victims(short, keep))
             except DeviceBudgetExceeded as err:
-                if not _room_elsewhere(self, short):
-                    raise _refusal(self, need, keep, self.placer.budget - headroom, err) from None
-                self.make_room(need, keep)
-                return
+                if room_elsewhere(self, short):
+                    self.make_room(need, keep)
+                    return
+                if beside_now(self, need, keep):  # see [Note: a forecast set aside] in last_resort.py
+                    return
+                raise refusal(self, need, keep, self.placer.budget - headroom, err) from None
         accel.reclaim(need_below=headroom - need)
 
     def recomputes(self) -> bool:
@@ -219,7 +227,7 @@ class ChunkMoves:
             over = self.ledger.total + self.ledger.non_model - self.placer.budget
         if over > 0:
             model, stranded = self.ledger.total, self.ledger.non_model - non_model
-            offload = _offload_state(self.activations)
+            offload = offload_state(self.activations)
             at = Shortfall(over, self.placer.budget, non_model, model, 0, stranded, *offload, self.recomputes())
             remedies = budget_remedies(at)
             raise DeviceBudgetExceeded(
@@ -228,7 +236,7 @@ class ChunkMoves:
             )
         return non_model
 
-    def _victims(self, need: int, keep: set[int]) -> tuple[list[int], bool]:
+    def victims(self, need: int, keep: set[int]) -> tuple[list[int], bool]:
         """Queue entries to evict for ``need`` bytes and whether their payloads take their accumulators along: in
         an order that keeps accumulators, only where payloads and accumulators alone cannot make the room (see
         [Note: accumulators kept] in eviction_queue.py)."""
@@ -239,7 +247,7 @@ class ChunkMoves:
                 raise
             return self.placer.victims(need, self._evictable(keep, whole=True)), True
 
-    def _evict_all(self, victims: list[int], whole: bool = False) -> None:
+    def evict_all(self, victims: list[int], whole: bool = False) -> None:
         for victim in victims:
             self._evict_victim(victim, whole)
             self.counters.evictions += 1
@@ -262,7 +270,7 @@ class ChunkMoves:
         victims = self.placer.victims_used_after(short, self._evictable(keep), target) if short > 0 else []
         if victims is None:
             return False
-        self._evict_all(victims)
+        self.evict_all(victims)
         accel.reclaim(need_below=headroom - nbytes)
         return True
 
@@ -309,11 +317,6 @@ class ChunkMoves:
                 return
 
 
-def on_device(chunk: Chunk) -> int:
-    """What the chunk takes on the accelerator now: its payload where there, and its accumulator where there."""
-    return (0 if chunk.on_host else chunk.nbytes) + (chunk.acc_nbytes if chunk.acc is not None else 0)
-
-
 def unmoved_bytes(moves: ChunkMoves) -> int:
     """The model data on the accelerator that placement does not move now: with several ranks the gathered groups'
     storage and the gradient and collective buffers (see [Note: predicted moves] in move_model.py): O(1), from
@@ -322,38 +325,6 @@ def unmoved_bytes(moves: ChunkMoves) -> int:
     kinds, in_flight = moves.ledger.by_kind, moves.store.accel.in_flight_bytes()
     placed = kinds.get("optim", 0) + kinds.get("grad_acc", 0) + moves.placer.resident_bytes
     return max(moves.ledger.total - placed - in_flight, 0)
-
-
-def _refusal(moves: ChunkMoves, need: int, keep: set[int], non_model: int, err: Exception) -> DeviceBudgetExceeded:
-    """The error when ``need`` more bytes for the chunks ``keep`` cannot fit beside ``non_model`` bytes, with the
-    remedies (see ``remedies.py``)."""
-    budget, total = moves.placer.budget, moves.ledger.total
-    held, accumulators = in_use(moves.chunks, keep)
-    larger = [c for c in moves.chunks if c.capacity > moves.chunk_size > 0 and (c.chunk_id in keep or not c.movable)]
-    stranded = moves.store.accel.fragmentation()
-    at = Shortfall(
-        total + need + non_model - budget,
-        budget,
-        non_model,
-        held + need,
-        accumulators,
-        stranded,
-        *_offload_state(moves.activations),
-        moves.recomputes(),
-        sum(chunk.nbytes + chunk.acc_nbytes for chunk in larger),  # on the accelerator or to come
-    )
-    return DeviceBudgetExceeded(
-        f"the accelerator budget of {budget:,} B cannot hold the chunks needed at moment {moves.moment}: the backend "
-        f"holds {total:,} B and needs {need:,} B more, next to {non_model:,} B of non-model memory ({err}; needed "
-        f"now: {sorted(keep)}). {budget_remedies(at)}"
-    )
-
-
-def in_use(chunks: list[Chunk], keep: set[int]) -> tuple[int, int]:
-    """What the chunks that cannot move now (needed now, or in use) take on the accelerator, and of that their
-    gradient accumulators."""
-    fixed = [chunk for chunk in chunks if chunk.chunk_id in keep or not chunk.movable]
-    return sum(on_device(chunk) for chunk in fixed), sum(chunk.acc_nbytes for chunk in fixed if chunk.acc is not None)
 
 
 def incoming(chunk: Chunk) -> int:
@@ -376,22 +347,3 @@ def evictable_sizes(chunks: list[Chunk], keep: set[int], keeps_accumulators: boo
         return chunk.nbytes + (0 if keeps_accumulators else chunk.acc_nbytes)
 
     return size
-
-
-def _room_elsewhere(moves: ChunkMoves, short: int) -> bool:
-    """Whether the stranded pieces released, kept activations sent away or optimizer states moved to the host made
-    room (the first that did), where evictions could not make ``short`` bytes."""
-    if moves.release_stranded():  # see [Note: stranded bytes released]
-        return True
-    if moves.activations is not None and moves.activations.give_room(short) > 0:
-        moves._reading = None  # the tide fell: read again (see [Note: activations give way])
-        return True
-    if moves.room_from_states is not None and moves.room_from_states(short) > 0:
-        moves.counters.states_gave_way += 1  # see [Note: states give way]
-        return True
-    return False
-
-
-def _offload_state(activations: ActivationPolicy | None) -> tuple[bool, bool]:
-    """For the remedies: whether activation offload is on, and whether "auto" keeps some blocks' activations."""
-    return activations is not None, activations is not None and activations.keeps_blocks()
