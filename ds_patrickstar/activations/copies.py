@@ -91,12 +91,13 @@ class StorageCopies:
     # ---- back to the accelerator -----------------------------------------------------------
     def needed_in_backward(self, segment: Segment) -> None:
         """The first use of ``segment`` in backward brings it back, and the previous one (the prefetch:
-        the next block in backward order)."""
+        the next block in backward order) unless that one comes back at its own backward."""
         segment.begun = True
         if segment.restore_at < 0:
             self._bring_back(segment)
-            if segment.previous is not None and segment.previous.restore_at < 0:
-                self._bring_back(segment.previous)
+            previous = segment.previous
+            if previous is not None and previous.ahead and previous.restore_at < 0:
+                self._bring_back(previous)
 
     def _bring_back(self, segment: Segment) -> None:
         segment.restore_at = self._clock()

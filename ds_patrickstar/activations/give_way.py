@@ -22,7 +22,9 @@ budget error :meth:`ChunkMoves.make_room <ds_patrickstar.placement.moves.ChunkMo
   backward (the prefetch) goes back to the host: each copy back not used yet is waited on, its accelerator
   storage dropped (a held input emptied again) and the host copy kept
   (:meth:`StorageCopies.call_back <.copies.StorageCopies.call_back>`), to be brought back at its own backward
-  (those bytes cross twice: the counters count both).
+  (those bytes cross twice: the counters count both). Such a block comes back at its own backward from then on
+  (:attr:`Segment.ahead <.storages.Segment.ahead>`; a log line): one copy, waited on there, where the prefetch
+  would give way again and again (twice the bytes, and a re-plan every step).
 * **The step learns.** The plan keeps from then on the most the allocator stranded at a moment in that
   iteration (never less than before) and chooses the blocks again from the readings (the blocks that gave way
   counted as kept, as [Note: a risen tide] reads a micro-step beyond the traced shapes), so later batches
@@ -44,6 +46,7 @@ backward, and the block prefetched for the next backward gives way.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from ..counters import StepCounters
 from .copies import StorageCopies
@@ -52,22 +55,28 @@ from .storages import Segment, State
 logger = logging.getLogger(__name__)
 
 
+class GaveWay(NamedTuple):
+    """The segments that gave way: kept ones sent to the host, offloaded ones whose copies out were waited on, and
+    those brought back ahead whose copies back were undone."""
+
+    kept: list[Segment]
+    hurried: list[Segment]
+    called_back: list[Segment]
+
+
 def give_way(
     forward: list[Segment], current: Segment | None, copies: StorageCopies, moment: int, nbytes: int
-) -> tuple[list[Segment], list[Segment]]:
+) -> GaveWay:
     """The segments of ``forward`` (finished: not ``current``; their block's backward not begun) give way now, the
-    earliest first, until ``nbytes`` left: kept ones leave for the host, offloaded ones still leaving are waited on,
-    prefetched ones go back to the host; returns the kept ones moved and the offloaded ones (see
-    [Note: activations give way])."""
-    before, kept, offloaded = copies.meter.bytes, [], []
+    earliest first, until ``nbytes`` left (see [Note: activations give way])."""
+    before, way = copies.meter.bytes, GaveWay([], [], [])
     for segment in forward:
         if before - copies.meter.bytes >= nbytes:
             break
         if segment is current or segment.begun:
             continue
         if segment.offload:
-            if _hurry(segment, copies):
-                offloaded.append(segment)
+            _hurry(segment, copies, way)
             continue
         leaving = [e for e in segment.entries if e.state in (State.ON_DEVICE, State.BACK) and e.refs and not e.pinned]
         for entry in leaving:
@@ -75,30 +84,30 @@ def give_way(
         segment.offload, segment.drop_at, segment.restore_at = True, moment, -1  # back at its backward
         for entry in leaving:
             copies.leave(entry)  # waits on the copy: the moment needs the room now (held elsewhere: it stays)
-        kept.append(segment)
-    return kept, offloaded
+        way.kept.append(segment)
+    return way
 
 
-def _hurry(segment: Segment, copies: StorageCopies) -> bool:
+def _hurry(segment: Segment, copies: StorageCopies, way: GaveWay) -> None:
     """An offloaded segment's copies out still in flight are waited on now, its copies back not used yet undone
-    (brought back again at its backward); whether any was."""
+    (brought back again at its backward)."""
     leaving = [e for e in segment.entries if e.state is State.TO_HOST]
     for entry in leaving:
         copies.leave(entry)
-    called = [e for e in segment.entries if copies.call_back(e)]
-    if called:
+    if leaving:
+        way.hurried.append(segment)
+    if [e for e in segment.entries if copies.call_back(e)]:
         segment.restore_at = -1  # back at its backward (the first unpack, or the hook before it)
-    return bool(leaving or called)
+        way.called_back.append(segment)
 
 
-def report_give_way(counters: StepCounters, freed: int, kept: list[Segment], offloaded: list[Segment]) -> None:
-    """Counts and says that the segments ``kept`` and ``offloaded`` gave way, ``freed`` bytes of the accelerator's."""
+def report_give_way(counters: StepCounters, freed: int, way: GaveWay) -> None:
+    """Counts and says that the segments of ``way`` gave way, ``freed`` bytes of the accelerator's."""
     counters.activations_gave_way += 1
     logger.info(
-        "ds_patrickstar: the tide stands above the plan: the activations of blocks %s (kept) and %s (offloaded, "
-        "still leaving or brought back ahead) left for the host now (%d B) to make room "
+        "ds_patrickstar: the tide stands above the plan: the activations of blocks %s (kept), %s (offloaded, still "
+        "leaving) and %s (brought back ahead) left for the host now (%d B) to make room "
         "(see [Note: activations give way])",
-        [segment.block for segment in kept],
-        [segment.block for segment in offloaded],
+        *([segment.block for segment in segments] for segments in way),
         freed,
     )

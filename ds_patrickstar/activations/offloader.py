@@ -111,6 +111,7 @@ class ActivationOffloader:
         self._every_block = False  # this forward offloads every block (see [Note: a risen tide] in plan.py)
         self._unplanned: list[Segment] = []  # this iteration's segments offloaded beyond the plan
         self.gave_way = False  # this iteration's kept activations left to make room (see [Note: activations give way])
+        self._at_own_backward: set[int] = set()  # blocks not brought back ahead (see [Note: activations give way])
 
     @property
     def host_bytes(self) -> int:
@@ -175,14 +176,27 @@ class ActivationOffloader:
         begun), and the rest of a forward offloads every block; the bytes that left (see [Note: activations give
         way] in give_way.py)."""
         before = self.meter.bytes
-        kept, offloaded = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
-        self._unplanned += kept
-        self._every_block = self._every_block or (self._current is not None and bool(kept))
+        way = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
+        self._unplanned += way.kept
+        self._every_block = self._every_block or (self._current is not None and bool(way.kept))
+        self._not_ahead(way.called_back)
         freed = before - self.meter.bytes
         if freed > 0:
             self.gave_way = True
-            report_give_way(self.copies.counters, freed, kept, offloaded)
+            report_give_way(self.copies.counters, freed, way)
         return freed
+
+    def _not_ahead(self, called_back: list[Segment]) -> None:
+        """The blocks brought back ahead whose copies back were undone come back at their own backward from now on
+        (see [Note: activations give way] in give_way.py)."""
+        blocks = {segment.block for segment in called_back} - self._at_own_backward
+        if blocks:
+            self._at_own_backward |= blocks
+            logger.info(
+                "ds_patrickstar: the activations of blocks %s come back at their own backward from now on (brought "
+                "back ahead, they gave way)",
+                sorted(blocks),
+            )
 
     def keeps_blocks(self) -> bool:
         """Whether the plan keeps some block's activations on the accelerator (a budget error then names "all"),
@@ -221,7 +235,9 @@ class ActivationOffloader:
             self.held.watch_backward(self._current, fresh)
         self._end_segment()
         planned = self.chosen is None or block in self.chosen
-        segment = Segment(block, planned or self._every_block, previous=self._forward[-1] if self._forward else None)
+        previous = self._forward[-1] if self._forward else None
+        segment = Segment(block, planned or self._every_block, previous=previous)
+        segment.ahead = block not in self._at_own_backward
         if not planned and self._every_block:
             self._unplanned.append(segment)
         self._forward.append(segment)

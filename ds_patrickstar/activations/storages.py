@@ -155,6 +155,7 @@ class Segment:
     restore_at: int = -1  # the moment its storages are needed again (copied back)
     begun: bool = False  # its block's backward began (a saved tensor of it unpacked, or the hook before it ran)
     previous: Segment | None = None
+    ahead: bool = True  # brought back when the next block's backward begins (see [Note: activations give way])
 
     def record(self) -> SegmentRecord:
         back = self.restore_at + 1 if self.restore_at >= 0 else -1
