@@ -99,6 +99,13 @@ def test_padded_micro_batches_keep_room_for_the_pieces_they_strand():
         assert run(budget, "auto") == resident, budget
 
 
+def _two_micro_steps(lengths, chunk, budget, offload):
+    """The twin GPT with two micro-batches a step, one length each."""
+    config = ds.gpt_config("patrickstar", budget, chunk=chunk, offload_activations=offload)
+    config["gradient_accumulation_steps"] = 2
+    return ds.gpt_run(config, lengths)
+
+
 def test_micro_batches_of_other_lengths_plan_each_ones_own_tide_raised_at_its_place():
     """Two micro-batches a step of other lengths (30 then 18 tokens traced) at 700 KB, where "auto" offloads every
     block: the plan covers both micro-steps alike from each one's own tide with its own segments away, raised to the
@@ -107,13 +114,7 @@ def test_micro_batches_of_other_lengths_plan_each_ones_own_tide_raised_at_its_pl
     step where offloading every block by "all" trains; now it trains, bit for bit with a run keeping every
     activation."""
     lengths = [30, 18, 23, 23, 11, 8, 17, 20]
-
-    def run(budget, offload):
-        config = ds.gpt_config("patrickstar", budget, chunk=4096, offload_activations=offload)
-        config["gradient_accumulation_steps"] = 2
-        return ds.gpt_run(config, lengths)
-
-    resident, ours = run(10**8, "none"), run(700_000, "auto")
+    resident, ours = _two_micro_steps(lengths, 4096, 10**8, "none"), _two_micro_steps(lengths, 4096, 700_000, "auto")
     assert ours["losses"] == resident["losses"]
     assert max(c["peak_device_bytes"] for c in ours["counters"]) <= 700_000
 
@@ -126,13 +127,7 @@ def test_a_forecast_above_the_memory_now_is_set_aside_where_the_chunks_fit_besid
     so the moment goes on, and the next moment makes room for the tide that came (see [Note: a forecast set
     aside]): it trains, bit for bit with a run keeping every activation, within the budget at every moment."""
     lengths = [10, 17, 17, 31, 13, 21, 26, 16]
-
-    def run(budget, offload):
-        config = ds.gpt_config("patrickstar", budget, chunk=2048, offload_activations=offload)
-        config["gradient_accumulation_steps"] = 2
-        return ds.gpt_run(config, lengths)
-
-    resident, ours = run(10**8, "none"), run(550_000, "auto")
+    resident, ours = _two_micro_steps(lengths, 2048, 10**8, "none"), _two_micro_steps(lengths, 2048, 550_000, "auto")
     assert ours["losses"] == resident["losses"]
     assert sum(c["planned_tide_set_aside"] for c in ours["counters"]) > 0
     assert max(c["peak_device_bytes"] for c in ours["counters"]) <= 550_000
