@@ -14,7 +14,9 @@ instead of refusing on a forecast: the next moment's hook reads the tide that di
 same way (a block brought back ahead of its backward gives way then, see [Note: activations give way] in
 activations/give_way.py), and the hook's end checks the budget against what stands
 (:meth:`~.moves.ChunkMoves.check_budget`). A refusal stands only where the chunks do not fit beside the memory
-reserved now either. Counter ``planned_tide_set_aside``, and a log line.
+reserved now either. Counter ``planned_tide_set_aside``, and a log line. What the moment's compute allocates
+then is bounded by the device, not by the budget: where the budget is the whole device and the forecast was
+right, the allocator's out-of-memory error stands where the refusal would have (not seen on a GPU yet).
 
 On the twin's GPT with gradient accumulation over two micro-batches of other lengths (``chunk_size`` 2048, 575 KB
 and 550 KB), "auto" stopped at the end of a forward whose blocks were all on the host already, the tide planned
