@@ -96,7 +96,8 @@ def _hurry(segment: Segment, copies: StorageCopies, way: GaveWay) -> None:
         copies.leave(entry)
     if leaving:
         way.hurried.append(segment)
-    if [e for e in segment.entries if copies.call_back(e)]:
+    called = [entry for entry in segment.entries if copies.call_back(entry)]
+    if called:
         segment.restore_at = -1  # back at its backward (the first unpack, or the hook before it)
         way.called_back.append(segment)
 

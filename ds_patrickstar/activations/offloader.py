@@ -236,8 +236,9 @@ class ActivationOffloader:
         self._end_segment()
         planned = self.chosen is None or block in self.chosen
         previous = self._forward[-1] if self._forward else None
-        segment = Segment(block, planned or self._every_block, previous=previous)
-        segment.ahead = block not in self._at_own_backward
+        segment = Segment(
+            block, planned or self._every_block, previous=previous, ahead=block not in self._at_own_backward
+        )
         if not planned and self._every_block:
             self._unplanned.append(segment)
         self._forward.append(segment)
