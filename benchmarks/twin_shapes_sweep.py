@@ -3,6 +3,7 @@
 
     python benchmarks/twin_shapes_sweep.py                       # 60 configurations, gradient accumulation 2-3
     python benchmarks/twin_shapes_sweep.py --ga 1 --seeds 40     # one micro-batch a step
+    python benchmarks/twin_shapes_sweep.py --tight            # budgets below the activations, "auto" against "all"
     python benchmarks/twin_shapes_sweep.py --json out.json
 
 Each configuration (from its seed: micro-batches per step, dtype, chunk size, a margin) trains a GPT of
@@ -13,6 +14,11 @@ non-model memory is measured), then with ``offload_activations: "auto"`` at that
 activations and a working set of chunks fit, as ZeRO-3 offload's would. Reported: how many trained, whether their
 losses equal the first run's bit for bit (offloading moves bytes, never values), and each refusal's moment. The
 activation offload's handling of changing shapes is [Note: a risen tide] in ds_patrickstar/activations/plan.py.
+
+``--tight``: the budget is a share of that peak (0.4-0.85, from the seed) plus the margin, below what keeping every
+activation needs, so activations must move; where "auto" refuses, the same run with ``offload_activations: "all"``
+(every block offloaded, every iteration) says whether the memory allowed it ([Note: activations give way] in
+ds_patrickstar/activations/give_way.py, [Note: a forecast set aside] in ds_patrickstar/placement/last_resort.py).
 """
 
 from __future__ import annotations
@@ -71,21 +77,33 @@ def config(ga: int, dtype: str, chunk: int, budget: int, offload: str) -> dict:
     return out
 
 
-def one(seed: int, gas: list[int]) -> dict:
+def one(seed: int, gas: list[int], tight: bool = False) -> dict:
     rng = random.Random(seed * 13 + 5)
     ga, dtype = rng.choice(gas), rng.choice(["bf16", "fp32"])
     chunk, margin = rng.choice([2048, 4096, 8192]), rng.choice([1.5, 2, 3, 4, 6])
+    share = random.Random(seed * 7 + 3).choice([0.4, 0.55, 0.7, 0.85]) if tight else 1.0
     lengths = [random.Random(seed * 1000 + i).randint(8, 32) for i in range(8 * ga)]
     resident, peak = train(config(ga, dtype, chunk, 10**9, "none"), lengths, seed)
     group = max(chunk, LARGEST) * (2 if dtype == "bf16" else 4) * (3 if ga > 1 else 1)
-    budget = int(peak + margin * group)
-    row = {"seed": seed, "ga": ga, "dtype": dtype, "chunk": chunk, "margin": margin, "peak": peak, "budget": budget}
+    budget = int(share * peak + margin * group)
+    row = {"seed": seed, "ga": ga, "dtype": dtype, "chunk": chunk, "margin": margin, "share": share, "peak": peak,
+           "budget": budget}
     try:
         losses, _ = train(config(ga, dtype, chunk, budget, "auto"), lengths, seed)
         row.update(trained=True, same_losses=losses == resident)
     except Exception as err:  # a budget refusal: its message names the moment and the remedies
         row.update(trained=False, error=f"{type(err).__name__}: {str(err)[:160]}")
+        if tight:
+            row["all_trained"] = _trains(config(ga, dtype, chunk, budget, "all"), lengths, seed)
     return row
+
+
+def _trains(config: dict, lengths: list[int], seed: int) -> bool:
+    try:
+        train(config, lengths, seed)
+    except Exception:  # a budget refusal
+        return False
+    return True
 
 
 def main(argv=None) -> int:
@@ -93,19 +111,25 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=60)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--ga", default="2,3", help="micro-batches per step to draw from, comma-separated")
+    parser.add_argument("--tight", action="store_true", help="budgets below the activations; refusals tried with "
+                        '"all"')
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     print(f"{bu.describe_cpu()}; ds_patrickstar from {bu.repo_commit()}")
     gas = [int(g) for g in args.ga.split(",")]
-    rows = [one(seed, gas) for seed in range(args.start, args.start + args.seeds)]
+    rows = [one(seed, gas, args.tight) for seed in range(args.start, args.start + args.seeds)]
     for row in rows:
         if not row["trained"]:
+            also = {True: '; "all" trains', False: '; "all" refused too'}.get(row.get("all_trained"), "")
             print(f"  seed {row['seed']}: GA {row['ga']}, {row['dtype']}, chunk {row['chunk']}, budget "
-                  f"{row['budget']:,} B (peak {row['peak']:,} + {row['margin']} groups): {row['error']}")
+                  f"{row['budget']:,} B ({row['share']} x peak {row['peak']:,} + {row['margin']} groups): "
+                  f"{row['error']}{also}")
     trained = [r for r in rows if r["trained"]]
     print(f"{len(trained)} of {len(rows)} trained, {sum(r['same_losses'] for r in trained)} of them with the "
           f"losses of the run keeping every activation bit for bit")
+    if args.tight:
+        print(f'{sum(bool(r.get("all_trained")) for r in rows)} refused where "all" trains')
     if args.json:
         found = {"cpu": bu.describe_cpu(), "code": bu.repo_commit(), "rows": rows}
         Path(args.json).write_text(json.dumps(found, indent=1))
