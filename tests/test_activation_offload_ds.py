@@ -135,7 +135,7 @@ def test_offload_matches_zero3(api, mode, gas):
         assert all(0 < m < moved[0] for m in moved[1:]), moved
 
 
-def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]:
+def _losses(api: str, mode: str, wait: bool, gated: bool = False, copies: type | None = None) -> list[float]:
     import deepspeed
 
     import ds_patrickstar  # noqa: F401
@@ -159,6 +159,8 @@ def _losses(api: str, mode: str, wait: bool, gated: bool = False) -> list[float]
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         if not wait:
             engine.optimizer.placement.activations.copies.__class__ = NoWaitForHeld
+        if copies is not None:
+            engine.optimizer.placement.activations.copies.__class__ = copies
         try:
             return steps_then_eval(engine, batch)
         finally:
@@ -174,6 +176,31 @@ def test_read_before_the_copy_back_completes_changes_the_numbers(dist):
     assert _losses("ds", "all", wait=True) == stay
     broken = _losses("ds", "all", wait=False)
     assert broken[0] == stay[0] and broken[1] != stay[1] and broken[2] != stay[2], (broken, stay)
+
+
+def test_a_held_input_brought_back_ahead_goes_back_and_comes_again_at_its_own_backward(dist):
+    """Every segment brought back ahead (a DeepSpeed checkpoint's held input among its storages) has its copy back
+    undone at once, as a give-way does (see [Note: activations give way] in activations/give_way.py): the held input
+    is emptied again and the hook before its block's backward brings it back and waits. The losses are those of
+    the run keeping every activation, and held inputs were among the storages called back."""
+    from ds_patrickstar.activations.copies import StorageCopies
+    from ds_patrickstar.activations.give_way import give_way
+    from ds_patrickstar.activations.storages import State
+
+    held_called: list[object] = []
+
+    class CallBackEveryPrefetch(StorageCopies):
+        def needed_in_backward(self, segment) -> None:
+            super().needed_in_backward(segment)
+            previous = segment.previous
+            if previous is not None and previous.restore_at >= 0 and not previous.begun:
+                held = [e for e in previous.entries if e.held is not None and e.state is State.TO_DEVICE]
+                assert give_way([previous], None, self, self._clock(), 1 << 40).called_back == [previous]
+                held_called.extend(e for e in held if e.state is State.ON_HOST)
+
+    stay = _losses("ds", "none", wait=True)
+    assert _losses("ds", "all", wait=True, copies=CallBackEveryPrefetch) == stay
+    assert held_called
 
 
 def test_an_input_of_every_block_stays(dist):
