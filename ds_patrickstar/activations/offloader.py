@@ -110,7 +110,7 @@ class ActivationOffloader:
         self._outgoing: list[Segment] = []  # segments whose copies out are in flight, oldest first
         self._every_block = False  # this forward offloads every block (see [Note: a risen tide] in plan.py)
         self._unplanned: list[Segment] = []  # this iteration's segments offloaded beyond the plan
-        self.gave_way = False  # this iteration's kept activations left to make room (see [Note: activations give way])
+        self.gave_way = False  # this iteration's activations left to make room (see [Note: activations give way])
         self._at_own_backward: set[int] = set()  # blocks not brought back ahead (see [Note: activations give way])
 
     @property
@@ -172,9 +172,9 @@ class ActivationOffloader:
         return self.choice.priced
 
     def give_room(self, nbytes: int) -> int:
-        """Kept activations leave the accelerator now until ``nbytes`` did (of finished blocks whose backward has not
-        begun), and the rest of a forward offloads every block; the bytes that left (see [Note: activations give
-        way] in give_way.py)."""
+        """Activations of finished blocks whose backward has not begun leave the accelerator now until ``nbytes``
+        did (kept ones, offloaded ones still leaving or brought back ahead), and after a kept one the rest of a
+        forward offloads every block; the bytes that left (see [Note: activations give way] in give_way.py)."""
         before = self.meter.bytes
         way = give_way(self._forward, self._current, self.copies, self._clock(), nbytes)
         self._unplanned += way.kept

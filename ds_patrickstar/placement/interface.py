@@ -71,8 +71,8 @@ class ActivationPolicy(Protocol):
     def tide_rose(self, trace: Trace, over: dict[int, int]) -> dict[int, int]: ...
 
     def give_room(self, nbytes: int) -> int:
-        """Kept activations leave for the host now until ``nbytes`` did; the bytes that left (see [Note:
-        activations give way] in activations/give_way.py)."""
+        """Activations still on the accelerator leave for the host now until ``nbytes`` did; the bytes that left
+        (see [Note: activations give way] in activations/give_way.py)."""
         ...
 
     def keeps_blocks(self) -> bool:

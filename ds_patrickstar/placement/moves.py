@@ -208,7 +208,7 @@ class ChunkMoves:
         if before <= 0:
             return False
         accel.release_cached()
-        self._reading = None  # read again
+        self.read_again()
         released = before - accel.fragmentation()
         if released > 0:
             self.counters.stranded_bytes_released += released

@@ -91,15 +91,13 @@ class StepPlanner:
             return self._traced(traced, capacities) if traced is not None else None
         check, self._check = self._check, None
         activations = self.activations
-        if (
-            activations is not None and activations.gave_way
-        ):  # see [Note: activations give way] in activations/give_way.py
+        # see [Note: activations give way] in activations/give_way.py
+        if activations is not None and activations.gave_way:
             activations.stranded_rose(trace, self.moves.stranded_peak)
         if check is trace and not over:
             return self._checked(trace, capacities)
-        if activations is not None and (
-            over or activations.gave_way
-        ):  # see [Note: a risen tide] in activations/plan.py
+        # see [Note: a risen tide] in activations/plan.py
+        if activations is not None and (over or activations.gave_way):
             over = activations.tide_rose(trace, over)
         return self.steps.decide(trace, over, capacities, lambda t, fill: self._choose(t, fill, self._times(t)))
 
